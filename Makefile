@@ -1,0 +1,39 @@
+# `make test` and `make demo` each create or reuse .venv and install what they need.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# torch is pinned for this platform's CPU build; a bare `torch` pulls a multi-GB CUDA build.
+TORCH_PIN ?= torch==2.13.0
+STAMP := $(VENV)/.dsat-installed-test
+DEV_STAMP := $(VENV)/.dsat-installed-dev
+
+.PHONY: test lint demo venv clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+$(STAMP): $(PY) setup.cfg pyproject.toml
+	$(PY) -m pip install --quiet "$(TORCH_PIN)"
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+$(DEV_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $(DEV_STAMP)
+
+venv: $(STAMP)
+
+test: $(STAMP)
+	DS_ACCELERATOR=cpu $(PY) -m pytest
+
+lint: $(DEV_STAMP)
+	$(VENV)/bin/ruff check dsat tests examples benchmarks
+	$(VENV)/bin/mypy
+
+demo: $(STAMP)
+	@echo "make demo runs a real local autotune once the local runner lands; until then it checks the example."
+	DS_ACCELERATOR=cpu $(PY) -m dsat asha examples/core_api_mlp/deepspeed.yaml examples/core_api_mlp
+
+clean:
+	rm -rf $(VENV) dsat-results .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,19 @@
+"""dsat: find the fastest DeepSpeed configuration for your model on your hardware.
+
+Trial code needs only these functions; importing dsat loads neither torch nor DeepSpeed.
+"""
+
+from dsat.errors import DsatError
+from dsat.hf_args import get_hf_args_with_overwrites
+from dsat.reporting import dsat_reporting_context
+from dsat.trial_config import get_ds_config_from_hparams, get_hparams, overwrite_deepspeed_config
+
+__all__ = [
+    "DsatError",
+    "dsat_reporting_context",
+    "get_ds_config_from_hparams",
+    "get_hf_args_with_overwrites",
+    "get_hparams",
+    "overwrite_deepspeed_config",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,212 @@
+"""`python3 -m dsat {asha,binary,random} CONFIG_PATH MODEL_DIR [flags]`.
+
+Flags and defaults follow determined.pytorch.dsat so its users can switch without surprises; every
+flag is typed, and every user mistake ends as one ``dsat: error:`` line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from typing import Callable, Sequence
+
+from dsat import settings as defaults
+from dsat.errors import USAGE_EXIT_CODE, DsatError
+from dsat.metric import Metric
+from dsat.settings import SearchSettings
+
+PROG = "dsat"
+
+
+class DsatArgumentParser(argparse.ArgumentParser):
+    """argparse, but its usage errors become a one-line ``DsatError`` instead of usage + exit."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise DsatError(f"{message} (see `python3 -m dsat {self._subcommand()}--help`)")
+
+    def _subcommand(self) -> str:
+        parts = self.prog.split()
+        return f"{parts[-1]} " if len(parts) > 1 else ""
+
+
+def _typed(kind: Callable[[str], float], minimum: float, what: str) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    parse.__name__ = what  # argparse names the type in some messages
+    return parse
+
+
+positive_int = _typed(int, 1, "a positive integer")
+non_negative_int = _typed(int, 0, "an integer of 0 or more")
+positive_float = _typed(float, 1e-12, "a positive number")
+
+
+def _add_common_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config_path", help="experiment config file (.yaml)")
+    parser.add_argument("model_dir", help="directory containing the model definition")
+    parser.add_argument(
+        "-i", "--include", nargs="+", default=[], metavar="PATH",
+        help="additional files or folders to copy next to the model code for every trial",
+    )
+    parser.add_argument(
+        "-mt", "--max-trials", type=positive_int, default=defaults.DEFAULT_MAX_TRIALS,
+        help="maximum number of trials, including the model-profile trial (at least 2)",
+    )
+    parser.add_argument(
+        "-ms", "--max-slots", type=positive_int, default=None,
+        help="maximum number of slots (GPUs) in use at once",
+    )
+    parser.add_argument(
+        "-mct", "--max-concurrent-trials", type=positive_int,
+        default=defaults.DEFAULT_MAX_CONCURRENT_TRIALS, help="maximum number of trials at once",
+    )
+    parser.add_argument(
+        "-m", "--metric", default=defaults.DEFAULT_METRIC.value, choices=Metric.names(),
+        help="metric to optimise (forward, backward and latency: smaller is better)",
+    )
+    parser.add_argument(
+        "--run-full-experiment", action="store_true",
+        help="after the search, run the experiment once with the best configuration",
+    )
+    parser.add_argument(
+        "-z", "--zero-stages", type=int, nargs="+", default=list(defaults.DEFAULT_ZERO_STAGES),
+        choices=list(defaults.ALL_ZERO_STAGES), metavar="STAGE",
+        help="ZeRO stages to search over, from 0 1 2 3",
+    )
+    parser.add_argument(
+        "--start-profile-step", type=non_negative_int, default=defaults.DEFAULT_START_PROFILE_STEP,
+        help="training step at which DeepSpeed starts profiling",
+    )
+    parser.add_argument(
+        "--end-profile-step", type=positive_int, default=defaults.DEFAULT_END_PROFILE_STEP,
+        help="training step at which DeepSpeed stops profiling and the trial ends",
+    )
+    parser.add_argument(
+        "-r", "--random-seed", type=int, default=defaults.DEFAULT_RANDOM_SEED,
+        help="seed of the search's random generator",
+    )
+    parser.add_argument(
+        "--search-runner-config", default=None, metavar="PATH",
+        help="alternative config for the search-runner experiment (determined backend)",
+    )
+    parser.add_argument(
+        "--max-search-runner-restarts", type=non_negative_int,
+        default=defaults.DEFAULT_MAX_SEARCH_RUNNER_RESTARTS,
+        help="how often a crashed search runner is restarted (determined backend)",
+    )
+    parser.add_argument(
+        "--backend", default="auto", choices=["auto", "local", "determined", "simulated"],
+        help="where trials run; auto = determined when DET_MASTER is set, else local",
+    )
+    parser.add_argument(
+        "--results-dir", default=None, metavar="DIR",
+        help="where results go (default: dsat-results/<experiment name>-<UTC timestamp>)",
+    )
+    parser.add_argument(
+        "--resume", default=None, metavar="DIR", help="resume the interrupted search in DIR"
+    )
+    parser.add_argument(
+        "--trial-timeout", type=positive_float, default=defaults.DEFAULT_TRIAL_TIMEOUT_S,
+        metavar="SECONDS", help="a trial running longer than this is stopped and counts as failed",
+    )
+    parser.add_argument(
+        "--simulator", default=None, metavar="MODULE_OR_FILE:FUNCTION",
+        help="performance function for --backend simulated",
+    )
+
+
+def _add_range_factor(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--search-range-factor", type=positive_float,
+        default=defaults.DEFAULT_SEARCH_RANGE_FACTOR,
+        help="scales the micro-batch range that the memory model suggests",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    formatter = argparse.ArgumentDefaultsHelpFormatter
+    parser = DsatArgumentParser(
+        prog=PROG, formatter_class=formatter,
+        description="Find the fastest DeepSpeed configuration for your model and hardware.",
+    )
+    sub = parser.add_subparsers(dest="method", metavar="{asha,binary,random}", required=True)
+    asha = sub.add_parser(
+        "asha", formatter_class=formatter,
+        help="adaptive search: more binary-search trials for promising configurations",
+    )
+    binary = sub.add_parser(
+        "binary", formatter_class=formatter,
+        help="binary search over the micro-batch of random configurations",
+    )
+    random = sub.add_parser(
+        "random", formatter_class=formatter,
+        help="random configurations with aggressive early stopping",
+    )
+    for subparser in (asha, binary, random):
+        _add_common_flags(subparser)
+    random.add_argument(
+        "--trials-per-random-config", type=positive_int,
+        default=defaults.DEFAULT_TRIALS_PER_RANDOM_CONFIG,
+        help="maximum trials per random configuration",
+    )
+    random.add_argument(
+        "--early-stopping", type=positive_int, default=None, metavar="N",
+        help="stop after N trials in a row without improvement",
+    )
+    _add_range_factor(binary)
+    asha.add_argument(
+        "--max-rungs", type=positive_int, default=defaults.DEFAULT_MAX_RUNGS,
+        help="number of ASHA rungs",
+    )
+    asha.add_argument(
+        "--min-binary-search-trials", type=positive_int,
+        default=defaults.DEFAULT_MIN_BINARY_SEARCH_TRIALS,
+        help="binary-search trials a configuration gets at rung 0",
+    )
+    asha.add_argument(
+        "--asha-early-stopping", type=non_negative_int,
+        default=defaults.DEFAULT_ASHA_EARLY_STOPPING, help="ASHA's early-stopping rate s",
+    )
+    asha.add_argument(
+        "--divisor", type=positive_int, default=defaults.DEFAULT_DIVISOR,
+        help="ASHA's reduction factor: the top 1/divisor of a rung is promoted",
+    )
+    _add_range_factor(asha)
+    return parser
+
+
+def parse_settings(argv: Sequence[str] | None = None) -> SearchSettings:
+    namespace = build_parser().parse_args(argv)
+    fields = {f.name for f in dataclasses.fields(SearchSettings)}
+    values = {k: v for k, v in vars(namespace).items() if k in fields}
+    values["include"] = tuple(values["include"] or ())
+    values["zero_stages"] = tuple(values["zero_stages"])
+    return SearchSettings(**values)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from dsat.search_launch import launch
+
+    try:
+        launch(parse_settings(argv), os.environ)
+    except DsatError as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return USAGE_EXIT_CODE
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+def main_exit() -> None:
+    """Console-script entry point."""
+    sys.exit(main())

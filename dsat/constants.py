@@ -1,0 +1,31 @@
+"""Names shared by the search side and the trial side; change them here and nowhere else."""
+
+from __future__ import annotations
+
+# Keys in the experiment's `hyperparameters` section.
+DS_CONFIG_KEY = "deepspeed_config"
+OVERWRITE_KEY = "overwrite_deepspeed_args"
+# Set inside OVERWRITE_KEY for trials that dsat launched; lets trial code know it is being tuned.
+DSAT_MODE_KEY = "_use_dsat_mode"
+
+# DeepSpeed batch-size keys.
+TRAIN_BATCH_SIZE = "train_batch_size"
+MICRO_BATCH_SIZE = "train_micro_batch_size_per_gpu"
+GRAD_ACCUM_STEPS = "gradient_accumulation_steps"
+GAS_DEFAULT = 1
+AUTO = "auto"
+
+# DeepSpeed's autotuning block and the files its engine writes into the trial's working dir.
+AUTOTUNING_KEY = "autotuning"
+MODEL_INFO_FILE = "model_info.json"
+METRICS_FILE = "autotuning_metric.json"
+# What dsat_reporting_context leaves behind for a local runner: the enriched result or an OOM.
+TRIAL_OUTCOME_FILE = "dsat_trial_outcome.json"
+# Printed to stderr by the trial side when a trial runs out of memory.
+OOM_MARKER = "DSAT_TRIAL_OUT_OF_MEMORY"
+
+# Environment variables.
+ENV_HPARAMS_FILE = "DSAT_HPARAMS_FILE"  # JSON hyperparameters written by a dsat runner
+ENV_DET_MASTER = "DET_MASTER"  # set when a Determined cluster is in reach
+
+RESULTS_ROOT = "dsat-results"

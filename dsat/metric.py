@@ -1,0 +1,32 @@
+"""The metrics a search can optimise, and which way is better for each."""
+
+from __future__ import annotations
+
+import enum
+
+
+class Metric(str, enum.Enum):
+    """A metric that DeepSpeed's autotuning hooks report for a profiling trial."""
+
+    FLOPS_PER_GPU = "FLOPS_per_gpu"
+    THROUGHPUT = "throughput"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    LATENCY = "latency"
+
+    @property
+    def smaller_is_better(self) -> bool:
+        # Forward/backward/latency are times; the other two are rates.
+        return self in (Metric.FORWARD, Metric.BACKWARD, Metric.LATENCY)
+
+    @property
+    def file_key(self) -> str:
+        """The key under which DeepSpeed's metric file stores this metric (it abbreviates two)."""
+        return {Metric.FORWARD: "fwd", Metric.BACKWARD: "bwd"}.get(self, self.value)
+
+    def is_better(self, candidate: float, incumbent: float) -> bool:
+        return candidate < incumbent if self.smaller_is_better else candidate > incumbent
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [m.value for m in cls]

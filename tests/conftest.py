@@ -1,0 +1,74 @@
+"""Shared fixtures: a small valid experiment on disk and a way to run the real CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE_DIR = REPO_ROOT / "examples" / "core_api_mlp"
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def gpu_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if gpu_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; the CPU suite covers the logic")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+def write_experiment(
+    directory: Path,
+    *,
+    config: dict[str, Any] | None = None,
+    ds_config: dict[str, Any] | None = None,
+) -> Path:
+    """A model dir with deepspeed.yaml + ds_config.json; returns the YAML's path."""
+    directory.mkdir(parents=True, exist_ok=True)
+    experiment = {
+        "name": "tiny",
+        "entrypoint": "python3 train.py",
+        "hyperparameters": {"deepspeed_config": "ds_config.json"},
+        "resources": {"slots_per_trial": 1},
+    }
+    experiment.update(config or {})
+    ds = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}}
+    if ds_config is not None:
+        ds = ds_config
+    (directory / "ds_config.json").write_text(json.dumps(ds))
+    (directory / "train.py").write_text("print('training')\n")
+    path = directory / "deepspeed.yaml"
+    path.write_text(yaml.safe_dump(experiment))
+    return path
+
+
+@pytest.fixture
+def experiment_yaml(tmp_path: Path) -> Path:
+    return write_experiment(tmp_path / "model")
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """`python3 -m dsat ...` as a user runs it."""
+    full_env = {k: v for k, v in os.environ.items() if k != "DET_MASTER"}
+    full_env["PYTHONPATH"] = str(REPO_ROOT)
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "dsat", *args],
+        capture_output=True, text=True, env=full_env, cwd=cwd, timeout=120,
+    )
