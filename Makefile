@@ -29,6 +29,7 @@ test: $(STAMP)
 
 lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff check dsat tests examples benchmarks
+	$(VENV)/bin/ruff format --check dsat tests examples benchmarks
 	$(VENV)/bin/mypy
 
 demo: $(STAMP)

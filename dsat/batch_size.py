@@ -7,7 +7,8 @@ writes it) and derives the train batch size, so every trial's config passes Deep
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from dsat.constants import AUTO, GAS_DEFAULT, GRAD_ACCUM_STEPS, MICRO_BATCH_SIZE, TRAIN_BATCH_SIZE
 from dsat.errors import DsatError

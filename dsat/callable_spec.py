@@ -5,9 +5,10 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 from dsat.errors import DsatError
 
@@ -21,7 +22,11 @@ def _import_file(path: Path, flag: str, spec: str) -> ModuleType:
         raise DsatError(f"{flag} {spec}: {path} is not a Python file")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_name] = module
-    module_spec.loader.exec_module(module)
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[module_name]
+        raise
     return module
 
 
@@ -29,7 +34,9 @@ def load_callable(spec: str, flag: str = "--simulator") -> Callable[..., Any]:
     """The function ``spec`` names; any failure is a one-line ``DsatError`` naming ``flag``."""
     target, sep, function_name = spec.rpartition(":")
     if not sep or not target or not function_name:
-        raise DsatError(f"{flag} {spec}: expected MODULE_OR_FILE:FUNCTION, e.g. my_model.py:simulate")
+        raise DsatError(
+            f"{flag} {spec}: expected MODULE_OR_FILE:FUNCTION, e.g. my_model.py:simulate"
+        )
     try:
         if target.endswith(".py") or "/" in target:
             module = _import_file(Path(target), flag, spec)
@@ -39,7 +46,9 @@ def load_callable(spec: str, flag: str = "--simulator") -> Callable[..., Any]:
         raise
     except Exception as err:  # the user's module may fail in any way while it is imported
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        raise DsatError(f"{flag} {spec}: cannot import {target} ({type(err).__name__}: {first_line})") from None
+        raise DsatError(
+            f"{flag} {spec}: cannot import {target} ({type(err).__name__}: {first_line})"
+        ) from None
     function = getattr(module, function_name, None)
     if function is None:
         raise DsatError(f"{flag} {spec}: {target} has no attribute {function_name}")

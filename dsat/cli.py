@@ -10,7 +10,7 @@ import argparse
 import dataclasses
 import os
 import sys
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from dsat import settings as defaults
 from dsat.errors import USAGE_EXIT_CODE, DsatError
@@ -54,79 +54,121 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config_path", help="experiment config file (.yaml)")
     parser.add_argument("model_dir", help="directory containing the model definition")
     parser.add_argument(
-        "-i", "--include", nargs="+", default=[], metavar="PATH",
+        "-i",
+        "--include",
+        nargs="+",
+        default=[],
+        metavar="PATH",
         help="additional files or folders to copy next to the model code for every trial",
     )
     parser.add_argument(
-        "-mt", "--max-trials", type=positive_int, default=defaults.DEFAULT_MAX_TRIALS,
+        "-mt",
+        "--max-trials",
+        type=positive_int,
+        default=defaults.DEFAULT_MAX_TRIALS,
         help="maximum number of trials, including the model-profile trial (at least 2)",
     )
     parser.add_argument(
-        "-ms", "--max-slots", type=positive_int, default=None,
+        "-ms",
+        "--max-slots",
+        type=positive_int,
+        default=None,
         help="maximum number of slots (GPUs) in use at once",
     )
     parser.add_argument(
-        "-mct", "--max-concurrent-trials", type=positive_int,
-        default=defaults.DEFAULT_MAX_CONCURRENT_TRIALS, help="maximum number of trials at once",
+        "-mct",
+        "--max-concurrent-trials",
+        type=positive_int,
+        default=defaults.DEFAULT_MAX_CONCURRENT_TRIALS,
+        help="maximum number of trials at once",
     )
     parser.add_argument(
-        "-m", "--metric", default=defaults.DEFAULT_METRIC.value, choices=Metric.names(),
+        "-m",
+        "--metric",
+        default=defaults.DEFAULT_METRIC.value,
+        choices=Metric.names(),
         help="metric to optimise (forward, backward and latency: smaller is better)",
     )
     parser.add_argument(
-        "--run-full-experiment", action="store_true",
+        "--run-full-experiment",
+        action="store_true",
         help="after the search, run the experiment once with the best configuration",
     )
     parser.add_argument(
-        "-z", "--zero-stages", type=int, nargs="+", default=list(defaults.DEFAULT_ZERO_STAGES),
-        choices=list(defaults.ALL_ZERO_STAGES), metavar="STAGE",
+        "-z",
+        "--zero-stages",
+        type=int,
+        nargs="+",
+        default=list(defaults.DEFAULT_ZERO_STAGES),
+        choices=list(defaults.ALL_ZERO_STAGES),
+        metavar="STAGE",
         help="ZeRO stages to search over, from 0 1 2 3",
     )
     parser.add_argument(
-        "--start-profile-step", type=non_negative_int, default=defaults.DEFAULT_START_PROFILE_STEP,
+        "--start-profile-step",
+        type=non_negative_int,
+        default=defaults.DEFAULT_START_PROFILE_STEP,
         help="training step at which DeepSpeed starts profiling",
     )
     parser.add_argument(
-        "--end-profile-step", type=positive_int, default=defaults.DEFAULT_END_PROFILE_STEP,
+        "--end-profile-step",
+        type=positive_int,
+        default=defaults.DEFAULT_END_PROFILE_STEP,
         help="training step at which DeepSpeed stops profiling and the trial ends",
     )
     parser.add_argument(
-        "-r", "--random-seed", type=int, default=defaults.DEFAULT_RANDOM_SEED,
+        "-r",
+        "--random-seed",
+        type=int,
+        default=defaults.DEFAULT_RANDOM_SEED,
         help="seed of the search's random generator",
     )
     parser.add_argument(
-        "--search-runner-config", default=None, metavar="PATH",
+        "--search-runner-config",
+        default=None,
+        metavar="PATH",
         help="alternative config for the search-runner experiment (determined backend)",
     )
     parser.add_argument(
-        "--max-search-runner-restarts", type=non_negative_int,
+        "--max-search-runner-restarts",
+        type=non_negative_int,
         default=defaults.DEFAULT_MAX_SEARCH_RUNNER_RESTARTS,
         help="how often a crashed search runner is restarted (determined backend)",
     )
     parser.add_argument(
-        "--backend", default="auto", choices=["auto", "local", "determined", "simulated"],
+        "--backend",
+        default="auto",
+        choices=["auto", "local", "determined", "simulated"],
         help="where trials run; auto = determined when DET_MASTER is set, else local",
     )
     parser.add_argument(
-        "--results-dir", default=None, metavar="DIR",
+        "--results-dir",
+        default=None,
+        metavar="DIR",
         help="where results go (default: dsat-results/<experiment name>-<UTC timestamp>)",
     )
     parser.add_argument(
         "--resume", default=None, metavar="DIR", help="resume the interrupted search in DIR"
     )
     parser.add_argument(
-        "--trial-timeout", type=positive_float, default=defaults.DEFAULT_TRIAL_TIMEOUT_S,
-        metavar="SECONDS", help="a trial running longer than this is stopped and counts as failed",
+        "--trial-timeout",
+        type=positive_float,
+        default=defaults.DEFAULT_TRIAL_TIMEOUT_S,
+        metavar="SECONDS",
+        help="a trial running longer than this is stopped and counts as failed",
     )
     parser.add_argument(
-        "--simulator", default=None, metavar="MODULE_OR_FILE:FUNCTION",
+        "--simulator",
+        default=None,
+        metavar="MODULE_OR_FILE:FUNCTION",
         help="performance function for --backend simulated",
     )
 
 
 def _add_range_factor(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--search-range-factor", type=positive_float,
+        "--search-range-factor",
+        type=positive_float,
         default=defaults.DEFAULT_SEARCH_RANGE_FACTOR,
         help="scales the micro-batch range that the memory model suggests",
     )
@@ -135,49 +177,64 @@ def _add_range_factor(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     formatter = argparse.ArgumentDefaultsHelpFormatter
     parser = DsatArgumentParser(
-        prog=PROG, formatter_class=formatter,
+        prog=PROG,
+        formatter_class=formatter,
         description="Find the fastest DeepSpeed configuration for your model and hardware.",
     )
     sub = parser.add_subparsers(dest="method", metavar="{asha,binary,random}", required=True)
     asha = sub.add_parser(
-        "asha", formatter_class=formatter,
+        "asha",
+        formatter_class=formatter,
         help="adaptive search: more binary-search trials for promising configurations",
     )
     binary = sub.add_parser(
-        "binary", formatter_class=formatter,
+        "binary",
+        formatter_class=formatter,
         help="binary search over the micro-batch of random configurations",
     )
     random = sub.add_parser(
-        "random", formatter_class=formatter,
+        "random",
+        formatter_class=formatter,
         help="random configurations with aggressive early stopping",
     )
     for subparser in (asha, binary, random):
         _add_common_flags(subparser)
     random.add_argument(
-        "--trials-per-random-config", type=positive_int,
+        "--trials-per-random-config",
+        type=positive_int,
         default=defaults.DEFAULT_TRIALS_PER_RANDOM_CONFIG,
         help="maximum trials per random configuration",
     )
     random.add_argument(
-        "--early-stopping", type=positive_int, default=None, metavar="N",
+        "--early-stopping",
+        type=positive_int,
+        default=None,
+        metavar="N",
         help="stop after N trials in a row without improvement",
     )
     _add_range_factor(binary)
     asha.add_argument(
-        "--max-rungs", type=positive_int, default=defaults.DEFAULT_MAX_RUNGS,
+        "--max-rungs",
+        type=positive_int,
+        default=defaults.DEFAULT_MAX_RUNGS,
         help="number of ASHA rungs",
     )
     asha.add_argument(
-        "--min-binary-search-trials", type=positive_int,
+        "--min-binary-search-trials",
+        type=positive_int,
         default=defaults.DEFAULT_MIN_BINARY_SEARCH_TRIALS,
         help="binary-search trials a configuration gets at rung 0",
     )
     asha.add_argument(
-        "--asha-early-stopping", type=non_negative_int,
-        default=defaults.DEFAULT_ASHA_EARLY_STOPPING, help="ASHA's early-stopping rate s",
+        "--asha-early-stopping",
+        type=non_negative_int,
+        default=defaults.DEFAULT_ASHA_EARLY_STOPPING,
+        help="ASHA's early-stopping rate s",
     )
     asha.add_argument(
-        "--divisor", type=positive_int, default=defaults.DEFAULT_DIVISOR,
+        "--divisor",
+        type=positive_int,
+        default=defaults.DEFAULT_DIVISOR,
         help="ASHA's reduction factor: the top 1/divisor of a rung is promoted",
     )
     _add_range_factor(asha)

@@ -11,8 +11,9 @@ import dataclasses
 import json
 import os
 import shlex
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import yaml
 
@@ -91,7 +92,9 @@ def load_ds_json(path: Path, source: str) -> dict[str, Any]:
     except UnicodeDecodeError:
         raise DsatError(f"{path}: not valid JSON (not UTF-8 text)") from None
     if not isinstance(data, dict):
-        raise DsatError(f"{path}: a DeepSpeed config must be a JSON object, got {type(data).__name__}")
+        raise DsatError(
+            f"{path}: a DeepSpeed config must be a JSON object, got {type(data).__name__}"
+        )
     return data
 
 
@@ -99,7 +102,9 @@ def slots_per_trial(config: Mapping[str, Any], source: str) -> int:
     resources = config.get("resources") or {}
     slots = resources.get("slots_per_trial", 1) if isinstance(resources, Mapping) else None
     if isinstance(slots, bool) or not isinstance(slots, int) or slots <= 0:
-        raise DsatError(f"{source}: resources.slots_per_trial must be a positive integer, got {slots!r}")
+        raise DsatError(
+            f"{source}: resources.slots_per_trial must be a positive integer, got {slots!r}"
+        )
     return slots
 
 

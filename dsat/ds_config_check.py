@@ -8,7 +8,8 @@ before it runs its batch check. Importing DeepSpeed is slow, so this module is i
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 
 def deepspeed_config_error(config: Mapping[str, Any], world_size: int) -> str | None:

@@ -9,8 +9,9 @@ pointed at it; a file lock keeps the ranks of a multi-process trial from racing.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import filelock
 
@@ -51,12 +52,19 @@ def _set_flag(args: list[str], flag: str, value: str) -> list[str]:
     index, old = _find_flag(args, flag)
     if index < 0:
         logger.info("dsat: adding %s %s to match the DeepSpeed config", flag, value)
-        return args + [flag, value]
+        return [*args, flag, value]
     if old != value:
-        logger.info("dsat: changing %s from %s to %s to match the DeepSpeed config", flag, old, value)
+        logger.info(
+            "dsat: changing %s from %s to %s to match the DeepSpeed config", flag, old, value
+        )
+    updated = list(args)
     if "=" in args[index]:
-        return args[:index] + [f"{flag}={value}"] + args[index + 1 :]
-    return args[: index + 1] + [value] + args[index + 2 :]
+        updated[index] = f"{flag}={value}"
+    elif index + 1 < len(updated):
+        updated[index + 1] = value
+    else:
+        updated.append(value)
+    return updated
 
 
 def merged_config_path(ds_config_path: Path) -> Path:

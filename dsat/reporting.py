@@ -12,8 +12,9 @@ import contextlib
 import dataclasses
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from dsat.atomic_file import write_json_atomic
 from dsat.constants import METRICS_FILE, MODEL_INFO_FILE, OOM_MARKER, TRIAL_OUTCOME_FILE
@@ -46,7 +47,10 @@ def read_autotuning_result(directory: Path) -> AutotuningResult | None:
     """The newest of DeepSpeed's model-info and metric files in ``directory``, if any."""
     found = [
         (path.stat().st_mtime, kind, path)
-        for kind, path in ((MODEL_INFO, directory / MODEL_INFO_FILE), (METRICS, directory / METRICS_FILE))
+        for kind, path in (
+            (MODEL_INFO, directory / MODEL_INFO_FILE),
+            (METRICS, directory / METRICS_FILE),
+        )
         if path.is_file()
     ]
     if not found:
@@ -65,14 +69,20 @@ def read_autotuning_result(directory: Path) -> AutotuningResult | None:
 
 def record_out_of_memory(err: BaseException, directory: Path) -> None:
     """Make an OOM unmistakable to a runner: a marker line on stderr and an outcome file."""
-    summary = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+    summary = (
+        f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+    )
     print(f"{OOM_MARKER}: {summary}", file=sys.stderr, flush=True)
     with contextlib.suppress(OSError):
         write_json_atomic(directory / TRIAL_OUTCOME_FILE, {"status": "oom", "error": summary})
 
 
 def report_result(
-    core_context: Any, op: Any, steps_completed: int | None, result: AutotuningResult, directory: Path
+    core_context: Any,
+    op: Any,
+    steps_completed: int | None,
+    result: AutotuningResult,
+    directory: Path,
 ) -> None:
     """Report on rank 0 only; the other ranks' files are partial or absent."""
     if core_context.distributed.get_rank() != 0:

@@ -8,8 +8,9 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import re
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from dsat.callable_spec import load_callable
 from dsat.config import Experiment, load_experiment, load_yaml_mapping, validate_with_deepspeed
@@ -57,7 +58,9 @@ def plan_search(
             raise DsatError("--backend simulated needs --simulator MODULE_OR_FILE:FUNCTION")
         simulator = load_callable(settings.simulator, "--simulator")
     elif settings.simulator is not None:
-        raise DsatError(f"--simulator only applies to --backend simulated (the backend is {backend.value})")
+        raise DsatError(
+            f"--simulator only applies to --backend simulated (the backend is {backend.value})"
+        )
     if settings.resume is not None:
         results_dir = Path(settings.resume)
         if not results_dir.is_dir():
@@ -65,7 +68,9 @@ def plan_search(
     elif settings.results_dir is not None:
         results_dir = Path(settings.results_dir)
     else:
-        results_dir = default_results_dir(experiment.name, now or datetime.datetime.now(datetime.timezone.utc))
+        results_dir = default_results_dir(
+            experiment.name, now or datetime.datetime.now(datetime.timezone.utc)
+        )
     return LaunchPlan(settings, experiment, backend, reason, results_dir, simulator)
 
 

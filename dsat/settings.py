@@ -73,7 +73,9 @@ class SearchSettings:
 
     def __post_init__(self) -> None:
         if self.method not in SEARCH_METHODS:
-            raise DsatError(f"unknown search method {self.method!r}; use one of {', '.join(SEARCH_METHODS)}")
+            raise DsatError(
+                f"unknown search method {self.method!r}; use one of {', '.join(SEARCH_METHODS)}"
+            )
         if not isinstance(self.metric, Metric):
             object.__setattr__(self, "metric", parse_metric(str(self.metric)))
         object.__setattr__(self, "zero_stages", tuple(sorted(set(self.zero_stages))))
@@ -86,14 +88,18 @@ class SearchSettings:
                 f"--max-trials must be at least 2 (it counts the model-profile trial), got {self.max_trials}"
             )
         if not self.zero_stages or any(s not in ALL_ZERO_STAGES for s in self.zero_stages):
-            raise DsatError(f"--zero-stages must be a subset of 0 1 2 3, got {list(self.zero_stages)}")
+            raise DsatError(
+                f"--zero-stages must be a subset of 0 1 2 3, got {list(self.zero_stages)}"
+            )
         if self.end_profile_step <= self.start_profile_step:
             raise DsatError(
                 f"--end-profile-step ({self.end_profile_step}) must be greater than "
                 f"--start-profile-step ({self.start_profile_step})"
             )
         if self.start_profile_step < 0:
-            raise DsatError(f"--start-profile-step must be 0 or more, got {self.start_profile_step}")
+            raise DsatError(
+                f"--start-profile-step must be 0 or more, got {self.start_profile_step}"
+            )
         positive = {
             "--max-concurrent-trials": self.max_concurrent_trials,
             "--trials-per-random-config": self.trials_per_random_config,
@@ -116,7 +122,9 @@ class SearchSettings:
             if value < 0:
                 raise DsatError(f"{flag} must be 0 or more, got {value}")
         if self.divisor < 2:
-            raise DsatError(f"--divisor must be at least 2 (ASHA keeps 1/divisor per rung), got {self.divisor}")
+            raise DsatError(
+                f"--divisor must be at least 2 (ASHA keeps 1/divisor per rung), got {self.divisor}"
+            )
         if self.resume and self.results_dir and self.resume != self.results_dir:
             raise DsatError("--resume DIR already names the results directory; drop --results-dir")
 
@@ -146,4 +154,6 @@ def parse_metric(name: str) -> Metric:
     try:
         return Metric(name)
     except ValueError:
-        raise DsatError(f"--metric {name!r} is not a metric; use one of {', '.join(Metric.names())}") from None
+        raise DsatError(
+            f"--metric {name!r} is not a metric; use one of {', '.join(Metric.names())}"
+        ) from None

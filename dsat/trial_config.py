@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from dsat.config import deep_merge, load_ds_json
 from dsat.constants import DS_CONFIG_KEY, ENV_HPARAMS_FILE, OVERWRITE_KEY
@@ -47,13 +48,15 @@ def get_hparams() -> dict[str, Any]:
         try:
             hparams = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as err:
-            raise DsatError(f"{ENV_HPARAMS_FILE}={path}: cannot read hyperparameters ({err})") from None
+            raise DsatError(
+                f"{ENV_HPARAMS_FILE}={path}: cannot read hyperparameters ({err})"
+            ) from None
         if not isinstance(hparams, dict):
             raise DsatError(f"{ENV_HPARAMS_FILE}={path}: hyperparameters must be a JSON object")
         return hparams
     import determined
 
-    info = determined.get_cluster_info()
+    info = determined.get_cluster_info()  # type: ignore[attr-defined]  # public, re-exported
     if info is not None and info.task_type == "TRIAL":
         return dict(info.trial.hparams)
     raise DsatError(

@@ -63,12 +63,18 @@ def experiment_yaml(tmp_path: Path) -> Path:
     return write_experiment(tmp_path / "model")
 
 
-def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     """`python3 -m dsat ...` as a user runs it."""
     full_env = {k: v for k, v in os.environ.items() if k != "DET_MASTER"}
     full_env["PYTHONPATH"] = str(REPO_ROOT)
     full_env.update(env or {})
     return subprocess.run(
         [sys.executable, "-m", "dsat", *args],
-        capture_output=True, text=True, env=full_env, cwd=cwd, timeout=120,
+        capture_output=True,
+        text=True,
+        env=full_env,
+        cwd=cwd,
+        timeout=120,
     )

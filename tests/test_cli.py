@@ -13,7 +13,9 @@ from dsat.metric import Metric
 from tests.conftest import run_cli, write_experiment
 
 
-def assert_one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str], *needles: str) -> str:
+def assert_one_line_error(
+    capsys: pytest.CaptureFixture[str], argv: list[str], *needles: str
+) -> str:
     code = main(argv)
     err = capsys.readouterr().err
     assert code == 2
@@ -48,18 +50,57 @@ def test_defaults_match_the_reference(experiment_yaml: Path) -> None:
 
 def test_asha_flags_are_integers(experiment_yaml: Path) -> None:
     settings = parse_settings(
-        ["asha", str(experiment_yaml), ".", "--max-rungs", "3", "--min-binary-search-trials", "4",
-         "--asha-early-stopping", "1", "--divisor", "3"]
+        [
+            "asha",
+            str(experiment_yaml),
+            ".",
+            "--max-rungs",
+            "3",
+            "--min-binary-search-trials",
+            "4",
+            "--asha-early-stopping",
+            "1",
+            "--divisor",
+            "3",
+        ]
     )
-    values = (settings.max_rungs, settings.min_binary_search_trials, settings.asha_early_stopping, settings.divisor)
+    values = (
+        settings.max_rungs,
+        settings.min_binary_search_trials,
+        settings.asha_early_stopping,
+        settings.divisor,
+    )
     assert values == (3, 4, 1, 3)
     assert all(type(v) is int for v in values)
 
 
 def test_short_flags_and_lists(experiment_yaml: Path) -> None:
     settings = parse_settings(
-        ["random", str(experiment_yaml), ".", "-mt", "10", "-ms", "4", "-mct", "2", "-m", "latency",
-         "-z", "3", "0", "3", "-r", "7", "-i", "a", "b", "--early-stopping", "6", "--run-full-experiment"]
+        [
+            "random",
+            str(experiment_yaml),
+            ".",
+            "-mt",
+            "10",
+            "-ms",
+            "4",
+            "-mct",
+            "2",
+            "-m",
+            "latency",
+            "-z",
+            "3",
+            "0",
+            "3",
+            "-r",
+            "7",
+            "-i",
+            "a",
+            "b",
+            "--early-stopping",
+            "6",
+            "--run-full-experiment",
+        ]
     )
     assert (settings.max_trials, settings.max_slots, settings.max_concurrent_trials) == (10, 4, 2)
     assert settings.metric is Metric.LATENCY and settings.smaller_is_better
@@ -78,8 +119,11 @@ def test_settings_round_trip_through_json(experiment_yaml: Path) -> None:
 def test_help_shows_defaults() -> None:
     top = run_cli("--help")
     assert top.returncode == 0 and "asha" in top.stdout and "random" in top.stdout
-    for method, expected in [("asha", "--max-rungs"), ("binary", "--search-range-factor"),
-                             ("random", "--trials-per-random-config")]:
+    for method, expected in [
+        ("asha", "--max-rungs"),
+        ("binary", "--search-range-factor"),
+        ("random", "--trials-per-random-config"),
+    ]:
         result = run_cli(method, "--help")
         assert result.returncode == 0
         assert expected in result.stdout
@@ -102,7 +146,10 @@ def test_auto_backend_is_local_without_det_master(experiment_yaml: Path) -> None
 
 def test_auto_backend_is_determined_with_det_master(experiment_yaml: Path) -> None:
     result = run_cli(
-        "asha", str(experiment_yaml), str(experiment_yaml.parent), env={"DET_MASTER": "http://x:8080"}
+        "asha",
+        str(experiment_yaml),
+        str(experiment_yaml.parent),
+        env={"DET_MASTER": "http://x:8080"},
     )
     assert "dsat: backend determined (DET_MASTER is set)" in result.stdout
     assert "the determined runner is not implemented yet" in result.stderr
@@ -115,20 +162,32 @@ def test_simulated_backend_loads_the_simulator(
     sim.write_text("def perf(ds_config, slots):\n    return {}\n")
     assert_one_line_error(
         capsys,
-        ["binary", str(experiment_yaml), str(experiment_yaml.parent), "--backend", "simulated",
-         "--simulator", f"{sim}:perf"],
+        [
+            "binary",
+            str(experiment_yaml),
+            str(experiment_yaml.parent),
+            "--backend",
+            "simulated",
+            "--simulator",
+            f"{sim}:perf",
+        ],
         "simulated runner is not implemented yet",
     )
 
 
-def test_simulated_backend_needs_a_simulator(experiment_yaml: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_simulated_backend_needs_a_simulator(
+    experiment_yaml: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert_one_line_error(
-        capsys, ["asha", str(experiment_yaml), str(experiment_yaml.parent), "--backend", "simulated"],
+        capsys,
+        ["asha", str(experiment_yaml), str(experiment_yaml.parent), "--backend", "simulated"],
         "--simulator",
     )
 
 
-def test_simulator_without_simulated_backend(experiment_yaml: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_simulator_without_simulated_backend(
+    experiment_yaml: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert_one_line_error(
         capsys,
         ["asha", str(experiment_yaml), str(experiment_yaml.parent), "--simulator", "json:dumps"],
@@ -140,8 +199,8 @@ def test_simulator_without_simulated_backend(experiment_yaml: Path, capsys: pyte
 
 
 def _assert_subprocess_error(result: object, *needles: str) -> None:
-    assert getattr(result, "returncode") == 2
-    err: str = getattr(result, "stderr")
+    assert result.returncode == 2
+    err: str = result.stderr
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
     assert lines[0].startswith("dsat: error: ") and "Traceback" not in err
@@ -177,67 +236,115 @@ def test_cli_zero_stage_four(experiment_yaml: Path) -> None:
 
 
 def test_cli_entrypoint_names_a_different_config(tmp_path: Path) -> None:
-    path = write_experiment(tmp_path / "m", config={"entrypoint": "python3 train.py --deepspeed other.json"})
+    path = write_experiment(
+        tmp_path / "m", config={"entrypoint": "python3 train.py --deepspeed other.json"}
+    )
     result = run_cli("asha", str(path), str(path.parent))
     _assert_subprocess_error(result, "other.json", "ds_config.json", "same file")
 
 
 def test_cli_unimportable_simulator(experiment_yaml: Path) -> None:
-    result = run_cli("asha", str(experiment_yaml), str(experiment_yaml.parent), "--backend", "simulated",
-                     "--simulator", "no_such_module_xyz:perf")
+    result = run_cli(
+        "asha",
+        str(experiment_yaml),
+        str(experiment_yaml.parent),
+        "--backend",
+        "simulated",
+        "--simulator",
+        "no_such_module_xyz:perf",
+    )
     _assert_subprocess_error(result, "--simulator", "no_such_module_xyz", "cannot import")
 
 
 # ---------------------------------------------------------------- errors: one line, exit 2 (in process)
 
 
-def test_experiment_without_hyperparameters(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_experiment_without_hyperparameters(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = write_experiment(tmp_path / "m")
     config = yaml.safe_load(path.read_text())
     del config["hyperparameters"]
     path.write_text(yaml.safe_dump(config))
-    assert_one_line_error(capsys, ["asha", str(path), str(path.parent)], "no hyperparameters section")
+    assert_one_line_error(
+        capsys, ["asha", str(path), str(path.parent)], "no hyperparameters section"
+    )
 
 
-def test_missing_deepspeed_config_hparam(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_missing_deepspeed_config_hparam(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = write_experiment(tmp_path / "m", config={"hyperparameters": {"lr": 0.1}})
-    assert_one_line_error(capsys, ["asha", str(path), str(path.parent)], "hyperparameters.deepspeed_config is missing")
+    assert_one_line_error(
+        capsys, ["asha", str(path), str(path.parent)], "hyperparameters.deepspeed_config is missing"
+    )
 
 
 def test_ds_json_missing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    path = write_experiment(tmp_path / "m", config={"hyperparameters": {"deepspeed_config": "gone.json"}})
+    path = write_experiment(
+        tmp_path / "m", config={"hyperparameters": {"deepspeed_config": "gone.json"}}
+    )
     assert_one_line_error(capsys, ["asha", str(path), str(path.parent)], "gone.json", "MODEL_DIR")
 
 
 def test_ds_json_not_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = write_experiment(tmp_path / "m")
     (path.parent / "ds_config.json").write_text("{'single': quotes}")
-    assert_one_line_error(capsys, ["asha", str(path), str(path.parent)], "ds_config.json", "not valid JSON", "line 1")
+    assert_one_line_error(
+        capsys, ["asha", str(path), str(path.parent)], "ds_config.json", "not valid JSON", "line 1"
+    )
 
 
 def test_ds_json_not_an_object(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = write_experiment(tmp_path / "m")
     (path.parent / "ds_config.json").write_text("[1, 2]")
-    assert_one_line_error(capsys, ["asha", str(path), str(path.parent)], "must be a JSON object", "list")
-
-
-def test_model_dir_missing(experiment_yaml: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert_one_line_error(
-        capsys, ["asha", str(experiment_yaml), str(tmp_path / "nowhere")], "nowhere", "model directory not found"
+        capsys, ["asha", str(path), str(path.parent)], "must be a JSON object", "list"
     )
 
 
-def test_end_profile_step_not_after_start(experiment_yaml: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["asha", str(experiment_yaml), ".", "--start-profile-step", "5", "--end-profile-step", "5"]
+def test_model_dir_missing(
+    experiment_yaml: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert_one_line_error(
+        capsys,
+        ["asha", str(experiment_yaml), str(tmp_path / "nowhere")],
+        "nowhere",
+        "model directory not found",
+    )
+
+
+def test_end_profile_step_not_after_start(
+    experiment_yaml: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [
+        "asha",
+        str(experiment_yaml),
+        ".",
+        "--start-profile-step",
+        "5",
+        "--end-profile-step",
+        "5",
+    ]
     assert_one_line_error(capsys, argv, "--end-profile-step", "--start-profile-step")
 
 
 @pytest.mark.parametrize(
     ("flag", "value"),
-    [("--max-concurrent-trials", "0"), ("-mct", "-2"), ("--max-slots", "0"), ("--max-trials", "-5"),
-     ("--trial-timeout", "0"), ("--max-rungs", "0"), ("--min-binary-search-trials", "-1"),
-     ("--divisor", "0"), ("--asha-early-stopping", "-1"), ("--search-range-factor", "-0.5"),
-     ("--max-search-runner-restarts", "-1"), ("--max-trials", "lots")],
+    [
+        ("--max-concurrent-trials", "0"),
+        ("-mct", "-2"),
+        ("--max-slots", "0"),
+        ("--max-trials", "-5"),
+        ("--trial-timeout", "0"),
+        ("--max-rungs", "0"),
+        ("--min-binary-search-trials", "-1"),
+        ("--divisor", "0"),
+        ("--asha-early-stopping", "-1"),
+        ("--search-range-factor", "-0.5"),
+        ("--max-search-runner-restarts", "-1"),
+        ("--max-trials", "lots"),
+    ],
 )
 def test_bad_count_flags(
     experiment_yaml: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str
@@ -255,56 +362,102 @@ def test_bad_random_count_flags(
 
 
 def test_divisor_one_is_rejected(experiment_yaml: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert_one_line_error(capsys, ["asha", str(experiment_yaml), ".", "--divisor", "1"], "--divisor", "at least 2")
+    assert_one_line_error(
+        capsys, ["asha", str(experiment_yaml), ".", "--divisor", "1"], "--divisor", "at least 2"
+    )
 
 
 def test_flag_of_another_method(experiment_yaml: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert_one_line_error(capsys, ["binary", str(experiment_yaml), ".", "--max-rungs", "3"], "--max-rungs")
+    assert_one_line_error(
+        capsys, ["binary", str(experiment_yaml), ".", "--max-rungs", "3"], "--max-rungs"
+    )
 
 
 def test_unknown_backend(experiment_yaml: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert_one_line_error(capsys, ["asha", str(experiment_yaml), ".", "--backend", "k8s"], "--backend", "k8s")
+    assert_one_line_error(
+        capsys, ["asha", str(experiment_yaml), ".", "--backend", "k8s"], "--backend", "k8s"
+    )
 
 
 def test_missing_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
     assert_one_line_error(capsys, [], "asha")
 
 
-def test_max_slots_below_slots_per_trial(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_max_slots_below_slots_per_trial(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = write_experiment(tmp_path / "m", config={"resources": {"slots_per_trial": 4}})
-    assert_one_line_error(capsys, ["asha", str(path), str(path.parent), "-ms", "2"], "--max-slots 2", "slots_per_trial 4")
+    assert_one_line_error(
+        capsys,
+        ["asha", str(path), str(path.parent), "-ms", "2"],
+        "--max-slots 2",
+        "slots_per_trial 4",
+    )
 
 
 def test_deepspeed_rejects_the_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = write_experiment(
-        tmp_path / "m", ds_config={"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1, "bogus": 1}}
+        tmp_path / "m",
+        ds_config={
+            "train_micro_batch_size_per_gpu": 2,
+            "zero_optimization": {"stage": 1, "bogus": 1},
+        },
     )
-    assert_one_line_error(capsys, ["asha", str(path), str(path.parent)], "DeepSpeed rejects this config", "bogus")
+    assert_one_line_error(
+        capsys, ["asha", str(path), str(path.parent)], "DeepSpeed rejects this config", "bogus"
+    )
 
 
 def test_inconsistent_batch_triple(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = write_experiment(
-        tmp_path / "m", config={"resources": {"slots_per_trial": 2}},
-        ds_config={"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1},
+        tmp_path / "m",
+        config={"resources": {"slots_per_trial": 2}},
+        ds_config={
+            "train_batch_size": 8,
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": 1,
+        },
     )
-    assert_one_line_error(capsys, ["asha", str(path), str(path.parent)], "train_batch_size 8", "2 slots")
+    assert_one_line_error(
+        capsys, ["asha", str(path), str(path.parent)], "train_batch_size 8", "2 slots"
+    )
 
 
-def test_missing_include(experiment_yaml: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_missing_include(
+    experiment_yaml: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     argv = ["asha", str(experiment_yaml), str(experiment_yaml.parent), "-i", str(tmp_path / "gone")]
     assert_one_line_error(capsys, argv, "--include", "gone")
 
 
-def test_search_runner_config_missing(experiment_yaml: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["asha", str(experiment_yaml), str(experiment_yaml.parent), "--search-runner-config", str(tmp_path / "r.yaml")]
+def test_search_runner_config_missing(
+    experiment_yaml: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [
+        "asha",
+        str(experiment_yaml),
+        str(experiment_yaml.parent),
+        "--search-runner-config",
+        str(tmp_path / "r.yaml"),
+    ]
     assert_one_line_error(capsys, argv, "r.yaml", "not found")
 
 
-def test_resume_missing_dir(experiment_yaml: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["asha", str(experiment_yaml), str(experiment_yaml.parent), "--resume", str(tmp_path / "old")]
+def test_resume_missing_dir(
+    experiment_yaml: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [
+        "asha",
+        str(experiment_yaml),
+        str(experiment_yaml.parent),
+        "--resume",
+        str(tmp_path / "old"),
+    ]
     assert_one_line_error(capsys, argv, "--resume", "old")
 
 
-def test_resume_and_results_dir_conflict(experiment_yaml: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_resume_and_results_dir_conflict(
+    experiment_yaml: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     argv = ["asha", str(experiment_yaml), ".", "--resume", "a", "--results-dir", "b"]
     assert_one_line_error(capsys, argv, "--resume", "--results-dir")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from typing import Mapping
+from collections.abc import Mapping
 
 from dsat.constants import ENV_DET_MASTER
 

@@ -20,7 +20,9 @@ class TinyMLP(nn.Module):
         return out
 
 
-def synthetic_batch(batch_size: int, width: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def synthetic_batch(
+    batch_size: int, width: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and targets of a fixed random linear function, so the loss can go down."""
     inputs = torch.randn(batch_size, width, generator=generator)
     targets = inputs.sum(dim=1, keepdim=True) / width**0.5

@@ -11,9 +11,9 @@ import os
 import deepspeed
 import determined as det
 import torch
+from model import TinyMLP, synthetic_batch
 
 import dsat
-from model import TinyMLP, synthetic_batch
 
 
 def main() -> None:

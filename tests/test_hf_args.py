@@ -1,0 +1,106 @@
+"""HF Trainer arguments rewritten to carry a trial's DeepSpeed overrides."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dsat import get_hf_args_with_overwrites
+from dsat.errors import DsatError
+
+BASE = {
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+    "train_batch_size": "auto",
+    "zero_optimization": {"stage": 1, "overlap_comm": True},
+}
+
+
+@pytest.fixture
+def ds_path(tmp_path: Path) -> Path:
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(BASE))
+    return path
+
+
+def _hparams(**overwrites: Any) -> dict[str, Any]:
+    return {"deepspeed_config": "ds_config.json", "overwrite_deepspeed_args": overwrites}
+
+
+def _value(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def test_rewrites_flags_and_config(ds_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    args = [
+        "--output_dir",
+        "out",
+        "--deepspeed",
+        str(ds_path),
+        "--per_device_train_batch_size",
+        "8",
+    ]
+    hparams = _hparams(
+        train_micro_batch_size_per_gpu=3,
+        gradient_accumulation_steps=2,
+        train_batch_size=12,
+        zero_optimization={"stage": 3},
+    )
+    new = get_hf_args_with_overwrites(args, hparams)
+    assert _value(new, "--per_device_train_batch_size") == "3"
+    assert _value(new, "--gradient_accumulation_steps") == "2"  # added: HF's default would be 1
+    merged_path = Path(_value(new, "--deepspeed"))
+    assert merged_path != ds_path and merged_path.parent == ds_path.parent
+    merged = json.loads(merged_path.read_text())
+    assert merged["zero_optimization"] == {"stage": 3, "overlap_comm": True}
+    assert merged["train_batch_size"] == 12
+    assert json.loads(ds_path.read_text()) == BASE  # the user's file is untouched
+    assert _value(new, "--output_dir") == "out" and args[3] == str(ds_path)  # input list untouched
+    assert "changing --per_device_train_batch_size from 8 to 3" in caplog.text
+
+
+def test_equals_forms_and_dash_spelling(ds_path: Path) -> None:
+    args = [
+        f"--deepspeed={ds_path}",
+        "--per-device-train-batch-size=8",
+        "--gradient_accumulation_steps=4",
+    ]
+    new = get_hf_args_with_overwrites(
+        args, _hparams(train_micro_batch_size_per_gpu=5, gradient_accumulation_steps=1)
+    )
+    assert new[1:] == ["--per_device_train_batch_size=5", "--gradient_accumulation_steps=1"]
+    assert new[0].startswith("--deepspeed=") and new[0].endswith("ds_config.dsat.json")
+
+
+def test_auto_values_are_left_to_hf(ds_path: Path) -> None:
+    args = ["--deepspeed", str(ds_path), "--per_device_train_batch_size", "8"]
+    new = get_hf_args_with_overwrites(args, _hparams(zero_optimization={"stage": 2}))
+    assert _value(new, "--per_device_train_batch_size") == "8"
+    assert "--gradient_accumulation_steps" not in new
+
+
+def test_no_overwrites_is_a_no_op(ds_path: Path) -> None:
+    args = ["--deepspeed", str(ds_path)]
+    assert get_hf_args_with_overwrites(args, {"deepspeed_config": "ds_config.json"}) == args
+    assert not (ds_path.parent / "ds_config.dsat.json").exists()
+
+
+def test_calling_twice_gives_the_same_result(ds_path: Path) -> None:
+    args = ["--deepspeed", str(ds_path)]
+    hparams = _hparams(train_micro_batch_size_per_gpu=2)
+    first = get_hf_args_with_overwrites(args, hparams)
+    assert get_hf_args_with_overwrites(args, hparams) == first  # e.g. once per rank
+
+
+def test_missing_deepspeed_flag(ds_path: Path) -> None:
+    with pytest.raises(DsatError, match="no --deepspeed PATH"):
+        get_hf_args_with_overwrites(
+            ["--output_dir", "x"], _hparams(train_micro_batch_size_per_gpu=2)
+        )
+    with pytest.raises(DsatError, match="no --deepspeed PATH"):
+        get_hf_args_with_overwrites(["--deepspeed"], _hparams(train_micro_batch_size_per_gpu=2))

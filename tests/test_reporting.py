@@ -1,0 +1,143 @@
+"""dsat_reporting_context with Determined's real off-cluster Core API context."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import determined as det
+import psutil
+import pytest
+import torch
+
+from dsat import dsat_reporting_context
+from dsat.constants import METRICS_FILE, MODEL_INFO_FILE, OOM_MARKER, TRIAL_OUTCOME_FILE
+
+METRICS = {
+    "fwd": 1.5,
+    "bwd": 3.0,
+    "step": 2.0,
+    "latency": 6.5,
+    "FLOPS_per_gpu": 1e9,
+    "throughput": 120.0,
+}
+MODEL_INFO = {"num_params": 2145, "trainable_num_params": 2145, "activation_mem_per_gpu": 4096}
+
+
+@pytest.fixture
+def trial_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def _outcome(directory: Path) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((directory / TRIAL_OUTCOME_FILE).read_text())
+    return data
+
+
+def test_metrics_are_reported_off_cluster(
+    trial_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (trial_dir / METRICS_FILE).write_text(json.dumps(METRICS))
+    caplog.set_level(logging.INFO)
+    with det.core.init(checkpoint_storage=str(trial_dir / "ckpt")) as core_context:
+        op = next(core_context.searcher.operations())
+        with pytest.raises(SystemExit), dsat_reporting_context(core_context, op):
+            raise SystemExit()  # what DeepSpeed's engine does after end_profile_step
+        with pytest.raises(RuntimeError, match="only call op.report_completed\\(\\) once"):
+            op.report_completed(0.0)  # proves dsat completed the operation
+    assert _outcome(trial_dir) == {"status": "completed", "kind": "metrics", "values": METRICS}
+    assert "report_validation_metrics(steps_completed=1" in caplog.text  # op.length off-cluster
+    assert "FLOPS_per_gpu" in caplog.text
+
+
+def test_model_info_gets_device_memory(trial_dir: Path) -> None:
+    (trial_dir / MODEL_INFO_FILE).write_text(json.dumps(MODEL_INFO))
+    with det.core.init(checkpoint_storage=str(trial_dir / "ckpt")) as core_context:
+        op = next(core_context.searcher.operations())
+        with pytest.raises(SystemExit), dsat_reporting_context(core_context, op, steps_completed=7):
+            raise SystemExit()
+    outcome = _outcome(trial_dir)
+    assert outcome["kind"] == "model_info"
+    expected_mem = (
+        torch.cuda.get_device_properties(0).total_memory
+        if torch.cuda.is_available()
+        else psutil.virtual_memory().total
+    )
+    assert outcome["values"] == {**MODEL_INFO, "gpu_mem": expected_mem}
+
+
+def test_newest_result_file_wins(trial_dir: Path) -> None:
+    import os
+
+    (trial_dir / MODEL_INFO_FILE).write_text(json.dumps(MODEL_INFO))
+    os.utime(trial_dir / MODEL_INFO_FILE, (1, 1))  # a stale profile left from an earlier run
+    (trial_dir / METRICS_FILE).write_text(json.dumps(METRICS))
+    with det.core.init(checkpoint_storage=str(trial_dir / "ckpt")) as core_context:
+        op = next(core_context.searcher.operations())
+        with pytest.raises(SystemExit), dsat_reporting_context(core_context, op):
+            raise SystemExit()
+    assert _outcome(trial_dir)["kind"] == "metrics"
+
+
+def test_exit_without_results_reports_nothing(trial_dir: Path) -> None:
+    with det.core.init(checkpoint_storage=str(trial_dir / "ckpt")) as core_context:
+        op = next(core_context.searcher.operations())
+        with pytest.raises(SystemExit) as info, dsat_reporting_context(core_context, op):
+            raise SystemExit(3)
+        assert info.value.code == 3
+        op.report_completed(1.0)  # still open: dsat did not complete it
+    assert not (trial_dir / TRIAL_OUTCOME_FILE).exists()
+
+
+class _Recorder:
+    """The parts of a Core API context the reporting touches, for a non-chief rank."""
+
+    def __init__(self, rank: int) -> None:
+        self.calls: list[str] = []
+        self.distributed = self
+        self.train = self
+        self._rank = rank
+
+    def get_rank(self) -> int:
+        return self._rank
+
+    def report_validation_metrics(self, steps_completed: int, metrics: dict[str, Any]) -> None:
+        self.calls.append("report_validation_metrics")
+
+
+def test_only_rank_zero_reports(trial_dir: Path) -> None:
+    (trial_dir / METRICS_FILE).write_text(json.dumps(METRICS))
+    worker = _Recorder(rank=1)
+    with pytest.raises(SystemExit), dsat_reporting_context(worker, None):
+        raise SystemExit()
+    assert worker.calls == []
+    assert not (trial_dir / TRIAL_OUTCOME_FILE).exists()
+    chief = _Recorder(rank=0)
+    with pytest.raises(SystemExit), dsat_reporting_context(chief, None):
+        raise SystemExit()
+    assert chief.calls == ["report_validation_metrics"]
+
+
+def test_other_exceptions_pass_through_untouched(trial_dir: Path) -> None:
+    err = ValueError("bad batch")
+    with pytest.raises(ValueError) as info, dsat_reporting_context(_Recorder(0), None):
+        raise err
+    assert info.value is err
+    assert not (trial_dir / TRIAL_OUTCOME_FILE).exists()
+
+
+def test_out_of_memory_is_recorded_and_reraised(
+    trial_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    err = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB\nmore detail")
+    with pytest.raises(torch.OutOfMemoryError) as info, dsat_reporting_context(_Recorder(0), None):
+        raise err
+    assert info.value is err
+    assert _outcome(trial_dir) == {
+        "status": "oom",
+        "error": "OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB",
+    }
+    assert f"{OOM_MARKER}: OutOfMemoryError" in capsys.readouterr().err

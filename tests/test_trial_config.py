@@ -1,0 +1,89 @@
+"""Trial-side config and hyperparameter access."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import dsat
+from dsat.constants import ENV_HPARAMS_FILE
+from dsat.errors import DsatError
+
+
+def test_get_ds_config_from_hparams_merges_overrides(tmp_path: Path) -> None:
+    (tmp_path / "ds.json").write_text(
+        json.dumps({"zero_optimization": {"stage": 1, "overlap_comm": True}, "x": 1})
+    )
+    hparams = {
+        "deepspeed_config": "ds.json",
+        "overwrite_deepspeed_args": {"zero_optimization": {"stage": 3}},
+    }
+    config = dsat.get_ds_config_from_hparams(hparams, base_dir=tmp_path)
+    assert config == {"zero_optimization": {"stage": 3, "overlap_comm": True}, "x": 1}
+
+
+def test_get_ds_config_from_hparams_without_overrides(tmp_path: Path) -> None:
+    (tmp_path / "ds.json").write_text('{"a": 1}')
+    assert dsat.get_ds_config_from_hparams({"deepspeed_config": "ds.json"}, str(tmp_path)) == {
+        "a": 1
+    }
+
+
+def test_get_ds_config_from_hparams_needs_the_key() -> None:
+    with pytest.raises(DsatError, match="hyperparameters.deepspeed_config is missing"):
+        dsat.get_ds_config_from_hparams({"lr": 1})
+
+
+def test_get_ds_config_from_hparams_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(DsatError, match="not found"):
+        dsat.get_ds_config_from_hparams({"deepspeed_config": "nope.json"}, tmp_path)
+
+
+def test_overwrite_deepspeed_config_takes_a_dict_or_a_path(tmp_path: Path) -> None:
+    base = {"optimizer": {"type": "Adam", "params": {"lr": 0.1, "eps": 1e-8}}}
+    overwrites = {"optimizer": {"params": {"lr": 0.005}}, "train_batch_size": 16}
+    expected = {
+        "optimizer": {"type": "Adam", "params": {"lr": 0.005, "eps": 1e-8}},
+        "train_batch_size": 16,
+    }
+    assert dsat.overwrite_deepspeed_config(base, overwrites) == expected
+    (tmp_path / "ds.json").write_text(json.dumps(base))
+    assert dsat.overwrite_deepspeed_config(tmp_path / "ds.json", overwrites) == expected
+    assert dsat.overwrite_deepspeed_config(str(tmp_path / "ds.json"), overwrites) == expected
+
+
+def test_get_hparams_from_a_dsat_runner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    hparams = {
+        "deepspeed_config": "ds.json",
+        "overwrite_deepspeed_args": {"train_micro_batch_size_per_gpu": 3},
+    }
+    (tmp_path / "hp.json").write_text(json.dumps(hparams))
+    monkeypatch.setenv(ENV_HPARAMS_FILE, str(tmp_path / "hp.json"))
+    assert dsat.get_hparams() == hparams
+
+
+def test_get_hparams_unreadable_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "hp.json").write_text("[1]")
+    monkeypatch.setenv(ENV_HPARAMS_FILE, str(tmp_path / "hp.json"))
+    with pytest.raises(DsatError, match="JSON object"):
+        dsat.get_hparams()
+    monkeypatch.setenv(ENV_HPARAMS_FILE, str(tmp_path / "missing.json"))
+    with pytest.raises(DsatError, match="cannot read"):
+        dsat.get_hparams()
+
+
+def test_get_hparams_off_cluster_without_a_runner(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV_HPARAMS_FILE, raising=False)
+    with pytest.raises(DsatError, match="launch this script with"):
+        dsat.get_hparams()
+
+
+def test_importing_dsat_loads_neither_torch_nor_deepspeed() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, dsat; print('torch' in sys.modules, 'deepspeed' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]

@@ -1,0 +1,156 @@
+"""The trial side end to end: the Core API example trains with real DeepSpeed on the CPU, DeepSpeed's
+autotuning hook ends it, and dsat_reporting_context reports what DeepSpeed measured."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dsat.constants import ENV_HPARAMS_FILE, METRICS_FILE, MODEL_INFO_FILE, TRIAL_OUTCOME_FILE
+from tests.conftest import EXAMPLE_DIR, REPO_ROOT
+
+pytestmark = pytest.mark.slow
+
+WIDTH, DEPTH = 32, 2
+TINY_MLP_PARAMS = DEPTH * (WIDTH * WIDTH + WIDTH) + WIDTH + 1
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_example_trial(
+    directory: Path, overwrites: dict[str, Any], nproc: int = 1
+) -> subprocess.CompletedProcess[str]:
+    shutil.copytree(EXAMPLE_DIR, directory)
+    hparams = {
+        "deepspeed_config": "ds_config.json",
+        "width": WIDTH,
+        "depth": DEPTH,
+        "steps": 30,
+        "overwrite_deepspeed_args": overwrites,
+    }
+    (directory / "hparams.json").write_text(json.dumps(hparams))
+    env = dict(os.environ)
+    env.update(
+        {
+            ENV_HPARAMS_FILE: str(directory / "hparams.json"),
+            "DS_ACCELERATOR": "cpu",
+            "PYTHONPATH": str(REPO_ROOT),
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+            "OMP_NUM_THREADS": "1",
+        }
+    )
+    if nproc == 1:
+        env.update(
+            {
+                "RANK": "0",
+                "LOCAL_RANK": "0",
+                "WORLD_SIZE": "1",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(_free_port()),
+            }
+        )
+        command = [sys.executable, "train.py"]
+    else:
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(nproc),
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(_free_port()),
+            "train.py",
+        ]
+    return subprocess.run(
+        command, cwd=directory, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def _outcome(directory: Path) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((directory / TRIAL_OUTCOME_FILE).read_text())
+    return data
+
+
+def _batch(mbs: int, slots: int) -> dict[str, int]:
+    return {
+        "train_micro_batch_size_per_gpu": mbs,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": mbs * slots,
+    }
+
+
+def test_metrics_trial(tmp_path: Path) -> None:
+    overwrites = {
+        **_batch(4, 1),
+        "zero_optimization": {"stage": 2},
+        "autotuning": {
+            "enabled": True,
+            "start_profile_step": 3,
+            "end_profile_step": 5,
+            "metric_path": METRICS_FILE,
+        },
+    }
+    result = run_example_trial(tmp_path / "trial", overwrites)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    outcome = _outcome(tmp_path / "trial")
+    assert outcome["status"] == "completed" and outcome["kind"] == "metrics"
+    values = outcome["values"]
+    assert values["throughput"] > 0 and values["FLOPS_per_gpu"] > 0 and values["latency"] > 0
+    assert {"fwd", "bwd", "step"} <= set(values)
+
+
+def test_model_profile_trial(tmp_path: Path) -> None:
+    overwrites = {
+        **_batch(1, 1),
+        "autotuning": {
+            "enabled": True,
+            "model_info_path": MODEL_INFO_FILE,
+            "model_info": {"profile": True},
+        },
+    }
+    result = run_example_trial(tmp_path / "trial", overwrites)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    outcome = _outcome(tmp_path / "trial")
+    assert outcome["kind"] == "model_info"
+    assert outcome["values"]["num_params"] == TINY_MLP_PARAMS
+    assert outcome["values"]["trainable_num_params"] == TINY_MLP_PARAMS
+    assert outcome["values"]["gpu_mem"] > 0
+
+
+def test_two_process_trial(tmp_path: Path) -> None:
+    overwrites = {
+        **_batch(2, 2),
+        "zero_optimization": {"stage": 3},
+        "autotuning": {
+            "enabled": True,
+            "start_profile_step": 2,
+            "end_profile_step": 4,
+            "metric_path": METRICS_FILE,
+        },
+    }
+    result = run_example_trial(tmp_path / "trial", overwrites, nproc=2)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    outcome = _outcome(tmp_path / "trial")
+    assert outcome["kind"] == "metrics" and outcome["values"]["throughput"] > 0
+    assert outcome["values"]["rank"] == 0
+
+
+def test_full_run_without_autotuning_trains(tmp_path: Path) -> None:
+    """Without an autotuning block the loop runs to the end and reports a loss, not a profile."""
+    result = run_example_trial(tmp_path / "trial", _batch(4, 1))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert not (tmp_path / "trial" / TRIAL_OUTCOME_FILE).exists()
