@@ -1,0 +1,110 @@
+"""From the model-profile trial to memory per GPU per ZeRO stage and a micro-batch ceiling.
+
+Follows the ZeRO paper's accounting: with mixed precision (fp16 or bf16) a parameter costs 2 bytes,
+its gradient 2 and Adam's fp32 master copy, momentum and variance 12; in fp32 it is 4 + 4 + 8.
+Stage 1 partitions the optimizer states across the trial's slots, stage 2 also the gradients,
+stage 3 also the parameters. Activations grow linearly with the micro-batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+PROFILE_KEYS = ("num_params", "trainable_num_params", "activation_mem_per_gpu", "gpu_mem")
+# A binary search above this micro-batch is never useful; it also bounds a zero activation estimate.
+MAX_MICRO_BATCH = 2**14
+
+
+class ModelProfileError(ValueError):
+    """The model-profile trial did not report what the memory model needs."""
+
+
+class Precision(str, enum.Enum):
+    FP32 = "fp32"
+    FP16 = "fp16"
+    BF16 = "bf16"
+
+    @classmethod
+    def of(cls, ds_config: Mapping[str, Any]) -> Precision:
+        for precision, key in ((cls.FP16, "fp16"), (cls.BF16, "bf16")):
+            section = ds_config.get(key)
+            if isinstance(section, Mapping) and section.get("enabled") is True:
+                return precision
+        return cls.FP32
+
+    @property
+    def bytes_per_param(self) -> tuple[int, int, int]:
+        """(parameter, gradient, optimizer states) bytes per parameter, with Adam."""
+        return (4, 4, 8) if self is Precision.FP32 else (2, 2, 12)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelProfile:
+    num_params: int
+    trainable_num_params: int
+    activation_mem_per_gpu: int  # bytes at micro-batch 1
+    gpu_mem: int  # bytes
+
+    @classmethod
+    def from_metrics(cls, metrics: Mapping[str, Any]) -> ModelProfile:
+        missing = [key for key in PROFILE_KEYS if not isinstance(metrics.get(key), (int, float))]
+        if missing:
+            raise ModelProfileError(f"model-profile trial reported no {', '.join(missing)}")
+        return cls(**{key: int(metrics[key]) for key in PROFILE_KEYS})
+
+
+def memory_per_gpu_per_stage(
+    profile: ModelProfile, precision: Precision, slots: int
+) -> dict[int, int]:
+    """Bytes per GPU at micro-batch 1 for each ZeRO stage."""
+    param_bytes, grad_bytes, optim_bytes = precision.bytes_per_param
+    params = profile.num_params * param_bytes
+    grads = profile.trainable_num_params * grad_bytes
+    optim = profile.trainable_num_params * optim_bytes
+    model_states = {
+        0: params + grads + optim,
+        1: params + grads + optim // slots,
+        2: params + (grads + optim) // slots,
+        3: (params + grads + optim) // slots,
+    }
+    return {stage: mem + profile.activation_mem_per_gpu for stage, mem in model_states.items()}
+
+
+def approx_max_micro_batch(
+    profile: ModelProfile, precision: Precision, slots: int
+) -> dict[int, int]:
+    """The largest micro-batch per stage that fits by this model; at least 1."""
+    activation = max(profile.activation_mem_per_gpu, 1)
+    result = {}
+    for stage, mem in memory_per_gpu_per_stage(profile, precision, slots).items():
+        spare = profile.gpu_mem - (mem - profile.activation_mem_per_gpu)
+        result[stage] = int(min(max(spare // activation, 1), MAX_MICRO_BATCH))
+    return result
+
+
+def log_estimates(profile: ModelProfile, precision: Precision, slots: int) -> None:
+    gib = 2**30
+    memory = memory_per_gpu_per_stage(profile, precision, slots)
+    ceilings = approx_max_micro_batch(profile, precision, slots)
+    logger.info(
+        "model: %.3g parameters (%.3g trainable), %s, %.3g GiB activations per sample, "
+        "%.3g GiB per GPU",
+        profile.num_params,
+        profile.trainable_num_params,
+        precision.value,
+        profile.activation_mem_per_gpu / gib,
+        profile.gpu_mem / gib,
+    )
+    for stage in sorted(memory):
+        logger.info(
+            "ZeRO-%d: %.3g GiB per GPU at micro-batch 1, approx. max micro-batch %d",
+            stage,
+            memory[stage] / gib,
+            ceilings[stage],
+        )

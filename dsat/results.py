@@ -1,0 +1,135 @@
+"""The results directory: what a user keeps from a search, written atomically as trials finish.
+
+trials.jsonl           one JSON object per finished trial
+best_ds_config.json    the best trial's full DeepSpeed config, ready for deepspeed.initialize
+best_ds_metrics.json   its metrics
+dsat_search_state.json the search method's state, for --resume
+summary.txt            the per-stage table, at the end
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from dsat.atomic_file import write_json_atomic, write_text_atomic
+from dsat.constants import AUTOTUNING_KEY
+from dsat.search.tracker import TrialTracker
+from dsat.search.trial import TrialKind, TrialRecord
+
+TRIALS_FILE = "trials.jsonl"
+BEST_CONFIG_FILE = "best_ds_config.json"
+BEST_METRICS_FILE = "best_ds_metrics.json"
+SUMMARY_FILE = "summary.txt"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrialTiming:
+    start: float
+    end: float
+
+
+def trial_line(number: int, record: TrialRecord, timing: TrialTiming) -> dict[str, Any]:
+    return {
+        "trial": number,
+        "request_id": record.request_id,
+        "kind": record.kind.value,
+        "status": record.status.value,
+        "zero_stage": record.zero_stage,
+        "mbs": record.mbs,
+        "gas": record.gas,
+        "name": record.name,
+        "overwrites": record.hparams.get("overwrite_deepspeed_args", {}),
+        "metrics": record.metrics,
+        "error": record.error,
+        "start": timing.start,
+        "end": timing.end,
+    }
+
+
+def best_ds_config(record: TrialRecord) -> dict[str, Any]:
+    config: dict[str, Any] = copy.deepcopy(record.ds_config)
+    config.pop(AUTOTUNING_KEY, None)
+    return config
+
+
+class ResultsWriter:
+    """Keeps the results directory current; every file is replaced atomically."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._lines: list[dict[str, Any]] = []
+        path = self.directory / TRIALS_FILE
+        if path.is_file():  # a resumed search keeps what was written before
+            self._lines = [
+                json.loads(line) for line in path.read_text().splitlines() if line.strip()
+            ]
+        self._best_id: str | None = None
+
+    @property
+    def finished_request_ids(self) -> set[str]:
+        return {line["request_id"] for line in self._lines}
+
+    def trial_finished(
+        self, record: TrialRecord, timing: TrialTiming, tracker: TrialTracker
+    ) -> None:
+        self._lines.append(trial_line(len(self._lines), record, timing))
+        text = "".join(json.dumps(line, sort_keys=True) + "\n" for line in self._lines)
+        write_text_atomic(self.directory / TRIALS_FILE, text)
+        best = tracker.best()
+        if best is not None and best.request_id != self._best_id:
+            write_json_atomic(self.directory / BEST_CONFIG_FILE, best_ds_config(best))
+            write_json_atomic(self.directory / BEST_METRICS_FILE, best.metrics)
+            self._best_id = best.request_id
+
+    def write_summary(self, tracker: TrialTracker) -> str:
+        text = summary_table(tracker)
+        write_text_atomic(self.directory / SUMMARY_FILE, text)
+        return text
+
+
+def summary_table(tracker: TrialTracker) -> str:
+    """DeepSpeed's autotuner summary: one row per ZeRO stage tried, then a global row."""
+    searched = [r for r in tracker.finished if r.kind is TrialKind.SEARCH]
+    rows: list[tuple[str, str, str, str]] = []
+    for stage in sorted({r.zero_stage for r in searched}):
+        in_stage = [r for r in searched if r.zero_stage == stage]
+        rows.append(_row(f"z{stage}", in_stage, tracker))
+    rows.append(_row("global", searched, tracker))
+    header = ("tuning_space", "num_experiments", "best_metric_val", "best_exp_name")
+    widths = [max(len(header[i]), *(len(row[i]) for row in rows)) for i in range(4)]
+    align = ["<", ">", ">", "<"]
+
+    def fmt(cells: tuple[str, ...]) -> str:
+        return (
+            "| "
+            + " | ".join(f"{c:{a}{w}}" for c, a, w in zip(cells, align, widths, strict=True))
+            + " |"
+        )
+
+    rule = (
+        "| "
+        + " | ".join(
+            (":" + "-" * (w - 1)) if a == "<" else ("-" * (w - 1) + ":")
+            for a, w in zip(align, widths, strict=True)
+        )
+        + " |"
+    )
+    return "\n".join([fmt(header), rule, *(fmt(row) for row in rows)]) + "\n"
+
+
+def _row(
+    space: str, records: list[TrialRecord], tracker: TrialTracker
+) -> tuple[str, str, str, str]:
+    best = tracker.best_of(records)
+    value = tracker.metric_value(best) if best is not None else None
+    return (
+        space,
+        str(len(records)),
+        f"{value:.6g}" if value is not None else "-",
+        best.name if best is not None else "-",
+    )

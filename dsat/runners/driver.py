@@ -1,0 +1,137 @@
+"""The event loop every dsat runner shares: operations out to an executor, outcomes back as events.
+
+It plays the part of Determined's master for a ``determined.searcher.SearchMethod``: Create and
+ValidateAfter start a trial, a finished trial becomes ``on_validation_completed`` or
+``on_trial_exited_early`` followed by ``on_trial_closed``, and Shutdown ends the loop. Any
+SearchMethod works, dsat's or the reference's; what runs a trial is the executor's business.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import uuid
+from typing import Any, Protocol
+
+from determined import searcher
+
+from dsat.config import deep_merge
+from dsat.constants import OVERWRITE_KEY
+from dsat.search.trial import TrialStatus
+
+
+@dataclasses.dataclass(frozen=True)
+class TrialOutcome:
+    request_id: str
+    status: TrialStatus
+    metrics: dict[str, Any]
+    error: str | None
+    start: float
+    end: float
+
+
+@dataclasses.dataclass(frozen=True)
+class FinishedTrial:
+    """What the driver saw of one trial, for methods that keep no records of their own."""
+
+    hparams: dict[str, Any]
+    ds_config: dict[str, Any]
+    outcome: TrialOutcome
+
+
+class TrialExecutor(Protocol):
+    def start(self, request_id: str, ds_config: dict[str, Any], length: int) -> None: ...
+
+    def wait(self) -> TrialOutcome: ...
+
+    def stop_all(self) -> None: ...
+
+
+class TrialListener(Protocol):
+    def trial_finished(self, request_id: str, outcome: TrialOutcome) -> None: ...
+
+
+class SearchDriver:
+    def __init__(
+        self,
+        method: searcher.SearchMethod,
+        executor: TrialExecutor,
+        base_ds_config: dict[str, Any],
+        listener: TrialListener | None = None,
+        max_events: int | None = None,
+    ) -> None:
+        self.method = method
+        self.executor = executor
+        self.base_ds_config = base_ds_config
+        self.listener = listener
+        self.max_events = max_events  # stop early, as an interruption would (for tests)
+        self.state = searcher.SearcherState()
+        self.hparams: dict[str, dict[str, Any]] = {}
+        self.lengths: dict[str, int] = {}
+        self.running: set[str] = set()
+        self.history: list[FinishedTrial] = []
+        self.shutdown: searcher.Shutdown | None = None
+        self.events = 0
+
+    def ds_config(self, request_id: str) -> dict[str, Any]:
+        return deep_merge(self.base_ds_config, self.hparams[request_id].get(OVERWRITE_KEY) or {})
+
+    def apply(self, ops: list[searcher.Operation]) -> None:
+        for op in ops:
+            if isinstance(op, searcher.Create):
+                request_id = str(op.request_id)
+                self.hparams[request_id] = json.loads(op.hparams)
+                self.state.trials_created.add(op.request_id)
+                self.apply(self.method.on_trial_created(self.state, op.request_id))
+            elif isinstance(op, searcher.ValidateAfter):
+                request_id = str(op.request_id)
+                self.lengths[request_id] = op.length
+                self.running.add(request_id)
+                self.executor.start(request_id, self.ds_config(request_id), op.length)
+            elif isinstance(op, searcher.Close):
+                self.state.trials_closed.add(op.request_id)
+                self.apply(self.method.on_trial_closed(self.state, op.request_id))
+            elif isinstance(op, searcher.Shutdown):
+                self.shutdown = op
+            # Progress operations carry nothing a local driver needs.
+
+    def finish(self, outcome: TrialOutcome) -> None:
+        request_id = uuid.UUID(outcome.request_id)
+        self.running.discard(outcome.request_id)
+        self.state.trial_progress[request_id] = 1.0
+        if outcome.status is TrialStatus.COMPLETED:
+            self.apply(
+                self.method.on_validation_completed(
+                    self.state, request_id, outcome.metrics, self.lengths[outcome.request_id]
+                )
+            )
+        else:
+            record_failure = getattr(self.method, "record_failure", None)
+            if record_failure is not None:
+                record_failure(outcome.request_id, outcome.status, outcome.error)
+            self.state.failures.add(request_id)
+            self.apply(
+                self.method.on_trial_exited_early(
+                    self.state, request_id, searcher.ExitedReason.ERRORED
+                )
+            )
+            self.state.trials_closed.add(request_id)
+            self.apply(self.method.on_trial_closed(self.state, request_id))
+        hparams = self.hparams[outcome.request_id]
+        self.history.append(FinishedTrial(hparams, self.ds_config(outcome.request_id), outcome))
+        if self.listener is not None:
+            self.listener.trial_finished(outcome.request_id, outcome)
+
+    def run(self, initial_ops: list[searcher.Operation] | None = None) -> None:
+        """Run until the method shuts down, nothing is left running, or max_events."""
+        self.apply(
+            self.method.initial_operations(self.state) if initial_ops is None else initial_ops
+        )
+        while self.shutdown is None and self.running:
+            if self.max_events is not None and self.events >= self.max_events:
+                return
+            self.finish(self.executor.wait())
+            self.events += 1
+        if self.running:  # a shutdown with trials still out: they are not needed any more
+            self.executor.stop_all()
+            self.running.clear()

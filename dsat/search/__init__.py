@@ -1,0 +1,29 @@
+"""The search core: pure search methods that decide which DeepSpeed configuration to try next."""
+
+from dsat.search.asha import AshaSearch
+from dsat.search.base import DsatSearchMethod, SearchSpec
+from dsat.search.binary import BinarySearch
+from dsat.search.random import RandomSearch
+from dsat.settings import SearchSettings
+
+METHODS: dict[str, type[DsatSearchMethod]] = {
+    "asha": AshaSearch,
+    "binary": BinarySearch,
+    "random": RandomSearch,
+}
+
+
+def make_search_method(settings: SearchSettings, spec: SearchSpec) -> DsatSearchMethod:
+    """The search method the settings name, ready to drive."""
+    return METHODS[settings.method](settings, spec)
+
+
+__all__ = [
+    "METHODS",
+    "AshaSearch",
+    "BinarySearch",
+    "DsatSearchMethod",
+    "RandomSearch",
+    "SearchSpec",
+    "make_search_method",
+]

@@ -1,0 +1,379 @@
+"""What every dsat search method shares, speaking Determined's custom-searcher events.
+
+A method is pure: no processes, files (except its own state when asked to save), or clocks. Its
+randomness comes from one numpy generator seeded by `--random-seed`, so the same seed and the same
+events give the same trials, and its whole state is JSON, so a search resumes where it stopped.
+
+Subclasses decide only what to try after the model profile, a success and a failure, and which
+queued trial to start first; this base turns that into Create/ValidateAfter/Close/Shutdown
+operations and enforces the global limits through the tracker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from determined import searcher
+
+from dsat.atomic_file import write_json_atomic
+from dsat.batch_size import consistent_batch_sizes
+from dsat.config import deep_merge
+from dsat.constants import (
+    AUTOTUNING_KEY,
+    GRAD_ACCUM_STEPS,
+    METRICS_FILE,
+    MICRO_BATCH_SIZE,
+    MODEL_INFO_FILE,
+    OVERWRITE_KEY,
+)
+from dsat.memory import (
+    ModelProfile,
+    ModelProfileError,
+    Precision,
+    approx_max_micro_batch,
+    log_estimates,
+)
+from dsat.search.space import random_zero_config
+from dsat.search.tracker import TrialTracker
+from dsat.search.trial import SearchRange, TrialKind, TrialRecord, TrialStatus
+from dsat.settings import SearchSettings
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "dsat_search_state.json"
+STATE_VERSION = 1
+_REQUEST_NAMESPACE = uuid.UUID("6c1f7e1a-3f5e-4a52-9a3c-2f0d5c8e9b41")
+# Bounds the draws for a configuration that was not tried yet, once the space runs dry.
+MAX_DRAWS = 50
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchSpec:
+    """What a method needs to know of the experiment: no paths, only data."""
+
+    hparams: dict[str, Any]  # the experiment's hyperparameters
+    ds_config: dict[str, Any]  # the user's DeepSpeed config, as loaded
+    slots_per_trial: int
+
+
+class DsatSearchMethod(searcher.SearchMethod):  # type: ignore[misc]
+    name = "base"
+
+    def __init__(self, settings: SearchSettings, spec: SearchSpec) -> None:
+        with warnings.catch_warnings():  # Determined marks custom searchers deprecated in 0.37
+            warnings.simplefilter("ignore", FutureWarning)
+            super().__init__()
+        self.settings = settings
+        self.spec = spec
+        self.tracker = TrialTracker(
+            metric=settings.metric,
+            max_trials=settings.max_trials,
+            max_concurrent_trials=settings.max_concurrent_trials,
+            max_slots=settings.max_slots,
+            slots_per_trial=spec.slots_per_trial,
+        )
+        self.rng = np.random.default_rng(settings.random_seed)
+        self.precision = Precision.of(spec.ds_config)
+        self._next_index = 0
+        self._pending_failures: dict[str, tuple[TrialStatus, str | None]] = {}
+        self.shutdown_reason: str | None = None
+
+    # ------------------------------------------------------------------ hooks for subclasses
+
+    def initial_lineages(self) -> list[TrialRecord]:
+        """Trials to queue once the model profile is known: one lineage per concurrent slot."""
+        count = min(self.settings.max_concurrent_trials, self.settings.max_trials - 1)
+        if self.settings.max_slots is not None:
+            count = min(count, max(self.settings.max_slots // self.spec.slots_per_trial, 1))
+        return [t for t in (self.new_lineage() for _ in range(count)) if t is not None]
+
+    def after_success(self, record: TrialRecord) -> list[TrialRecord]:
+        raise NotImplementedError
+
+    def after_failure(self, record: TrialRecord) -> list[TrialRecord]:
+        raise NotImplementedError
+
+    def choose_next(self) -> str | None:
+        """The queued trial to start now (first come, first served), or None for none."""
+        return self.tracker.queue[0] if self.tracker.queue else None
+
+    def early_stopping_triggered(self) -> bool:
+        return False
+
+    def choose_stage(self) -> int:
+        stages = list(self.settings.zero_stages)
+        return int(stages[int(self.rng.integers(len(stages)))])
+
+    def initial_range(self, stage: int) -> SearchRange:
+        ceiling = self.micro_batch_ceiling(stage)
+        return SearchRange(1, max(int(ceiling * self.settings.search_range_factor), 1))
+
+    def first_micro_batch(self, search_range: SearchRange) -> int:
+        return search_range.midpoint
+
+    # ------------------------------------------------------------------ building trials
+
+    @property
+    def profile(self) -> ModelProfile | None:
+        record = self.tracker.model_profile
+        if record is None or record.status is not TrialStatus.COMPLETED:
+            return None
+        try:
+            return ModelProfile.from_metrics(record.metrics)
+        except ModelProfileError:
+            return None
+
+    def micro_batch_ceiling(self, stage: int) -> int:
+        profile = self.profile
+        if profile is None:
+            return 1
+        return approx_max_micro_batch(profile, self.precision, self.spec.slots_per_trial)[stage]
+
+    def _autotuning_block(self, kind: TrialKind) -> dict[str, Any]:
+        if kind is TrialKind.MODEL_PROFILE:
+            return {
+                "enabled": True,
+                "model_info_path": MODEL_INFO_FILE,
+                "model_info": {"profile": True},
+            }
+        return {
+            "enabled": True,
+            "start_profile_step": self.settings.start_profile_step,
+            "end_profile_step": self.settings.end_profile_step,
+            "metric_path": METRICS_FILE,
+        }
+
+    def make_trial(
+        self,
+        kind: TrialKind,
+        zero_config: dict[str, Any] | None,
+        mbs: int,
+        parent: TrialRecord | None = None,
+        search_range: SearchRange | None = None,
+        rung: int = 0,
+    ) -> TrialRecord:
+        """A record (not yet registered) with a consistent batch triple and autotuning block."""
+        user_overwrites = self.spec.hparams.get(OVERWRITE_KEY) or {}
+        overwrites = deep_merge(user_overwrites, {AUTOTUNING_KEY: self._autotuning_block(kind)})
+        if zero_config is not None:
+            overwrites = deep_merge(overwrites, {"zero_optimization": zero_config})
+        merged = deep_merge(self.spec.ds_config, overwrites)
+        batch = consistent_batch_sizes(merged, self.spec.slots_per_trial, micro_batch=mbs)
+        overwrites = deep_merge(overwrites, batch)
+        hparams = deep_merge(self.spec.hparams, {OVERWRITE_KEY: overwrites})
+        hparams[OVERWRITE_KEY] = overwrites  # replace, never merge, the overrides section
+        ds_config = deep_merge(self.spec.ds_config, overwrites)
+        index = self._next_index
+        request_id = str(uuid.uuid5(_REQUEST_NAMESPACE, f"{self.settings.random_seed}:{index}"))
+        zero = ds_config.get("zero_optimization")
+        return TrialRecord(
+            request_id=request_id,
+            index=index,
+            kind=kind,
+            hparams=hparams,
+            ds_config=ds_config,
+            zero_stage=int(zero.get("stage", 0)) if isinstance(zero, dict) else 0,
+            mbs=int(ds_config[MICRO_BATCH_SIZE]),
+            gas=int(ds_config[GRAD_ACCUM_STEPS]),
+            lineage_id=parent.lineage_id if parent is not None else request_id,
+            parent_id=parent.request_id if parent is not None else None,
+            search_range=search_range,
+            rung=rung,
+        )
+
+    def _register(self, record: TrialRecord | None, queue: bool = True) -> TrialRecord | None:
+        if record is None or not self.tracker.add(record, queue=queue):
+            return None
+        self._next_index += 1
+        return record
+
+    def new_lineage(self, stage: int | None = None) -> TrialRecord | None:
+        """A new random configuration, not tried before, at its first micro-batch."""
+        for _ in range(MAX_DRAWS):
+            chosen = self.choose_stage() if stage is None else stage
+            search_range = self.initial_range(chosen)
+            zero_config = random_zero_config(chosen, self.rng)
+            record = self.make_trial(
+                TrialKind.SEARCH,
+                zero_config,
+                self.first_micro_batch(search_range),
+                search_range=search_range,
+            )
+            if self._register(record) is not None:
+                return record
+        return None
+
+    def continue_lineage(
+        self, parent: TrialRecord, search_range: SearchRange, mbs: int, rung: int | None = None
+    ) -> TrialRecord | None:
+        """The next trial of ``parent``'s lineage; None when that micro-batch already ran."""
+        if search_range.empty:
+            return None
+        zero_config = parent.ds_config.get("zero_optimization")
+        record = self.make_trial(
+            TrialKind.SEARCH,
+            dict(zero_config) if isinstance(zero_config, dict) else None,
+            mbs,
+            parent=parent,
+            search_range=search_range,
+            rung=parent.rung if rung is None else rung,
+        )
+        return self._register(record)
+
+    # ------------------------------------------------------------------ shutdown
+
+    def model_profile_failed(self) -> bool:
+        record = self.tracker.model_profile
+        return record is not None and record.status.finished and self.profile is None
+
+    def _stop_reason(self) -> str | None:
+        """Why the search must stop now, whatever is still queued; None to go on."""
+        if self.model_profile_failed():
+            return (
+                "the model-profile trial failed: the model must run at micro-batch 1 with the "
+                "submitted DeepSpeed config; fix that (see the trial's log) and try again"
+            )
+        if self.early_stopping_triggered():
+            return "early stopping: no improvement in the last trials"
+        if len(self.tracker.finished) >= self.tracker.max_trials:
+            return "all trials finished"
+        return None
+
+    def should_shutdown(self) -> bool:
+        tracker = self.tracker
+        reason = self._stop_reason()
+        if reason is None and not tracker.running:
+            if not tracker.queue or tracker.num_started >= tracker.max_trials:
+                reason = "no configuration left to try"
+        if reason is not None:
+            self.shutdown_reason = reason
+        return reason is not None
+
+    @property
+    def search_failed(self) -> bool:
+        """A search with no successful trial (or no model profile) has failed."""
+        return self.model_profile_failed() or self.tracker.best() is None
+
+    # ------------------------------------------------------------------ Determined's events
+
+    def _start_ops(self, record: TrialRecord) -> list[searcher.Operation]:
+        self.tracker.mark_running(record.request_id)
+        request_id = uuid.UUID(record.request_id)
+        length = 1 if record.kind is TrialKind.MODEL_PROFILE else self.settings.end_profile_step + 1
+        return [
+            searcher.Create(request_id=request_id, hparams=record.hparams, checkpoint=None),
+            searcher.ValidateAfter(request_id=request_id, length=length),
+        ]
+
+    def initial_operations(
+        self, searcher_state: searcher.SearcherState
+    ) -> list[searcher.Operation]:
+        record = self._register(self.make_trial(TrialKind.MODEL_PROFILE, None, 1), queue=False)
+        assert record is not None  # the first trial cannot be a repeat
+        return self._start_ops(record)
+
+    def on_trial_created(
+        self, searcher_state: searcher.SearcherState, request_id: uuid.UUID
+    ) -> list[searcher.Operation]:
+        return []
+
+    def on_validation_completed(
+        self,
+        searcher_state: searcher.SearcherState,
+        request_id: uuid.UUID,
+        metric: Any,
+        train_length: int,
+    ) -> list[searcher.Operation]:
+        metrics = metric if isinstance(metric, dict) else {self.settings.metric.value: metric}
+        record = self.tracker.mark_finished(str(request_id), TrialStatus.COMPLETED, metrics)
+        if record.kind is TrialKind.MODEL_PROFILE:
+            profile = self.profile
+            if profile is not None:
+                log_estimates(profile, self.precision, self.spec.slots_per_trial)
+                self._follow_up(self.initial_lineages)
+        else:
+            self._follow_up(lambda: self.after_success(record))
+        return [searcher.Close(request_id)]
+
+    def record_failure(self, request_id: str, status: TrialStatus, error: str | None) -> None:
+        """Runners that know more than 'errored' (an OOM, a timeout) say so before the event."""
+        self._pending_failures[request_id] = (status, error)
+
+    def on_trial_exited_early(
+        self,
+        searcher_state: searcher.SearcherState,
+        request_id: uuid.UUID,
+        exited_reason: searcher.ExitedReason,
+    ) -> list[searcher.Operation]:
+        status, error = self._pending_failures.pop(str(request_id), (TrialStatus.ERROR, None))
+        record = self.tracker.mark_finished(str(request_id), status, error=error)
+        if exited_reason is not searcher.ExitedReason.ERRORED:
+            self.shutdown_reason = f"trial exited early: {exited_reason.value}"
+            return [searcher.Shutdown(failure=self.search_failed)]
+        if record.kind is TrialKind.SEARCH:
+            self._follow_up(lambda: self.after_failure(record))
+        return []
+
+    def _follow_up(self, make: Any) -> None:
+        room = len(self.tracker.queue) + self.tracker.num_started < self.settings.max_trials
+        if room and self._stop_reason() is None:
+            make()
+
+    def on_trial_closed(
+        self, searcher_state: searcher.SearcherState, request_id: uuid.UUID
+    ) -> list[searcher.Operation]:
+        return self._start_queued()
+
+    def resume_operations(self) -> list[searcher.Operation]:
+        """After loading saved state: run again what was interrupted, then carry on."""
+        self.tracker.requeue([r.request_id for r in self.tracker.running])
+        return self._start_queued()
+
+    def _start_queued(self) -> list[searcher.Operation]:
+        if self.should_shutdown():
+            logger.info("dsat: search ends: %s", self.shutdown_reason)
+            return [searcher.Shutdown(failure=self.search_failed)]
+        ops: list[searcher.Operation] = []
+        while self.tracker.can_start_more():
+            request_id = self.choose_next()
+            if request_id is None:
+                break
+            ops += self._start_ops(self.tracker.dequeue(request_id))
+        return ops
+
+    def progress(self, searcher_state: searcher.SearcherState) -> float:
+        return min(len(self.tracker.finished) / self.settings.max_trials, 1.0)
+
+    # ------------------------------------------------------------------ state
+
+    def state_json(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION,
+            "method": self.name,
+            "tracker": self.tracker.to_json(),
+            "rng": self.rng.bit_generator.state,
+            "next_index": self._next_index,
+        }
+
+    def load_state_json(self, state: dict[str, Any]) -> None:
+        if state.get("version") != STATE_VERSION or state.get("method") != self.name:
+            raise ValueError(
+                f"search state is for {state.get('method')!r} v{state.get('version')}, "
+                f"not {self.name!r} v{STATE_VERSION}"
+            )
+        self.tracker.load_json(state["tracker"])
+        self.rng.bit_generator.state = state["rng"]
+        self._next_index = int(state["next_index"])
+
+    def save_method_state(self, path: Path) -> None:
+        write_json_atomic(Path(path) / STATE_FILE, self.state_json())
+
+    def load_method_state(self, path: Path) -> None:
+        self.load_state_json(json.loads((Path(path) / STATE_FILE).read_text()))

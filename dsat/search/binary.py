@@ -1,0 +1,35 @@
+"""Binary search over the micro-batch of randomly generated ZeRO configurations.
+
+Each lineage halves its range [lo, hi] around the midpoint: a success raises the floor, an OOM or
+error lowers the ceiling. When a range is used up, a fresh random configuration takes its place.
+"""
+
+from __future__ import annotations
+
+from dsat.search.base import DsatSearchMethod
+from dsat.search.trial import SearchRange, TrialRecord
+
+
+def range_after(record: TrialRecord) -> SearchRange:
+    """The range left once ``record`` finished: above it after a success, below after a failure."""
+    assert record.search_range is not None
+    if record.status.failed:
+        return SearchRange(record.search_range.lo, record.mbs - 1)
+    return SearchRange(record.mbs + 1, record.search_range.hi)
+
+
+class BinarySearch(DsatSearchMethod):
+    name = "binary"
+
+    def _next(self, record: TrialRecord) -> list[TrialRecord]:
+        remaining = range_after(record)
+        child = self.continue_lineage(record, remaining, remaining.midpoint)
+        if child is None:
+            child = self.new_lineage()
+        return [child] if child is not None else []
+
+    def after_success(self, record: TrialRecord) -> list[TrialRecord]:
+        return self._next(record)
+
+    def after_failure(self, record: TrialRecord) -> list[TrialRecord]:
+        return self._next(record)

@@ -1,0 +1,100 @@
+"""Random ZeRO configurations, each with an approximate binary search over its micro-batch.
+
+Micro-batches are drawn from a binomial around the middle of the lineage's range (covering more
+than the midpoint alone). Lineages stop early on domain knowledge: a failure at the smallest
+micro-batch, `--trials-per-random-config` trials, stage 3 once stage 1 or 2 works (it only
+saves memory), or a failed lineage whose ceiling is below what a same-stage trial already ran.
+"""
+
+from __future__ import annotations
+
+from dsat.search.base import MAX_DRAWS, DsatSearchMethod
+from dsat.search.trial import SearchRange, TrialRecord
+
+PRUNED_BY_LOWER_STAGES = 3
+LOWER_STAGES = {1, 2}
+
+
+class RandomSearch(DsatSearchMethod):
+    name = "random"
+
+    def draw_micro_batch(self, search_range: SearchRange) -> int:
+        return search_range.lo + int(self.rng.binomial(search_range.hi - search_range.lo, 0.5))
+
+    def first_micro_batch(self, search_range: SearchRange) -> int:
+        return self.draw_micro_batch(search_range)
+
+    def choose_stage(self) -> int:
+        preferred = sorted(
+            LOWER_STAGES & self.tracker.successful_stages & set(self.settings.zero_stages)
+        )
+        stages = preferred or list(self.settings.zero_stages)
+        return int(stages[int(self.rng.integers(len(stages)))])
+
+    def initial_range(self, stage: int) -> SearchRange:
+        """Start above the stage's best trial once there is one, else from the memory model."""
+        best = self.tracker.best(stage)
+        if best is None or best.search_range is None:
+            return SearchRange(1, max(self.micro_batch_ceiling(stage), 1))
+        lo = best.mbs + 1
+        largest_success = max(
+            r.mbs
+            for r in self.tracker.records
+            if r.zero_stage == stage and self.tracker.metric_value(r) is not None
+        )
+        return SearchRange(lo, max(largest_success, best.search_range.hi, 2 * lo))
+
+    def should_stop_lineage(self, record: TrialRecord) -> bool:
+        tracker = self.tracker
+        search_range = record.search_range
+        if search_range is None:
+            return True
+        if record.status.failed and record.mbs <= search_range.lo:
+            return True
+        if tracker.finished_in_lineage(record.lineage_id) >= self.settings.trials_per_random_config:
+            return True
+        if record.zero_stage == PRUNED_BY_LOWER_STAGES and LOWER_STAGES & tracker.successful_stages:
+            return True
+        if tracker.error_in_history(record):
+            return any(
+                r.mbs >= search_range.hi
+                for r in tracker.records
+                if r.zero_stage == record.zero_stage and tracker.metric_value(r) is not None
+            )
+        return False
+
+    def _continue(self, record: TrialRecord, remaining: SearchRange) -> list[TrialRecord]:
+        child = None
+        if not self.should_stop_lineage(record) and not remaining.empty:
+            child = self.continue_lineage(record, remaining, self.draw_micro_batch(remaining))
+        if child is None:
+            child = self.new_lineage()
+        return [child] if child is not None else []
+
+    def after_success(self, record: TrialRecord) -> list[TrialRecord]:
+        assert record.search_range is not None
+        remaining = SearchRange(record.mbs + 1, record.search_range.hi)
+        if remaining.empty:  # the memory model was too cautious: look higher
+            remaining = SearchRange(remaining.lo, 2 * remaining.lo)
+        return self._continue(record, remaining)
+
+    def after_failure(self, record: TrialRecord) -> list[TrialRecord]:
+        assert record.search_range is not None
+        return self._continue(record, SearchRange(record.search_range.lo, record.mbs - 1))
+
+    def choose_next(self) -> str | None:
+        """Drop queued trials whose lineage should stop, replacing each with a fresh one."""
+        queue = self.tracker.queue
+        for _ in range(MAX_DRAWS):
+            if not queue:
+                return None
+            head = self.tracker.get(queue[0])
+            if not self.should_stop_lineage(head):
+                return head.request_id
+            self.tracker.discard(head.request_id)
+            self.new_lineage()
+        return None
+
+    def early_stopping_triggered(self) -> bool:
+        patience = self.settings.early_stopping
+        return patience is not None and self.tracker.trials_since_best >= patience

@@ -1,0 +1,211 @@
+"""Every trial of a search, its queue, the global limits, and the best results.
+
+The tracker is the search's memory: search methods ask it what happened and register what to try
+next; it enforces `--max-trials`, `--max-concurrent-trials` and `--max-slots` for all of them.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from dsat.constants import OVERWRITE_KEY
+from dsat.metric import Metric
+from dsat.search.trial import TrialKind, TrialRecord, TrialStatus
+
+
+def config_key(record: TrialRecord) -> str:
+    """Identity of a trial's configuration: two trials with the same key measure the same thing."""
+    return json.dumps(record.hparams.get(OVERWRITE_KEY, {}), sort_keys=True)
+
+
+class TrialTracker:
+    def __init__(
+        self,
+        metric: Metric,
+        max_trials: int,
+        max_concurrent_trials: int,
+        max_slots: int | None,
+        slots_per_trial: int,
+    ) -> None:
+        self.metric = metric
+        self.max_trials = max_trials
+        self.max_concurrent_trials = max_concurrent_trials
+        self.max_slots = max_slots
+        self.slots_per_trial = slots_per_trial
+        self._records: dict[str, TrialRecord] = {}
+        self._keys: set[str] = set()
+        self.queue: list[str] = []
+        self.trials_since_best = 0
+
+    # ------------------------------------------------------------------ registration
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._records
+
+    def get(self, request_id: str) -> TrialRecord:
+        return self._records[request_id]
+
+    def is_known(self, record: TrialRecord) -> bool:
+        return config_key(record) in self._keys
+
+    def add(self, record: TrialRecord, queue: bool = True) -> bool:
+        """Register ``record`` (and queue it); False, and nothing registered, for a repeat."""
+        key = config_key(record)
+        if key in self._keys:
+            return False
+        self._keys.add(key)
+        self._records[record.request_id] = record
+        if queue:
+            self.queue.append(record.request_id)
+        return True
+
+    def discard(self, request_id: str) -> None:
+        """Forget a queued trial that will never run."""
+        record = self._records.pop(request_id)
+        self._keys.discard(config_key(record))
+        self.queue.remove(request_id)
+
+    def requeue(self, request_ids: list[str]) -> None:
+        """Put interrupted trials back at the front of the queue, to run again."""
+        for request_id in request_ids:
+            self._records[request_id] = self._records[request_id].replace(status=TrialStatus.QUEUED)
+        self.queue = [*request_ids, *self.queue]
+
+    def dequeue(self, request_id: str) -> TrialRecord:
+        self.queue.remove(request_id)
+        return self.get(request_id)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def mark_running(self, request_id: str) -> TrialRecord:
+        record = self._records[request_id].replace(status=TrialStatus.RUNNING)
+        self._records[request_id] = record
+        return record
+
+    def mark_finished(
+        self,
+        request_id: str,
+        status: TrialStatus,
+        metrics: dict[str, Any] | None = None,
+        error: str | None = None,
+    ) -> TrialRecord:
+        record = self._records[request_id].replace(
+            status=status, metrics=dict(metrics or {}), error=error
+        )
+        self._records[request_id] = record
+        if record.kind is TrialKind.SEARCH:
+            if self.best() is record:
+                self.trials_since_best = 0
+            elif self.best() is not None:
+                self.trials_since_best += 1
+        return record
+
+    # ------------------------------------------------------------------ views
+
+    @property
+    def records(self) -> list[TrialRecord]:
+        return list(self._records.values())
+
+    @property
+    def model_profile(self) -> TrialRecord | None:
+        return next((r for r in self._records.values() if r.kind is TrialKind.MODEL_PROFILE), None)
+
+    @property
+    def running(self) -> list[TrialRecord]:
+        return [r for r in self._records.values() if r.status is TrialStatus.RUNNING]
+
+    @property
+    def finished(self) -> list[TrialRecord]:
+        return [r for r in self._records.values() if r.status.finished]
+
+    @property
+    def num_started(self) -> int:
+        return sum(1 for r in self._records.values() if r.status is not TrialStatus.QUEUED)
+
+    @property
+    def successful_stages(self) -> set[int]:
+        return {r.zero_stage for r in self._records.values() if self.metric_value(r) is not None}
+
+    def can_start_more(self) -> bool:
+        if not self.queue or self.num_started >= self.max_trials:
+            return False
+        running = len(self.running)
+        if running >= self.max_concurrent_trials:
+            return False
+        if self.max_slots is not None:
+            return (running + 1) * self.slots_per_trial <= self.max_slots
+        return True
+
+    def metric_value(self, record: TrialRecord) -> float | None:
+        """The searched metric of a completed search trial; None for anything else."""
+        if record.kind is not TrialKind.SEARCH or record.status is not TrialStatus.COMPLETED:
+            return None
+        for key in (self.metric.file_key, self.metric.value):
+            value = record.metrics.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value)
+        return None
+
+    def best_of(self, records: list[TrialRecord]) -> TrialRecord | None:
+        best: TrialRecord | None = None
+        best_value = 0.0
+        for record in records:
+            value = self.metric_value(record)
+            if value is not None and (best is None or self.metric.is_better(value, best_value)):
+                best, best_value = record, value
+        return best
+
+    def best(self, stage: int | None = None) -> TrialRecord | None:
+        """The best trial overall or of one ZeRO stage (the earliest among equals)."""
+        return self.best_of(
+            [r for r in self._records.values() if stage is None or r.zero_stage == stage]
+        )
+
+    # ------------------------------------------------------------------ lineages
+
+    def lineage(self, lineage_id: str) -> list[TrialRecord]:
+        return [r for r in self._records.values() if r.lineage_id == lineage_id]
+
+    def latest_in_lineage(self, lineage_id: str) -> TrialRecord:
+        return self.lineage(lineage_id)[-1]
+
+    def finished_in_lineage(self, lineage_id: str) -> int:
+        return sum(1 for r in self.lineage(lineage_id) if r.status.finished)
+
+    def lineage_ids(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for record in self._records.values():
+            if record.kind is TrialKind.SEARCH:
+                seen.setdefault(record.lineage_id, None)
+        return list(seen)
+
+    def error_in_history(self, record: TrialRecord) -> bool:
+        current: TrialRecord | None = record
+        while current is not None:
+            if current.status.failed:
+                return True
+            current = self._records.get(current.parent_id) if current.parent_id else None
+        return False
+
+    # ------------------------------------------------------------------ state
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "records": [r.to_json() for r in self._records.values()],
+            "queue": list(self.queue),
+            "trials_since_best": self.trials_since_best,
+        }
+
+    def load_json(self, data: dict[str, Any]) -> None:
+        self._records = {}
+        self._keys = set()
+        for item in data["records"]:
+            record = TrialRecord.from_json(item)
+            self._records[record.request_id] = record
+            self._keys.add(config_key(record))
+        self.queue = list(data["queue"])
+        self.trials_since_best = int(data["trials_since_best"])

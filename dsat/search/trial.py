@@ -1,0 +1,93 @@
+"""The one record type for a trial, from the search method through the runners to the results."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+
+class TrialStatus(str, enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    OOM = "oom"
+    ERROR = "error"
+    TIMEOUT = "timeout"
+
+    @property
+    def finished(self) -> bool:
+        return self not in (TrialStatus.QUEUED, TrialStatus.RUNNING)
+
+    @property
+    def failed(self) -> bool:
+        return self in (TrialStatus.OOM, TrialStatus.ERROR, TrialStatus.TIMEOUT)
+
+
+class TrialKind(str, enum.Enum):
+    MODEL_PROFILE = "model_profile"  # micro-batch 1, measures the model for the memory model
+    SEARCH = "search"  # measures one DeepSpeed configuration
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchRange:
+    """The micro-batch interval [lo, hi] a lineage's binary search still considers."""
+
+    lo: int
+    hi: int
+
+    @property
+    def empty(self) -> bool:
+        return self.hi < self.lo
+
+    @property
+    def midpoint(self) -> int:
+        return (self.lo + self.hi) // 2
+
+
+@dataclasses.dataclass(frozen=True)
+class TrialRecord:
+    """A trial and, once finished, its outcome. Immutable: updates make a new record.
+
+    A *lineage* is the chain of trials that binary-search the micro-batch of one random ZeRO
+    configuration; ``parent_id`` links each to the trial before it, ``lineage_id`` names the first.
+    """
+
+    request_id: str
+    index: int  # creation order, 0 for the model-profile trial
+    kind: TrialKind
+    hparams: dict[str, Any]  # the experiment's hyperparameters plus overwrite_deepspeed_args
+    ds_config: dict[str, Any]  # the user's DeepSpeed config with the overrides merged in
+    zero_stage: int
+    mbs: int
+    gas: int
+    lineage_id: str
+    parent_id: str | None = None
+    search_range: SearchRange | None = None
+    rung: int = 0
+    status: TrialStatus = TrialStatus.QUEUED
+    metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
+    error: str | None = None
+
+    @property
+    def name(self) -> str:
+        """Like DeepSpeed's autotuner names its experiments."""
+        return f"z{self.zero_stage}_gas{self.gas}_tmbspg{self.mbs}"
+
+    def replace(self, **changes: Any) -> TrialRecord:
+        return dataclasses.replace(self, **changes)
+
+    def to_json(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["kind"] = self.kind.value
+        data["status"] = self.status.value
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> TrialRecord:
+        data = dict(data)
+        data["kind"] = TrialKind(data["kind"])
+        data["status"] = TrialStatus(data["status"])
+        if data.get("search_range") is not None:
+            data["search_range"] = SearchRange(**data["search_range"])
+        return cls(**data)

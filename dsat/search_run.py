@@ -1,0 +1,58 @@
+"""Run a checked search with its runner and keep the results directory current."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dsat.atomic_file import write_text_atomic
+from dsat.results import BEST_CONFIG_FILE, ResultsWriter, TrialTiming
+from dsat.runners.driver import SearchDriver, TrialExecutor, TrialOutcome
+from dsat.search import make_search_method
+from dsat.search.base import STATE_FILE, DsatSearchMethod, SearchSpec
+from dsat.settings import SearchSettings
+
+SETTINGS_FILE = "settings.json"
+
+
+class ResultsRecorder:
+    """Writes each finished trial and the method's state, so nothing finished is ever lost."""
+
+    def __init__(self, method: DsatSearchMethod, writer: ResultsWriter) -> None:
+        self.method = method
+        self.writer = writer
+
+    def trial_finished(self, request_id: str, outcome: TrialOutcome) -> None:
+        record = self.method.tracker.get(request_id)
+        self.writer.trial_finished(
+            record, TrialTiming(outcome.start, outcome.end), self.method.tracker
+        )
+        self.method.save_method_state(self.writer.directory)
+
+
+def run_search(
+    settings: SearchSettings,
+    spec: SearchSpec,
+    executor: TrialExecutor,
+    results_dir: Path,
+    max_events: int | None = None,
+) -> DsatSearchMethod:
+    """Drive the search to its end (or ``max_events``); resumes when ``results_dir`` has state."""
+    method = make_search_method(settings, spec)
+    writer = ResultsWriter(results_dir)
+    write_text_atomic(results_dir / SETTINGS_FILE, settings.to_json() + "\n")
+    driver = SearchDriver(
+        method, executor, spec.ds_config, ResultsRecorder(method, writer), max_events
+    )
+    if (results_dir / STATE_FILE).is_file():
+        method.load_method_state(results_dir)
+        driver.run(initial_ops=method.resume_operations())
+    else:
+        driver.run()
+    if driver.shutdown is not None or not driver.running:
+        writer.write_summary(method.tracker)
+        method.save_method_state(results_dir)
+    return method
+
+
+def best_config_path(results_dir: Path) -> Path:
+    return results_dir / BEST_CONFIG_FILE
