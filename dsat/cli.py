@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -250,14 +251,29 @@ def parse_settings(argv: Sequence[str] | None = None) -> SearchSettings:
     return SearchSettings(**values)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from dsat.search_launch import launch
+def show_progress_logs() -> None:
+    """dsat's own INFO messages (memory estimates, why a search ended) on stdout."""
+    log = logging.getLogger("dsat")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter(f"{PROG}: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
 
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from dsat.search_launch import SearchFailed, launch
+
+    show_progress_logs()
     try:
         launch(parse_settings(argv), os.environ)
     except DsatError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return USAGE_EXIT_CODE
+    except SearchFailed as err:
+        print(f"{PROG}: search failed: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130

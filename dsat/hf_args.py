@@ -51,11 +51,11 @@ def _find_flag(args: Sequence[str], flag: str) -> tuple[int, str | None]:
 def _set_flag(args: list[str], flag: str, value: str) -> list[str]:
     index, old = _find_flag(args, flag)
     if index < 0:
-        logger.info("dsat: adding %s %s to match the DeepSpeed config", flag, value)
+        logger.info("adding %s %s to match the DeepSpeed config", flag, value)
         return [*args, flag, value]
     if old != value:
         logger.info(
-            "dsat: changing %s from %s to %s to match the DeepSpeed config", flag, old, value
+            "changing %s from %s to %s to match the DeepSpeed config", flag, old, value
         )
     updated = list(args)
     if "=" in args[index]:

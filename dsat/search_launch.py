@@ -16,8 +16,16 @@ from dsat.callable_spec import load_callable
 from dsat.config import Experiment, load_experiment, load_yaml_mapping, validate_with_deepspeed
 from dsat.constants import RESULTS_ROOT
 from dsat.errors import DsatError
+from dsat.results import SUMMARY_FILE
 from dsat.runners import Backend, resolve_backend
+from dsat.runners.simulated import SimulatedExecutor
+from dsat.search.base import STATE_FILE, DsatSearchMethod, SearchSpec
+from dsat.search_run import best_config_path, run_search
 from dsat.settings import SearchSettings
+
+
+class SearchFailed(Exception):
+    """The search ran but found no working configuration (not a user mistake: exit status 1)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,8 +73,15 @@ def plan_search(
         results_dir = Path(settings.resume)
         if not results_dir.is_dir():
             raise DsatError(f"--resume {results_dir}: no such results directory")
+        if not (results_dir / STATE_FILE).is_file():
+            raise DsatError(f"--resume {results_dir}: no saved search there ({STATE_FILE} is missing)")
     elif settings.results_dir is not None:
         results_dir = Path(settings.results_dir)
+        if (results_dir / STATE_FILE).is_file():
+            raise DsatError(
+                f"--results-dir {results_dir} already holds a search; continue it with "
+                f"--resume {results_dir} or choose another directory"
+            )
     else:
         results_dir = default_results_dir(
             experiment.name, now or datetime.datetime.now(datetime.timezone.utc)
@@ -76,12 +91,30 @@ def plan_search(
 
 def launch(settings: SearchSettings, environ: Mapping[str, str]) -> None:
     plan = plan_search(settings, environ)
+    experiment = plan.experiment
     print(f"dsat: backend {plan.backend.value} ({plan.backend_reason})")
     print(
-        f"dsat: experiment {plan.experiment.name!r}: DeepSpeed config "
-        f"{plan.experiment.ds_config_path}, {plan.experiment.slots_per_trial} slot(s) per trial"
+        f"dsat: experiment {experiment.name!r}: DeepSpeed config {experiment.ds_config_path}, "
+        f"{experiment.slots_per_trial} slot(s) per trial, results in {plan.results_dir}"
     )
-    raise DsatError(
-        f"the {plan.backend.value} runner is not implemented yet; the experiment passed every "
-        "check, and the runners arrive in later dsat releases"
-    )
+    if plan.backend is not Backend.SIMULATED:
+        raise DsatError(
+            f"the {plan.backend.value} runner is not implemented yet; the experiment passed every "
+            "check, and the runners arrive in later dsat releases"
+        )
+    assert plan.simulator is not None  # plan_search loads it for this backend
+    spec = SearchSpec(experiment.hparams, experiment.ds_config, experiment.slots_per_trial)
+    executor = SimulatedExecutor(plan.simulator, experiment.slots_per_trial)
+    method = run_search(settings, spec, executor, plan.results_dir)
+    report_end(method, plan.results_dir)
+
+
+def report_end(method: DsatSearchMethod, results_dir: Path) -> None:
+    """Print the summary; a search with no successful trial is an error for the caller."""
+    summary = results_dir / SUMMARY_FILE
+    if summary.is_file():
+        print(summary.read_text(), end="")
+    print(f"dsat: {len(method.tracker.finished)} trials; search ended: {method.shutdown_reason}")
+    if method.search_failed:
+        raise SearchFailed(method.shutdown_reason or "no trial succeeded")
+    print(f"dsat: best DeepSpeed config: {best_config_path(results_dir)}")

@@ -258,3 +258,45 @@ BUILTIN_MODELS: dict[str, PerformanceModel] = {
     "bert_base_16xv100": bert_base_16xv100,
     "llama_7b_8xa100": llama_7b_8xa100,
 }
+
+
+def configurations(stages: tuple[int, ...]) -> list[dict[str, Any]]:
+    """Every ``zero_optimization`` section the search space holds for ``stages``."""
+    import itertools
+
+    from dsat.search.space import zero_knobs
+
+    sections: list[dict[str, Any]] = []
+    for stage in stages:
+        knobs = zero_knobs(stage)
+        for values in itertools.product(*knobs.values()):
+            sections.append({"stage": stage, **dict(zip(knobs, values, strict=True))})
+    return sections
+
+
+def optimum(
+    model: PerformanceModel, slots: int, metric_key: str, smaller_is_better: bool,
+    stages: tuple[int, ...] = (0, 1, 2, 3), base: Mapping[str, Any] | None = None,
+) -> tuple[float, dict[str, Any]]:
+    """The best noise-free metric over the whole search space, and the config that reaches it.
+
+    Throughput and FLOPS only grow with the micro-batch in these models and times only shrink as
+    it falls, so each ZeRO configuration is evaluated at its largest fitting micro-batch and at 1
+    (tests check that property on sampled configurations).
+    """
+    best_value: float | None = None
+    best_config: dict[str, Any] = {}
+    for section in configurations(stages):
+        config = {**(base or {}), "zero_optimization": section, "train_micro_batch_size_per_gpu": 1}
+        largest = model.max_micro_batch(config, slots)
+        if largest == 0:
+            continue
+        for mbs in {1, largest}:
+            candidate = {**config, "train_micro_batch_size_per_gpu": mbs}
+            value = model.metrics(candidate, slots, noisy=False)[metric_key]
+            better = best_value is None or (value < best_value if smaller_is_better else value > best_value)
+            if better:
+                best_value, best_config = value, candidate
+    if best_value is None:
+        raise ValueError(f"{model.name}: no configuration fits on {slots} slots")
+    return best_value, best_config

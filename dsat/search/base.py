@@ -40,7 +40,7 @@ from dsat.memory import (
     approx_max_micro_batch,
     log_estimates,
 )
-from dsat.search.space import random_zero_config
+from dsat.search.space import neighbour_zero_config, random_zero_config
 from dsat.search.tracker import TrialTracker
 from dsat.search.trial import SearchRange, TrialKind, TrialRecord, TrialStatus
 from dsat.settings import SearchSettings
@@ -50,6 +50,8 @@ logger = logging.getLogger(__name__)
 STATE_FILE = "dsat_search_state.json"
 STATE_VERSION = 1
 _REQUEST_NAMESPACE = uuid.UUID("6c1f7e1a-3f5e-4a52-9a3c-2f0d5c8e9b41")
+# Chance that a new lineage varies the best configuration of its stage instead of a random one.
+EXPLOIT_PROBABILITY = 0.5
 # Bounds the draws for a configuration that was not tried yet, once the space runs dry.
 MAX_DRAWS = 50
 
@@ -65,6 +67,7 @@ class SearchSpec:
 
 class DsatSearchMethod(searcher.SearchMethod):  # type: ignore[misc]
     name = "base"
+    exploit_probability = EXPLOIT_PROBABILITY
 
     def __init__(self, settings: SearchSettings, spec: SearchSpec) -> None:
         with warnings.catch_warnings():  # Determined marks custom searchers deprecated in 0.37
@@ -194,12 +197,22 @@ class DsatSearchMethod(searcher.SearchMethod):  # type: ignore[misc]
         self._next_index += 1
         return record
 
+    def draw_zero_config(self, stage: int) -> dict[str, Any]:
+        """A ZeRO section for a new lineage: at random, or, half of the time once the stage has a
+        best trial, that trial's section with one knob changed (a local step that exploits it)."""
+        best = self.tracker.best(stage)
+        explore = self.exploit_probability == 0 or self.rng.random() >= self.exploit_probability
+        if best is None or explore:
+            return random_zero_config(stage, self.rng)
+        section = best.ds_config.get("zero_optimization")
+        return neighbour_zero_config(dict(section) if isinstance(section, dict) else {"stage": stage}, self.rng)
+
     def new_lineage(self, stage: int | None = None) -> TrialRecord | None:
-        """A new random configuration, not tried before, at its first micro-batch."""
+        """A new configuration, not tried before, at its first micro-batch."""
         for _ in range(MAX_DRAWS):
             chosen = self.choose_stage() if stage is None else stage
             search_range = self.initial_range(chosen)
-            zero_config = random_zero_config(chosen, self.rng)
+            zero_config = self.draw_zero_config(chosen)
             record = self.make_trial(
                 TrialKind.SEARCH,
                 zero_config,
@@ -338,7 +351,7 @@ class DsatSearchMethod(searcher.SearchMethod):  # type: ignore[misc]
 
     def _start_queued(self) -> list[searcher.Operation]:
         if self.should_shutdown():
-            logger.info("dsat: search ends: %s", self.shutdown_reason)
+            logger.info("search ends: %s", self.shutdown_reason)
             return [searcher.Shutdown(failure=self.search_failed)]
         ops: list[searcher.Operation] = []
         while self.tracker.can_start_more():

@@ -17,6 +17,7 @@ LOWER_STAGES = {1, 2}
 
 class RandomSearch(DsatSearchMethod):
     name = "random"
+    exploit_probability = 0.0  # new configurations stay random; lineages start above the best
 
     def draw_micro_batch(self, search_range: SearchRange) -> int:
         return search_range.lo + int(self.rng.binomial(search_range.hi - search_range.lo, 0.5))

@@ -46,3 +46,16 @@ def space_size(stage: int) -> int:
     for choices in zero_knobs(stage).values():
         size *= len(choices)
     return size
+
+
+def neighbour_zero_config(config: dict[str, Any], rng: np.random.Generator) -> dict[str, Any]:
+    """``config`` with one of its stage's knobs redrawn to a different value."""
+    stage = int(config.get("stage", 0))
+    knobs = zero_knobs(stage)
+    if not knobs:
+        return dict(config)
+    names = list(knobs)
+    knob = names[int(rng.integers(len(names)))]
+    others = [v for v in knobs[knob] if v != config.get(knob)] or list(knobs[knob])
+    value = others[int(rng.integers(len(others)))]
+    return {**config, knob: value.item() if isinstance(value, np.generic) else value}
