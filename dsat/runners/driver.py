@@ -123,10 +123,14 @@ class SearchDriver:
             self.listener.trial_finished(outcome.request_id, outcome)
 
     def run(self, initial_ops: list[searcher.Operation] | None = None) -> None:
-        """Run until the method shuts down, nothing is left running, or max_events."""
+        """Start the search (or resume it with ``initial_ops``) and run it, see ``loop``."""
         self.apply(
             self.method.initial_operations(self.state) if initial_ops is None else initial_ops
         )
+        self.loop()
+
+    def loop(self) -> None:
+        """Feed outcomes back until the method shuts down, nothing runs, or max_events."""
         while self.shutdown is None and self.running:
             if self.max_events is not None and self.events >= self.max_events:
                 return

@@ -1,0 +1,82 @@
+"""Random search: bounds, lineage continuation and the early-stopping rules."""
+
+from __future__ import annotations
+
+import pytest
+
+from dsat.search.trial import SearchRange, TrialKind, TrialStatus
+from tests.search.helpers import cliff_function, created_ids, finish, method, run, start_profile
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_every_micro_batch_is_inside_its_range(seed: int) -> None:
+    m = method("random", random_seed=seed, zero_stages=(1, 2, 3))
+    run(m, cliff_function(23, {1: 0.1, 2: 0.05}))
+    searched = [r for r in m.tracker.records if r.kind is TrialKind.SEARCH]
+    assert len(searched) > 20
+    for r in searched:
+        assert r.search_range is not None and r.search_range.lo <= r.mbs <= r.search_range.hi
+
+
+def test_lineage_continues_above_a_success_and_below_a_failure() -> None:
+    m = method("random", zero_stages=(1,), max_concurrent_trials=1)
+    (first,) = created_ids(start_profile(m))
+    parent = m.tracker.get(first)
+    (child_id,) = created_ids(finish(m, first, ok=True))
+    child = m.tracker.get(child_id)
+    assert child.parent_id == first and child.search_range == SearchRange(parent.mbs + 1, 64)
+    (grandchild_id,) = created_ids(finish(m, child_id, ok=False))
+    grandchild = m.tracker.get(grandchild_id)
+    assert grandchild.parent_id == child_id
+    assert grandchild.search_range == SearchRange(parent.mbs + 1, child.mbs - 1)
+    assert parent.mbs < grandchild.mbs < child.mbs
+
+
+def test_stops_after_trials_per_random_config() -> None:
+    m = method("random", zero_stages=(1,), trials_per_random_config=3, max_trials=40)
+    run(m, cliff_function(1000))  # never OOMs: only the per-config limit ends lineages
+    for lineage_id in m.tracker.lineage_ids():
+        assert m.tracker.finished_in_lineage(lineage_id) <= 3
+    assert any(m.tracker.finished_in_lineage(lid) == 3 for lid in m.tracker.lineage_ids())
+
+
+def test_stops_after_failing_at_the_floor() -> None:
+    m = method("random", zero_stages=(1,), max_concurrent_trials=1)
+    (first,) = created_ids(start_profile(m))
+    record = m.tracker.get(first)
+    m.tracker.mark_finished(first, TrialStatus.OOM)
+    at_floor = m.tracker.get(first).replace(search_range=SearchRange(record.mbs, 64))
+    assert m.should_stop_lineage(at_floor)
+    assert not m.should_stop_lineage(m.tracker.get(first))  # above its floor: keep searching
+
+
+def test_stops_when_a_same_stage_trial_already_ran_above_its_ceiling() -> None:
+    m = method("random", zero_stages=(1,), max_concurrent_trials=2)
+    a, b = created_ids(start_profile(m))
+    finish(m, a, ok=True, metrics={"FLOPS_per_gpu": 1.0})
+    ran = m.tracker.get(a).mbs
+    m.tracker.mark_finished(b, TrialStatus.OOM)
+    failed = m.tracker.get(b)
+    assert m.should_stop_lineage(failed.replace(search_range=SearchRange(1, ran)))
+    assert not m.should_stop_lineage(failed.replace(search_range=SearchRange(1, ran + 1)))
+
+
+def test_stage_three_is_pruned_once_stage_one_or_two_works() -> None:
+    m = method("random", zero_stages=(1, 3), max_concurrent_trials=4, random_seed=0)
+    ops = start_profile(m)
+    ids = created_ids(ops)
+    stage3 = [i for i in ids if m.tracker.get(i).zero_stage == 3]
+    stage1 = [i for i in ids if m.tracker.get(i).zero_stage == 1]
+    assert stage3 and stage1
+    assert not m.should_stop_lineage(m.tracker.get(stage3[0]))
+    finish(m, stage1[0], ok=True)
+    assert m.should_stop_lineage(m.tracker.get(stage3[0]))
+    assert all(m.choose_stage() == 1 for _ in range(20))
+
+
+def test_early_stopping() -> None:
+    m = method("random", zero_stages=(1,), early_stopping=4, max_trials=64)
+    run(m, cliff_function(8))
+    assert m.shutdown_reason is not None and m.shutdown_reason.startswith("early stopping")
+    assert len(m.tracker.finished) < 64
+    assert m.tracker.trials_since_best >= 4

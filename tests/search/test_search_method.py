@@ -1,0 +1,169 @@
+"""What every method shares: the event protocol, limits, failures, determinism and resuming."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from determined import searcher
+
+from dsat.runners.driver import SearchDriver
+from dsat.runners.simulated import SimulatedExecutor
+from dsat.search.trial import TrialKind, TrialStatus
+from tests.search.helpers import PROFILE, cliff_function, history, method, run
+
+METHODS = ["asha", "binary", "random"]
+
+
+def max_overlap(driver: SearchDriver) -> int:
+    """The most trials running at one virtual instant."""
+    events = sorted([(f.outcome.start, 1) for f in driver.history] + [(f.outcome.end, -1) for f in driver.history])
+    running = peak = 0
+    for _, step in events:
+        running += step
+        peak = max(peak, running)
+    return peak
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_trial_limit(name: str) -> None:
+    m = method(name, max_trials=20, zero_stages=(1, 2, 3))
+    driver = run(m, cliff_function(40))
+    assert len(driver.history) == 20 == len(m.tracker.finished)
+    assert m.shutdown_reason == "all trials finished"
+    assert sum(1 for f in driver.history if f.outcome.status is TrialStatus.COMPLETED) > 10
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_concurrency_limit(name: str) -> None:
+    driver = run(method(name, max_concurrent_trials=3, zero_stages=(1, 2)), cliff_function(40))
+    assert max_overlap(driver) == 3
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_slot_limit(name: str) -> None:
+    m = method(name, slots=4, max_slots=8, max_concurrent_trials=16, zero_stages=(1, 2))
+    driver = run(m, cliff_function(40), slots=4)
+    assert max_overlap(driver) == 2  # 8 slots / 4 per trial
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_oom_lowers_the_ceiling(name: str) -> None:
+    m = method(name, zero_stages=(1, 2), max_concurrent_trials=4)
+    run(m, cliff_function(13))
+    records = m.tracker.records
+    assert any(r.status is TrialStatus.OOM for r in records)
+    for r in records:
+        if r.kind is TrialKind.SEARCH and r.status.finished:
+            assert (r.status is TrialStatus.OOM) == (r.mbs > 13)
+        if r.parent_id is not None and m.tracker.get(r.parent_id).status is TrialStatus.OOM:
+            assert r.search_range is not None and r.search_range.hi < m.tracker.get(r.parent_id).mbs
+    best = m.tracker.best()
+    assert best is not None and best.mbs == 13
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_every_trial_failing_is_a_failed_search(name: str) -> None:
+    def broken(ds_config: dict[str, Any], slots: int) -> dict[str, Any]:
+        if ds_config["autotuning"].get("model_info"):
+            return dict(PROFILE)
+        raise RuntimeError("CUDA error: illegal memory access")
+
+    m = method(name, max_trials=10)
+    driver = run(m, broken)
+    assert driver.shutdown is not None and driver.shutdown.failure
+    assert m.search_failed
+    assert {r.status for r in m.tracker.finished if r.kind is TrialKind.SEARCH} == {TrialStatus.ERROR}
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_a_single_failure_does_not_fail_the_search(name: str) -> None:
+    healthy = cliff_function(40)
+    calls = {"n": 0}
+
+    def flaky(ds_config: dict[str, Any], slots: int) -> dict[str, Any]:
+        calls["n"] += 1
+        if calls["n"] == 2:  # the first search trial
+            raise RuntimeError("NCCL timeout")
+        return healthy(ds_config, slots)
+
+    m = method(name, max_trials=16)
+    driver = run(m, flaky)
+    assert driver.shutdown is not None and not driver.shutdown.failure
+    assert sum(r.status is TrialStatus.ERROR for r in m.tracker.records) == 1
+    assert not m.search_failed and m.tracker.best() is not None
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_failed_model_profile_stops_with_advice(name: str) -> None:
+    def no_memory(ds_config: dict[str, Any], slots: int) -> dict[str, Any]:
+        raise MemoryError("even micro-batch 1 does not fit")
+
+    m = method(name)
+    driver = run(m, no_memory)
+    assert len(driver.history) == 1 and driver.shutdown is not None and driver.shutdown.failure
+    assert m.shutdown_reason is not None and "must run at micro-batch 1" in m.shutdown_reason
+
+
+def test_profile_without_model_info_fails_the_same_way() -> None:
+    m = method("binary")
+    driver = run(m, lambda ds_config, slots: {"throughput": 1.0})
+    assert driver.shutdown is not None and driver.shutdown.failure and m.model_profile_failed()
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_same_seed_same_trials(name: str) -> None:
+    runs = [history(run(method(name, random_seed=seed), cliff_function(21, {2: 0.2}))) for seed in (5, 5, 6)]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_smaller_is_better_metric(name: str) -> None:
+    m = method(name, metric="latency", zero_stages=(1,), max_concurrent_trials=4)
+    run(m, cliff_function(17))
+    best = m.tracker.best()
+    assert best is not None and best.mbs == 17  # latency = 1000 / throughput: largest batch wins
+    values = [m.tracker.metric_value(r) for r in m.tracker.records]
+    assert m.tracker.metric_value(best) == min(v for v in values if v is not None)
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_resumed_search_proposes_the_same_trials(name: str) -> None:
+    """Interrupt after event k, rebuild the method from its JSON state, carry on: same trials."""
+    function = cliff_function(19, {1: 0.3, 2: 0.1})
+    overrides = {"max_trials": 30, "max_concurrent_trials": 4, "random_seed": 11}
+    baseline = history(run(method(name, **overrides), function))
+    assert len(baseline) == 30
+    for k in range(1, 30, 3):
+        first = method(name, **overrides)
+        driver = SearchDriver(first, SimulatedExecutor(function, 1), first.spec.ds_config, max_events=k)
+        driver.run()
+        saved = json.loads(json.dumps(first.state_json()))  # only JSON survives the crash
+        second = method(name, **overrides)
+        second.load_state_json(saved)
+        driver.method, driver.max_events = second, None
+        driver.loop()
+        assert history(driver) == baseline, f"diverged after resuming at event {k}"
+
+
+def test_state_belongs_to_its_method() -> None:
+    state = method("asha").state_json()
+    with pytest.raises(ValueError, match="asha"):
+        method("binary").load_state_json(state)
+
+
+def test_progress_and_created_events() -> None:
+    m = method("binary", max_trials=10)
+    state = searcher.SearcherState()
+    ops = m.initial_operations(state)
+    assert [type(op).__name__ for op in ops] == ["Create", "ValidateAfter"]
+    assert ops[1].length == 1  # the model profile needs one step
+    assert m.on_trial_created(state, ops[0].request_id) == []
+    assert m.progress(state) == 0.0
+    m.on_validation_completed(state, ops[0].request_id, dict(PROFILE), 1)
+    started = m.on_trial_closed(state, ops[0].request_id)
+    lengths = {op.length for op in started if isinstance(op, searcher.ValidateAfter)}
+    assert lengths == {m.settings.end_profile_step + 1}
+    assert m.progress(state) == pytest.approx(0.1)

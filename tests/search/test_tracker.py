@@ -1,0 +1,125 @@
+"""The tracker: registration without repeats, the global limits, best trials, lineages."""
+
+from __future__ import annotations
+
+from dsat.metric import Metric
+from dsat.search.tracker import TrialTracker
+from dsat.search.trial import SearchRange, TrialKind, TrialRecord, TrialStatus
+
+
+def record(rid: str, mbs: int, stage: int = 1, lineage: str | None = None, parent: str | None = None,
+           kind: TrialKind = TrialKind.SEARCH) -> TrialRecord:
+    overwrites = {"train_micro_batch_size_per_gpu": mbs, "zero_optimization": {"stage": stage}}
+    return TrialRecord(
+        request_id=rid, index=0, kind=kind, hparams={"overwrite_deepspeed_args": overwrites},
+        ds_config=overwrites, zero_stage=stage, mbs=mbs, gas=1, lineage_id=lineage or rid, parent_id=parent,
+        search_range=SearchRange(1, 16),
+    )
+
+
+def tracker(metric: Metric = Metric.THROUGHPUT, max_trials: int = 10, concurrent: int = 4,
+            max_slots: int | None = None, slots: int = 1) -> TrialTracker:
+    return TrialTracker(metric, max_trials, concurrent, max_slots, slots)
+
+
+def test_never_registers_a_configuration_twice() -> None:
+    t = tracker()
+    assert t.add(record("a", 4))
+    assert not t.add(record("b", 4))  # same overrides, another id
+    assert "b" not in t and t.queue == ["a"]
+    t.mark_running(t.dequeue("a").request_id)
+    t.mark_finished("a", TrialStatus.COMPLETED, {"throughput": 1.0})
+    assert not t.add(record("c", 4))  # it already ran
+    assert t.add(record("d", 4, stage=2))
+
+
+def test_concurrency_and_trial_limits() -> None:
+    t = tracker(max_trials=3, concurrent=2)
+    for i in range(5):
+        t.add(record(f"r{i}", i + 1))
+    started = []
+    while t.can_start_more():
+        started.append(t.dequeue(t.queue[0]).request_id)
+        t.mark_running(started[-1])
+    assert started == ["r0", "r1"]  # concurrency 2
+    t.mark_finished("r0", TrialStatus.COMPLETED, {"throughput": 1.0})
+    assert t.can_start_more()
+    t.mark_running(t.dequeue("r2").request_id)
+    t.mark_finished("r1", TrialStatus.OOM)
+    assert not t.can_start_more()  # three started: max_trials reached, though one slot is free
+    assert t.num_started == 3
+
+
+def test_slot_limit() -> None:
+    t = tracker(concurrent=16, max_slots=8, slots=4)
+    for i in range(4):
+        t.add(record(f"r{i}", i + 1))
+    count = 0
+    while t.can_start_more():
+        t.mark_running(t.dequeue(t.queue[0]).request_id)
+        count += 1
+    assert count == 2  # 2 trials x 4 slots = the 8 allowed
+
+
+def test_best_per_stage_and_overall() -> None:
+    t = tracker(Metric.THROUGHPUT)
+    values = {"a": (1, 10.0), "b": (1, 30.0), "c": (2, 20.0), "d": (3, 50.0)}
+    for rid, (stage, value) in values.items():
+        t.add(record(rid, int(value), stage))
+        t.mark_finished(rid, TrialStatus.COMPLETED, {"throughput": value})
+    t.add(record("e", 99, 3))
+    t.mark_finished("e", TrialStatus.OOM)
+    profile = record("p", 1, kind=TrialKind.MODEL_PROFILE)
+    t.add(profile, queue=False)
+    t.mark_finished("p", TrialStatus.COMPLETED, {"throughput": 1e9})  # never counts as best
+    assert t.best(1).request_id == "b" and t.best(2).request_id == "c" and t.best(3).request_id == "d"
+    assert t.best().request_id == "d"
+    assert t.best(0) is None
+    assert t.successful_stages == {1, 2, 3}
+
+
+def test_smaller_is_better_and_deepspeed_key_names() -> None:
+    t = tracker(Metric.FORWARD)
+    for rid, fwd in {"a": 3.0, "b": 1.0, "c": 2.0}.items():
+        t.add(record(rid, int(fwd * 10)))
+        t.mark_finished(rid, TrialStatus.COMPLETED, {"fwd": fwd})  # DeepSpeed writes "fwd"
+    assert t.best().request_id == "b"
+    assert t.metric_value(t.get("c")) == 2.0
+
+
+def test_trials_since_best() -> None:
+    t = tracker()
+    for rid, value in [("a", 1.0), ("b", 0.5), ("c", 2.0), ("d", 0.1)]:
+        t.add(record(rid, int(value * 10) + 1))
+        t.mark_finished(rid, TrialStatus.COMPLETED, {"throughput": value})
+    assert t.trials_since_best == 1  # "c" was best, "d" did not beat it
+    t.add(record("e", 77))
+    t.mark_finished("e", TrialStatus.ERROR)
+    assert t.trials_since_best == 2
+
+
+def test_lineage_and_error_history() -> None:
+    t = tracker()
+    t.add(record("a", 8))
+    t.add(record("b", 12, lineage="a", parent="a"))
+    t.add(record("c", 10, lineage="a", parent="b"))
+    t.add(record("x", 3, stage=2))
+    t.mark_finished("a", TrialStatus.COMPLETED, {"throughput": 8.0})
+    t.mark_finished("b", TrialStatus.OOM)
+    assert [r.request_id for r in t.lineage("a")] == ["a", "b", "c"]
+    assert t.latest_in_lineage("a").request_id == "c"
+    assert t.finished_in_lineage("a") == 2
+    assert t.lineage_ids() == ["a", "x"]
+    assert t.error_in_history(t.get("c")) and t.error_in_history(t.get("b"))
+    assert not t.error_in_history(t.get("a")) and not t.error_in_history(t.get("x"))
+
+
+def test_state_round_trip() -> None:
+    t = tracker()
+    t.add(record("a", 8))
+    t.add(record("b", 9))
+    t.mark_running(t.dequeue("a").request_id)
+    again = tracker()
+    again.load_json(t.to_json())
+    assert again.records == t.records and again.queue == ["b"]
+    assert not again.add(record("z", 8))  # repeat detection survives the round trip
