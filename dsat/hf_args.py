@@ -54,9 +54,7 @@ def _set_flag(args: list[str], flag: str, value: str) -> list[str]:
         logger.info("adding %s %s to match the DeepSpeed config", flag, value)
         return [*args, flag, value]
     if old != value:
-        logger.info(
-            "changing %s from %s to %s to match the DeepSpeed config", flag, old, value
-        )
+        logger.info("changing %s from %s to %s to match the DeepSpeed config", flag, old, value)
     updated = list(args)
     if "=" in args[index]:
         updated[index] = f"{flag}={value}"

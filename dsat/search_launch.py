@@ -74,7 +74,9 @@ def plan_search(
         if not results_dir.is_dir():
             raise DsatError(f"--resume {results_dir}: no such results directory")
         if not (results_dir / STATE_FILE).is_file():
-            raise DsatError(f"--resume {results_dir}: no saved search there ({STATE_FILE} is missing)")
+            raise DsatError(
+                f"--resume {results_dir}: no saved search there ({STATE_FILE} is missing)"
+            )
     elif settings.results_dir is not None:
         results_dir = Path(settings.results_dir)
         if (results_dir / STATE_FILE).is_file():

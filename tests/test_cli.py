@@ -155,26 +155,6 @@ def test_auto_backend_is_determined_with_det_master(experiment_yaml: Path) -> No
     assert "the determined runner is not implemented yet" in result.stderr
 
 
-def test_simulated_backend_loads_the_simulator(
-    experiment_yaml: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    sim = tmp_path / "sim.py"
-    sim.write_text("def perf(ds_config, slots):\n    return {}\n")
-    assert_one_line_error(
-        capsys,
-        [
-            "binary",
-            str(experiment_yaml),
-            str(experiment_yaml.parent),
-            "--backend",
-            "simulated",
-            "--simulator",
-            f"{sim}:perf",
-        ],
-        "simulated runner is not implemented yet",
-    )
-
-
 def test_simulated_backend_needs_a_simulator(
     experiment_yaml: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -461,3 +441,65 @@ def test_resume_and_results_dir_conflict(
 ) -> None:
     argv = ["asha", str(experiment_yaml), ".", "--resume", "a", "--results-dir", "b"]
     assert_one_line_error(capsys, argv, "--resume", "--results-dir")
+
+
+# ---------------------------------------------------------------- the simulated backend end to end
+
+SIMULATED = Path(__file__).resolve().parents[1] / "examples" / "simulated"
+GPT2 = "dsat.runners.performance_models:gpt2_large_16xv100"
+
+
+def test_simulated_search_prints_the_summary_and_leaves_results(tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    args = [
+        "asha",
+        str(SIMULATED / "gpt2_large.yaml"),
+        str(SIMULATED),
+        "--backend",
+        "simulated",
+        "--simulator",
+        GPT2,
+        "--results-dir",
+        str(results),
+    ]
+    first = run_cli(*args)
+    assert first.returncode == 0, first.stderr
+    assert "| tuning_space | num_experiments | best_metric_val | best_exp_name" in first.stdout
+    assert "approx. max micro-batch" in first.stdout  # the memory model's estimates are logged
+    assert f"best DeepSpeed config: {results / 'best_ds_config.json'}" in first.stdout
+    for name in (
+        "trials.jsonl",
+        "best_ds_config.json",
+        "best_ds_metrics.json",
+        "summary.txt",
+        "dsat_search_state.json",
+    ):
+        assert (results / name).is_file(), name
+    assert len((results / "trials.jsonl").read_text().splitlines()) == 64
+    again = run_cli(*args)
+    _assert_subprocess_error(again, "already holds a search", "--resume")
+    resumed = run_cli(*args[:-2], "--resume", str(results))
+    assert (
+        resumed.returncode == 0 and len((results / "trials.jsonl").read_text().splitlines()) == 64
+    )
+
+
+def test_search_with_no_working_config_exits_1(tmp_path: Path) -> None:
+    sim = tmp_path / "sim.py"
+    sim.write_text("def perf(ds_config, slots):\n    raise MemoryError('nothing fits')\n")
+    result = run_cli(
+        "binary",
+        str(SIMULATED / "bert_base.yaml"),
+        str(SIMULATED),
+        "--backend",
+        "simulated",
+        "--simulator",
+        f"{sim}:perf",
+        "--results-dir",
+        str(tmp_path / "r"),
+    )
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "dsat: search failed: the model-profile trial failed: the model must run at micro-batch 1 with "
+        "the submitted DeepSpeed config; fix that (see the trial's log) and try again"
+    ]

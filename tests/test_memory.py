@@ -27,7 +27,9 @@ def test_precision_from_config() -> None:
 
 @pytest.mark.parametrize("precision", list(Precision))
 def test_stages_partition_model_states(precision: Precision) -> None:
-    profile = ModelProfile(num_params=10**9, trainable_num_params=10**9, activation_mem_per_gpu=GIB, gpu_mem=80 * GIB)
+    profile = ModelProfile(
+        num_params=10**9, trainable_num_params=10**9, activation_mem_per_gpu=GIB, gpu_mem=80 * GIB
+    )
     p, g, o = (b * 10**9 for b in precision.bytes_per_param)
     slots = 8
     memory = memory_per_gpu_per_stage(profile, precision, slots)
@@ -42,24 +44,38 @@ def test_stages_partition_model_states(precision: Precision) -> None:
 
 
 def test_frozen_parameters_have_no_gradients_or_optimizer_states() -> None:
-    frozen = ModelProfile(num_params=10**9, trainable_num_params=0, activation_mem_per_gpu=0, gpu_mem=GIB)
+    frozen = ModelProfile(
+        num_params=10**9, trainable_num_params=0, activation_mem_per_gpu=0, gpu_mem=GIB
+    )
     assert memory_per_gpu_per_stage(frozen, Precision.BF16, 4)[0] == 2 * 10**9
 
 
 def test_approx_max_micro_batch() -> None:
-    profile = ModelProfile(num_params=10**9, trainable_num_params=10**9, activation_mem_per_gpu=GIB, gpu_mem=32 * GIB)
+    profile = ModelProfile(
+        num_params=10**9, trainable_num_params=10**9, activation_mem_per_gpu=GIB, gpu_mem=32 * GIB
+    )
     ceilings = approx_max_micro_batch(profile, Precision.FP16, slots=8)
     states = {s: m - GIB for s, m in memory_per_gpu_per_stage(profile, Precision.FP16, 8).items()}
     assert ceilings == {s: (32 * GIB - states[s]) // GIB for s in range(4)}
     assert ceilings[3] > ceilings[0]
-    too_big = ModelProfile(num_params=10**10, trainable_num_params=10**10, activation_mem_per_gpu=GIB, gpu_mem=32 * GIB)
+    too_big = ModelProfile(
+        num_params=10**10, trainable_num_params=10**10, activation_mem_per_gpu=GIB, gpu_mem=32 * GIB
+    )
     assert approx_max_micro_batch(too_big, Precision.FP16, 1)[0] == 1  # never below 1
     no_activations = ModelProfile(10, 10, 0, 32 * GIB)
     assert approx_max_micro_batch(no_activations, Precision.FP32, 1)[0] == MAX_MICRO_BATCH
 
 
 def test_profile_from_metrics() -> None:
-    metrics = {"num_params": 5, "trainable_num_params": 4, "activation_mem_per_gpu": 3.0, "gpu_mem": 2, "rank": 0}
+    metrics = {
+        "num_params": 5,
+        "trainable_num_params": 4,
+        "activation_mem_per_gpu": 3.0,
+        "gpu_mem": 2,
+        "rank": 0,
+    }
     assert ModelProfile.from_metrics(metrics) == ModelProfile(5, 4, 3, 2)
     with pytest.raises(ModelProfileError, match="gpu_mem"):
-        ModelProfile.from_metrics({"num_params": 5, "trainable_num_params": 4, "activation_mem_per_gpu": 3})
+        ModelProfile.from_metrics(
+            {"num_params": 5, "trainable_num_params": 4, "activation_mem_per_gpu": 3}
+        )

@@ -275,8 +275,12 @@ def configurations(stages: tuple[int, ...]) -> list[dict[str, Any]]:
 
 
 def optimum(
-    model: PerformanceModel, slots: int, metric_key: str, smaller_is_better: bool,
-    stages: tuple[int, ...] = (0, 1, 2, 3), base: Mapping[str, Any] | None = None,
+    model: PerformanceModel,
+    slots: int,
+    metric_key: str,
+    smaller_is_better: bool,
+    stages: tuple[int, ...] = (0, 1, 2, 3),
+    base: Mapping[str, Any] | None = None,
 ) -> tuple[float, dict[str, Any]]:
     """The best noise-free metric over the whole search space, and the config that reaches it.
 
@@ -294,7 +298,9 @@ def optimum(
         for mbs in {1, largest}:
             candidate = {**config, "train_micro_batch_size_per_gpu": mbs}
             value = model.metrics(candidate, slots, noisy=False)[metric_key]
-            better = best_value is None or (value < best_value if smaller_is_better else value > best_value)
+            better = best_value is None or (
+                value < best_value if smaller_is_better else value > best_value
+            )
             if better:
                 best_value, best_config = value, candidate
     if best_value is None:

@@ -205,7 +205,9 @@ class DsatSearchMethod(searcher.SearchMethod):  # type: ignore[misc]
         if best is None or explore:
             return random_zero_config(stage, self.rng)
         section = best.ds_config.get("zero_optimization")
-        return neighbour_zero_config(dict(section) if isinstance(section, dict) else {"stage": stage}, self.rng)
+        return neighbour_zero_config(
+            dict(section) if isinstance(section, dict) else {"stage": stage}, self.rng
+        )
 
     def new_lineage(self, stage: int | None = None) -> TrialRecord | None:
         """A new configuration, not tried before, at its first micro-batch."""

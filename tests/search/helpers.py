@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from determined import searcher
 
@@ -15,8 +16,12 @@ from dsat.search.trial import TrialStatus
 from dsat.settings import SearchSettings
 
 # A profile whose memory model allows micro-batch 64 at every stage (fp32, 1 slot).
-PROFILE = {"num_params": 1000, "trainable_num_params": 1000, "activation_mem_per_gpu": 10**6,
-           "gpu_mem": 64 * 10**6 + 16_000}
+PROFILE = {
+    "num_params": 1000,
+    "trainable_num_params": 1000,
+    "activation_mem_per_gpu": 10**6,
+    "gpu_mem": 64 * 10**6 + 16_000,
+}
 BASE_DS = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1}}
 
 
@@ -32,7 +37,9 @@ def method(name: str = "binary", slots: int = 1, **overrides: Any) -> DsatSearch
     return make_search_method(settings(name, **overrides), spec(slots))
 
 
-def cliff_function(cliff: int, stage_bonus: dict[int, float] | None = None) -> Callable[..., dict[str, Any]]:
+def cliff_function(
+    cliff: int, stage_bonus: dict[int, float] | None = None
+) -> Callable[..., dict[str, Any]]:
     """A performance function: OOM above ``cliff``, throughput rising with the micro-batch."""
     bonus = stage_bonus or {}
 
@@ -45,13 +52,21 @@ def cliff_function(cliff: int, stage_bonus: dict[int, float] | None = None) -> C
             raise MemoryError("too big")
         stage = ds_config["zero_optimization"]["stage"]
         throughput = mbs * (1 + bonus.get(stage, 0.0)) * slots
-        return {"throughput": throughput, "FLOPS_per_gpu": throughput * 1e9, "latency": 1000 / throughput,
-                "fwd": 1.0, "bwd": 2.0, "seconds": 10.0 + mbs}
+        return {
+            "throughput": throughput,
+            "FLOPS_per_gpu": throughput * 1e9,
+            "latency": 1000 / throughput,
+            "fwd": 1.0,
+            "bwd": 2.0,
+            "seconds": 10.0 + mbs,
+        }
 
     return perform
 
 
-def run(m: DsatSearchMethod, function: Callable[..., dict[str, Any]], slots: int = 1) -> SearchDriver:
+def run(
+    m: DsatSearchMethod, function: Callable[..., dict[str, Any]], slots: int = 1
+) -> SearchDriver:
     driver = SearchDriver(m, SimulatedExecutor(function, slots), m.spec.ds_config)
     driver.run()
     return driver
@@ -65,13 +80,20 @@ def start_profile(m: DsatSearchMethod) -> list[searcher.Operation]:
     return list(m.on_trial_closed(state, create.request_id))
 
 
-def finish(m: DsatSearchMethod, request_id: str, ok: bool = True, metrics: dict[str, Any] | None = None,
-           status: TrialStatus = TrialStatus.OOM) -> list[searcher.Operation]:
+def finish(
+    m: DsatSearchMethod,
+    request_id: str,
+    ok: bool = True,
+    metrics: dict[str, Any] | None = None,
+    status: TrialStatus = TrialStatus.OOM,
+) -> list[searcher.Operation]:
     state = searcher.SearcherState()
     rid = uuid.UUID(request_id)
     if ok:
         record = m.tracker.get(request_id)
-        ops = m.on_validation_completed(state, rid, metrics or {"FLOPS_per_gpu": float(record.mbs)}, 6)
+        ops = m.on_validation_completed(
+            state, rid, metrics or {"FLOPS_per_gpu": float(record.mbs)}, 6
+        )
     else:
         m.record_failure(request_id, status, "boom")
         ops = m.on_trial_exited_early(state, rid, searcher.ExitedReason.ERRORED)
@@ -86,5 +108,10 @@ def history(driver: SearchDriver) -> list[tuple[str, str]]:
     """(trial overrides, outcome) in the order trials finished: what a search tried."""
     import json
 
-    return [(json.dumps(f.hparams.get("overwrite_deepspeed_args"), sort_keys=True), f.outcome.status.value)
-            for f in driver.history]
+    return [
+        (
+            json.dumps(f.hparams.get("overwrite_deepspeed_args"), sort_keys=True),
+            f.outcome.status.value,
+        )
+        for f in driver.history
+    ]

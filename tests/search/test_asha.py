@@ -17,7 +17,11 @@ def asha(**overrides: Any) -> AshaSearch:
 
 def test_trials_per_rung() -> None:
     assert [asha().trials_for_rung(r) for r in range(4)] == [3, 6, 12, 24]
-    assert [asha(asha_early_stopping=1, divisor=3).trials_for_rung(r) for r in range(3)] == [9, 27, 81]
+    assert [asha(asha_early_stopping=1, divisor=3).trials_for_rung(r) for r in range(3)] == [
+        9,
+        27,
+        81,
+    ]
 
 
 def test_highest_rung_first_then_longest_lineage() -> None:
@@ -28,13 +32,17 @@ def test_highest_rung_first_then_longest_lineage() -> None:
     a, b = m.tracker.get(first), m.tracker.get(second)
     a1 = m.continue_lineage(a, SearchRange(a.mbs + 1, 64), a.mbs + 1)
     assert a1 is not None
-    m.tracker.mark_finished(m.tracker.dequeue(a1.request_id).request_id, TrialStatus.COMPLETED, {"FLOPS_per_gpu": 1.5})
+    m.tracker.mark_finished(
+        m.tracker.dequeue(a1.request_id).request_id, TrialStatus.COMPLETED, {"FLOPS_per_gpu": 1.5}
+    )
     fresh = m.new_lineage()
     b1 = m.continue_lineage(b, SearchRange(b.mbs + 1, 64), b.mbs + 1)
     a2 = m.continue_lineage(m.tracker.get(a1.request_id), SearchRange(a1.mbs + 1, 64), a1.mbs + 1)
     assert fresh and b1 and a2
     assert m.choose_next() == a2.request_id  # rung 0 everywhere: the longest lineage (a) first
-    promoted = m.continue_lineage(m.tracker.get(second), SearchRange(b.mbs + 2, 64), b.mbs + 2, rung=1)
+    promoted = m.continue_lineage(
+        m.tracker.get(second), SearchRange(b.mbs + 2, 64), b.mbs + 2, rung=1
+    )
     assert promoted is not None
     assert m.choose_next() == promoted.request_id  # a higher rung beats any lineage length
 
@@ -50,7 +58,9 @@ def test_top_one_over_divisor_of_a_rung_is_promoted() -> None:
 
 
 def test_smaller_is_better_ranks_promotions_the_other_way() -> None:
-    m = asha(zero_stages=(1,), max_concurrent_trials=4, min_binary_search_trials=1, metric="latency")
+    m = asha(
+        zero_stages=(1,), max_concurrent_trials=4, min_binary_search_trials=1, metric="latency"
+    )
     ids = created_ids(start_profile(m))
     for value, rid in zip([1.0, 4.0, 2.0, 3.0], ids, strict=True):
         m.tracker.mark_finished(rid, TrialStatus.COMPLETED, {"latency": value})

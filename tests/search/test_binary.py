@@ -30,9 +30,14 @@ def test_success_raises_the_floor_and_failure_lowers_the_ceiling() -> None:
     record = m.tracker.get(first)
     assert record.search_range == SearchRange(1, 64) and record.mbs == 32
     (second,) = created_ids(finish(m, first, ok=True))
-    assert m.tracker.get(second).search_range == SearchRange(33, 64) and m.tracker.get(second).mbs == 48
+    assert (
+        m.tracker.get(second).search_range == SearchRange(33, 64)
+        and m.tracker.get(second).mbs == 48
+    )
     (third,) = created_ids(finish(m, second, ok=False))
-    assert m.tracker.get(third).search_range == SearchRange(33, 47) and m.tracker.get(third).mbs == 40
+    assert (
+        m.tracker.get(third).search_range == SearchRange(33, 47) and m.tracker.get(third).mbs == 40
+    )
     assert m.tracker.get(third).lineage_id == first and m.tracker.get(third).parent_id == second
 
 

@@ -18,7 +18,10 @@ METHODS = ["asha", "binary", "random"]
 
 def max_overlap(driver: SearchDriver) -> int:
     """The most trials running at one virtual instant."""
-    events = sorted([(f.outcome.start, 1) for f in driver.history] + [(f.outcome.end, -1) for f in driver.history])
+    events = sorted(
+        [(f.outcome.start, 1) for f in driver.history]
+        + [(f.outcome.end, -1) for f in driver.history]
+    )
     running = peak = 0
     for _, step in events:
         running += step
@@ -74,7 +77,9 @@ def test_every_trial_failing_is_a_failed_search(name: str) -> None:
     driver = run(m, broken)
     assert driver.shutdown is not None and driver.shutdown.failure
     assert m.search_failed
-    assert {r.status for r in m.tracker.finished if r.kind is TrialKind.SEARCH} == {TrialStatus.ERROR}
+    assert {r.status for r in m.tracker.finished if r.kind is TrialKind.SEARCH} == {
+        TrialStatus.ERROR
+    }
 
 
 @pytest.mark.parametrize("name", METHODS)
@@ -114,7 +119,10 @@ def test_profile_without_model_info_fails_the_same_way() -> None:
 
 @pytest.mark.parametrize("name", METHODS)
 def test_same_seed_same_trials(name: str) -> None:
-    runs = [history(run(method(name, random_seed=seed), cliff_function(21, {2: 0.2}))) for seed in (5, 5, 6)]
+    runs = [
+        history(run(method(name, random_seed=seed), cliff_function(21, {2: 0.2})))
+        for seed in (5, 5, 6)
+    ]
     assert runs[0] == runs[1]
     assert runs[0] != runs[2]
 
@@ -138,7 +146,9 @@ def test_resumed_search_proposes_the_same_trials(name: str) -> None:
     assert len(baseline) == 30
     for k in range(1, 30, 3):
         first = method(name, **overrides)
-        driver = SearchDriver(first, SimulatedExecutor(function, 1), first.spec.ds_config, max_events=k)
+        driver = SearchDriver(
+            first, SimulatedExecutor(function, 1), first.spec.ds_config, max_events=k
+        )
         driver.run()
         saved = json.loads(json.dumps(first.state_json()))  # only JSON survives the crash
         second = method(name, **overrides)

@@ -10,7 +10,11 @@ from dsat.search.space import neighbour_zero_config, random_zero_config, space_s
 def test_knobs_accumulate_by_stage() -> None:
     assert zero_knobs(0) == {}
     assert set(zero_knobs(1)) == {"reduce_bucket_size", "allgather_bucket_size"}
-    assert set(zero_knobs(2)) == set(zero_knobs(1)) | {"overlap_comm", "reduce_scatter", "contiguous_gradients"}
+    assert set(zero_knobs(2)) == set(zero_knobs(1)) | {
+        "overlap_comm",
+        "reduce_scatter",
+        "contiguous_gradients",
+    }
     assert set(zero_knobs(3)) == set(zero_knobs(2)) | {"allgather_partitions"}
     assert [space_size(s) for s in range(4)] == [1, 64, 512, 1024]
 

@@ -7,18 +7,37 @@ from dsat.search.tracker import TrialTracker
 from dsat.search.trial import SearchRange, TrialKind, TrialRecord, TrialStatus
 
 
-def record(rid: str, mbs: int, stage: int = 1, lineage: str | None = None, parent: str | None = None,
-           kind: TrialKind = TrialKind.SEARCH) -> TrialRecord:
+def record(
+    rid: str,
+    mbs: int,
+    stage: int = 1,
+    lineage: str | None = None,
+    parent: str | None = None,
+    kind: TrialKind = TrialKind.SEARCH,
+) -> TrialRecord:
     overwrites = {"train_micro_batch_size_per_gpu": mbs, "zero_optimization": {"stage": stage}}
     return TrialRecord(
-        request_id=rid, index=0, kind=kind, hparams={"overwrite_deepspeed_args": overwrites},
-        ds_config=overwrites, zero_stage=stage, mbs=mbs, gas=1, lineage_id=lineage or rid, parent_id=parent,
+        request_id=rid,
+        index=0,
+        kind=kind,
+        hparams={"overwrite_deepspeed_args": overwrites},
+        ds_config=overwrites,
+        zero_stage=stage,
+        mbs=mbs,
+        gas=1,
+        lineage_id=lineage or rid,
+        parent_id=parent,
         search_range=SearchRange(1, 16),
     )
 
 
-def tracker(metric: Metric = Metric.THROUGHPUT, max_trials: int = 10, concurrent: int = 4,
-            max_slots: int | None = None, slots: int = 1) -> TrialTracker:
+def tracker(
+    metric: Metric = Metric.THROUGHPUT,
+    max_trials: int = 10,
+    concurrent: int = 4,
+    max_slots: int | None = None,
+    slots: int = 1,
+) -> TrialTracker:
     return TrialTracker(metric, max_trials, concurrent, max_slots, slots)
 
 
@@ -72,7 +91,9 @@ def test_best_per_stage_and_overall() -> None:
     profile = record("p", 1, kind=TrialKind.MODEL_PROFILE)
     t.add(profile, queue=False)
     t.mark_finished("p", TrialStatus.COMPLETED, {"throughput": 1e9})  # never counts as best
-    assert t.best(1).request_id == "b" and t.best(2).request_id == "c" and t.best(3).request_id == "d"
+    assert (
+        t.best(1).request_id == "b" and t.best(2).request_id == "c" and t.best(3).request_id == "d"
+    )
     assert t.best().request_id == "d"
     assert t.best(0) is None
     assert t.successful_stages == {1, 2, 3}

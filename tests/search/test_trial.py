@@ -10,18 +10,33 @@ from dsat.search.trial import SearchRange, TrialKind, TrialRecord, TrialStatus
 def test_status_groups() -> None:
     assert not TrialStatus.QUEUED.finished and not TrialStatus.RUNNING.finished
     assert TrialStatus.COMPLETED.finished and not TrialStatus.COMPLETED.failed
-    assert all(s.finished and s.failed for s in (TrialStatus.OOM, TrialStatus.ERROR, TrialStatus.TIMEOUT))
+    assert all(
+        s.finished and s.failed for s in (TrialStatus.OOM, TrialStatus.ERROR, TrialStatus.TIMEOUT)
+    )
 
 
 def test_search_range() -> None:
-    assert SearchRange(1, 10).midpoint == 5 and not SearchRange(3, 3).empty and SearchRange(4, 3).empty
+    assert (
+        SearchRange(1, 10).midpoint == 5 and not SearchRange(3, 3).empty and SearchRange(4, 3).empty
+    )
 
 
 def test_record_round_trips_through_json() -> None:
     record = TrialRecord(
-        request_id="r1", index=3, kind=TrialKind.SEARCH, hparams={"overwrite_deepspeed_args": {"a": 1}},
-        ds_config={"train_micro_batch_size_per_gpu": 4}, zero_stage=2, mbs=4, gas=1, lineage_id="r0",
-        parent_id="r0", search_range=SearchRange(1, 8), rung=1, status=TrialStatus.OOM, error="x",
+        request_id="r1",
+        index=3,
+        kind=TrialKind.SEARCH,
+        hparams={"overwrite_deepspeed_args": {"a": 1}},
+        ds_config={"train_micro_batch_size_per_gpu": 4},
+        zero_stage=2,
+        mbs=4,
+        gas=1,
+        lineage_id="r0",
+        parent_id="r0",
+        search_range=SearchRange(1, 8),
+        rung=1,
+        status=TrialStatus.OOM,
+        error="x",
     )
     again = TrialRecord.from_json(json.loads(json.dumps(record.to_json())))
     assert again == record

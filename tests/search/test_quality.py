@@ -1,0 +1,55 @@
+"""Each method at default flags ends within 2% of the true optimum on every built-in model,
+for most seeds. The optimum is exhaustive over the search space, on noise-free metrics; the
+search only ever sees noisy ones."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from dsat.metric import Metric
+from dsat.runners.driver import SearchDriver
+from dsat.runners.performance_models import BUILTIN_MODELS, optimum
+from dsat.runners.simulated import SimulatedExecutor
+from dsat.search import make_search_method
+from dsat.search.base import SearchSpec
+from dsat.settings import SearchSettings
+
+CASES: dict[str, tuple[int, dict[str, Any]]] = {
+    "gpt2_large_16xv100": (16, {"fp16": {"enabled": True}}),
+    "bert_base_16xv100": (16, {}),
+    "llama_7b_8xa100": (8, {"bf16": {"enabled": True}}),
+}
+SEEDS = range(20)
+# Measured rates (of 20 seeds): asha 14/20/14, binary 14/20/15, random 12/20/17 for
+# gpt2/bert/7b. "Most" is asserted as more than half.
+REQUIRED = 11
+
+
+def regret(name: str, method: str, seed: int) -> float:
+    slots, base = CASES[name]
+    model = BUILTIN_MODELS[name]
+    metric = Metric.FLOPS_PER_GPU
+    settings = SearchSettings(method=method, config_path="x.yaml", model_dir=".", random_seed=seed)
+    spec = SearchSpec(
+        {"deepspeed_config": "ds.json"}, {"train_micro_batch_size_per_gpu": 1, **base}, slots
+    )
+    search = make_search_method(settings, spec)
+    SearchDriver(search, SimulatedExecutor(model, slots), spec.ds_config).run()
+    best = search.tracker.best()
+    assert best is not None
+    best_value, _ = optimum(model, slots, metric.file_key, False, settings.zero_stages, base)
+    found = model.metrics(best.ds_config, slots, noisy=False)[metric.file_key]
+    return (best_value - found) / best_value
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("method", ["asha", "binary", "random"])
+def test_ends_near_the_optimum_for_most_seeds(name: str, method: str) -> None:
+    regrets = [regret(name, method, seed) for seed in SEEDS]
+    assert min(regrets) >= -1e-9  # nothing beats the exhaustive optimum
+    within = sum(r <= 0.02 for r in regrets)
+    assert within >= REQUIRED, (
+        f"{method} on {name}: {within}/20 within 2%, regrets {sorted(regrets)}"
+    )
