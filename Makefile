@@ -7,7 +7,7 @@ TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.dsat-installed-test
 DEV_STAMP := $(VENV)/.dsat-installed-dev
 
-.PHONY: test lint demo venv clean
+.PHONY: test lint demo bench venv clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -32,9 +32,13 @@ lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff format --check dsat tests examples benchmarks
 	$(VENV)/bin/mypy
 
+# Until the local runner lands, the demo tunes a simulated GPT2-large on 16 V100s (no GPU needed).
 demo: $(STAMP)
-	@echo "make demo runs a real local autotune once the local runner lands; until then it checks the example."
-	DS_ACCELERATOR=cpu $(PY) -m dsat asha examples/core_api_mlp/deepspeed.yaml examples/core_api_mlp
+	$(PY) -m dsat asha examples/simulated/gpt2_large.yaml examples/simulated \
+		--backend simulated --simulator dsat.runners.performance_models:gpt2_large_16xv100
+
+bench: $(STAMP)
+	$(PY) benchmarks/search_efficiency.py
 
 clean:
 	rm -rf $(VENV) dsat-results .pytest_cache .mypy_cache .ruff_cache

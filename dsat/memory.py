@@ -1,7 +1,8 @@
 """From the model-profile trial to memory per GPU per ZeRO stage and a micro-batch ceiling.
 
-Follows the ZeRO paper's accounting: with mixed precision (fp16 or bf16) a parameter costs 2 bytes,
-its gradient 2 and Adam's fp32 master copy, momentum and variance 12; in fp32 it is 4 + 4 + 8.
+Counts as DeepSpeed's own autotuner does: with mixed precision (fp16 or bf16) a parameter costs 2
+bytes, its gradient 2, and the optimizer 16 (Adam's fp32 master copy, momentum and variance, plus
+the fp32 gradient copy its step makes); in fp32 it is 4 + 4 + 8.
 Stage 1 partitions the optimizer states across the trial's slots, stage 2 also the gradients,
 stage 3 also the parameters. Activations grow linearly with the micro-batch.
 """
@@ -41,7 +42,7 @@ class Precision(str, enum.Enum):
     @property
     def bytes_per_param(self) -> tuple[int, int, int]:
         """(parameter, gradient, optimizer states) bytes per parameter, with Adam."""
-        return (4, 4, 8) if self is Precision.FP32 else (2, 2, 12)
+        return (4, 4, 8) if self is Precision.FP32 else (2, 2, 16)
 
 
 @dataclasses.dataclass(frozen=True)

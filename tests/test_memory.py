@@ -21,7 +21,7 @@ def test_precision_from_config() -> None:
     assert Precision.of({"fp16": {"enabled": True}}) is Precision.FP16
     assert Precision.of({"bf16": {"enabled": True}}) is Precision.BF16
     assert Precision.of({"bf16": {"enabled": "auto"}}) is Precision.FP32  # HF fills it in later
-    assert Precision.BF16.bytes_per_param == Precision.FP16.bytes_per_param == (2, 2, 12)
+    assert Precision.BF16.bytes_per_param == Precision.FP16.bytes_per_param == (2, 2, 16)
     assert Precision.FP32.bytes_per_param == (4, 4, 8)
 
 
@@ -40,7 +40,8 @@ def test_stages_partition_model_states(precision: Precision) -> None:
         3: (p + g + o) // slots + GIB,
     }
     assert memory[0] > memory[1] > memory[2] > memory[3]
-    assert memory[0] - GIB == 16 * 10**9  # 16 bytes per parameter either way, as in the ZeRO paper
+    expected = 16 if precision is Precision.FP32 else 20  # as DeepSpeed's autotuner counts
+    assert memory[0] - GIB == expected * 10**9
 
 
 def test_frozen_parameters_have_no_gradients_or_optimizer_states() -> None:

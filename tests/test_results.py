@@ -33,7 +33,7 @@ SPEC = SearchSpec(
 
 def search(results: Path, max_events: int | None = None, method: str = "asha") -> object:
     return run_search(
-        settings(method, max_trials=24, random_seed=3),
+        settings(method, max_trials=24, random_seed=3, search_range_factor=2.0),
         SPEC,
         SimulatedExecutor(gpt2_large_16xv100, 16),
         results,

@@ -1,7 +1,9 @@
 """Random ZeRO configurations, each with an approximate binary search over its micro-batch.
 
 Micro-batches are drawn from a binomial around the middle of the lineage's range (covering more
-than the midpoint alone). Lineages stop early on domain knowledge: a failure at the smallest
+than the midpoint alone). Once a stage has a best trial, new configurations of that stage start at
+its micro-batch and stop at the smallest one that ran out of memory there: unlike the reference,
+which starts above the best and so spends most late trials on certain OOMs. Lineages stop early on domain knowledge: a failure at the smallest
 micro-batch, `--trials-per-random-config` trials, stage 3 once stage 1 or 2 works (it only
 saves memory), or a failed lineage whose ceiling is below what a same-stage trial already ran.
 """
@@ -33,11 +35,20 @@ class RandomSearch(DsatSearchMethod):
         return int(stages[int(self.rng.integers(len(stages)))])
 
     def initial_range(self, stage: int) -> SearchRange:
-        """Start above the stage's best trial once there is one, else from the memory model."""
+        """From the memory model until the stage has a best trial; then from that trial's
+        micro-batch (other knobs may be faster there) up to the smallest micro-batch that ran
+        out of memory in this stage, or, with none yet, twice as high."""
         best = self.tracker.best(stage)
         if best is None or best.search_range is None:
             return SearchRange(1, max(self.micro_batch_ceiling(stage), 1))
-        lo = best.mbs + 1
+        lo = best.mbs
+        failed_above = [
+            r.mbs
+            for r in self.tracker.records
+            if r.zero_stage == stage and r.status.failed and r.mbs > lo
+        ]
+        if failed_above:
+            return SearchRange(lo, min(failed_above))
         largest_success = max(
             r.mbs
             for r in self.tracker.records
