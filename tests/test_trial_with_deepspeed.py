@@ -12,9 +12,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
-from dsat.constants import ENV_HPARAMS_FILE, METRICS_FILE, MODEL_INFO_FILE, TRIAL_OUTCOME_FILE
+from dsat.constants import ENV_HPARAMS_FILE, OVERWRITE_KEY, TRIAL_OUTCOME_FILE
+from dsat.memory import ModelProfile
+from dsat.search import make_search_method
+from dsat.search.base import SearchSpec
+from dsat.search.space import random_zero_config
+from dsat.search.trial import TrialKind
+from dsat.settings import SearchSettings
 from tests.conftest import EXAMPLE_DIR, REPO_ROOT
 
 pytestmark = pytest.mark.slow
@@ -85,26 +92,32 @@ def _outcome(directory: Path) -> dict[str, Any]:
     return data
 
 
-def _batch(mbs: int, slots: int) -> dict[str, int]:
-    return {
-        "train_micro_batch_size_per_gpu": mbs,
-        "gradient_accumulation_steps": 1,
-        "train_batch_size": mbs * slots,
-    }
+def dsat_overrides(
+    kind: TrialKind, slots: int, stage: int | None = None, mbs: int = 1
+) -> dict[str, Any]:
+    """The overrides dsat's search gives such a trial: batch triple, ZeRO knobs, autotuning block."""
+    ds_config = json.loads((EXAMPLE_DIR / "ds_config.json").read_text())
+    search = make_search_method(
+        SearchSettings(
+            method="binary",
+            config_path="deepspeed.yaml",
+            model_dir=".",
+            random_seed=stage or 0,
+            start_profile_step=2,
+            end_profile_step=4,
+        ),
+        SearchSpec({"deepspeed_config": "ds_config.json"}, ds_config, slots),
+    )
+    zero = None if stage is None else random_zero_config(stage, np.random.default_rng(stage))
+    overrides: dict[str, Any] = search.make_trial(kind, zero, mbs).hparams[OVERWRITE_KEY]
+    return overrides
 
 
-def test_metrics_trial(tmp_path: Path) -> None:
-    overwrites = {
-        **_batch(4, 1),
-        "zero_optimization": {"stage": 2},
-        "autotuning": {
-            "enabled": True,
-            "start_profile_step": 3,
-            "end_profile_step": 5,
-            "metric_path": METRICS_FILE,
-        },
-    }
-    result = run_example_trial(tmp_path / "trial", overwrites)
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_search_trial_at_every_zero_stage(tmp_path: Path, stage: int) -> None:
+    result = run_example_trial(
+        tmp_path / "trial", dsat_overrides(TrialKind.SEARCH, 1, stage, mbs=4)
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     outcome = _outcome(tmp_path / "trial")
     assert outcome["status"] == "completed" and outcome["kind"] == "metrics"
@@ -114,35 +127,21 @@ def test_metrics_trial(tmp_path: Path) -> None:
 
 
 def test_model_profile_trial(tmp_path: Path) -> None:
-    overwrites = {
-        **_batch(1, 1),
-        "autotuning": {
-            "enabled": True,
-            "model_info_path": MODEL_INFO_FILE,
-            "model_info": {"profile": True},
-        },
-    }
-    result = run_example_trial(tmp_path / "trial", overwrites)
+    result = run_example_trial(tmp_path / "trial", dsat_overrides(TrialKind.MODEL_PROFILE, 1))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     outcome = _outcome(tmp_path / "trial")
     assert outcome["kind"] == "model_info"
     assert outcome["values"]["num_params"] == TINY_MLP_PARAMS
     assert outcome["values"]["trainable_num_params"] == TINY_MLP_PARAMS
     assert outcome["values"]["gpu_mem"] > 0
+    # The memory model takes this profile as it comes.
+    assert ModelProfile.from_metrics(outcome["values"]).num_params == TINY_MLP_PARAMS
 
 
 def test_two_process_trial(tmp_path: Path) -> None:
-    overwrites = {
-        **_batch(2, 2),
-        "zero_optimization": {"stage": 3},
-        "autotuning": {
-            "enabled": True,
-            "start_profile_step": 2,
-            "end_profile_step": 4,
-            "metric_path": METRICS_FILE,
-        },
-    }
-    result = run_example_trial(tmp_path / "trial", overwrites, nproc=2)
+    overrides = dsat_overrides(TrialKind.SEARCH, 2, stage=3, mbs=2)
+    assert overrides["train_batch_size"] == 4  # 2 per rank x 2 ranks
+    result = run_example_trial(tmp_path / "trial", overrides, nproc=2)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     outcome = _outcome(tmp_path / "trial")
     assert outcome["kind"] == "metrics" and outcome["values"]["throughput"] > 0
@@ -151,6 +150,11 @@ def test_two_process_trial(tmp_path: Path) -> None:
 
 def test_full_run_without_autotuning_trains(tmp_path: Path) -> None:
     """Without an autotuning block the loop runs to the end and reports a loss, not a profile."""
-    result = run_example_trial(tmp_path / "trial", _batch(4, 1))
+    batch = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": 4,
+    }
+    result = run_example_trial(tmp_path / "trial", batch)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert not (tmp_path / "trial" / TRIAL_OUTCOME_FILE).exists()
