@@ -16,7 +16,3 @@ class DsatError(Exception):
     def __init__(self, message: str) -> None:
         # Collapse newlines so the CLI can always print exactly one line.
         super().__init__(" ".join(message.split()))
-
-    @property
-    def message(self) -> str:
-        return str(self)

@@ -70,10 +70,6 @@ class ResultsWriter:
             ]
         self._best_id: str | None = None
 
-    @property
-    def finished_request_ids(self) -> set[str]:
-        return {line["request_id"] for line in self._lines}
-
     def trial_finished(
         self, record: TrialRecord, timing: TrialTiming, tracker: TrialTracker
     ) -> None:

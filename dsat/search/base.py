@@ -11,6 +11,7 @@ operations and enforces the global limits through the tracker.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -98,9 +99,12 @@ class DsatSearchMethod(searcher.SearchMethod):  # type: ignore[misc]
         return [t for t in (self.new_lineage() for _ in range(count)) if t is not None]
 
     def after_success(self, record: TrialRecord) -> list[TrialRecord]:
+        """Queue what to try after ``record`` succeeded (through ``continue_lineage`` or
+        ``new_lineage``, which register it); returns what was queued."""
         raise NotImplementedError
 
     def after_failure(self, record: TrialRecord) -> list[TrialRecord]:
+        """Queue what to try after ``record`` ran out of memory or failed; returns it."""
         raise NotImplementedError
 
     def choose_next(self) -> str | None:
@@ -170,8 +174,7 @@ class DsatSearchMethod(searcher.SearchMethod):  # type: ignore[misc]
         merged = deep_merge(self.spec.ds_config, overwrites)
         batch = consistent_batch_sizes(merged, self.spec.slots_per_trial, micro_batch=mbs)
         overwrites = deep_merge(overwrites, batch)
-        hparams = deep_merge(self.spec.hparams, {OVERWRITE_KEY: overwrites})
-        hparams[OVERWRITE_KEY] = overwrites  # replace, never merge, the overrides section
+        hparams = {**copy.deepcopy(self.spec.hparams), OVERWRITE_KEY: overwrites}
         ds_config = deep_merge(self.spec.ds_config, overwrites)
         index = self._next_index
         request_id = str(uuid.uuid5(_REQUEST_NAMESPACE, f"{self.settings.random_seed}:{index}"))

@@ -49,9 +49,6 @@ class TrialTracker:
     def get(self, request_id: str) -> TrialRecord:
         return self._records[request_id]
 
-    def is_known(self, record: TrialRecord) -> bool:
-        return config_key(record) in self._keys
-
     def add(self, record: TrialRecord, queue: bool = True) -> bool:
         """Register ``record`` (and queue it); False, and nothing registered, for a repeat."""
         key = config_key(record)
