@@ -7,7 +7,7 @@ TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.dsat-installed-test
 DEV_STAMP := $(VENV)/.dsat-installed-dev
 
-.PHONY: test lint demo bench venv clean
+.PHONY: test lint demo demo-simulated bench venv clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -32,8 +32,14 @@ lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff format --check dsat tests examples benchmarks
 	$(VENV)/bin/mypy
 
-# Until the local runner lands, the demo tunes a simulated GPT2-large on 16 V100s (no GPU needed).
+# The main job: a real local autotune of the CPU example, 2 trials at a time (about a minute on
+# 2 cores). On a CPU the memory model sees all of RAM; --search-range-factor keeps micro-batches
+# small enough for quick trials.
 demo: $(STAMP)
+	DS_ACCELERATOR=cpu $(PY) -m dsat asha examples/core_api_mlp/deepspeed.yaml examples/core_api_mlp \
+		--zero-stages 0 1 2 3 --max-trials 20 --max-slots 2 --search-range-factor 0.05
+
+demo-simulated: $(STAMP)
 	$(PY) -m dsat asha examples/simulated/gpt2_large.yaml examples/simulated \
 		--backend simulated --simulator dsat.runners.performance_models:gpt2_large_16xv100
 

@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 
@@ -263,9 +264,10 @@ def show_progress_logs() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from dsat.search_launch import SearchFailed, launch
+    from dsat.search_launch import SearchFailed, SearchInterrupted, launch
 
     show_progress_logs()
+    previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
         launch(parse_settings(argv), os.environ)
     except DsatError as err:
@@ -274,10 +276,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SearchFailed as err:
         print(f"{PROG}: search failed: {err}", file=sys.stderr)
         return 1
+    except SearchInterrupted as err:
+        print(f"{PROG}: {err}", file=sys.stderr)
+        return 130
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
+    """SIGTERM stops a search the way Ctrl-C does: trials stopped, state kept."""
+    raise KeyboardInterrupt
 
 
 def main_exit() -> None:

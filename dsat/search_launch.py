@@ -18,6 +18,9 @@ from dsat.constants import RESULTS_ROOT
 from dsat.errors import DsatError
 from dsat.results import SUMMARY_FILE
 from dsat.runners import Backend, resolve_backend
+from dsat.runners.driver import TrialExecutor
+from dsat.runners.launch import entrypoint_tokens
+from dsat.runners.local import LocalExecutor, SlotPool
 from dsat.runners.simulated import SimulatedExecutor
 from dsat.search.base import STATE_FILE, DsatSearchMethod, SearchSpec
 from dsat.search_run import best_config_path, run_search
@@ -26,6 +29,16 @@ from dsat.settings import SearchSettings
 
 class SearchFailed(Exception):
     """The search ran but found no working configuration (not a user mistake: exit status 1)."""
+
+
+class SearchInterrupted(Exception):
+    """Ctrl-C or SIGTERM: every trial was stopped and the state is saved for --resume."""
+
+    def __init__(self, results_dir: Path) -> None:
+        super().__init__(
+            f"interrupted; every trial was stopped. Resume with --resume {results_dir}"
+        )
+        self.results_dir = results_dir
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +51,8 @@ class LaunchPlan:
     backend_reason: str
     results_dir: Path
     simulator: Callable[..., Any] | None = None
+    entrypoint: tuple[str, ...] = ()
+    slot_pool: SlotPool | None = None
 
 
 def default_results_dir(experiment_name: str, now: datetime.datetime) -> Path:
@@ -60,6 +75,12 @@ def plan_search(
     if settings.search_runner_config is not None:
         load_yaml_mapping(Path(settings.search_runner_config))
     backend, reason = resolve_backend(settings.backend, environ)
+    entrypoint: tuple[str, ...] = ()
+    pool = None
+    if backend is Backend.LOCAL:
+        config_path = str(experiment.config_path)
+        entrypoint = tuple(entrypoint_tokens(experiment.config.get("entrypoint"), config_path))
+        pool = SlotPool.for_machine(slots, settings.max_slots, dict(environ))
     simulator = None
     if backend is Backend.SIMULATED:
         if settings.simulator is None:
@@ -88,7 +109,9 @@ def plan_search(
         results_dir = default_results_dir(
             experiment.name, now or datetime.datetime.now(datetime.timezone.utc)
         )
-    return LaunchPlan(settings, experiment, backend, reason, results_dir, simulator)
+    return LaunchPlan(
+        settings, experiment, backend, reason, results_dir, simulator, entrypoint, pool
+    )
 
 
 def launch(settings: SearchSettings, environ: Mapping[str, str]) -> None:
@@ -99,15 +122,36 @@ def launch(settings: SearchSettings, environ: Mapping[str, str]) -> None:
         f"dsat: experiment {experiment.name!r}: DeepSpeed config {experiment.ds_config_path}, "
         f"{experiment.slots_per_trial} slot(s) per trial, results in {plan.results_dir}"
     )
-    if plan.backend is not Backend.SIMULATED:
+    spec = SearchSpec(experiment.hparams, experiment.ds_config, experiment.slots_per_trial)
+    if plan.backend is Backend.SIMULATED:
+        assert plan.simulator is not None  # plan_search loads it for this backend
+        executor: TrialExecutor = SimulatedExecutor(plan.simulator, experiment.slots_per_trial)
+    elif plan.backend is Backend.LOCAL:
+        assert plan.slot_pool is not None  # plan_search sizes it for this backend
+        pool = plan.slot_pool
+        kind = "GPU" if pool.on_gpu else "CPU"
+        print(f"dsat: {pool.size} {kind} slot(s) on this machine: {', '.join(pool.slots)}")
+        # The pool bounds how many trials run at once.
+        settings = dataclasses.replace(settings, max_slots=pool.size)
+        executor = LocalExecutor(
+            list(plan.entrypoint),
+            experiment.model_dir,
+            experiment.includes,
+            plan.results_dir,
+            pool,
+            experiment.slots_per_trial,
+            settings.trial_timeout,
+        )
+    else:
         raise DsatError(
             f"the {plan.backend.value} runner is not implemented yet; the experiment passed every "
             "check, and the runners arrive in later dsat releases"
         )
-    assert plan.simulator is not None  # plan_search loads it for this backend
-    spec = SearchSpec(experiment.hparams, experiment.ds_config, experiment.slots_per_trial)
-    executor = SimulatedExecutor(plan.simulator, experiment.slots_per_trial)
-    method = run_search(settings, spec, executor, plan.results_dir)
+    try:
+        method = run_search(settings, spec, executor, plan.results_dir)
+    except KeyboardInterrupt:
+        executor.stop_all()
+        raise SearchInterrupted(plan.results_dir) from None
     report_end(method, plan.results_dir)
 
 

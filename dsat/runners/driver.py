@@ -40,7 +40,9 @@ class FinishedTrial:
 
 
 class TrialExecutor(Protocol):
-    def start(self, request_id: str, ds_config: dict[str, Any], length: int) -> None: ...
+    def start(
+        self, request_id: str, hparams: dict[str, Any], ds_config: dict[str, Any], length: int
+    ) -> None: ...
 
     def wait(self) -> TrialOutcome: ...
 
@@ -87,7 +89,9 @@ class SearchDriver:
                 request_id = str(op.request_id)
                 self.lengths[request_id] = op.length
                 self.running.add(request_id)
-                self.executor.start(request_id, self.ds_config(request_id), op.length)
+                self.executor.start(
+                    request_id, self.hparams[request_id], self.ds_config(request_id), op.length
+                )
             elif isinstance(op, searcher.Close):
                 self.state.trials_closed.add(op.request_id)
                 self.apply(self.method.on_trial_closed(self.state, op.request_id))

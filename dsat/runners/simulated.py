@@ -39,7 +39,9 @@ class SimulatedExecutor:
         self._events: list[tuple[float, int, TrialOutcome]] = []
         self._order = itertools.count()
 
-    def start(self, request_id: str, ds_config: dict[str, Any], length: int) -> None:
+    def start(
+        self, request_id: str, hparams: dict[str, Any], ds_config: dict[str, Any], length: int
+    ) -> None:
         status, metrics, error = TrialStatus.COMPLETED, {}, None
         seconds = self.default_seconds
         try:

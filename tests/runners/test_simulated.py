@@ -21,11 +21,11 @@ def function(ds_config: dict[str, Any], slots: int) -> dict[str, Any]:
 
 def test_trials_overlap_and_finish_in_virtual_time_order() -> None:
     executor = SimulatedExecutor(function, slots_per_trial=2)
-    executor.start("a", {"train_micro_batch_size_per_gpu": 30}, 6)
-    executor.start("b", {"train_micro_batch_size_per_gpu": 10}, 6)
+    executor.start("a", {}, {"train_micro_batch_size_per_gpu": 30}, 6)
+    executor.start("b", {}, {"train_micro_batch_size_per_gpu": 10}, 6)
     first = executor.wait()
     assert (first.request_id, first.start, first.end, executor.now) == ("b", 0.0, 10.0, 10.0)
-    executor.start("c", {"train_micro_batch_size_per_gpu": 5}, 6)  # starts at t=10, ends at 15
+    executor.start("c", {}, {"train_micro_batch_size_per_gpu": 5}, 6)  # starts at t=10, ends at 15
     assert [executor.wait().request_id, executor.wait().request_id] == ["c", "a"]
     assert executor.now == 30.0  # a ran alongside b and c: 30 s, not 45
 
@@ -33,7 +33,7 @@ def test_trials_overlap_and_finish_in_virtual_time_order() -> None:
 def test_outcomes() -> None:
     executor = SimulatedExecutor(function, slots_per_trial=4)
     for rid, mbs in [("oom", 99), ("err", 13), ("ok", 2), ("default", 7)]:
-        executor.start(rid, {"train_micro_batch_size_per_gpu": mbs}, 6)
+        executor.start(rid, {}, {"train_micro_batch_size_per_gpu": mbs}, 6)
     outcomes = {o.request_id: o for o in (executor.wait() for _ in range(4))}
     assert (
         outcomes["oom"].status is TrialStatus.OOM
@@ -59,5 +59,5 @@ def test_function_gets_a_copy() -> None:
         return {"throughput": 1.0}
 
     config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1}}
-    SimulatedExecutor(mutating, 1).start("x", config, 6)
+    SimulatedExecutor(mutating, 1).start("x", {}, config, 6)
     assert config["zero_optimization"]["stage"] == 1 and seen

@@ -1,0 +1,83 @@
+"""Turn an experiment's entrypoint into the command that runs one trial on this machine.
+
+Determined's launch layers (`python3 -m determined.launch.deepspeed ...`,
+`determined.launch.torch_distributed ...`) are dropped, so one experiment YAML works on a cluster
+and here; a multi-slot trial runs under torchrun, a single-slot one directly with the variables
+torch.distributed expects. `python`/`python3` become this interpreter, so every trial uses the
+same environment (and DeepSpeed's JIT build cache stays valid).
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from collections.abc import Sequence
+
+from dsat.errors import DsatError
+
+DETERMINED_LAUNCHERS = (
+    "determined.launch.deepspeed",
+    "determined.launch.torch_distributed",
+    "determined.launch.horovod",
+)
+PYTHON_NAMES = ("python", "python3", sys.executable)
+
+
+def entrypoint_tokens(entrypoint: str | Sequence[str] | None, source: str) -> list[str]:
+    if isinstance(entrypoint, str) and entrypoint.strip():
+        try:
+            return shlex.split(entrypoint)
+        except ValueError as err:
+            raise DsatError(f"{source}: entrypoint does not parse as a command ({err})") from None
+    if isinstance(entrypoint, (list, tuple)) and entrypoint:
+        return [str(token) for token in entrypoint]
+    raise DsatError(
+        f"{source}: no entrypoint; set it to the command that trains, e.g. python3 train.py"
+    )
+
+
+def strip_determined_launcher(tokens: list[str]) -> list[str]:
+    """``python3 -m determined.launch.X [its flags] CMD...`` -> ``CMD...``."""
+    if (
+        len(tokens) >= 3
+        and tokens[0] in PYTHON_NAMES
+        and tokens[1] == "-m"
+        and tokens[2] in DETERMINED_LAUNCHERS
+    ):
+        rest = tokens[3:]
+        # The launch layers' own flags come first; the user's command starts at the first token
+        # that is not an option (nor an option's value: `--trial`, `--autotuning` take none).
+        while rest and rest[0].startswith("-"):
+            rest = rest[1:]
+        return rest
+    return tokens
+
+
+def trial_command(tokens: list[str], slots: int, master_port: int) -> list[str]:
+    """The command for a trial on ``slots`` processes."""
+    command = strip_determined_launcher(list(tokens))
+    if not command:
+        raise DsatError(
+            "the entrypoint names a Determined launcher but no training command after it"
+        )
+    is_python = command[0] in PYTHON_NAMES
+    if is_python:
+        command = [sys.executable, *command[1:]]
+    if slots == 1:
+        return command
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc_per_node",
+        str(slots),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(master_port),
+    ]
+    if is_python:
+        return [*torchrun, *command[1:]]
+    return [*torchrun, "--no-python", *command]

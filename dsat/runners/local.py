@@ -1,0 +1,290 @@
+"""The local runner: each trial a process group on this machine, in a copy of the model dir.
+
+A trial gets its own working directory (MODEL_DIR and the `--include`s copied; the user's files are
+never touched), its hyperparameters in a JSON file that `dsat.get_hparams()` reads, disjoint slots
+(GPUs through CUDA_VISIBLE_DEVICES, or CPU slots with DS_ACCELERATOR=cpu), and a log file in the
+results directory. What it leaves behind decides its outcome: DeepSpeed's metrics (through
+`dsat_reporting_context`'s outcome file, or DeepSpeed's own files) mean completed; an OOM
+signature, oom; the timeout, timeout; anything else, error with the log's last lines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from dsat.atomic_file import write_json_atomic
+from dsat.constants import ENV_HPARAMS_FILE, TRIAL_OUTCOME_FILE
+from dsat.errors import DsatError
+from dsat.oom import text_shows_out_of_memory
+from dsat.reporting import read_autotuning_result
+from dsat.runners.driver import TrialOutcome
+from dsat.runners.launch import trial_command
+from dsat.search.trial import TrialStatus
+
+HPARAMS_FILE = "dsat_hparams.json"
+LOG_TAIL_LINES = 20
+POLL_SECONDS = 0.1
+KILL_GRACE_SECONDS = 5.0
+COPY_IGNORE = shutil.ignore_patterns(".git", "__pycache__", "*.pyc", ".venv", "dsat-results")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def visible_gpus(environ: dict[str, str]) -> list[str]:
+    """The GPUs trials may use: CUDA_VISIBLE_DEVICES when set, else every one torch sees."""
+    listed = environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [d.strip() for d in listed.split(",") if d.strip() and d.strip() != "-1"]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+
+
+@dataclass
+class SlotPool:
+    """The machine's slots: GPU ids, or CPU slots named cpu0, cpu1, ..."""
+
+    slots: list[str]
+    on_gpu: bool
+
+    @classmethod
+    def for_machine(
+        cls, slots_per_trial: int, max_slots: int | None, environ: dict[str, str]
+    ) -> SlotPool:
+        gpus = visible_gpus(environ)
+        if gpus:
+            if slots_per_trial > len(gpus):
+                raise DsatError(
+                    f"resources.slots_per_trial is {slots_per_trial} but this machine has "
+                    f"{len(gpus)} visible GPU(s); lower it or free GPUs (CUDA_VISIBLE_DEVICES)"
+                )
+            count = min(len(gpus), max_slots) if max_slots else len(gpus)
+            return cls(gpus[:count], on_gpu=True)
+        cores = os.cpu_count() or 1
+        if slots_per_trial > cores:
+            raise DsatError(
+                f"resources.slots_per_trial is {slots_per_trial} but this machine has no GPU and "
+                f"{cores} CPU core(s); lower slots_per_trial"
+            )
+        # Without GPUs one trial runs at a time unless --max-slots allows more.
+        count = max(slots_per_trial, min(max_slots or slots_per_trial, cores))
+        return cls([f"cpu{i}" for i in range(count)], on_gpu=False)
+
+    def take(self, count: int) -> list[str]:
+        if count > len(self.slots):
+            raise RuntimeError("the search started more trials than there are free slots")
+        taken, self.slots = self.slots[:count], self.slots[count:]
+        return taken
+
+    def give_back(self, slots: list[str]) -> None:
+        self.slots.extend(slots)
+
+    @property
+    def size(self) -> int:
+        return len(self.slots)
+
+
+@dataclass
+class RunningTrial:
+    request_id: str
+    process: subprocess.Popen[bytes]
+    directory: Path
+    log_path: Path
+    log: IO[bytes]
+    slots: list[str]
+    start: float
+
+
+class LocalExecutor:
+    def __init__(
+        self,
+        entrypoint: list[str],
+        model_dir: Path,
+        includes: tuple[Path, ...],
+        results_dir: Path,
+        pool: SlotPool,
+        slots_per_trial: int,
+        timeout: float,
+        environ: dict[str, str] | None = None,
+    ) -> None:
+        self.entrypoint = entrypoint
+        self.model_dir = model_dir
+        self.includes = includes
+        self.results_dir = results_dir
+        self.pool = pool
+        self.slots_per_trial = slots_per_trial
+        self.timeout = timeout
+        self.environ = dict(os.environ if environ is None else environ)
+        self.cpu_threads = max(1, (os.cpu_count() or 1) // max(pool.size, 1))
+        self.running: dict[str, RunningTrial] = {}
+        self.started_at = time.monotonic()
+        self._count = 0
+
+    def now(self) -> float:
+        return time.monotonic() - self.started_at
+
+    def _prepare_directory(self, request_id: str, hparams: dict[str, Any]) -> Path:
+        self._count += 1
+        directory = self.results_dir / "trials" / f"{self._count:03d}-{request_id[:8]}"
+        if directory.exists():  # a resumed search re-runs an interrupted trial from scratch
+            shutil.rmtree(directory)
+        shutil.copytree(self.model_dir, directory, ignore=COPY_IGNORE)
+        for include in self.includes:
+            target = directory / include.name
+            if include.is_dir():
+                shutil.copytree(include, target, ignore=COPY_IGNORE, dirs_exist_ok=True)
+            else:
+                shutil.copy2(include, target)
+        write_json_atomic(directory / HPARAMS_FILE, hparams)
+        return directory
+
+    def _environment(self, directory: Path, slots: list[str], port: int) -> dict[str, str]:
+        env = dict(self.environ)
+        env[ENV_HPARAMS_FILE] = str(directory / HPARAMS_FILE)
+        if self.pool.on_gpu:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(slots)
+        else:
+            env["DS_ACCELERATOR"] = "cpu"
+            env["OMP_NUM_THREADS"] = str(self.cpu_threads)
+        if self.slots_per_trial == 1:
+            env.update(
+                {
+                    "RANK": "0",
+                    "LOCAL_RANK": "0",
+                    "WORLD_SIZE": "1",
+                    "LOCAL_WORLD_SIZE": "1",
+                    "GROUP_RANK": "0",
+                    "GROUP_WORLD_SIZE": "1",
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port),
+                }
+            )
+        return env
+
+    def start(
+        self, request_id: str, hparams: dict[str, Any], ds_config: dict[str, Any], length: int
+    ) -> None:
+        directory = self._prepare_directory(request_id, hparams)
+        slots = self.pool.take(self.slots_per_trial)
+        port = free_port()
+        log_path = self.results_dir / "logs" / f"{directory.name}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = log_path.open("wb")
+        command = trial_command(self.entrypoint, self.slots_per_trial, port)
+        log.write(f"$ {' '.join(command)}\n".encode())
+        log.flush()
+        process = subprocess.Popen(
+            command,
+            cwd=directory,
+            env=self._environment(directory, slots, port),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        self.running[request_id] = RunningTrial(
+            request_id, process, directory, log_path, log, slots, self.now()
+        )
+
+    def wait(self) -> TrialOutcome:
+        while True:
+            for trial in list(self.running.values()):
+                code = trial.process.poll()
+                timed_out = code is None and self.now() - trial.start > self.timeout
+                if code is None and not timed_out:
+                    continue
+                if timed_out:
+                    self._kill(trial)
+                return self._finish(trial, timed_out)
+            time.sleep(POLL_SECONDS)
+
+    def _finish(self, trial: RunningTrial, timed_out: bool) -> TrialOutcome:
+        del self.running[trial.request_id]
+        trial.log.close()
+        self.pool.give_back(trial.slots)
+        status, metrics, error = classify(trial, timed_out, self.timeout)
+        return TrialOutcome(trial.request_id, status, metrics, error, trial.start, self.now())
+
+    def _kill(self, trial: RunningTrial) -> None:
+        """Stop the trial's whole process group: SIGTERM, then SIGKILL after a grace period."""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(trial.process.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                trial.process.wait(timeout=KILL_GRACE_SECONDS)
+                if sig == signal.SIGKILL:
+                    return
+            except subprocess.TimeoutExpired:
+                continue
+        trial.process.wait()
+
+    def stop_all(self) -> None:
+        for trial in list(self.running.values()):
+            self._kill(trial)
+            trial.log.close()
+            self.pool.give_back(trial.slots)
+        self.running.clear()
+
+
+LOG_SCAN_BYTES = 256 * 1024
+
+
+def log_end(path: Path) -> str:
+    """The last part of a log: where a crash, an OOM report or torchrun's summary ends up."""
+    try:
+        with path.open("rb") as handle:
+            handle.seek(max(0, path.stat().st_size - LOG_SCAN_BYTES))
+            return handle.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def log_tail(text: str, lines: int = LOG_TAIL_LINES) -> str:
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def classify(
+    trial: RunningTrial, timed_out: bool, timeout: float
+) -> tuple[TrialStatus, dict[str, Any], str | None]:
+    """What a finished trial's exit code, outcome file and log say about it."""
+    outcome_path = trial.directory / TRIAL_OUTCOME_FILE
+    outcome: dict[str, Any] = {}
+    if outcome_path.is_file():
+        try:
+            outcome = json.loads(outcome_path.read_text())
+        except (OSError, json.JSONDecodeError):
+            outcome = {}
+    text = log_end(trial.log_path)
+    if timed_out:
+        return (
+            TrialStatus.TIMEOUT,
+            {},
+            f"stopped after --trial-timeout {timeout:g} s\n{log_tail(text)}",
+        )
+    code = trial.process.returncode
+    if outcome.get("status") == "completed" and code == 0:
+        return TrialStatus.COMPLETED, dict(outcome.get("values", {})), None
+    if code == 0:
+        result = read_autotuning_result(trial.directory)  # the script reported without dsat
+        if result is not None:
+            return TrialStatus.COMPLETED, result.values, None
+    tail = log_tail(text)
+    if outcome.get("status") == "oom" or text_shows_out_of_memory(text):
+        return TrialStatus.OOM, {}, tail
+    reason = f"exit code {code}" if code else "exited without DeepSpeed's autotuning results"
+    return TrialStatus.ERROR, {}, f"{reason}\n{tail}"
