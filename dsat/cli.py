@@ -252,11 +252,21 @@ def parse_settings(argv: Sequence[str] | None = None) -> SearchSettings:
     return SearchSettings(**values)
 
 
+class CurrentStdout:
+    """Writes to whatever sys.stdout is now, so log lines go above rich's live progress line."""
+
+    def write(self, text: str) -> int:
+        return sys.stdout.write(text)
+
+    def flush(self) -> None:
+        sys.stdout.flush()
+
+
 def show_progress_logs() -> None:
     """dsat's own INFO messages (memory estimates, why a search ended) on stdout."""
     log = logging.getLogger("dsat")
     if not log.handlers:
-        handler = logging.StreamHandler(sys.stdout)
+        handler = logging.StreamHandler(CurrentStdout())
         handler.setFormatter(logging.Formatter(f"{PROG}: %(message)s"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)
@@ -264,6 +274,7 @@ def show_progress_logs() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from dsat.runners.local_full_run import FullExperimentFailed
     from dsat.search_launch import SearchFailed, SearchInterrupted, launch
 
     show_progress_logs()
@@ -275,6 +286,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return USAGE_EXIT_CODE
     except SearchFailed as err:
         print(f"{PROG}: search failed: {err}", file=sys.stderr)
+        return 1
+    except FullExperimentFailed as err:
+        print(f"{PROG}: {err}", file=sys.stderr)
         return 1
     except SearchInterrupted as err:
         print(f"{PROG}: {err}", file=sys.stderr)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from dsat.atomic_file import write_json_atomic, write_text_atomic
-from dsat.constants import AUTOTUNING_KEY
+from dsat.constants import AUTOTUNING_KEY, DSAT_MODE_KEY, OVERWRITE_KEY
 from dsat.search.tracker import TrialTracker
 from dsat.search.trial import TrialKind, TrialRecord
 
@@ -42,7 +42,7 @@ def trial_line(number: int, record: TrialRecord, timing: TrialTiming) -> dict[st
         "mbs": record.mbs,
         "gas": record.gas,
         "name": record.name,
-        "overwrites": record.hparams.get("overwrite_deepspeed_args", {}),
+        "overwrites": record.hparams.get(OVERWRITE_KEY, {}),
         "metrics": record.metrics,
         "error": record.error,
         "start": timing.start,
@@ -54,6 +54,16 @@ def best_ds_config(record: TrialRecord) -> dict[str, Any]:
     config: dict[str, Any] = copy.deepcopy(record.ds_config)
     config.pop(AUTOTUNING_KEY, None)
     return config
+
+
+def full_experiment_hparams(record: TrialRecord) -> dict[str, Any]:
+    """The best trial's hyperparameters for a real training run: its overrides, minus tuning."""
+    hparams: dict[str, Any] = copy.deepcopy(record.hparams)
+    overwrites = hparams.get(OVERWRITE_KEY) or {}
+    overwrites.pop(AUTOTUNING_KEY, None)
+    overwrites.pop(DSAT_MODE_KEY, None)
+    hparams[OVERWRITE_KEY] = overwrites
+    return hparams
 
 
 class ResultsWriter:

@@ -16,11 +16,12 @@ from dsat.callable_spec import load_callable
 from dsat.config import Experiment, load_experiment, load_yaml_mapping, validate_with_deepspeed
 from dsat.constants import RESULTS_ROOT
 from dsat.errors import DsatError
-from dsat.results import SUMMARY_FILE
+from dsat.results import SUMMARY_FILE, full_experiment_hparams
 from dsat.runners import Backend, resolve_backend
 from dsat.runners.driver import TrialExecutor
 from dsat.runners.launch import entrypoint_tokens
 from dsat.runners.local import LocalExecutor, SlotPool
+from dsat.runners.local_full_run import run_full_experiment
 from dsat.runners.simulated import SimulatedExecutor
 from dsat.search.base import STATE_FILE, DsatSearchMethod, SearchSpec
 from dsat.search_run import best_config_path, run_search
@@ -83,6 +84,11 @@ def plan_search(
         pool = SlotPool.for_machine(slots, settings.max_slots, dict(environ))
     simulator = None
     if backend is Backend.SIMULATED:
+        if settings.run_full_experiment:
+            raise DsatError(
+                "--run-full-experiment needs a runner that trains for real; drop it with "
+                "--backend simulated"
+            )
         if settings.simulator is None:
             raise DsatError("--backend simulated needs --simulator MODULE_OR_FILE:FUNCTION")
         simulator = load_callable(settings.simulator, "--simulator")
@@ -148,11 +154,21 @@ def launch(settings: SearchSettings, environ: Mapping[str, str]) -> None:
             "check, and the runners arrive in later dsat releases"
         )
     try:
-        method = run_search(settings, spec, executor, plan.results_dir)
+        method = run_search(
+            settings,
+            spec,
+            executor,
+            plan.results_dir,
+            show_progress=plan.backend is not Backend.SIMULATED,
+        )
     except KeyboardInterrupt:
         executor.stop_all()
         raise SearchInterrupted(plan.results_dir) from None
     report_end(method, plan.results_dir)
+    if settings.run_full_experiment and isinstance(executor, LocalExecutor):
+        best = method.tracker.best()
+        assert best is not None  # report_end raised SearchFailed otherwise
+        run_full_experiment(executor, full_experiment_hparams(best))
 
 
 def report_end(method: DsatSearchMethod, results_dir: Path) -> None:

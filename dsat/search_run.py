@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 from dsat.atomic_file import write_text_atomic
+from dsat.progress import SearchProgress
 from dsat.results import BEST_CONFIG_FILE, ResultsWriter, TrialTiming
-from dsat.runners.driver import SearchDriver, TrialExecutor, TrialOutcome
+from dsat.runners.driver import SearchDriver, TrialExecutor, TrialListener, TrialOutcome
 from dsat.search import make_search_method
 from dsat.search.base import STATE_FILE, DsatSearchMethod, SearchSpec
 from dsat.settings import SearchSettings
@@ -20,6 +22,9 @@ class ResultsRecorder:
     def __init__(self, method: DsatSearchMethod, writer: ResultsWriter) -> None:
         self.method = method
         self.writer = writer
+
+    def trial_started(self, request_id: str) -> None:
+        pass  # nothing to keep until the trial ends
 
     def trial_finished(self, request_id: str, outcome: TrialOutcome) -> None:
         record = self.method.tracker.get(request_id)
@@ -35,19 +40,26 @@ def run_search(
     executor: TrialExecutor,
     results_dir: Path,
     max_events: int | None = None,
+    show_progress: bool = False,
 ) -> DsatSearchMethod:
-    """Drive the search to its end (or ``max_events``); resumes when ``results_dir`` has state."""
+    """Drive the search to its end (or ``max_events``); resumes when ``results_dir`` has state.
+
+    ``show_progress`` prints a line per finished trial (and live counts on a terminal); it is for
+    runners whose trials take real time.
+    """
     method = make_search_method(settings, spec)
     writer = ResultsWriter(results_dir)
     write_text_atomic(results_dir / SETTINGS_FILE, settings.to_json() + "\n")
-    driver = SearchDriver(
-        method, executor, spec.ds_config, ResultsRecorder(method, writer), max_events
-    )
-    if (results_dir / STATE_FILE).is_file():
+    listeners: list[TrialListener] = [ResultsRecorder(method, writer)]
+    progress = SearchProgress(method.tracker, settings.metric.value)
+    if show_progress:
+        listeners.append(progress)
+    driver = SearchDriver(method, executor, spec.ds_config, listeners, max_events)
+    resuming = (results_dir / STATE_FILE).is_file()
+    if resuming:
         method.load_method_state(results_dir)
-        driver.run(initial_ops=method.resume_operations())
-    else:
-        driver.run()
+    with progress if show_progress else contextlib.nullcontext():
+        driver.run(initial_ops=method.resume_operations() if resuming else None)
     if driver.shutdown is not None or not driver.running:
         writer.write_summary(method.tracker)
         method.save_method_state(results_dir)

@@ -173,6 +173,25 @@ def test_simulated_backend_needs_a_simulator(
     )
 
 
+def test_full_experiment_needs_a_real_runner(
+    experiment_yaml: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert_one_line_error(
+        capsys,
+        [
+            "asha",
+            str(experiment_yaml),
+            str(experiment_yaml.parent),
+            "--backend",
+            "simulated",
+            "--simulator",
+            "dsat.runners.performance_models:gpt2_large_16xv100",
+            "--run-full-experiment",
+        ],
+        "--run-full-experiment needs a runner that trains for real",
+    )
+
+
 def test_simulator_without_simulated_backend(
     experiment_yaml: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

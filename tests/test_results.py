@@ -12,11 +12,12 @@ from dsat.results import (
     BEST_METRICS_FILE,
     SUMMARY_FILE,
     TRIALS_FILE,
+    full_experiment_hparams,
     summary_table,
 )
 from dsat.runners.performance_models import gpt2_large_16xv100
 from dsat.runners.simulated import SimulatedExecutor
-from dsat.search.base import STATE_FILE, SearchSpec
+from dsat.search.base import STATE_FILE, DsatSearchMethod, SearchSpec
 from dsat.search_run import SETTINGS_FILE, run_search
 from tests.search.helpers import settings
 
@@ -31,7 +32,7 @@ SPEC = SearchSpec(
 )
 
 
-def search(results: Path, max_events: int | None = None, method: str = "asha") -> object:
+def search(results: Path, max_events: int | None = None, method: str = "asha") -> DsatSearchMethod:
     return run_search(
         settings(method, max_trials=24, random_seed=3, search_range_factor=2.0),
         SPEC,
@@ -93,3 +94,19 @@ def test_an_interrupted_search_resumes_from_its_results(tmp_path: Path) -> None:
     assert len(set(finished_ids)) == 24  # nothing finished twice
     assert (tmp_path / SUMMARY_FILE).is_file()
     assert method.tracker.best() is not None  # type: ignore[attr-defined]
+
+
+def test_full_experiment_hparams_keep_the_overrides_but_not_the_tuning(tmp_path: Path) -> None:
+    method = search(tmp_path)
+    best = method.tracker.best()
+    assert best is not None and "autotuning" in best.hparams["overwrite_deepspeed_args"]
+    hparams = full_experiment_hparams(best)
+    overwrites = hparams["overwrite_deepspeed_args"]
+    assert "autotuning" not in overwrites and "_use_dsat_mode" not in overwrites
+    assert overwrites["train_micro_batch_size_per_gpu"] == best.mbs
+    assert (
+        overwrites["zero_optimization"]
+        == best.hparams["overwrite_deepspeed_args"]["zero_optimization"]
+    )
+    assert hparams["lr"] == 0.1
+    assert "autotuning" in best.hparams["overwrite_deepspeed_args"]  # the record is untouched

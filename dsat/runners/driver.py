@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import uuid
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from determined import searcher
@@ -50,6 +51,10 @@ class TrialExecutor(Protocol):
 
 
 class TrialListener(Protocol):
+    """Told about every trial the driver starts and finishes (results files, progress display)."""
+
+    def trial_started(self, request_id: str) -> None: ...
+
     def trial_finished(self, request_id: str, outcome: TrialOutcome) -> None: ...
 
 
@@ -59,13 +64,13 @@ class SearchDriver:
         method: searcher.SearchMethod,
         executor: TrialExecutor,
         base_ds_config: dict[str, Any],
-        listener: TrialListener | None = None,
+        listeners: Sequence[TrialListener] = (),
         max_events: int | None = None,
     ) -> None:
         self.method = method
         self.executor = executor
         self.base_ds_config = base_ds_config
-        self.listener = listener
+        self.listeners = list(listeners)
         self.max_events = max_events  # stop early, as an interruption would (for tests)
         self.state = searcher.SearcherState()
         self.hparams: dict[str, dict[str, Any]] = {}
@@ -92,6 +97,8 @@ class SearchDriver:
                 self.executor.start(
                     request_id, self.hparams[request_id], self.ds_config(request_id), op.length
                 )
+                for listener in self.listeners:
+                    listener.trial_started(request_id)
             elif isinstance(op, searcher.Close):
                 self.state.trials_closed.add(op.request_id)
                 self.apply(self.method.on_trial_closed(self.state, op.request_id))
@@ -123,8 +130,8 @@ class SearchDriver:
             self.apply(self.method.on_trial_closed(self.state, request_id))
         hparams = self.hparams[outcome.request_id]
         self.history.append(FinishedTrial(hparams, self.ds_config(outcome.request_id), outcome))
-        if self.listener is not None:
-            self.listener.trial_finished(outcome.request_id, outcome)
+        for listener in self.listeners:
+            listener.trial_finished(outcome.request_id, outcome)
 
     def run(self, initial_ops: list[searcher.Operation] | None = None) -> None:
         """Start the search (or resume it with ``initial_ops``) and run it, see ``loop``."""

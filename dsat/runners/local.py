@@ -108,6 +108,38 @@ class RunningTrial:
     start: float
 
 
+def prepare_trial_directory(
+    directory: Path, model_dir: Path, includes: tuple[Path, ...], hparams: dict[str, Any]
+) -> None:
+    """A fresh copy of the model dir and the includes, with the hyperparameters beside them."""
+    if directory.exists():  # a resumed search re-runs an interrupted trial from scratch
+        shutil.rmtree(directory)
+    shutil.copytree(model_dir, directory, ignore=COPY_IGNORE)
+    for include in includes:
+        target = directory / include.name
+        if include.is_dir():
+            shutil.copytree(include, target, ignore=COPY_IGNORE, dirs_exist_ok=True)
+        else:
+            shutil.copy2(include, target)
+    write_json_atomic(directory / HPARAMS_FILE, hparams)
+
+
+def kill_process_group(process: subprocess.Popen[bytes]) -> None:
+    """Stop a trial's whole process group: SIGTERM, then SIGKILL after a grace period."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=KILL_GRACE_SECONDS)
+            if sig == signal.SIGKILL:
+                return
+        except subprocess.TimeoutExpired:
+            continue
+    process.wait()
+
+
 class LocalExecutor:
     def __init__(
         self,
@@ -139,19 +171,11 @@ class LocalExecutor:
     def _prepare_directory(self, request_id: str, hparams: dict[str, Any]) -> Path:
         self._count += 1
         directory = self.results_dir / "trials" / f"{self._count:03d}-{request_id[:8]}"
-        if directory.exists():  # a resumed search re-runs an interrupted trial from scratch
-            shutil.rmtree(directory)
-        shutil.copytree(self.model_dir, directory, ignore=COPY_IGNORE)
-        for include in self.includes:
-            target = directory / include.name
-            if include.is_dir():
-                shutil.copytree(include, target, ignore=COPY_IGNORE, dirs_exist_ok=True)
-            else:
-                shutil.copy2(include, target)
-        write_json_atomic(directory / HPARAMS_FILE, hparams)
+        prepare_trial_directory(directory, self.model_dir, self.includes, hparams)
         return directory
 
-    def _environment(self, directory: Path, slots: list[str], port: int) -> dict[str, str]:
+    def environment(self, directory: Path, slots: list[str], port: int) -> dict[str, str]:
+        """The trial's environment: where its hyperparameters are, its slots, its rank."""
         env = dict(self.environ)
         env[ENV_HPARAMS_FILE] = str(directory / HPARAMS_FILE)
         if self.pool.on_gpu:
@@ -189,7 +213,7 @@ class LocalExecutor:
         process = subprocess.Popen(
             command,
             cwd=directory,
-            env=self._environment(directory, slots, port),
+            env=self.environment(directory, slots, port),
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -219,19 +243,7 @@ class LocalExecutor:
         return TrialOutcome(trial.request_id, status, metrics, error, trial.start, self.now())
 
     def _kill(self, trial: RunningTrial) -> None:
-        """Stop the trial's whole process group: SIGTERM, then SIGKILL after a grace period."""
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(trial.process.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                trial.process.wait(timeout=KILL_GRACE_SECONDS)
-                if sig == signal.SIGKILL:
-                    return
-            except subprocess.TimeoutExpired:
-                continue
-        trial.process.wait()
+        kill_process_group(trial.process)
 
     def stop_all(self) -> None:
         for trial in list(self.running.values()):

@@ -46,7 +46,8 @@ def main() -> None:
                     engine.step()
             # Reached only when DeepSpeed's autotuning did not end the trial (a full run).
             if core_context.distributed.get_rank() == 0:
-                metrics = {"loss": float(loss)}
+                metrics = {"loss": loss.item()}
+                print(f"trained {steps} steps, loss {metrics['loss']:.4f}", flush=True)
                 core_context.train.report_validation_metrics(steps_completed=steps, metrics=metrics)
                 op.report_completed(metrics["loss"])
 

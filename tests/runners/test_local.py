@@ -67,6 +67,7 @@ def trials(results: Path) -> list[dict[str, Any]]:
 
 def test_small_search_writes_a_best_config_deepspeed_accepts(tmp_path: Path) -> None:
     path, directory = model_dir(tmp_path)
+    user_files = {p.name: p.read_bytes() for p in directory.iterdir() if p.is_file()}
     results = tmp_path / "results"
     run = dsat(
         "asha",
@@ -85,9 +86,13 @@ def test_small_search_writes_a_best_config_deepspeed_accepts(tmp_path: Path) -> 
         "0.01",
         "--results-dir",
         str(results),
+        "--run-full-experiment",
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     rows = trials(results)
+    # Progress: one plain line per finished trial (stdout is a pipe here, so no live display).
+    assert "dsat: trial 0 model profile: completed | running" in run.stdout
+    assert run.stdout.count("dsat: trial ") == 7 and "\x1b[" not in run.stdout
     assert len(rows) == 7 and all(row["status"] == "completed" for row in rows)
     assert rows[0]["kind"] == "model_profile" and rows[0]["metrics"]["num_params"] > 0
     assert "| global" in run.stdout and str(results / "best_ds_config.json") in run.stdout
@@ -114,10 +119,16 @@ def test_small_search_writes_a_best_config_deepspeed_accepts(tmp_path: Path) -> 
     assert initialized.returncode == 0, initialized.stderr[-3000:]
     assert f"initialized {best['train_micro_batch_size_per_gpu']}" in initialized.stdout
     # The user's model dir is never modified: trials ran in copies.
-    assert sorted(p.name for p in directory.iterdir()) == sorted(
-        p.name for p in directory.iterdir() if not p.name.startswith("dsat")
-    )
+    assert {p.name: p.read_bytes() for p in directory.iterdir() if p.is_file()} == user_files
     assert len(list((results / "trials").iterdir())) == 7
+    # --run-full-experiment trained once more with the best overrides and no autotuning block.
+    full_hparams = json.loads((results / "full-experiment" / "dsat_hparams.json").read_text())
+    overwrites = full_hparams["overwrite_deepspeed_args"]
+    assert "autotuning" not in overwrites
+    assert overwrites["train_micro_batch_size_per_gpu"] == best["train_micro_batch_size_per_gpu"]
+    assert "trained 20 steps, loss" in run.stdout
+    assert "trained 20 steps" in (results / "logs" / "full-experiment.log").read_text()
+    assert run.stdout.rstrip().endswith("full-experiment.log")
 
 
 def test_two_process_trial(tmp_path: Path) -> None:

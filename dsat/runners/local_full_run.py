@@ -1,0 +1,71 @@
+"""``--run-full-experiment`` on this machine: the user's entrypoint once, with the best config.
+
+It runs like a trial (a fresh copy of the model dir, the same launcher and slots) but without the
+autotuning block, so DeepSpeed trains for the script's full length; its output streams to the
+terminal and to ``logs/full-experiment.log``.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from dsat.runners.launch import trial_command
+from dsat.runners.local import (
+    HPARAMS_FILE,
+    LocalExecutor,
+    free_port,
+    kill_process_group,
+    prepare_trial_directory,
+)
+
+FULL_RUN_DIR = "full-experiment"
+
+
+class FullExperimentFailed(Exception):
+    """The full training run with the best config exited non-zero (exit status 1)."""
+
+
+def run_full_experiment(executor: LocalExecutor, hparams: dict[str, Any]) -> Path:
+    """Run to the end, streaming output; returns the working directory it ran in."""
+    results_dir = executor.results_dir
+    directory = results_dir / FULL_RUN_DIR
+    prepare_trial_directory(directory, executor.model_dir, executor.includes, hparams)
+    slots = executor.pool.take(executor.slots_per_trial)
+    port = free_port()
+    log_path = results_dir / "logs" / f"{FULL_RUN_DIR}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    command = trial_command(executor.entrypoint, executor.slots_per_trial, port)
+    print(f"dsat: full experiment in {directory} ({HPARAMS_FILE} holds the best overrides)")
+    print(f"dsat: $ {' '.join(command)}", flush=True)
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            command,
+            cwd=directory,
+            env=executor.environment(directory, slots, port),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        try:
+            assert process.stdout is not None  # stdout=PIPE above
+            for line in process.stdout:
+                log.write(line)
+                sys.stdout.buffer.write(line)
+                sys.stdout.flush()
+            code = process.wait()
+        except KeyboardInterrupt:
+            kill_process_group(process)
+            raise
+        finally:
+            executor.pool.give_back(slots)
+    if code != 0:
+        raise FullExperimentFailed(
+            f"the full experiment with the best config exited with code {code}; "
+            f"its log is {log_path}"
+        )
+    print(f"dsat: full experiment finished; its log is {log_path}")
+    return directory
