@@ -298,5 +298,7 @@ def classify(
     tail = log_tail(text)
     if outcome.get("status") == "oom" or text_shows_out_of_memory(text):
         return TrialStatus.OOM, {}, tail
+    if code == -signal.SIGKILL:  # not dsat's doing (that is a timeout): the kernel's OOM killer
+        return TrialStatus.OOM, {}, f"killed by SIGKILL, most likely out of host memory\n{tail}"
     reason = f"exit code {code}" if code else "exited without DeepSpeed's autotuning results"
     return TrialStatus.ERROR, {}, f"{reason}\n{tail}"

@@ -1,297 +1,114 @@
-"""The local runner end to end: real DeepSpeed trials on the CPU, as processes on this machine."""
+"""The local runner's parts with cheap processes: slot pool, trial environment, outcomes."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Any
 
-import psutil
 import pytest
-import yaml
 
-from tests.conftest import EXAMPLE_DIR, REPO_ROOT
+from dsat.errors import DsatError
+from dsat.runners.local import LocalExecutor, SlotPool
+from dsat.search.trial import TrialStatus
 
-pytestmark = pytest.mark.slow
-FIXTURE = Path(__file__).parent / "fixtures" / "behaviour_train.py"
-
-
-def model_dir(tmp_path: Path, **config: Any) -> tuple[Path, Path]:
-    """A copy of the CPU example plus the misbehaving entrypoint; returns (yaml, model dir)."""
-    directory = tmp_path / "model"
-    shutil.copytree(EXAMPLE_DIR, directory)
-    shutil.copy(FIXTURE, directory / "behaviour_train.py")
-    experiment = yaml.safe_load((directory / "deepspeed.yaml").read_text())
-    experiment["entrypoint"] = "python3 behaviour_train.py"
-    experiment["hyperparameters"].update({"width": 32, "depth": 2})
-    experiment.update(config)
-    path = directory / "deepspeed.yaml"
-    path.write_text(yaml.safe_dump(experiment))
-    return path, directory
+RID = "00000000-0000-0000-0000-00000000000{}"
 
 
-def env(**extra: str) -> dict[str, str]:
-    environ = {
-        k: v for k, v in os.environ.items() if k not in ("DET_MASTER", "CUDA_VISIBLE_DEVICES")
-    }
-    environ.update(
-        {
-            "PYTHONPATH": str(REPO_ROOT),
-            "DS_ACCELERATOR": "cpu",
-            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{environ.get('PATH', '')}",
-        }
-    )
-    environ.update(extra)
-    return environ
+def test_gpu_pool_respects_cuda_visible_devices_and_max_slots() -> None:
+    pool = SlotPool.for_machine(2, None, {"CUDA_VISIBLE_DEVICES": "3,5,7"})
+    assert pool.on_gpu and pool.slots == ["3", "5", "7"]
+    assert SlotPool.for_machine(1, 2, {"CUDA_VISIBLE_DEVICES": "3,5,7"}).slots == ["3", "5"]
+    first, second = pool.take(2), pool.take(1)
+    assert set(first).isdisjoint(second) and pool.size == 0
+    pool.give_back(first)
+    assert sorted(pool.slots) == ["3", "5"]
 
 
-def dsat(*args: str, timeout: float = 540, **extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "dsat", *args],
-        capture_output=True,
-        text=True,
-        env=env(**extra),
-        timeout=timeout,
+def test_trial_larger_than_the_machine_is_a_user_error() -> None:
+    with pytest.raises(DsatError, match="slots_per_trial is 4 but this machine has 3 visible"):
+        SlotPool.for_machine(4, None, {"CUDA_VISIBLE_DEVICES": "0,1,2"})
+    with pytest.raises(DsatError, match="no GPU"):
+        SlotPool.for_machine(10_000, None, {"CUDA_VISIBLE_DEVICES": ""})
+
+
+def test_cpu_pool_runs_one_trial_at_a_time_unless_max_slots_says_more() -> None:
+    no_gpu = {"CUDA_VISIBLE_DEVICES": ""}
+    assert SlotPool.for_machine(1, None, no_gpu).slots == ["cpu0"]
+    assert not SlotPool.for_machine(1, None, no_gpu).on_gpu
+    cores = os.cpu_count() or 1
+    assert SlotPool.for_machine(1, 2, no_gpu).size == min(2, cores)
+
+
+def executor(tmp_path: Path, script: str, timeout: float = 60.0) -> LocalExecutor:
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "job.py").write_text(script)
+    environ = {"PATH": os.environ["PATH"], "CUDA_VISIBLE_DEVICES": ""}
+    pool = SlotPool.for_machine(1, 1, environ)
+    return LocalExecutor(
+        ["python3", "job.py"], model, (), tmp_path / "results", pool, 1, timeout, environ
     )
 
 
-def trials(results: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (results / "trials.jsonl").read_text().splitlines()]
+def run_one(ex: LocalExecutor, n: int = 1) -> tuple[TrialStatus, dict[str, object], str | None]:
+    ex.start(RID.format(n), {"lr": 0.5}, {}, 5)
+    outcome = ex.wait()
+    return outcome.status, outcome.metrics, outcome.error
 
 
-def test_small_search_writes_a_best_config_deepspeed_accepts(tmp_path: Path) -> None:
-    path, directory = model_dir(tmp_path)
-    user_files = {p.name: p.read_bytes() for p in directory.iterdir() if p.is_file()}
-    results = tmp_path / "results"
-    run = dsat(
-        "asha",
-        str(path),
-        str(directory),
-        "-z",
-        "0",
-        "1",
-        "2",
-        "3",
-        "--max-trials",
-        "7",
-        "--max-slots",
-        "2",
-        "--search-range-factor",
-        "0.01",
-        "--results-dir",
-        str(results),
-        "--run-full-experiment",
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    rows = trials(results)
-    # Progress: one plain line per finished trial (stdout is a pipe here, so no live display).
-    assert "dsat: trial 0 model profile: completed | running" in run.stdout
-    assert run.stdout.count("dsat: trial ") == 7 and "\x1b[" not in run.stdout
-    assert len(rows) == 7 and all(row["status"] == "completed" for row in rows)
-    assert rows[0]["kind"] == "model_profile" and rows[0]["metrics"]["num_params"] > 0
-    assert "| global" in run.stdout and str(results / "best_ds_config.json") in run.stdout
-    best = json.loads((results / "best_ds_config.json").read_text())
-    assert "autotuning" not in best
-    check = (
-        "import json, sys, torch, deepspeed\n"
-        "sys.path.insert(0, sys.argv[2])\n"
-        "from model import TinyMLP\n"
-        "m = TinyMLP(32, 2)\n"
-        "engine, *_ = deepspeed.initialize(model=m, model_parameters=m.parameters(), "
-        "config=json.load(open(sys.argv[1])))\n"
-        "print('initialized', engine.train_micro_batch_size_per_gpu())\n"
-    )
-    initialized = subprocess.run(
-        [sys.executable, "-c", check, str(results / "best_ds_config.json"), str(directory)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env(
-            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517"
+ENV_DUMP = """
+import json, os
+keys = ["DS_ACCELERATOR", "OMP_NUM_THREADS", "RANK", "WORLD_SIZE", "MASTER_PORT"]
+env = {k: os.environ.get(k) for k in keys}
+env["hparams"] = json.load(open(os.environ["DSAT_HPARAMS_FILE"]))
+json.dump(env, open("env.json", "w"))
+json.dump({"status": "completed", "values": {"throughput": 7.0}},
+          open("dsat_trial_outcome.json", "w"))
+"""
+
+
+def test_trial_runs_in_a_copy_with_its_hparams_and_cpu_environment(tmp_path: Path) -> None:
+    ex = executor(tmp_path, ENV_DUMP)
+    status, metrics, error = run_one(ex)
+    assert (status, metrics, error) == (TrialStatus.COMPLETED, {"throughput": 7.0}, None)
+    [trial_dir] = (tmp_path / "results" / "trials").iterdir()
+    env = json.loads((trial_dir / "env.json").read_text())
+    assert env["hparams"] == {"lr": 0.5}
+    assert env["DS_ACCELERATOR"] == "cpu" and int(env["OMP_NUM_THREADS"]) >= 1
+    assert (env["RANK"], env["WORLD_SIZE"]) == ("0", "1") and int(env["MASTER_PORT"]) > 0
+    assert not (tmp_path / "model" / "env.json").exists()  # the user's dir is untouched
+    log = (tmp_path / "results" / "logs" / f"{trial_dir.name}.log").read_text()
+    assert log.startswith(f"$ {sys.executable} job.py")
+    assert ex.pool.size == 1  # the slot came back
+
+
+@pytest.mark.parametrize(
+    ("script", "status", "needle"),
+    [
+        ("print('hello')", TrialStatus.ERROR, "exited without DeepSpeed's autotuning results"),
+        ("raise SystemExit(3)", TrialStatus.ERROR, "exit code 3"),
+        ("raise RuntimeError('CUDA out of memory. Tried')", TrialStatus.OOM, "out of memory"),
+        (
+            "import os, signal; os.kill(os.getpid(), signal.SIGKILL)",
+            TrialStatus.OOM,
+            "killed by SIGKILL",
         ),
-    )
-    assert initialized.returncode == 0, initialized.stderr[-3000:]
-    assert f"initialized {best['train_micro_batch_size_per_gpu']}" in initialized.stdout
-    # The user's model dir is never modified: trials ran in copies.
-    assert {p.name: p.read_bytes() for p in directory.iterdir() if p.is_file()} == user_files
-    assert len(list((results / "trials").iterdir())) == 7
-    # --run-full-experiment trained once more with the best overrides and no autotuning block.
-    full_hparams = json.loads((results / "full-experiment" / "dsat_hparams.json").read_text())
-    overwrites = full_hparams["overwrite_deepspeed_args"]
-    assert "autotuning" not in overwrites
-    assert overwrites["train_micro_batch_size_per_gpu"] == best["train_micro_batch_size_per_gpu"]
-    assert "trained 20 steps, loss" in run.stdout
-    assert "trained 20 steps" in (results / "logs" / "full-experiment.log").read_text()
-    assert run.stdout.rstrip().endswith("full-experiment.log")
+    ],
+)
+def test_outcomes(tmp_path: Path, script: str, status: TrialStatus, needle: str) -> None:
+    got_status, metrics, error = run_one(executor(tmp_path, script))
+    assert got_status is status and metrics == {}
+    assert error is not None and needle in error
 
 
-def test_two_process_trial(tmp_path: Path) -> None:
-    path, directory = model_dir(
-        tmp_path,
-        resources={"slots_per_trial": 2},
-        entrypoint="python3 -m determined.launch.torch_distributed python3 behaviour_train.py",
-    )
-    results = tmp_path / "results"
-    run = dsat(
-        "binary",
-        str(path),
-        str(directory),
-        "-z",
-        "2",
-        "--max-trials",
-        "2",
-        "--search-range-factor",
-        "0.001",
-        "--results-dir",
-        str(results),
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    rows = trials(results)
-    assert [row["status"] for row in rows] == ["completed", "completed"]
-    assert (
-        rows[1]["overwrites"]["train_batch_size"] == 2 * rows[1]["mbs"]
-    )  # two data-parallel ranks
-    log = sorted((results / "logs").iterdir())[1].read_text()
-    assert "torch.distributed.run" in log and "--nproc_per_node 2" in log
+def test_deepspeed_metric_file_without_dsat_counts(tmp_path: Path) -> None:
+    script = "import json; json.dump({'throughput': 3.5}, open('autotuning_metric.json', 'w'))"
+    status, metrics, _ = run_one(executor(tmp_path, script))
+    assert status is TrialStatus.COMPLETED and metrics["throughput"] == 3.5
 
 
-def test_oom_lowers_the_ceiling(tmp_path: Path) -> None:
-    path, directory = model_dir(tmp_path)
-    results = tmp_path / "results"
-    run = dsat(
-        "binary",
-        str(path),
-        str(directory),
-        "-z",
-        "1",
-        "--max-trials",
-        "6",
-        "--search-range-factor",
-        "0.005",
-        "--results-dir",
-        str(results),
-        DSAT_TEST_BEHAVIOUR="oom_above:20",
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    rows = trials(results)[1:]
-    assert rows[0]["mbs"] > 20 and rows[0]["status"] == "oom"
-    assert "OutOfMemoryError" in rows[0]["error"]
-    for row in rows:
-        assert (row["status"] == "oom") == (row["mbs"] > 20)
-    assert rows[1]["mbs"] < rows[0]["mbs"]  # the lineage's ceiling came down
-    assert any(row["status"] == "completed" for row in rows)
-
-
-def test_crashing_trial_is_an_error_not_a_crash_of_the_search(tmp_path: Path) -> None:
-    path, directory = model_dir(tmp_path)
-    results = tmp_path / "results"
-    run = dsat(
-        "binary",
-        str(path),
-        str(directory),
-        "-z",
-        "1",
-        "--max-trials",
-        "3",
-        "--search-range-factor",
-        "0.005",
-        "--results-dir",
-        str(results),
-        DSAT_TEST_BEHAVIOUR="crash",
-    )
-    assert run.returncode == 1  # no search trial worked: a failed search, reported as such
-    assert "dsat: search failed" in run.stderr and "Traceback" not in run.stderr
-    rows = trials(results)
-    assert [row["status"] for row in rows] == ["completed", "error", "error"]
-    assert "ValueError: this trial crashes on purpose" in rows[1]["error"]
-
-
-def _descendants_alive(pids: list[int]) -> list[int]:
-    return [
-        pid
-        for pid in pids
-        if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    ]
-
-
-def test_hanging_trial_is_stopped_by_the_timeout(tmp_path: Path) -> None:
-    path, directory = model_dir(tmp_path)
-    results = tmp_path / "results"
-    run = dsat(
-        "binary",
-        str(path),
-        str(directory),
-        "-z",
-        "1",
-        "--max-trials",
-        "2",
-        "--trial-timeout",
-        "20",
-        "--search-range-factor",
-        "0.005",
-        "--results-dir",
-        str(results),
-        DSAT_TEST_BEHAVIOUR="hang",
-    )
-    rows = trials(results)
-    assert [row["status"] for row in rows] == ["completed", "timeout"]
-    assert "--trial-timeout 20" in rows[1]["error"]
-    assert run.returncode == 1
-    leftovers = [
-        p
-        for p in psutil.process_iter(["cmdline"])
-        if "behaviour_train.py" in " ".join(p.info["cmdline"] or [])
-    ]
-    assert leftovers == []
-
-
-def test_sigint_stops_every_trial_and_resume_finishes(tmp_path: Path) -> None:
-    path, directory = model_dir(tmp_path)
-    results = tmp_path / "results"
-    args = [
-        "binary",
-        str(path),
-        str(directory),
-        "-z",
-        "1",
-        "--max-trials",
-        "4",
-        "--max-slots",
-        "2",
-        "--search-range-factor",
-        "0.005",
-    ]
-    process = subprocess.Popen(
-        [sys.executable, "-m", "dsat", *args, "--results-dir", str(results)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env(DSAT_TEST_BEHAVIOUR="hang"),
-    )
-    deadline = time.monotonic() + 240
-    children: list[int] = []
-    while time.monotonic() < deadline:  # wait until search trials (which hang) are running
-        if (results / "trials.jsonl").is_file():
-            children = [c.pid for c in psutil.Process(process.pid).children(recursive=True)]
-            if children:
-                break
-        time.sleep(0.5)
-    assert children, "no trial started"
-    time.sleep(2)
-    process.send_signal(signal.SIGINT)
-    out, err = process.communicate(timeout=60)
-    assert process.returncode == 130, out[-2000:] + err[-2000:]
-    assert f"--resume {results}" in err
-    time.sleep(1)
-    assert _descendants_alive(children) == []
-    resumed = dsat(*args, "--resume", str(results))
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    rows = trials(results)
-    assert len(rows) == 4 and all(row["status"] == "completed" for row in rows)
-    assert len({row["request_id"] for row in rows}) == 4
+def test_timeout_kills_the_trial(tmp_path: Path) -> None:
+    status, _, error = run_one(executor(tmp_path, "import time; time.sleep(60)", timeout=1.0))
+    assert status is TrialStatus.TIMEOUT and error is not None and "--trial-timeout 1" in error

@@ -1,0 +1,297 @@
+"""The local runner end to end, through the CLI: real DeepSpeed trials on the CPU as processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import yaml
+
+from tests.conftest import EXAMPLE_DIR, REPO_ROOT
+
+pytestmark = pytest.mark.slow
+FIXTURE = Path(__file__).parent / "fixtures" / "behaviour_train.py"
+
+
+def model_dir(tmp_path: Path, **config: Any) -> tuple[Path, Path]:
+    """A copy of the CPU example plus the misbehaving entrypoint; returns (yaml, model dir)."""
+    directory = tmp_path / "model"
+    shutil.copytree(EXAMPLE_DIR, directory)
+    shutil.copy(FIXTURE, directory / "behaviour_train.py")
+    experiment = yaml.safe_load((directory / "deepspeed.yaml").read_text())
+    experiment["entrypoint"] = "python3 behaviour_train.py"
+    experiment["hyperparameters"].update({"width": 32, "depth": 2})
+    experiment.update(config)
+    path = directory / "deepspeed.yaml"
+    path.write_text(yaml.safe_dump(experiment))
+    return path, directory
+
+
+def env(**extra: str) -> dict[str, str]:
+    environ = {
+        k: v for k, v in os.environ.items() if k not in ("DET_MASTER", "CUDA_VISIBLE_DEVICES")
+    }
+    environ.update(
+        {
+            "PYTHONPATH": str(REPO_ROOT),
+            "DS_ACCELERATOR": "cpu",
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{environ.get('PATH', '')}",
+        }
+    )
+    environ.update(extra)
+    return environ
+
+
+def dsat(*args: str, timeout: float = 540, **extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "dsat", *args],
+        capture_output=True,
+        text=True,
+        env=env(**extra),
+        timeout=timeout,
+    )
+
+
+def trials(results: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (results / "trials.jsonl").read_text().splitlines()]
+
+
+def test_small_search_writes_a_best_config_deepspeed_accepts(tmp_path: Path) -> None:
+    path, directory = model_dir(tmp_path)
+    user_files = {p.name: p.read_bytes() for p in directory.iterdir() if p.is_file()}
+    results = tmp_path / "results"
+    run = dsat(
+        "asha",
+        str(path),
+        str(directory),
+        "-z",
+        "0",
+        "1",
+        "2",
+        "3",
+        "--max-trials",
+        "7",
+        "--max-slots",
+        "2",
+        "--search-range-factor",
+        "0.01",
+        "--results-dir",
+        str(results),
+        "--run-full-experiment",
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = trials(results)
+    # Progress: one plain line per finished trial (stdout is a pipe here, so no live display).
+    assert "dsat: trial 0 model profile: completed | running" in run.stdout
+    assert run.stdout.count("dsat: trial ") == 7 and "\x1b[" not in run.stdout
+    assert len(rows) == 7 and all(row["status"] == "completed" for row in rows)
+    assert rows[0]["kind"] == "model_profile" and rows[0]["metrics"]["num_params"] > 0
+    assert "| global" in run.stdout and str(results / "best_ds_config.json") in run.stdout
+    best = json.loads((results / "best_ds_config.json").read_text())
+    assert "autotuning" not in best
+    check = (
+        "import json, sys, torch, deepspeed\n"
+        "sys.path.insert(0, sys.argv[2])\n"
+        "from model import TinyMLP\n"
+        "m = TinyMLP(32, 2)\n"
+        "engine, *_ = deepspeed.initialize(model=m, model_parameters=m.parameters(), "
+        "config=json.load(open(sys.argv[1])))\n"
+        "print('initialized', engine.train_micro_batch_size_per_gpu())\n"
+    )
+    initialized = subprocess.run(
+        [sys.executable, "-c", check, str(results / "best_ds_config.json"), str(directory)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env(
+            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517"
+        ),
+    )
+    assert initialized.returncode == 0, initialized.stderr[-3000:]
+    assert f"initialized {best['train_micro_batch_size_per_gpu']}" in initialized.stdout
+    # The user's model dir is never modified: trials ran in copies.
+    assert {p.name: p.read_bytes() for p in directory.iterdir() if p.is_file()} == user_files
+    assert len(list((results / "trials").iterdir())) == 7
+    # --run-full-experiment trained once more with the best overrides and no autotuning block.
+    full_hparams = json.loads((results / "full-experiment" / "dsat_hparams.json").read_text())
+    overwrites = full_hparams["overwrite_deepspeed_args"]
+    assert "autotuning" not in overwrites
+    assert overwrites["train_micro_batch_size_per_gpu"] == best["train_micro_batch_size_per_gpu"]
+    assert "trained 20 steps, loss" in run.stdout
+    assert "trained 20 steps" in (results / "logs" / "full-experiment.log").read_text()
+    assert run.stdout.rstrip().endswith("full-experiment.log")
+
+
+def test_two_process_trial(tmp_path: Path) -> None:
+    path, directory = model_dir(
+        tmp_path,
+        resources={"slots_per_trial": 2},
+        entrypoint="python3 -m determined.launch.torch_distributed python3 behaviour_train.py",
+    )
+    results = tmp_path / "results"
+    run = dsat(
+        "binary",
+        str(path),
+        str(directory),
+        "-z",
+        "2",
+        "--max-trials",
+        "2",
+        "--search-range-factor",
+        "0.001",
+        "--results-dir",
+        str(results),
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = trials(results)
+    assert [row["status"] for row in rows] == ["completed", "completed"]
+    assert (
+        rows[1]["overwrites"]["train_batch_size"] == 2 * rows[1]["mbs"]
+    )  # two data-parallel ranks
+    log = sorted((results / "logs").iterdir())[1].read_text()
+    assert "torch.distributed.run" in log and "--nproc_per_node 2" in log
+
+
+def test_oom_lowers_the_ceiling(tmp_path: Path) -> None:
+    path, directory = model_dir(tmp_path)
+    results = tmp_path / "results"
+    run = dsat(
+        "binary",
+        str(path),
+        str(directory),
+        "-z",
+        "1",
+        "--max-trials",
+        "6",
+        "--search-range-factor",
+        "0.005",
+        "--results-dir",
+        str(results),
+        DSAT_TEST_BEHAVIOUR="oom_above:20",
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = trials(results)[1:]
+    assert rows[0]["mbs"] > 20 and rows[0]["status"] == "oom"
+    assert "OutOfMemoryError" in rows[0]["error"]
+    for row in rows:
+        assert (row["status"] == "oom") == (row["mbs"] > 20)
+    assert rows[1]["mbs"] < rows[0]["mbs"]  # the lineage's ceiling came down
+    assert any(row["status"] == "completed" for row in rows)
+
+
+def test_crashing_trial_is_an_error_not_a_crash_of_the_search(tmp_path: Path) -> None:
+    path, directory = model_dir(tmp_path)
+    results = tmp_path / "results"
+    run = dsat(
+        "binary",
+        str(path),
+        str(directory),
+        "-z",
+        "1",
+        "--max-trials",
+        "3",
+        "--search-range-factor",
+        "0.005",
+        "--results-dir",
+        str(results),
+        DSAT_TEST_BEHAVIOUR="crash",
+    )
+    assert run.returncode == 1  # no search trial worked: a failed search, reported as such
+    assert "dsat: search failed" in run.stderr and "Traceback" not in run.stderr
+    rows = trials(results)
+    assert [row["status"] for row in rows] == ["completed", "error", "error"]
+    assert "ValueError: this trial crashes on purpose" in rows[1]["error"]
+
+
+def _descendants_alive(pids: list[int]) -> list[int]:
+    return [
+        pid
+        for pid in pids
+        if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    ]
+
+
+def test_hanging_trial_is_stopped_by_the_timeout(tmp_path: Path) -> None:
+    path, directory = model_dir(tmp_path)
+    results = tmp_path / "results"
+    run = dsat(
+        "binary",
+        str(path),
+        str(directory),
+        "-z",
+        "1",
+        "--max-trials",
+        "2",
+        "--trial-timeout",
+        "20",
+        "--search-range-factor",
+        "0.005",
+        "--results-dir",
+        str(results),
+        DSAT_TEST_BEHAVIOUR="hang",
+    )
+    rows = trials(results)
+    assert [row["status"] for row in rows] == ["completed", "timeout"]
+    assert "--trial-timeout 20" in rows[1]["error"]
+    assert run.returncode == 1
+    leftovers = [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if "behaviour_train.py" in " ".join(p.info["cmdline"] or [])
+    ]
+    assert leftovers == []
+
+
+def test_sigint_stops_every_trial_and_resume_finishes(tmp_path: Path) -> None:
+    path, directory = model_dir(tmp_path)
+    results = tmp_path / "results"
+    args = [
+        "binary",
+        str(path),
+        str(directory),
+        "-z",
+        "1",
+        "--max-trials",
+        "4",
+        "--max-slots",
+        "2",
+        "--search-range-factor",
+        "0.005",
+    ]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "dsat", *args, "--results-dir", str(results)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env(DSAT_TEST_BEHAVIOUR="hang"),
+    )
+    deadline = time.monotonic() + 240
+    children: list[int] = []
+    while time.monotonic() < deadline:  # wait until search trials (which hang) are running
+        if (results / "trials.jsonl").is_file():
+            children = [c.pid for c in psutil.Process(process.pid).children(recursive=True)]
+            if children:
+                break
+        time.sleep(0.5)
+    assert children, "no trial started"
+    time.sleep(2)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 130, out[-2000:] + err[-2000:]
+    assert f"--resume {results}" in err
+    time.sleep(1)
+    assert _descendants_alive(children) == []
+    resumed = dsat(*args, "--resume", str(results))
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    rows = trials(results)
+    assert len(rows) == 4 and all(row["status"] == "completed" for row in rows)
+    assert len({row["request_id"] for row in rows}) == 4
