@@ -198,27 +198,34 @@ class LocalExecutor:
             )
         return env
 
+    def spawn(
+        self, directory: Path, slots: list[str], stdout: IO[bytes] | int, log: IO[bytes]
+    ) -> subprocess.Popen[bytes]:
+        """The entrypoint in ``directory`` on ``slots``, in a process group of its own; the
+        command goes first into ``log``."""
+        port = free_port()
+        command = trial_command(self.entrypoint, self.slots_per_trial, port)
+        log.write(f"$ {' '.join(command)}\n".encode())
+        log.flush()
+        return subprocess.Popen(
+            command,
+            cwd=directory,
+            env=self.environment(directory, slots, port),
+            stdout=stdout,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
     def start(
         self, request_id: str, hparams: dict[str, Any], ds_config: dict[str, Any], length: int
     ) -> None:
         directory = self._prepare_directory(request_id, hparams)
         slots = self.pool.take(self.slots_per_trial)
-        port = free_port()
         log_path = self.results_dir / "logs" / f"{directory.name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         log = log_path.open("wb")
-        command = trial_command(self.entrypoint, self.slots_per_trial, port)
-        log.write(f"$ {' '.join(command)}\n".encode())
-        log.flush()
-        process = subprocess.Popen(
-            command,
-            cwd=directory,
-            env=self.environment(directory, slots, port),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        process = self.spawn(directory, slots, log, log)
         self.running[request_id] = RunningTrial(
             request_id, process, directory, log_path, log, slots, self.now()
         )

@@ -10,13 +10,11 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from dsat.runners.launch import trial_command
 from dsat.runners.local import (
     HPARAMS_FILE,
     LocalExecutor,
-    free_port,
     kill_process_group,
     prepare_trial_directory,
 )
@@ -34,22 +32,13 @@ def run_full_experiment(executor: LocalExecutor, hparams: dict[str, Any]) -> Pat
     directory = results_dir / FULL_RUN_DIR
     prepare_trial_directory(directory, executor.model_dir, executor.includes, hparams)
     slots = executor.pool.take(executor.slots_per_trial)
-    port = free_port()
     log_path = results_dir / "logs" / f"{FULL_RUN_DIR}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    command = trial_command(executor.entrypoint, executor.slots_per_trial, port)
     print(f"dsat: full experiment in {directory} ({HPARAMS_FILE} holds the best overrides)")
-    print(f"dsat: $ {' '.join(command)}", flush=True)
     with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            command,
-            cwd=directory,
-            env=executor.environment(directory, slots, port),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        process = executor.spawn(directory, slots, subprocess.PIPE, log)
+        command = cast(list[str], process.args)  # spawn passes a list
+        print(f"dsat: $ {' '.join(command)}", flush=True)
         try:
             assert process.stdout is not None  # stdout=PIPE above
             for line in process.stdout:
