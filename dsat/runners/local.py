@@ -37,10 +37,21 @@ KILL_GRACE_SECONDS = 5.0
 COPY_IGNORE = shutil.ignore_patterns(".git", "__pycache__", "*.pyc", ".venv", "dsat-results")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+# Determined's DistributedContext broadcasts between a trial's processes on two TCP ports that
+# are fixed unless these variables say otherwise; concurrent trials on one machine need their own.
+DETERMINED_PORT_VARIABLES = ("INTER_TRAIN_PROCESS_COMM_PORT_1", "INTER_TRAIN_PROCESS_COMM_PORT_2")
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports free right now, all different (every socket stays open until all are bound)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def visible_gpus(environ: dict[str, str]) -> list[str]:
@@ -174,8 +185,10 @@ class LocalExecutor:
         prepare_trial_directory(directory, self.model_dir, self.includes, hparams)
         return directory
 
-    def environment(self, directory: Path, slots: list[str], port: int) -> dict[str, str]:
-        """The trial's environment: where its hyperparameters are, its slots, its rank."""
+    def environment(self, directory: Path, slots: list[str], ports: list[int]) -> dict[str, str]:
+        """The trial's environment: where its hyperparameters are, its slots, its rank.
+
+        ``ports``: three free ports, torch.distributed's first, then Determined's two."""
         env = dict(self.environ)
         env[ENV_HPARAMS_FILE] = str(directory / HPARAMS_FILE)
         if self.pool.on_gpu:
@@ -183,7 +196,9 @@ class LocalExecutor:
         else:
             env["DS_ACCELERATOR"] = "cpu"
             env["OMP_NUM_THREADS"] = str(self.cpu_threads)
-        if self.slots_per_trial == 1:
+        if self.slots_per_trial > 1:
+            env.update(zip(DETERMINED_PORT_VARIABLES, map(str, ports[1:3]), strict=True))
+        else:
             env.update(
                 {
                     "RANK": "0",
@@ -193,7 +208,7 @@ class LocalExecutor:
                     "GROUP_RANK": "0",
                     "GROUP_WORLD_SIZE": "1",
                     "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": str(port),
+                    "MASTER_PORT": str(ports[0]),
                 }
             )
         return env
@@ -203,14 +218,14 @@ class LocalExecutor:
     ) -> subprocess.Popen[bytes]:
         """The entrypoint in ``directory`` on ``slots``, in a process group of its own; the
         command goes first into ``log``."""
-        port = free_port()
-        command = trial_command(self.entrypoint, self.slots_per_trial, port)
+        ports = free_ports(3)
+        command = trial_command(self.entrypoint, self.slots_per_trial, ports[0])
         log.write(f"$ {' '.join(command)}\n".encode())
         log.flush()
         return subprocess.Popen(
             command,
             cwd=directory,
-            env=self.environment(directory, slots, port),
+            env=self.environment(directory, slots, ports),
             stdout=stdout,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dsat.errors import DsatError
-from dsat.runners.local import LocalExecutor, SlotPool
+from dsat.runners.local import LocalExecutor, SlotPool, free_ports
 from dsat.search.trial import TrialStatus
 
 RID = "00000000-0000-0000-0000-00000000000{}"
@@ -112,3 +112,25 @@ def test_deepspeed_metric_file_without_dsat_counts(tmp_path: Path) -> None:
 def test_timeout_kills_the_trial(tmp_path: Path) -> None:
     status, _, error = run_one(executor(tmp_path, "import time; time.sleep(60)", timeout=1.0))
     assert status is TrialStatus.TIMEOUT and error is not None and "--trial-timeout 1" in error
+
+
+def test_multi_process_trials_get_their_own_determined_broadcast_ports(tmp_path: Path) -> None:
+    # Determined's DistributedContext uses two fixed TCP ports unless these variables are set;
+    # two 2-process trials at once on one machine would otherwise fight over them.
+    model = tmp_path / "model"
+    model.mkdir()
+    environ = {"PATH": os.environ["PATH"], "CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+    pool = SlotPool.for_machine(2, None, environ)
+    ex = LocalExecutor(["python3", "t.py"], model, (), tmp_path / "r", pool, 2, 60.0, environ)
+    first = ex.environment(tmp_path, pool.take(2), free_ports(3))
+    second = ex.environment(tmp_path, pool.take(2), free_ports(3))
+    names = ("INTER_TRAIN_PROCESS_COMM_PORT_1", "INTER_TRAIN_PROCESS_COMM_PORT_2")
+    ports = [int(env[name]) for env in (first, second) for name in names]
+    assert len(set(ports)) == 4
+    assert (first["CUDA_VISIBLE_DEVICES"], second["CUDA_VISIBLE_DEVICES"]) == ("0,1", "2,3")
+    assert "RANK" not in first  # torchrun sets the ranks of a multi-process trial
+
+
+def test_free_ports_are_distinct() -> None:
+    ports = free_ports(5)
+    assert len(set(ports)) == 5 and all(p > 0 for p in ports)

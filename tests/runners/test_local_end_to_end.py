@@ -161,6 +161,9 @@ def test_two_process_trial(tmp_path: Path) -> None:
     assert "torch.distributed.run" in log and "--nproc_per_node 2" in log
 
 
+OOM_ABOVE = 4
+
+
 def test_oom_lowers_the_ceiling(tmp_path: Path) -> None:
     path, directory = model_dir(tmp_path)
     results = tmp_path / "results"
@@ -176,14 +179,16 @@ def test_oom_lowers_the_ceiling(tmp_path: Path) -> None:
         "0.005",
         "--results-dir",
         str(results),
-        DSAT_TEST_BEHAVIOUR="oom_above:20",
+        DSAT_TEST_BEHAVIOUR=f"oom_above:{OOM_ABOVE}",
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     rows = trials(results)[1:]
-    assert rows[0]["mbs"] > 20 and rows[0]["status"] == "oom"
+    # The first micro-batch comes from the memory model (CPU-measured activations, so it varies
+    # from run to run, 19-31 seen); any of them is above the test model's limit.
+    assert rows[0]["mbs"] > OOM_ABOVE and rows[0]["status"] == "oom"
     assert "OutOfMemoryError" in rows[0]["error"]
     for row in rows:
-        assert (row["status"] == "oom") == (row["mbs"] > 20)
+        assert (row["status"] == "oom") == (row["mbs"] > OOM_ABOVE)
     assert rows[1]["mbs"] < rows[0]["mbs"]  # the lineage's ceiling came down
     assert any(row["status"] == "completed" for row in rows)
 
@@ -210,6 +215,16 @@ def test_crashing_trial_is_an_error_not_a_crash_of_the_search(tmp_path: Path) ->
     rows = trials(results)
     assert [row["status"] for row in rows] == ["completed", "error", "error"]
     assert "ValueError: this trial crashes on purpose" in rows[1]["error"]
+
+
+def trial_processes(tmp_path: Path) -> list[psutil.Process]:
+    """Live processes working in this test's directories (other tests may run trials too)."""
+    found = []
+    for process in psutil.process_iter(["cwd", "status"]):
+        cwd = process.info["cwd"] or ""
+        if cwd.startswith(str(tmp_path)) and process.info["status"] != psutil.STATUS_ZOMBIE:
+            found.append(process)
+    return found
 
 
 def _descendants_alive(pids: list[int]) -> list[int]:
@@ -243,12 +258,7 @@ def test_hanging_trial_is_stopped_by_the_timeout(tmp_path: Path) -> None:
     assert [row["status"] for row in rows] == ["completed", "timeout"]
     assert "--trial-timeout 20" in rows[1]["error"]
     assert run.returncode == 1
-    leftovers = [
-        p
-        for p in psutil.process_iter(["cmdline"])
-        if "behaviour_train.py" in " ".join(p.info["cmdline"] or [])
-    ]
-    assert leftovers == []
+    assert trial_processes(tmp_path) == []
 
 
 def test_sigint_stops_every_trial_and_resume_finishes(tmp_path: Path) -> None:
@@ -290,6 +300,7 @@ def test_sigint_stops_every_trial_and_resume_finishes(tmp_path: Path) -> None:
     assert f"--resume {results}" in err
     time.sleep(1)
     assert _descendants_alive(children) == []
+    assert trial_processes(tmp_path) == []
     resumed = dsat(*args, "--resume", str(results))
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     rows = trials(results)
