@@ -65,6 +65,30 @@ def trials(results: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (results / "trials.jsonl").read_text().splitlines()]
 
 
+def binary_search(
+    tmp_path: Path, max_trials: int, *flags: str, **extra: str
+) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """A small ZeRO-1 binary search of the test model; returns the run and its results dir."""
+    path, directory = model_dir(tmp_path)
+    results = tmp_path / "results"
+    run = dsat(
+        "binary",
+        str(path),
+        str(directory),
+        "-z",
+        "1",
+        "--max-trials",
+        str(max_trials),
+        "--search-range-factor",
+        "0.005",
+        "--results-dir",
+        str(results),
+        *flags,
+        **extra,
+    )
+    return run, results
+
+
 def test_small_search_writes_a_best_config_deepspeed_accepts(tmp_path: Path) -> None:
     path, directory = model_dir(tmp_path)
     user_files = {p.name: p.read_bytes() for p in directory.iterdir() if p.is_file()}
@@ -165,22 +189,7 @@ OOM_ABOVE = 4
 
 
 def test_oom_lowers_the_ceiling(tmp_path: Path) -> None:
-    path, directory = model_dir(tmp_path)
-    results = tmp_path / "results"
-    run = dsat(
-        "binary",
-        str(path),
-        str(directory),
-        "-z",
-        "1",
-        "--max-trials",
-        "6",
-        "--search-range-factor",
-        "0.005",
-        "--results-dir",
-        str(results),
-        DSAT_TEST_BEHAVIOUR=f"oom_above:{OOM_ABOVE}",
-    )
+    run, results = binary_search(tmp_path, 6, DSAT_TEST_BEHAVIOUR=f"oom_above:{OOM_ABOVE}")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     rows = trials(results)[1:]
     # The first micro-batch comes from the memory model (CPU-measured activations, so it varies
@@ -194,22 +203,7 @@ def test_oom_lowers_the_ceiling(tmp_path: Path) -> None:
 
 
 def test_crashing_trial_is_an_error_not_a_crash_of_the_search(tmp_path: Path) -> None:
-    path, directory = model_dir(tmp_path)
-    results = tmp_path / "results"
-    run = dsat(
-        "binary",
-        str(path),
-        str(directory),
-        "-z",
-        "1",
-        "--max-trials",
-        "3",
-        "--search-range-factor",
-        "0.005",
-        "--results-dir",
-        str(results),
-        DSAT_TEST_BEHAVIOUR="crash",
-    )
+    run, results = binary_search(tmp_path, 3, DSAT_TEST_BEHAVIOUR="crash")
     assert run.returncode == 1  # no search trial worked: a failed search, reported as such
     assert "dsat: search failed" in run.stderr and "Traceback" not in run.stderr
     rows = trials(results)
@@ -236,24 +230,7 @@ def _descendants_alive(pids: list[int]) -> list[int]:
 
 
 def test_hanging_trial_is_stopped_by_the_timeout(tmp_path: Path) -> None:
-    path, directory = model_dir(tmp_path)
-    results = tmp_path / "results"
-    run = dsat(
-        "binary",
-        str(path),
-        str(directory),
-        "-z",
-        "1",
-        "--max-trials",
-        "2",
-        "--trial-timeout",
-        "20",
-        "--search-range-factor",
-        "0.005",
-        "--results-dir",
-        str(results),
-        DSAT_TEST_BEHAVIOUR="hang",
-    )
+    run, results = binary_search(tmp_path, 2, "--trial-timeout", "20", DSAT_TEST_BEHAVIOUR="hang")
     rows = trials(results)
     assert [row["status"] for row in rows] == ["completed", "timeout"]
     assert "--trial-timeout 20" in rows[1]["error"]
