@@ -51,14 +51,14 @@ def run_search(
     writer = ResultsWriter(results_dir)
     write_text_atomic(results_dir / SETTINGS_FILE, settings.to_json() + "\n")
     listeners: list[TrialListener] = [ResultsRecorder(method, writer)]
-    progress = SearchProgress(method.tracker, settings.metric.value)
-    if show_progress:
+    progress = SearchProgress(method.tracker, settings.metric.value) if show_progress else None
+    if progress is not None:
         listeners.append(progress)
     driver = SearchDriver(method, executor, spec.ds_config, listeners, max_events)
     resuming = (results_dir / STATE_FILE).is_file()
     if resuming:
         method.load_method_state(results_dir)
-    with progress if show_progress else contextlib.nullcontext():
+    with progress or contextlib.nullcontext():
         driver.run(initial_ops=method.resume_operations() if resuming else None)
     if driver.shutdown is not None or not driver.running:
         writer.write_summary(method.tracker)
