@@ -5,7 +5,8 @@ from __future__ import annotations
 # Keys in the experiment's `hyperparameters` section.
 DS_CONFIG_KEY = "deepspeed_config"
 OVERWRITE_KEY = "overwrite_deepspeed_args"
-# Set inside OVERWRITE_KEY for trials that dsat launched; lets trial code know it is being tuned.
+# A top-level hyperparameter of the trials dsat creates on a Determined cluster, where Determined's
+# DeepSpeedTrial reads it to take its autotuning code path (the same key as the reference's).
 DSAT_MODE_KEY = "_use_dsat_mode"
 
 # DeepSpeed batch-size keys.

@@ -61,8 +61,8 @@ def full_experiment_hparams(record: TrialRecord) -> dict[str, Any]:
     hparams: dict[str, Any] = copy.deepcopy(record.hparams)
     overwrites = hparams.get(OVERWRITE_KEY) or {}
     overwrites.pop(AUTOTUNING_KEY, None)
-    overwrites.pop(DSAT_MODE_KEY, None)
     hparams[OVERWRITE_KEY] = overwrites
+    hparams.pop(DSAT_MODE_KEY, None)
     return hparams
 
 
@@ -79,6 +79,11 @@ class ResultsWriter:
                 json.loads(line) for line in path.read_text().splitlines() if line.strip()
             ]
         self._best_id: str | None = None
+
+    @property
+    def lines(self) -> list[dict[str, Any]]:
+        """The rows of trials.jsonl so far."""
+        return list(self._lines)
 
     def trial_finished(
         self, record: TrialRecord, timing: TrialTiming, tracker: TrialTracker

@@ -18,6 +18,7 @@ from dsat.constants import RESULTS_ROOT
 from dsat.errors import DsatError
 from dsat.results import SUMMARY_FILE, full_experiment_hparams
 from dsat.runners import Backend, resolve_backend
+from dsat.runners.determined_submit import submit
 from dsat.runners.driver import TrialExecutor
 from dsat.runners.launch import entrypoint_tokens
 from dsat.runners.local import LocalExecutor, SlotPool
@@ -96,6 +97,12 @@ def plan_search(
         raise DsatError(
             f"--simulator only applies to --backend simulated (the backend is {backend.value})"
         )
+    if backend is Backend.DETERMINED and (settings.resume or settings.results_dir):
+        flag = "--resume" if settings.resume else "--results-dir"
+        raise DsatError(
+            f"{flag} applies to the local and simulated runners; on Determined the results live "
+            "in the search runner's checkpoints and a restarted search runner resumes by itself"
+        )
     if settings.resume is not None:
         results_dir = Path(settings.resume)
         if not results_dir.is_dir():
@@ -124,10 +131,18 @@ def launch(settings: SearchSettings, environ: Mapping[str, str]) -> None:
     plan = plan_search(settings, environ)
     experiment = plan.experiment
     print(f"dsat: backend {plan.backend.value} ({plan.backend_reason})")
+    where = (
+        "results in the search runner's checkpoints"
+        if plan.backend is Backend.DETERMINED
+        else f"results in {plan.results_dir}"
+    )
     print(
         f"dsat: experiment {experiment.name!r}: DeepSpeed config {experiment.ds_config_path}, "
-        f"{experiment.slots_per_trial} slot(s) per trial, results in {plan.results_dir}"
+        f"{experiment.slots_per_trial} slot(s) per trial, {where}"
     )
+    if plan.backend is Backend.DETERMINED:
+        submit(settings, experiment, environ)
+        return
     spec = SearchSpec(experiment.hparams, experiment.ds_config, experiment.slots_per_trial)
     if plan.backend is Backend.SIMULATED:
         assert plan.simulator is not None  # plan_search loads it for this backend
@@ -149,10 +164,7 @@ def launch(settings: SearchSettings, environ: Mapping[str, str]) -> None:
             settings.trial_timeout,
         )
     else:
-        raise DsatError(
-            f"the {plan.backend.value} runner is not implemented yet; the experiment passed every "
-            "check, and the runners arrive in later dsat releases"
-        )
+        raise AssertionError(f"unhandled backend {plan.backend}")
     try:
         method = run_search(
             settings,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 from typing import Any
 
 from dsat.errors import DsatError
@@ -131,6 +132,19 @@ class SearchSettings:
     @property
     def smaller_is_better(self) -> bool:
         return self.metric.smaller_is_better
+
+    def on_cluster(self) -> SearchSettings:
+        """These settings as a search runner sees them: the config, MODEL_DIR and includes are
+        uploaded by their base names to the top of the task's working directory."""
+        return dataclasses.replace(
+            self,
+            config_path=Path(self.config_path).name,
+            model_dir=Path(self.model_dir).resolve().name,
+            include=tuple(Path(p).resolve().name for p in self.include),
+            backend="determined",
+            results_dir=None,
+            resume=None,
+        )
 
     def to_json(self) -> str:
         data = dataclasses.asdict(self)

@@ -152,15 +152,21 @@ def test_auto_backend_is_local_without_det_master(experiment_yaml: Path, tmp_pat
     assert len(logs) == 1 and "training" in logs[0].read_text()
 
 
-def test_auto_backend_is_determined_with_det_master(experiment_yaml: Path) -> None:
+def test_auto_backend_is_determined_with_det_master(experiment_yaml: Path, tmp_path: Path) -> None:
+    # Nothing listens on the discard port: the submission fails with one line, no traceback.
     result = run_cli(
         "asha",
         str(experiment_yaml),
         str(experiment_yaml.parent),
-        env={"DET_MASTER": "http://x:8080"},
+        env={"DET_MASTER": "http://127.0.0.1:9", "HOME": str(tmp_path)},
     )
     assert "dsat: backend determined (DET_MASTER is set)" in result.stdout
-    assert "the determined runner is not implemented yet" in result.stderr
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "dsat: error: no Determined master answers at http://127.0.0.1:9; check DET_MASTER, or "
+        "use --backend local"
+    )
+    assert "Traceback" not in result.stderr
 
 
 def test_simulated_backend_needs_a_simulator(

@@ -309,6 +309,8 @@ class DsatSearchMethod(searcher.SearchMethod):  # type: ignore[misc]
         metric: Any,
         train_length: int,
     ) -> list[searcher.Operation]:
+        if self._already_finished(request_id):
+            return []
         metrics = metric if isinstance(metric, dict) else {self.settings.metric.value: metric}
         record = self.tracker.mark_finished(str(request_id), TrialStatus.COMPLETED, metrics)
         if record.kind is TrialKind.MODEL_PROFILE:
@@ -331,6 +333,8 @@ class DsatSearchMethod(searcher.SearchMethod):  # type: ignore[misc]
         exited_reason: searcher.ExitedReason,
     ) -> list[searcher.Operation]:
         status, error = self._pending_failures.pop(str(request_id), (TrialStatus.ERROR, None))
+        if self._already_finished(request_id):
+            return []
         record = self.tracker.mark_finished(str(request_id), status, error=error)
         if exited_reason is not searcher.ExitedReason.ERRORED:
             self.shutdown_reason = f"trial exited early: {exited_reason.value}"
@@ -338,6 +342,14 @@ class DsatSearchMethod(searcher.SearchMethod):  # type: ignore[misc]
         if record.kind is TrialKind.SEARCH:
             self._follow_up(lambda: self.after_failure(record))
         return []
+
+    def _already_finished(self, request_id: uuid.UUID) -> bool:
+        """A second outcome for one trial (on a cluster, a trial that reported its metrics can
+        still be marked errored while DeepSpeed's exit races the Close) changes nothing."""
+        finished = self.tracker.get(str(request_id)).status.finished
+        if finished:
+            logger.info("ignoring a second outcome for finished trial %s", request_id)
+        return finished
 
     def _follow_up(self, make: Any) -> None:
         room = len(self.tracker.queue) + self.tracker.num_started < self.settings.max_trials

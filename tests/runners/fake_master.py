@@ -1,0 +1,200 @@
+"""A fake Determined master: the HTTP calls dsat's Determined runner makes, served in-process.
+
+No Determined master can run on these machines, so the cluster path is tested at the client
+boundary: Determined's own client code (``determined.experimental.client``, the API bindings,
+``RemoteSearchRunner``, the Core API checkpoint context) talks HTTP, and ``responses`` answers as a
+0.37 master would. Replies are built with Determined's own binding classes, so a shape the client
+cannot parse fails here as it would against a real master.
+
+Trials do not train: ``outcome(hparams)`` scripts each trial's result (a metrics dict, or an
+exception for a trial that errors).
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import re
+import tarfile
+from collections.abc import Callable
+from typing import Any
+
+import responses
+from determined.common.api import bindings
+
+MASTER = "http://fake-master:8080"
+TOKEN = "fake-token"
+Outcome = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+class MasterGone(ConnectionError):
+    """Raised into the search runner to stand for its container dying mid-search."""
+
+
+@dataclasses.dataclass
+class CreatedExperiment:
+    id: int
+    config_text: str
+    files: dict[str, bytes]  # path in the uploaded context -> content
+
+    @property
+    def config(self) -> Any:
+        import yaml
+
+        return yaml.safe_load(self.config_text)
+
+
+class FakeMaster:
+    def __init__(self, outcome: Outcome | None = None, version: str = "0.37.0") -> None:
+        self.outcome = outcome
+        self.version = version
+        self.experiments: list[CreatedExperiment] = []
+        self.events: list[bindings.v1SearcherEvent] = []
+        self.next_event_id = 1
+        self.trial_hparams: dict[str, dict[str, Any]] = {}
+        self.created_order: list[str] = []
+        self.checkpoints: list[str] = []
+        self.posts = 0
+        self.crash_at_post: int | None = None  # the post that "kills" the search runner
+        self.progress: list[float] = []
+        self.final_state: bindings.experimentv1State | None = None
+
+    # ------------------------------------------------------------------ wiring
+
+    def install(self, mock: responses.RequestsMock) -> None:
+        mock.add_callback(responses.GET, f"{MASTER}/api/v1/master", callback=self._get_master)
+        mock.add_callback(
+            responses.POST, f"{MASTER}/api/v1/experiments", callback=self._create_experiment
+        )
+        mock.add_callback(
+            responses.GET,
+            re.compile(rf"{MASTER}/api/v1/experiments/\d+/searcher_events"),
+            callback=self._get_events,
+        )
+        mock.add_callback(
+            responses.POST,
+            re.compile(rf"{MASTER}/api/v1/experiments/\d+/searcher_operations"),
+            callback=self._post_operations,
+        )
+        mock.add_callback(
+            responses.POST, f"{MASTER}/api/v1/checkpoints", callback=self._report_checkpoint
+        )
+
+    @staticmethod
+    def _reply(body: Any) -> tuple[int, dict[str, str], str]:
+        return 200, {"Content-Type": "application/json"}, json.dumps(body)
+
+    # ------------------------------------------------------------------ endpoints
+
+    def _get_master(self, request: Any) -> tuple[int, dict[str, str], str]:
+        reply = bindings.v1GetMasterResponse(
+            clusterId="fake-cluster",
+            clusterName="fake",
+            hasCustomLogo=False,
+            masterId="fake-master",
+            strictJobQueueControl=False,
+            version=self.version,
+        )
+        return self._reply(reply.to_json())
+
+    def _create_experiment(self, request: Any) -> tuple[int, dict[str, str], str]:
+        body = bindings.v1CreateExperimentRequest.from_json(json.loads(request.body))
+        files = {
+            f.path: base64.b64decode(f.content)
+            for f in body.modelDefinition or []
+            if f.type == ord(tarfile.REGTYPE)
+        }
+        experiment_id = 100 + len(self.experiments)
+        created = CreatedExperiment(experiment_id, body.config or "", files)
+        self.experiments.append(created)
+        if created.config.get("searcher", {}).get("name") == "custom":
+            self._event(initialOperations=bindings.v1InitialOperations())
+        experiment = bindings.v1Experiment(
+            archived=False,
+            config=created.config,
+            id=experiment_id,
+            jobId="job",
+            name=str(created.config.get("name", "experiment")),
+            numTrials=0,
+            originalConfig=created.config_text,
+            projectId=1,
+            projectOwnerId=1,
+            searcherType=str(created.config.get("searcher", {}).get("name", "single")),
+            startTime="2026-11-22T00:00:00Z",
+            state=bindings.experimentv1State.ACTIVE,
+            username="determined",
+        )
+        reply = bindings.v1CreateExperimentResponse(config=created.config, experiment=experiment)
+        return self._reply(reply.to_json())
+
+    def _get_events(self, request: Any) -> tuple[int, dict[str, str], str]:
+        reply = bindings.v1GetSearcherEventsResponse(searcherEvents=list(self.events))
+        return self._reply(reply.to_json())
+
+    def _post_operations(self, request: Any) -> tuple[int, dict[str, str], str]:
+        self.posts += 1
+        if self.crash_at_post is not None and self.posts == self.crash_at_post:
+            self.crash_at_post = None
+            raise MasterGone("the search runner's container died")
+        body = bindings.v1PostSearcherOperationsRequest.from_json(json.loads(request.body))
+        trigger = body.triggeredByEvent
+        if trigger is not None:  # acknowledged: the master drops it and everything before it
+            self.events = [e for e in self.events if e.id > trigger.id]
+        for op in body.searcherOperations or []:
+            self._apply(op)
+        return self._reply({})
+
+    def _report_checkpoint(self, request: Any) -> tuple[int, dict[str, str], str]:
+        body = json.loads(request.body)
+        self.checkpoints.append(body["uuid"])
+        return self._reply({})
+
+    # ------------------------------------------------------------------ the experiment
+
+    def _event(self, **kind: Any) -> None:
+        self.events.append(bindings.v1SearcherEvent(id=self.next_event_id, **kind))
+        self.next_event_id += 1
+
+    def _apply(self, op: bindings.v1SearcherOperation) -> None:
+        if op.createTrial is not None:
+            request_id = op.createTrial.requestId
+            assert request_id not in self.trial_hparams, f"trial {request_id} created twice"
+            self.trial_hparams[request_id] = json.loads(op.createTrial.hyperparams or "{}")
+            self.created_order.append(request_id)
+            self._event(trialCreated=bindings.v1TrialCreated(requestId=request_id))
+        elif op.trialOperation is not None and op.trialOperation.validateAfter is not None:
+            validate = op.trialOperation.validateAfter
+            self._run_trial(validate.requestId, validate.length)
+        elif op.closeTrial is not None:
+            self._event(trialClosed=bindings.v1TrialClosed(requestId=op.closeTrial.requestId))
+        elif op.setSearcherProgress is not None:
+            self.progress.append(float(op.setSearcherProgress.progress or 0.0))
+        elif op.shutDown is not None:
+            failed = bool(op.shutDown.failure)
+            self.final_state = (
+                bindings.experimentv1State.ERROR if failed else bindings.experimentv1State.COMPLETED
+            )
+            self._event(
+                experimentInactive=bindings.v1ExperimentInactive(experimentState=self.final_state)
+            )
+
+    def _run_trial(self, request_id: str, length: str) -> None:
+        assert self.outcome is not None, "this fake master was given no trial outcomes"
+        try:
+            metrics = self.outcome(self.trial_hparams[request_id])
+        except Exception:
+            reason = bindings.v1TrialExitedEarlyExitedReason.UNSPECIFIED
+            self._event(
+                trialExitedEarly=bindings.v1TrialExitedEarly(
+                    exitedReason=reason, requestId=request_id
+                )
+            )
+            # The master closes an errored trial itself and says so, as for any other trial.
+            self._event(trialClosed=bindings.v1TrialClosed(requestId=request_id))
+            return
+        self._event(
+            validationCompleted=bindings.v1ValidationCompleted(
+                metric=metrics, requestId=request_id, validateAfterLength=length
+            )
+        )
