@@ -20,7 +20,7 @@ from dsat.results import SUMMARY_FILE, full_experiment_hparams
 from dsat.runners import Backend, resolve_backend
 from dsat.runners.determined_submit import submit
 from dsat.runners.driver import TrialExecutor
-from dsat.runners.launch import entrypoint_tokens
+from dsat.runners.launch import entrypoint_tokens, require_command
 from dsat.runners.local import LocalExecutor, SlotPool
 from dsat.runners.local_full_run import run_full_experiment
 from dsat.runners.simulated import SimulatedExecutor
@@ -82,6 +82,7 @@ def plan_search(
     if backend is Backend.LOCAL:
         config_path = str(experiment.config_path)
         entrypoint = tuple(entrypoint_tokens(experiment.config.get("entrypoint"), config_path))
+        require_command(entrypoint, config_path)
         pool = SlotPool.for_machine(slots, settings.max_slots, dict(environ))
     simulator = None
     if backend is Backend.SIMULATED:

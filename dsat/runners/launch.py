@@ -9,6 +9,7 @@ same environment (and DeepSpeed's JIT build cache stays valid).
 
 from __future__ import annotations
 
+import itertools
 import shlex
 import sys
 from collections.abc import Sequence
@@ -34,6 +35,30 @@ def entrypoint_tokens(entrypoint: str | Sequence[str] | None, source: str) -> li
     raise DsatError(
         f"{source}: no entrypoint; set it to the command that trains, e.g. python3 train.py"
     )
+
+
+def trial_class(tokens: Sequence[str]) -> str | None:
+    """The Trial class an entrypoint names (``--trial model_def:MyTrial`` after a Determined
+    launcher, or a bare ``model_def:MyTrial``); None for a command."""
+    if len(tokens) == 1 and ":" in tokens[0] and not tokens[0].startswith(("/", ".")):
+        return tokens[0]
+    for flag, value in itertools.pairwise(tokens):
+        if flag == "--trial":
+            return value
+    for token in tokens:
+        if token.startswith("--trial="):
+            return token.partition("=")[2]
+    return None
+
+
+def require_command(tokens: Sequence[str], source: str) -> None:
+    """Trial classes (DeepSpeedTrial, PyTorchTrial) run only under Determined's harness."""
+    name = trial_class(tokens)
+    if name is not None:
+        raise DsatError(
+            f"{source}: the entrypoint runs the Trial class {name}, which Determined runs only on "
+            "a cluster; use --backend determined, or port it to a script (docs/porting.md)"
+        )
 
 
 def strip_determined_launcher(tokens: list[str]) -> list[str]:

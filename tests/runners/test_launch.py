@@ -7,7 +7,12 @@ import sys
 import pytest
 
 from dsat.errors import DsatError
-from dsat.runners.launch import entrypoint_tokens, strip_determined_launcher, trial_command
+from dsat.runners.launch import (
+    entrypoint_tokens,
+    strip_determined_launcher,
+    trial_class,
+    trial_command,
+)
 
 
 def test_entrypoint_as_string_or_list() -> None:
@@ -64,3 +69,18 @@ def test_several_slots_run_under_torchrun_on_the_given_port() -> None:
 def test_launcher_without_a_command_is_a_user_error() -> None:
     with pytest.raises(DsatError, match="no training command"):
         trial_command(["python3", "-m", "determined.launch.deepspeed"], 1, 1)
+
+
+@pytest.mark.parametrize(
+    ("entrypoint", "expected"),
+    [
+        ("python3 -m determined.launch.deepspeed --trial model_def:MyTrial", "model_def:MyTrial"),
+        ("python3 -m determined.launch.torch_distributed --trial=a.b:T", "a.b:T"),
+        ("model_def:MyTrial", "model_def:MyTrial"),
+        ("python3 train.py --data s3://bucket/x", None),
+        ("python3 -m determined.launch.deepspeed python3 train.py", None),
+        ("./run.sh", None),
+    ],
+)
+def test_trial_class_entrypoints_are_recognised(entrypoint: str, expected: str | None) -> None:
+    assert trial_class(entrypoint_tokens(entrypoint, "x.yaml")) == expected

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -16,7 +15,8 @@ import psutil
 import pytest
 import yaml
 
-from tests.conftest import EXAMPLE_DIR, REPO_ROOT
+from tests.conftest import EXAMPLE_DIR
+from tests.dsat_process import dsat, env, trials
 
 pytestmark = pytest.mark.slow
 FIXTURE = Path(__file__).parent / "fixtures" / "behaviour_train.py"
@@ -34,35 +34,6 @@ def model_dir(tmp_path: Path, **config: Any) -> tuple[Path, Path]:
     path = directory / "deepspeed.yaml"
     path.write_text(yaml.safe_dump(experiment))
     return path, directory
-
-
-def env(**extra: str) -> dict[str, str]:
-    environ = {
-        k: v for k, v in os.environ.items() if k not in ("DET_MASTER", "CUDA_VISIBLE_DEVICES")
-    }
-    environ.update(
-        {
-            "PYTHONPATH": str(REPO_ROOT),
-            "DS_ACCELERATOR": "cpu",
-            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{environ.get('PATH', '')}",
-        }
-    )
-    environ.update(extra)
-    return environ
-
-
-def dsat(*args: str, timeout: float = 540, **extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "dsat", *args],
-        capture_output=True,
-        text=True,
-        env=env(**extra),
-        timeout=timeout,
-    )
-
-
-def trials(results: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (results / "trials.jsonl").read_text().splitlines()]
 
 
 def binary_search(

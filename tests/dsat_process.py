@@ -1,0 +1,41 @@
+"""Running `python3 -m dsat` as a user does, with real trials on the CPU (end-to-end tests)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from tests.conftest import REPO_ROOT
+
+
+def env(**extra: str) -> dict[str, str]:
+    environ = {
+        k: v for k, v in os.environ.items() if k not in ("DET_MASTER", "CUDA_VISIBLE_DEVICES")
+    }
+    environ.update(
+        {
+            "PYTHONPATH": str(REPO_ROOT),
+            "DS_ACCELERATOR": "cpu",
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{environ.get('PATH', '')}",
+        }
+    )
+    environ.update(extra)
+    return environ
+
+
+def dsat(*args: str, timeout: float = 540, **extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "dsat", *args],
+        capture_output=True,
+        text=True,
+        env=env(**extra),
+        timeout=timeout,
+    )
+
+
+def trials(results: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (results / "trials.jsonl").read_text().splitlines()]
