@@ -110,3 +110,7 @@ def test_full_experiment_hparams_keep_the_overrides_but_not_the_tuning(tmp_path:
     )
     assert hparams["lr"] == 0.1
     assert "autotuning" in best.hparams["overwrite_deepspeed_args"]  # the record is untouched
+    # A cluster trial's top-level dsat-mode switch does not follow into the real run.
+    on_cluster = best.replace(hparams={**best.hparams, "_use_dsat_mode": True})
+    assert "_use_dsat_mode" not in full_experiment_hparams(on_cluster)
+    assert on_cluster.hparams["_use_dsat_mode"] is True

@@ -177,3 +177,24 @@ def test_progress_and_created_events() -> None:
     lengths = {op.length for op in started if isinstance(op, searcher.ValidateAfter)}
     assert lengths == {m.settings.end_profile_step + 1}
     assert m.progress(state) == pytest.approx(0.1)
+
+
+def test_a_second_outcome_for_a_finished_trial_changes_nothing() -> None:
+    """On a cluster a trial that reported its metrics can still be marked errored afterwards
+    (DeepSpeed's exit racing the Close); the first outcome stands."""
+    m = method("binary", max_trials=10)
+    state = searcher.SearcherState()
+    ops = m.initial_operations(state)
+    m.on_validation_completed(state, ops[0].request_id, dict(PROFILE), 1)
+    started = m.on_trial_closed(state, ops[0].request_id)
+    first = next(op for op in started if isinstance(op, searcher.Create))
+    metrics = {"FLOPS_per_gpu": 5e9, "throughput": 5.0}
+    closing = m.on_validation_completed(state, first.request_id, metrics, 6)
+    assert [type(op).__name__ for op in closing] == ["Close"]
+    queued = len(m.tracker.queue)
+    assert m.on_trial_exited_early(state, first.request_id, searcher.ExitedReason.ERRORED) == []
+    record = m.tracker.get(str(first.request_id))
+    assert record.status.value == "completed" and record.metrics == metrics
+    assert len(m.tracker.queue) == queued  # no failure follow-ups were queued
+    assert m.on_validation_completed(state, first.request_id, {"FLOPS_per_gpu": 1.0}, 6) == []
+    assert m.tracker.get(str(first.request_id)).metrics == metrics
