@@ -168,6 +168,9 @@ def ratio(ours: float, theirs: float) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=20)
+    parser.add_argument("--models", nargs="+", choices=list(CASES), default=list(CASES))
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--output", type=Path, default=RESULTS, help="where the JSON goes")
     options = parser.parse_args()
     seeds = range(options.seeds)
     started = time.time()
@@ -182,7 +185,8 @@ def main() -> None:
         "median GPU-h to 2% (dsat / ref, ratio) | median final regret (dsat / ref) |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
-    for model_name, (slots, extra) in CASES.items():
+    for model_name in options.models:
+        slots, extra = CASES[model_name]
         best, best_config = optimum(
             BUILTIN_MODELS[model_name], slots, METRIC.file_key, False, (1, 2, 3), extra
         )
@@ -191,7 +195,7 @@ def main() -> None:
             "optimum_config": best_config,
             "methods": {},
         }
-        for method in METHODS:
+        for method in options.methods:
             entry: dict[str, Any] = {}
             for label, factory in (("dsat", dsat_method), ("reference", reference_method)):
                 runs = [run_one(factory, method, model_name, seed, best) for seed in seeds]
@@ -210,11 +214,12 @@ def main() -> None:
     report["seconds"] = time.time() - started
     report["python"] = sys.version.split()[0]
     write_json_atomic(
-        RESULTS, json.loads(json.dumps(report, default=str).replace("Infinity", "null"))
+        options.output, json.loads(json.dumps(report, default=str).replace("Infinity", "null"))
     )
     print("\n".join(lines))
     print(
-        f"\n{len(CASES) * len(METHODS) * 2 * len(seeds)} searches in {report['seconds']:.0f} s; wrote {RESULTS}"
+        f"\n{len(options.models) * len(options.methods) * 2 * len(seeds)} searches in "
+        f"{report['seconds']:.0f} s; wrote {options.output}"
     )
 
 

@@ -35,12 +35,15 @@ class RandomSearch(DsatSearchMethod):
         return int(stages[int(self.rng.integers(len(stages)))])
 
     def initial_range(self, stage: int) -> SearchRange:
-        """From the memory model until the stage has a best trial; then from that trial's
+        """Below the memory model's estimate until the stage has a best trial; then from that trial's
         micro-batch (other knobs may be faster there) up to the smallest micro-batch that ran
         out of memory in this stage, or, with none yet, twice as high."""
         best = self.tracker.best(stage)
         if best is None or best.search_range is None:
-            return SearchRange(1, max(self.micro_batch_ceiling(stage), 1))
+            # One sample of activations short of the memory model's estimate (the reference's own
+            # estimate): the profile under-reports activations, and every draw above the real
+            # cliff costs a whole trial here, where a binary search would halve the range.
+            return SearchRange(1, max(self.micro_batch_ceiling(stage) - 1, 1))
         lo = best.mbs
         failed_above = [
             r.mbs

@@ -24,7 +24,9 @@ def test_lineage_continues_above_a_success_and_below_a_failure() -> None:
     parent = m.tracker.get(first)
     (child_id,) = created_ids(finish(m, first, ok=True))
     child = m.tracker.get(child_id)
-    assert child.parent_id == first and child.search_range == SearchRange(parent.mbs + 1, 64)
+    # The first range ends one micro-batch below the memory model's ceiling (64 here).
+    assert m.micro_batch_ceiling(1) == 64 and parent.search_range == SearchRange(1, 63)
+    assert child.parent_id == first and child.search_range == SearchRange(parent.mbs + 1, 63)
     (grandchild_id,) = created_ids(finish(m, child_id, ok=False))
     grandchild = m.tracker.get(grandchild_id)
     assert grandchild.parent_id == child_id
