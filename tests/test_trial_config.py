@@ -80,6 +80,19 @@ def test_get_hparams_off_cluster_without_a_runner(monkeypatch: pytest.MonkeyPatc
         dsat.get_hparams()
 
 
+def test_get_hparams_on_a_cluster_reads_the_trials_cluster_info(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from determined import _info
+
+    from tests.runners.fake_master import trial_cluster_info
+
+    hparams = {"deepspeed_config": "ds.json", "_use_dsat_mode": True}
+    monkeypatch.delenv(ENV_HPARAMS_FILE, raising=False)
+    monkeypatch.setattr(_info, "_info", trial_cluster_info(7, hparams))
+    assert dsat.get_hparams() == hparams
+
+
 def test_importing_dsat_loads_neither_torch_nor_deepspeed() -> None:
     import subprocess
     import sys

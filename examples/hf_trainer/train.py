@@ -32,6 +32,7 @@ def main() -> None:
     )
     seq_len, vocab = int(hparams.get("seq_len", 32)), int(hparams.get("vocab_size", 512))
     dataset = SyntheticTokens(int(hparams.get("samples", 4096)), seq_len, vocab)
+    eval_dataset = SyntheticTokens(64, seq_len, vocab, seed=1)
     model = tiny_gpt2(hparams)
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -45,7 +46,11 @@ def main() -> None:
         else:
             callbacks, op = [], next(iter(core_context.searcher.operations()))
         trainer = Trainer(
-            model=model, args=training_args, train_dataset=dataset, callbacks=callbacks
+            model=model,
+            args=training_args,
+            train_dataset=dataset,
+            eval_dataset=eval_dataset,
+            callbacks=callbacks,
         )
         with dsat.dsat_reporting_context(core_context, op=op):
             result = trainer.train()

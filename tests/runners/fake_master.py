@@ -198,3 +198,33 @@ class FakeMaster:
                 metric=metrics, requestId=request_id, validateAfterLength=length
             )
         )
+
+
+def trial_cluster_info(
+    experiment_id: int, hparams: dict[str, Any] | None = None, latest_checkpoint: str | None = None
+) -> Any:
+    """The ClusterInfo a Determined trial container holds (the master writes it to a file)."""
+    import determined as det
+
+    return det.ClusterInfo(
+        master_url=MASTER,
+        cluster_id="fake-cluster",
+        agent_id="agent",
+        slot_ids=[],
+        task_id=f"{experiment_id}.1",
+        allocation_id=f"{experiment_id}.1.1",
+        session_token=TOKEN,
+        task_type="TRIAL",
+        latest_checkpoint=latest_checkpoint,
+        trial_info=det.TrialInfo(
+            trial_id=1,
+            experiment_id=experiment_id,
+            trial_seed=0,
+            hparams=hparams or {},
+            config={},
+            steps_completed=0,
+            trial_run_id=1,
+            debug=False,
+            inter_node_network_interface=None,
+        ),
+    )

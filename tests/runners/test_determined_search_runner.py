@@ -23,7 +23,7 @@ from dsat.results import BEST_CONFIG_FILE, BEST_METRICS_FILE, SUMMARY_FILE, TRIA
 from dsat.runners.determined_search_runner import run
 from dsat.search.base import DsatSearchMethod
 from tests.conftest import EXAMPLE_DIR
-from tests.runners.fake_master import MASTER, TOKEN, FakeMaster
+from tests.runners.fake_master import MASTER, TOKEN, FakeMaster, trial_cluster_info
 
 STAGE_CEILING = {1: 40, 2: 56, 3: 90}  # micro-batches above these run out of memory
 STAGE_SPEED = {1: 1.0, 2: 1.15, 3: 0.8}
@@ -99,33 +99,11 @@ def core_context(
     monkeypatch: pytest.MonkeyPatch, storage: Path, runner_id: int, latest: str | None
 ) -> Any:
     """The search runner's Core API context and cluster info, as a task container has them."""
-    import determined as det
     from determined import _info, core
     from determined.common import api
     from determined.common.storage import SharedFSStorageManager
 
-    info = det.ClusterInfo(
-        master_url=MASTER,
-        cluster_id="fake-cluster",
-        agent_id="agent",
-        slot_ids=[],
-        task_id=f"{runner_id}.1",
-        allocation_id=f"{runner_id}.1.1",
-        session_token=TOKEN,
-        task_type="TRIAL",
-        latest_checkpoint=latest,
-        trial_info=det.TrialInfo(
-            trial_id=1,
-            experiment_id=runner_id,
-            trial_seed=0,
-            hparams={},
-            config={},
-            steps_completed=0,
-            trial_run_id=1,
-            debug=False,
-            inter_node_network_interface=None,
-        ),
-    )
+    info = trial_cluster_info(runner_id, latest_checkpoint=latest)
     monkeypatch.setattr(_info, "_info", info)
     distributed = core.DummyDistributedContext()
     session = api.Session(master=MASTER, username="determined", token=TOKEN, cert=None)
