@@ -171,6 +171,9 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", choices=list(CASES), default=list(CASES))
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--output", type=Path, default=RESULTS, help="where the JSON goes")
+    parser.add_argument(
+        "--summaries-only", action="store_true", help="leave each run's numbers out of the JSON"
+    )
     options = parser.parse_args()
     seeds = range(options.seeds)
     started = time.time()
@@ -199,7 +202,9 @@ def main() -> None:
             entry: dict[str, Any] = {}
             for label, factory in (("dsat", dsat_method), ("reference", reference_method)):
                 runs = [run_one(factory, method, model_name, seed, best) for seed in seeds]
-                entry[label] = {"summary": summarise(runs), "runs": runs}
+                entry[label] = {"summary": summarise(runs)}
+                if not options.summaries_only:
+                    entry[label]["runs"] = runs
             report["cases"][model_name]["methods"][method] = entry
             ours, theirs = entry["dsat"]["summary"], entry["reference"]["summary"]
             lines.append(
