@@ -128,7 +128,16 @@ def submit(settings: SearchSettings, experiment: Experiment, environ: Mapping[st
         config = runner_config(settings, experiment)
         with tempfile.TemporaryDirectory(prefix="dsat-upload-") as staging:
             includes = stage_context(settings, experiment, Path(staging))
-            created = determined.create_experiment(config, staging, includes)
+            try:
+                created = determined.create_experiment(config, staging, includes)
+            except ValueError as err:  # Determined's own check of the upload's size
+                if "maximum allowed size" not in str(err):
+                    raise
+                raise DsatError(
+                    f"{experiment.model_dir}: MODEL_DIR, the config and the includes come to more "
+                    "than Determined uploads; list what trials do not need (data, checkpoints) "
+                    "in a .detignore file in MODEL_DIR"
+                ) from None
     except api_errors.MasterNotFoundException:
         raise DsatError(
             f"no Determined master answers at {master or 'the default address'}; check "

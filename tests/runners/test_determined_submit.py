@@ -178,3 +178,20 @@ def test_resume_and_results_dir_do_not_apply_to_determined(
 def test_experiment_url() -> None:
     assert experiment_url("http://m:8080/", 12) == "http://m:8080/det/experiments/12"
     assert json.loads(json.dumps(experiment_url(MASTER, 1)))  # a plain string
+
+
+def test_an_upload_too_large_for_determined_is_a_one_line_error(
+    master: FakeMaster,
+    model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from determined.common import context
+
+    # Determined's limit is 95 MB; lower it rather than write that much.
+    includes_default, _limit = context.read_v1_context.__defaults__
+    monkeypatch.setattr(context.read_v1_context, "__defaults__", (includes_default, 10_000))
+    code = main(["asha", str(model_dir / "deepspeed.yaml"), str(model_dir)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and master.experiments == []
+    assert "more than Determined uploads" in err[-1] and ".detignore" in err[-1]
