@@ -89,6 +89,9 @@ def custom_experiment_config(
         "metric": settings.metric.value,
         "smaller_is_better": settings.smaller_is_better,
     }
+    # A trial that runs out of memory or crashes is a result for the search; Determined would
+    # otherwise run it again up to 5 times (its default) before reporting it.
+    config["max_restarts"] = 0
     hparams = deep_merge(
         config.get("hyperparameters") or {}, {OVERWRITE_KEY: autotuning_overwrites(settings)}
     )

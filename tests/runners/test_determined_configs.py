@@ -135,7 +135,10 @@ def test_custom_experiment_matches_the_reference(reference: Any, metric: str) ->
     ours = custom_experiment_config(
         USER_CONFIG, settings(metric=metric, start_profile_step=4, end_profile_step=9), 42
     )
-    assert ours == theirs
+    # The one deliberate difference: failed trials are results, not retried (the reference keeps
+    # the user's max_restarts, 0 in this config, Determined's default of 5 when absent).
+    assert ours["max_restarts"] == 0
+    assert {**ours, "max_restarts": USER_CONFIG["max_restarts"]} == theirs
     assert ours["description"] == "(#42) generated - my run"
     assert ours["searcher"]["name"] == "custom"
     assert ours["hyperparameters"]["_use_dsat_mode"] is True
@@ -183,3 +186,12 @@ def test_settings_travel_as_json_friendly_hyperparameters(tmp_path: Path) -> Non
     hparams = settings_hparams(settings(include=("data",), early_stopping=None))
     assert hparams["include"] == ["data"] and "early_stopping" not in hparams
     assert hparams["metric"] == "FLOPS_per_gpu"
+
+
+def test_custom_experiment_never_retries_a_failed_trial() -> None:
+    restarting = {**USER_CONFIG, "max_restarts": 3}
+    unset = {k: v for k, v in USER_CONFIG.items() if k != "max_restarts"}
+    for config in (restarting, unset):
+        assert custom_experiment_config(config, settings(), 1)["max_restarts"] == 0
+    # The full run is the user's own experiment again: their restarts apply.
+    assert full_experiment_config(restarting, {})["max_restarts"] == 3
