@@ -17,6 +17,7 @@ import dataclasses
 import json
 import re
 import tarfile
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -228,3 +229,19 @@ def trial_cluster_info(
             inter_node_network_interface=None,
         ),
     )
+
+
+def logged_in_environment(patch: Any, home: Any) -> None:
+    """What a logged-in user's shell (or a task container) has: the master's address, a user and
+    a token, and no cached client. ``patch`` is a pytest MonkeyPatch."""
+    from determined.experimental import client
+    from determined.searcher import _search_runner
+
+    patch.setenv("DET_MASTER", MASTER)
+    patch.setenv("DET_USER", "determined")
+    patch.setenv("DET_USER_TOKEN", TOKEN)
+    patch.setenv("HOME", str(home))
+    patch.setenv("XDG_CONFIG_HOME", str(home / ".config"))
+    patch.setattr(client, "_determined", None)
+    # RemoteSearchRunner polls once a second; the fake master has every event at once.
+    patch.setattr(_search_runner, "time", types.SimpleNamespace(sleep=lambda _: None))

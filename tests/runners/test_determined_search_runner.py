@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,13 @@ from dsat.results import BEST_CONFIG_FILE, BEST_METRICS_FILE, SUMMARY_FILE, TRIA
 from dsat.runners.determined_search_runner import run
 from dsat.search.base import DsatSearchMethod
 from tests.conftest import EXAMPLE_DIR
-from tests.runners.fake_master import MASTER, TOKEN, FakeMaster, trial_cluster_info
+from tests.runners.fake_master import (
+    MASTER,
+    TOKEN,
+    FakeMaster,
+    logged_in_environment,
+    trial_cluster_info,
+)
 
 STAGE_CEILING = {1: 40, 2: 56, 3: 90}  # micro-batches above these run out of memory
 STAGE_SPEED = {1: 1.0, 2: 1.15, 3: 0.8}
@@ -63,18 +68,7 @@ class ScriptedTrials:
 
 @pytest.fixture
 def cluster(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[FakeMaster]:
-    from determined.experimental import client
-
-    monkeypatch.setenv("DET_MASTER", MASTER)
-    monkeypatch.setenv("DET_USER", "determined")
-    monkeypatch.setenv("DET_USER_TOKEN", TOKEN)
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "home" / ".config"))
-    monkeypatch.setattr(client, "_determined", None)
-    # RemoteSearchRunner polls once a second; the fake master has every event at once.
-    from determined.searcher import _search_runner
-
-    monkeypatch.setattr(_search_runner, "time", types.SimpleNamespace(sleep=lambda _: None))
+    logged_in_environment(monkeypatch, tmp_path / "home")
     fake = FakeMaster(ScriptedTrials())
     with responses.RequestsMock(assert_all_requests_are_fired=False) as mock:
         fake.install(mock)
@@ -180,7 +174,7 @@ def test_a_whole_search_runs_through_remote_search_runner(
 
 
 def test_a_restarted_search_runner_resumes_and_ends_as_an_uninterrupted_one(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    tmp_path: Path,
 ) -> None:
     results = {}
     for crash in (None, 9):
@@ -189,15 +183,7 @@ def test_a_restarted_search_runner_resumes_and_ends_as_an_uninterrupted_one(
             pytest.MonkeyPatch.context() as patch,
             responses.RequestsMock(assert_all_requests_are_fired=False) as mock,
         ):
-            from determined.experimental import client
-            from determined.searcher import _search_runner
-
-            patch.setenv("DET_MASTER", MASTER)
-            patch.setenv("DET_USER", "determined")
-            patch.setenv("DET_USER_TOKEN", TOKEN)
-            patch.setenv("HOME", str(tmp_path / "home"))
-            patch.setattr(client, "_determined", None)
-            patch.setattr(_search_runner, "time", types.SimpleNamespace(sleep=lambda _: None))
+            logged_in_environment(patch, tmp_path / "home")
             master.install(mock)
             run_dir = tmp_path / f"crash-{crash}"
             method, checkpoint = run_search(master, patch, run_dir, crash_at_post=crash)

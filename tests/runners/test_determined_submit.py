@@ -22,20 +22,13 @@ from dsat.runners.determined_submit import (
 )
 from dsat.settings import SearchSettings
 from tests.conftest import EXAMPLE_DIR
-from tests.runners.fake_master import MASTER, TOKEN, FakeMaster
+from tests.runners.fake_master import MASTER, FakeMaster, logged_in_environment
 
 
 @pytest.fixture
 def master(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[FakeMaster]:
     """A fake 0.37 master, and the environment a logged-in user (or a task) has."""
-    from determined.experimental import client
-
-    monkeypatch.setenv("DET_MASTER", MASTER)
-    monkeypatch.setenv("DET_USER", "determined")
-    monkeypatch.setenv("DET_USER_TOKEN", TOKEN)
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "home" / ".config"))
-    monkeypatch.setattr(client, "_determined", None)
+    logged_in_environment(monkeypatch, tmp_path / "home")
     fake = FakeMaster()
     with responses.RequestsMock(assert_all_requests_are_fired=False) as mock:
         fake.install(mock)
