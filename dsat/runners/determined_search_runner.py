@@ -7,8 +7,8 @@ Determined's ``RemoteSearchRunner``. Every checkpoint holds JSON only: Determine
 the method's state, the last operations, and the results files (``trials.jsonl``,
 ``best_ds_config.json``, ``best_ds_metrics.json``), so a restarted search runner resumes.
 
-It imports only what a Determined task image has (determined, numpy, pyyaml): no DeepSpeed, no
-torch, no terminal UI.
+It imports only what a Determined task image has (determined and its dependencies, numpy, pyyaml):
+no DeepSpeed, no torch, no terminal UI.
 """
 
 from __future__ import annotations
