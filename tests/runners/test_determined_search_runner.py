@@ -266,3 +266,24 @@ def test_the_entrypoint_refuses_to_run_off_cluster(tmp_path: Path) -> None:
     )
     assert result.returncode == 2
     assert "runs inside a Determined trial" in result.stderr
+
+
+def test_a_search_where_every_trial_fails_shuts_the_experiment_down_as_failed(
+    cluster: FakeMaster, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    scripted = ScriptedTrials()
+
+    def everything_runs_out_of_memory(hparams: dict[str, Any]) -> dict[str, Any]:
+        metrics = scripted(hparams)
+        if "num_params" in metrics:
+            return metrics  # the model profile works
+        raise MemoryError("CUDA out of memory")
+
+    cluster.outcome = everything_runs_out_of_memory
+    workdir, runner_id = submitted_context(cluster, tmp_path, "--max-trials", "8")
+    method = run(core_context(monkeypatch, tmp_path / "ckpt", runner_id, None), workdir, runner_id)
+    assert method.search_failed and method.tracker.best() is None
+    assert cluster.final_state is not None and cluster.final_state.name == "ERROR"
+    checkpoint = tmp_path / "ckpt" / cluster.checkpoints[-1]
+    assert not (checkpoint / BEST_CONFIG_FILE).exists()
+    assert {line["status"] for line in trial_lines(checkpoint)[1:]} == {"error"}
