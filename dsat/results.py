@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -56,14 +57,20 @@ def best_ds_config(record: TrialRecord) -> dict[str, Any]:
     return config
 
 
+def without_tuning(hparams: Mapping[str, Any]) -> dict[str, Any]:
+    """Hyperparameters for a real training run: the overrides kept, dsat's autotuning block and
+    the cluster's dsat-mode switch removed."""
+    cleaned: dict[str, Any] = copy.deepcopy(dict(hparams))
+    overwrites = cleaned.get(OVERWRITE_KEY)
+    if isinstance(overwrites, dict):
+        overwrites.pop(AUTOTUNING_KEY, None)
+    cleaned.pop(DSAT_MODE_KEY, None)
+    return cleaned
+
+
 def full_experiment_hparams(record: TrialRecord) -> dict[str, Any]:
     """The best trial's hyperparameters for a real training run: its overrides, minus tuning."""
-    hparams: dict[str, Any] = copy.deepcopy(record.hparams)
-    overwrites = hparams.get(OVERWRITE_KEY) or {}
-    overwrites.pop(AUTOTUNING_KEY, None)
-    hparams[OVERWRITE_KEY] = overwrites
-    hparams.pop(DSAT_MODE_KEY, None)
-    return hparams
+    return without_tuning(record.hparams)
 
 
 class ResultsWriter:

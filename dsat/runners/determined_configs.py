@@ -16,6 +16,7 @@ from typing import Any
 
 from dsat.config import deep_merge
 from dsat.constants import AUTOTUNING_KEY, DSAT_MODE_KEY, OVERWRITE_KEY
+from dsat.results import without_tuning
 from dsat.settings import SearchSettings
 
 # What the search runner's entrypoint runs on the cluster (dsat's package travels with it).
@@ -23,6 +24,8 @@ SEARCH_RUNNER_ENTRYPOINT = "python3 -m dsat.runners.determined_search_runner"
 SEARCH_RUNNER_NAME_PREFIX = "(DSAT) "
 # The uploaded settings file the search runner reads: JSON, never pickle.
 SETTINGS_UPLOAD = "dsat_settings.json"
+# dsat's own package, uploaded beside them (task images have determined, not dsat).
+DSAT_PACKAGE = "dsat"
 
 
 def experiment_name(config: Mapping[str, Any], fallback: str) -> str:
@@ -106,10 +109,7 @@ def full_experiment_config(
 ) -> dict[str, Any]:
     """The user's experiment, searcher and all, run with the best trial's overrides."""
     config = copy.deepcopy(dict(user_config))
-    hparams = deep_merge(config.get("hyperparameters") or {}, best_hparams)
-    hparams.pop(DSAT_MODE_KEY, None)
-    overwrites = hparams.get(OVERWRITE_KEY)
-    if isinstance(overwrites, dict):
-        overwrites.pop(AUTOTUNING_KEY, None)
-    config["hyperparameters"] = hparams
+    config["hyperparameters"] = without_tuning(
+        deep_merge(config.get("hyperparameters") or {}, best_hparams)
+    )
     return config

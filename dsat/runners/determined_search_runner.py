@@ -31,9 +31,9 @@ from dsat.results import (
     TRIALS_FILE,
     ResultsWriter,
     TrialTiming,
-    full_experiment_hparams,
 )
 from dsat.runners.determined_configs import (
+    DSAT_PACKAGE,
     SETTINGS_UPLOAD,
     custom_experiment_config,
     full_experiment_config,
@@ -48,8 +48,6 @@ logger = logging.getLogger(__name__)
 OPERATIONS_FILE = "searcher_operations.json"
 FULL_EXPERIMENT_FILE = "full_experiment_id.txt"
 RESULT_FILES = (TRIALS_FILE, BEST_CONFIG_FILE, BEST_METRICS_FILE, SUMMARY_FILE)
-# The dsat package travels in the uploaded context; trials get it too, for `import dsat`.
-DSAT_PACKAGE = "dsat"
 
 
 class CheckpointedSearchRunner(searcher.RemoteSearchRunner):  # type: ignore[misc]
@@ -135,7 +133,7 @@ def run(core_context: Any, workdir: Path, runner_experiment_id: int) -> DsatSear
     )
     method = make_search_method(settings, spec)
     runner = CheckpointedSearchRunner(method, core_context, workdir / "dsat-results")
-    includes = [*experiment.includes, workdir / DSAT_PACKAGE]
+    includes = [*experiment.includes, workdir / DSAT_PACKAGE]  # trials `import dsat` too
     runner.run(exp_config, model_dir=str(experiment.model_dir), includes=includes)
     summary = runner.results_dir / SUMMARY_FILE
     if summary.is_file():
@@ -146,7 +144,7 @@ def run(core_context: Any, workdir: Path, runner_experiment_id: int) -> DsatSear
         return method
     logger.info("dsat: best trial %s, metrics %s", best.name, best.metrics)
     if settings.run_full_experiment and runner.full_experiment_id is None:
-        config = full_experiment_config(experiment.config, full_experiment_hparams(best))
+        config = full_experiment_config(experiment.config, best.hparams)
         created = client.create_experiment(config, str(experiment.model_dir), includes)
         runner.full_experiment_id = int(created.id)
         runner.save_state(runner.state.experiment_id, runner.last_operations)

@@ -25,6 +25,7 @@ from dsat.config import Experiment, load_yaml_mapping
 from dsat.constants import ENV_DET_MASTER
 from dsat.errors import DsatError
 from dsat.runners.determined_configs import (
+    DSAT_PACKAGE,
     SEARCH_RUNNER_ENTRYPOINT,
     SETTINGS_UPLOAD,
     search_runner_config,
@@ -78,7 +79,10 @@ def require_master_custom_searcher(master_url: str, master_version: str) -> None
 
 def upload_names(experiment: Experiment) -> dict[str, Path]:
     """Name at the top of the uploaded context -> local path; names must not collide."""
-    names: dict[str, Path] = {SETTINGS_UPLOAD: Path(SETTINGS_UPLOAD), "dsat": DSAT_PACKAGE_DIR}
+    names: dict[str, Path] = {
+        SETTINGS_UPLOAD: Path(SETTINGS_UPLOAD),
+        DSAT_PACKAGE: DSAT_PACKAGE_DIR,
+    }
     for path in (experiment.model_dir, experiment.config_path, *experiment.includes):
         name = path.resolve().name
         if name in names and names[name] != path.resolve():
@@ -95,9 +99,11 @@ def stage_context(settings: SearchSettings, experiment: Experiment, staging: Pat
     names = upload_names(experiment)
     (staging / SETTINGS_UPLOAD).write_text(settings.to_json() + "\n")
     shutil.copytree(
-        DSAT_PACKAGE_DIR, staging / "dsat", ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
+        DSAT_PACKAGE_DIR,
+        staging / DSAT_PACKAGE,
+        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
     )
-    return [path for name, path in names.items() if name not in (SETTINGS_UPLOAD, "dsat")]
+    return [path for name, path in names.items() if name not in (SETTINGS_UPLOAD, DSAT_PACKAGE)]
 
 
 def runner_config(settings: SearchSettings, experiment: Experiment) -> dict[str, Any]:
