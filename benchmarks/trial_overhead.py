@@ -26,6 +26,7 @@ from dsat.atomic_file import write_json_atomic
 from dsat.config import load_experiment
 from dsat.constants import ENV_HPARAMS_FILE
 from dsat.runners.local import HPARAMS_FILE, LocalExecutor, SlotPool
+from dsat.runners.trial_timeout import TrialTimeout
 from dsat.search import make_search_method
 from dsat.search.base import SearchSpec
 from dsat.search.trial import TrialKind, TrialStatus
@@ -57,7 +58,14 @@ def through_runner(work: Path, hparams: dict[str, Any], ds_config: dict[str, Any
     shutil.rmtree(results, ignore_errors=True)
     pool = SlotPool.for_machine(1, 1, trial_environment())
     executor = LocalExecutor(
-        ["python3", "train.py"], EXAMPLE, (), results, pool, 1, 3600.0, trial_environment()
+        ["python3", "train.py"],
+        EXAMPLE,
+        (),
+        results,
+        pool,
+        1,
+        TrialTimeout(3600.0),
+        trial_environment(),
     )
     start = time.perf_counter()
     executor.start("00000000-0000-0000-0000-000000000001", hparams, ds_config, 20)

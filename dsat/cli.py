@@ -13,10 +13,13 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from dsat import settings as defaults
 from dsat.errors import USAGE_EXIT_CODE, DsatError
 from dsat.metric import Metric
+from dsat.resume import resumed_settings
+from dsat.runners.trial_timeout import FLOOR_S, PROFILE_MULTIPLE, PROFILE_TRIAL_LIMIT_S
 from dsat.settings import SearchSettings
 
 PROG = "dsat"
@@ -53,8 +56,18 @@ positive_float = _typed(float, 1e-12, "a positive number")
 
 
 def _add_common_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config_path", help="experiment config file (.yaml)")
-    parser.add_argument("model_dir", help="directory containing the model definition")
+    parser.add_argument(
+        "config_path",
+        nargs="?",
+        metavar="CONFIG_PATH",
+        help="experiment config file (.yaml); may be left out with --resume",
+    )
+    parser.add_argument(
+        "model_dir",
+        nargs="?",
+        metavar="MODEL_DIR",
+        help="directory containing the model definition; may be left out with --resume",
+    )
     parser.add_argument(
         "-i",
         "--include",
@@ -150,14 +163,21 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
         help="where results go (default: dsat-results/<experiment name>-<UTC timestamp>)",
     )
     parser.add_argument(
-        "--resume", default=None, metavar="DIR", help="resume the interrupted search in DIR"
+        "--resume",
+        default=None,
+        metavar="DIR",
+        help="resume the interrupted search in DIR with the settings it ran with; of the other "
+        "flags only --max-trials, --max-slots, --max-concurrent-trials, --trial-timeout and "
+        "--run-full-experiment may change",
     )
     parser.add_argument(
         "--trial-timeout",
         type=positive_float,
-        default=defaults.DEFAULT_TRIAL_TIMEOUT_S,
+        default=None,
         metavar="SECONDS",
-        help="a trial running longer than this is stopped and counts as failed",
+        help="a trial running longer than this is stopped and counts as failed (default: "
+        f"{PROFILE_TRIAL_LIMIT_S:g} for the model-profile trial, then {PROFILE_MULTIPLE:g}x its "
+        f"time, at least {FLOOR_S:g})",
     )
     parser.add_argument(
         "--simulator",
@@ -243,13 +263,52 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _method_parsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:  # argparse offers no public way to reach its subparsers
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def given_arguments(argv: Sequence[str]) -> dict[str, Any]:
+    """Only what the command line says itself, no defaults: a resumed search keeps its own."""
+    parser = build_parser()
+    for subparser in _method_parsers(parser).values():
+        for action in subparser._actions:
+            action.default = argparse.SUPPRESS
+    return vars(parser.parse_args(argv))
+
+
+def flag_names() -> dict[str, str]:
+    """Each setting's name on the command line, for messages."""
+    names: dict[str, str] = {}
+    for subparser in _method_parsers(build_parser()).values():
+        for action in subparser._actions:
+            if action.option_strings:
+                names[action.dest] = max(action.option_strings, key=len)
+            elif action.metavar:
+                names[action.dest] = str(action.metavar)
+    return names
+
+
 def parse_settings(argv: Sequence[str] | None = None) -> SearchSettings:
+    """The settings of the search to run: from the flags, or, with --resume, the saved ones."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     namespace = build_parser().parse_args(argv)
+    if namespace.resume is not None:
+        return resumed_settings(
+            namespace.method, given_arguments(argv), namespace.resume, flag_names()
+        )
+    if namespace.config_path is None or namespace.model_dir is None:
+        raise DsatError(
+            "CONFIG_PATH and MODEL_DIR are required, e.g. `python3 -m dsat "
+            f"{namespace.method} deepspeed.yaml .`; to continue a search, pass --resume DIR"
+        )
     fields = {f.name for f in dataclasses.fields(SearchSettings)}
     values = {k: v for k, v in vars(namespace).items() if k in fields}
     values["include"] = tuple(values["include"] or ())
     values["zero_stages"] = tuple(values["zero_stages"])
-    return SearchSettings(**values)
+    return SearchSettings(**values).with_absolute_paths()
 
 
 class CurrentStdout:

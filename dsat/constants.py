@@ -24,9 +24,16 @@ METRICS_FILE = "autotuning_metric.json"
 TRIAL_OUTCOME_FILE = "dsat_trial_outcome.json"
 # Printed to stderr by the trial side when a trial runs out of memory.
 OOM_MARKER = "DSAT_TRIAL_OUT_OF_MEMORY"
+# The searcher metric a trial reports on a cluster when it ran out of memory: the master only
+# says "errored" of a failed trial, so the OOM travels as the trial's reported result.
+OOM_METRIC_KEY = "dsat_out_of_memory"
 
 # Environment variables.
 ENV_HPARAMS_FILE = "DSAT_HPARAMS_FILE"  # JSON hyperparameters written by a dsat runner
 ENV_DET_MASTER = "DET_MASTER"  # set when a Determined cluster is in reach
+ENV_RESULTS_DIR = "DSAT_RESULTS_DIR"  # in every local trial: the search that started it
 
 RESULTS_ROOT = "dsat-results"
+# In a results directory: the settings a search runs with, and its method's state.
+SETTINGS_FILE = "settings.json"
+STATE_FILE = "dsat_search_state.json"

@@ -11,11 +11,14 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from dsat.quiet_output import quiet_output
+
 
 def deepspeed_config_error(config: Mapping[str, Any], world_size: int) -> str | None:
     """DeepSpeed's one-line reason for rejecting ``config``, or None when it accepts it."""
-    from deepspeed.runtime.config import DeepSpeedConfig
-    from deepspeed.utils import logger as ds_logger
+    with quiet_output("importing DeepSpeed"):
+        from deepspeed.runtime.config import DeepSpeedConfig
+        from deepspeed.utils import logger as ds_logger
 
     class ConfigAtWorldSize(DeepSpeedConfig):  # type: ignore[misc]
         def _configure_train_batch_size(self) -> None:

@@ -11,14 +11,23 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from dsat.atomic_file import write_json_atomic
-from dsat.constants import METRICS_FILE, MODEL_INFO_FILE, OOM_MARKER, TRIAL_OUTCOME_FILE
+from dsat.constants import (
+    METRICS_FILE,
+    MODEL_INFO_FILE,
+    OOM_MARKER,
+    OOM_METRIC_KEY,
+    TRIAL_OUTCOME_FILE,
+)
 from dsat.oom import is_out_of_memory
+
+logger = logging.getLogger(__name__)
 
 MODEL_INFO = "model_info"
 METRICS = "metrics"
@@ -67,14 +76,33 @@ def read_autotuning_result(directory: Path) -> AutotuningResult | None:
     return AutotuningResult(kind, values)
 
 
+def oom_summary(err: BaseException) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
+
+
 def record_out_of_memory(err: BaseException, directory: Path) -> None:
-    """Make an OOM unmistakable to a runner: a marker line on stderr and an outcome file."""
-    summary = (
-        f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
-    )
+    """Make an OOM unmistakable to a local runner: a marker line on stderr and an outcome file."""
+    summary = oom_summary(err)
     print(f"{OOM_MARKER}: {summary}", file=sys.stderr, flush=True)
     with contextlib.suppress(OSError):
         write_json_atomic(directory / TRIAL_OUTCOME_FILE, {"status": "oom", "error": summary})
+
+
+def oom_metric(err: BaseException) -> dict[str, str]:
+    """The searcher metric that tells dsat's search on a cluster this trial ran out of memory."""
+    return {OOM_METRIC_KEY: oom_summary(err)}
+
+
+def report_out_of_memory(core_context: Any, op: Any, err: BaseException) -> None:
+    """Tell the search (rank 0 only) that the trial ran out of memory, before the error ends it.
+    A report that fails must not hide the OOM itself, so its error is only logged."""
+    if op is None or core_context.distributed.get_rank() != 0:
+        return
+    try:
+        op.report_completed(oom_metric(err))
+    except Exception as report_error:  # the OOM is what the trial must raise
+        logger.warning("could not report the out-of-memory outcome: %s", report_error)
 
 
 def report_result(
@@ -120,4 +148,5 @@ def dsat_reporting_context(
     except BaseException as err:
         if is_out_of_memory(err):
             record_out_of_memory(err, Path.cwd())
+            report_out_of_memory(core_context, op, err)
         raise

@@ -18,6 +18,7 @@ from typing import Any
 
 from dsat.atomic_file import write_json_atomic, write_text_atomic
 from dsat.constants import AUTOTUNING_KEY, DSAT_MODE_KEY, OVERWRITE_KEY
+from dsat.errors import DsatError
 from dsat.search.tracker import TrialTracker
 from dsat.search.trial import TrialKind, TrialRecord
 
@@ -82,9 +83,15 @@ class ResultsWriter:
         self._lines: list[dict[str, Any]] = []
         path = self.directory / TRIALS_FILE
         if path.is_file():  # a resumed search keeps what was written before
-            self._lines = [
-                json.loads(line) for line in path.read_text().splitlines() if line.strip()
-            ]
+            try:
+                self._lines = [
+                    json.loads(line) for line in path.read_text().splitlines() if line.strip()
+                ]
+            except (json.JSONDecodeError, UnicodeDecodeError) as err:
+                raise DsatError(
+                    f"{path}: damaged trial records ({err}); this search cannot be resumed, "
+                    "start a new one"
+                ) from None
         self._best_id: str | None = None
 
     @property

@@ -14,19 +14,26 @@ from typing import Any
 
 from dsat.callable_spec import load_callable
 from dsat.config import Experiment, load_experiment, load_yaml_mapping, validate_with_deepspeed
-from dsat.constants import RESULTS_ROOT
+from dsat.constants import RESULTS_ROOT, STATE_FILE
 from dsat.errors import DsatError
+from dsat.paths import shown
 from dsat.results import SUMMARY_FILE, full_experiment_hparams
+from dsat.resume import read_saved_state, resume_command
 from dsat.runners import Backend, resolve_backend
+from dsat.runners.deepspeed_ops import build_ops, ops_for_trials
 from dsat.runners.determined_submit import submit
 from dsat.runners.driver import TrialExecutor
 from dsat.runners.launch import entrypoint_tokens, require_command
 from dsat.runners.local import LocalExecutor, SlotPool
 from dsat.runners.local_full_run import run_full_experiment
 from dsat.runners.simulated import SimulatedExecutor
-from dsat.search.base import STATE_FILE, DsatSearchMethod, SearchSpec
+from dsat.runners.trial_processes import stop_leftover_trials
+from dsat.runners.trial_timeout import TrialTimeout
+from dsat.search.base import DsatSearchMethod, SearchSpec
 from dsat.search_run import best_config_path, run_search
 from dsat.settings import SearchSettings
+
+OPS_LOG = "deepspeed-ops.log"
 
 
 class SearchFailed(Exception):
@@ -36,9 +43,9 @@ class SearchFailed(Exception):
 class SearchInterrupted(Exception):
     """Ctrl-C or SIGTERM: every trial was stopped and the state is saved for --resume."""
 
-    def __init__(self, results_dir: Path) -> None:
+    def __init__(self, method: str, results_dir: Path) -> None:
         super().__init__(
-            f"interrupted; every trial was stopped. Resume with --resume {results_dir}"
+            f"interrupted; every trial was stopped. Resume with: {resume_command(method, results_dir)}"
         )
         self.results_dir = results_dir
 
@@ -60,7 +67,7 @@ class LaunchPlan:
 def default_results_dir(experiment_name: str, now: datetime.datetime) -> Path:
     safe_name = re.sub(r"[^A-Za-z0-9._-]+", "-", experiment_name).strip("-.") or "experiment"
     stamp = now.astimezone(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    return Path(RESULTS_ROOT) / f"{safe_name}-{stamp}"
+    return Path.cwd() / RESULTS_ROOT / f"{safe_name}-{stamp}"
 
 
 def plan_search(
@@ -108,16 +115,13 @@ def plan_search(
         results_dir = Path(settings.resume)
         if not results_dir.is_dir():
             raise DsatError(f"--resume {results_dir}: no such results directory")
-        if not (results_dir / STATE_FILE).is_file():
-            raise DsatError(
-                f"--resume {results_dir}: no saved search there ({STATE_FILE} is missing)"
-            )
+        read_saved_state(results_dir, settings.method)
     elif settings.results_dir is not None:
         results_dir = Path(settings.results_dir)
         if (results_dir / STATE_FILE).is_file():
             raise DsatError(
-                f"--results-dir {results_dir} already holds a search; continue it with "
-                f"--resume {results_dir} or choose another directory"
+                f"--results-dir {shown(results_dir)} already holds a search; continue it with "
+                f"`{resume_command(settings.method, results_dir)}` or choose another directory"
             )
     else:
         results_dir = default_results_dir(
@@ -135,35 +139,25 @@ def launch(settings: SearchSettings, environ: Mapping[str, str]) -> None:
     where = (
         "results in the search runner's checkpoints"
         if plan.backend is Backend.DETERMINED
-        else f"results in {plan.results_dir}"
+        else f"results in {shown(plan.results_dir)}"
     )
     print(
-        f"dsat: experiment {experiment.name!r}: DeepSpeed config {experiment.ds_config_path}, "
-        f"{experiment.slots_per_trial} slot(s) per trial, {where}"
+        f"dsat: experiment {experiment.name!r}: DeepSpeed config "
+        f"{shown(experiment.ds_config_path)}, {experiment.slots_per_trial} slot(s) per trial, "
+        f"{where}"
     )
     if plan.backend is Backend.DETERMINED:
         submit(settings, experiment, environ)
         return
     spec = SearchSpec(experiment.hparams, experiment.ds_config, experiment.slots_per_trial)
+    slot_limit = None
     if plan.backend is Backend.SIMULATED:
         assert plan.simulator is not None  # plan_search loads it for this backend
         executor: TrialExecutor = SimulatedExecutor(plan.simulator, experiment.slots_per_trial)
     elif plan.backend is Backend.LOCAL:
-        assert plan.slot_pool is not None  # plan_search sizes it for this backend
-        pool = plan.slot_pool
-        kind = "GPU" if pool.on_gpu else "CPU"
-        print(f"dsat: {pool.size} {kind} slot(s) on this machine: {', '.join(pool.slots)}")
-        # The pool bounds how many trials run at once.
-        settings = dataclasses.replace(settings, max_slots=pool.size)
-        executor = LocalExecutor(
-            list(plan.entrypoint),
-            experiment.model_dir,
-            experiment.includes,
-            plan.results_dir,
-            pool,
-            experiment.slots_per_trial,
-            settings.trial_timeout,
-        )
+        executor = local_executor(plan)
+        slot_limit = executor.pool.size  # the pool bounds how many trials run at once
+        print(f"dsat: if stopped, resume with: {resume_command(settings.method, plan.results_dir)}")
     else:
         raise AssertionError(f"unhandled backend {plan.backend}")
     try:
@@ -173,15 +167,48 @@ def launch(settings: SearchSettings, environ: Mapping[str, str]) -> None:
             executor,
             plan.results_dir,
             show_progress=plan.backend is not Backend.SIMULATED,
+            slot_limit=slot_limit,
         )
     except KeyboardInterrupt:
         executor.stop_all()
-        raise SearchInterrupted(plan.results_dir) from None
+        raise SearchInterrupted(settings.method, plan.results_dir) from None
     report_end(method, plan.results_dir)
     if settings.run_full_experiment and isinstance(executor, LocalExecutor):
         best = method.tracker.best()
         assert best is not None  # report_end raised SearchFailed otherwise
         run_full_experiment(executor, full_experiment_hparams(best))
+
+
+def local_executor(plan: LaunchPlan) -> LocalExecutor:
+    """The local runner for ``plan``, with the machine made ready: nothing left running by an
+    earlier dsat for this search, DeepSpeed's ops built once, the trial timeout chosen."""
+    assert plan.slot_pool is not None  # plan_search sizes it for this backend
+    pool = plan.slot_pool
+    settings = plan.settings
+    kind = "GPU" if pool.on_gpu else "CPU"
+    print(f"dsat: {pool.size} {kind} slot(s) on this machine: {', '.join(pool.slots)}")
+    timeout = TrialTimeout(settings.trial_timeout)
+    if settings.resume is not None:
+        stopped = stop_leftover_trials(plan.results_dir)
+        if stopped:
+            print(f"dsat: stopped {stopped} process(es) an earlier run left for this search")
+        timeout.resume_from(plan.results_dir)
+    executor = LocalExecutor(
+        list(plan.entrypoint),
+        plan.experiment.model_dir,
+        plan.experiment.includes,
+        plan.results_dir,
+        pool,
+        plan.experiment.slots_per_trial,
+        timeout,
+    )
+    build_ops(
+        ops_for_trials(plan.experiment.ds_config, pool.on_gpu),
+        executor.op_build_environment(),
+        plan.results_dir / "logs" / OPS_LOG,
+    )
+    print(f"dsat: {timeout.describe()}")
+    return executor
 
 
 def report_end(method: DsatSearchMethod, results_dir: Path) -> None:
@@ -192,4 +219,4 @@ def report_end(method: DsatSearchMethod, results_dir: Path) -> None:
     print(f"dsat: {len(method.tracker.finished)} trials; search ended: {method.shutdown_reason}")
     if method.search_failed:
         raise SearchFailed(method.shutdown_reason or "no trial succeeded")
-    print(f"dsat: best DeepSpeed config: {best_config_path(results_dir)}")
+    print(f"dsat: best DeepSpeed config: {shown(best_config_path(results_dir))}")

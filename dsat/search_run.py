@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from pathlib import Path
 
-from dsat.atomic_file import write_text_atomic
+from dsat.constants import STATE_FILE
+from dsat.errors import DsatError
+from dsat.paths import shown
 from dsat.progress import SearchProgress
 from dsat.results import BEST_CONFIG_FILE, ResultsWriter, TrialTiming
+from dsat.resume import write_settings
 from dsat.runners.driver import SearchDriver, TrialExecutor, TrialListener, TrialOutcome
 from dsat.search import make_search_method
-from dsat.search.base import STATE_FILE, DsatSearchMethod, SearchSpec
+from dsat.search.base import DsatSearchMethod, SearchSpec
 from dsat.settings import SearchSettings
-
-SETTINGS_FILE = "settings.json"
 
 
 class ResultsRecorder:
@@ -41,15 +43,19 @@ def run_search(
     results_dir: Path,
     max_events: int | None = None,
     show_progress: bool = False,
+    slot_limit: int | None = None,
 ) -> DsatSearchMethod:
     """Drive the search to its end (or ``max_events``); resumes when ``results_dir`` has state.
 
     ``show_progress`` prints a line per finished trial (and live counts on a terminal); it is for
-    runners whose trials take real time.
+    runners whose trials take real time. ``slot_limit`` caps the slots trials use at once (the
+    machine's), without changing the settings saved for a resume.
     """
+    write_settings(settings, results_dir)
+    if slot_limit is not None:
+        settings = dataclasses.replace(settings, max_slots=slot_limit)
     method = make_search_method(settings, spec)
     writer = ResultsWriter(results_dir)
-    write_text_atomic(results_dir / SETTINGS_FILE, settings.to_json() + "\n")
     listeners: list[TrialListener] = [ResultsRecorder(method, writer)]
     progress = SearchProgress(method.tracker, settings.metric.value) if show_progress else None
     if progress is not None:
@@ -57,7 +63,13 @@ def run_search(
     driver = SearchDriver(method, executor, spec.ds_config, listeners, max_events)
     resuming = (results_dir / STATE_FILE).is_file()
     if resuming:
-        method.load_method_state(results_dir)
+        try:
+            method.load_method_state(results_dir)
+        except (KeyError, TypeError, ValueError) as err:
+            raise DsatError(
+                f"{shown(results_dir / STATE_FILE)}: damaged search state ({err}); this search "
+                "cannot be resumed, start a new one"
+            ) from None
     with progress or contextlib.nullcontext():
         driver.run(initial_ops=method.resume_operations() if resuming else None)
     if driver.shutdown is not None or not driver.running:

@@ -13,6 +13,7 @@ from typing import Any
 
 from dsat.errors import DsatError
 from dsat.metric import Metric
+from dsat.paths import absolute
 
 SEARCH_METHODS = ("asha", "binary", "random")
 ALL_ZERO_STAGES = (0, 1, 2, 3)
@@ -32,8 +33,6 @@ DEFAULT_MAX_RUNGS = 5
 DEFAULT_MIN_BINARY_SEARCH_TRIALS = 3
 DEFAULT_ASHA_EARLY_STOPPING = 0
 DEFAULT_DIVISOR = 2
-# dsat's own: an hour covers model loading plus a few profiled steps of even a large model.
-DEFAULT_TRIAL_TIMEOUT_S = 3600.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +68,7 @@ class SearchSettings:
     backend: str = "auto"
     results_dir: str | None = None
     resume: str | None = None
-    trial_timeout: float = DEFAULT_TRIAL_TIMEOUT_S
+    trial_timeout: float | None = None  # None: derived from the model-profile trial
     simulator: str | None = None
 
     def __post_init__(self) -> None:
@@ -106,13 +105,14 @@ class SearchSettings:
             "--trials-per-random-config": self.trials_per_random_config,
             "--max-rungs": self.max_rungs,
             "--min-binary-search-trials": self.min_binary_search_trials,
-            "--trial-timeout": self.trial_timeout,
             "--search-range-factor": self.search_range_factor,
         }
         if self.max_slots is not None:
             positive["--max-slots"] = self.max_slots
         if self.early_stopping is not None:
             positive["--early-stopping"] = self.early_stopping
+        if self.trial_timeout is not None:
+            positive["--trial-timeout"] = self.trial_timeout
         for flag, value in positive.items():
             if value <= 0:
                 raise DsatError(f"{flag} must be positive, got {value}")
@@ -132,6 +132,23 @@ class SearchSettings:
     @property
     def smaller_is_better(self) -> bool:
         return self.metric.smaller_is_better
+
+    def with_absolute_paths(self) -> SearchSettings:
+        """These settings with every path made absolute against the current directory, once, so
+        trials, child processes and a resumed search find the same files wherever they run."""
+
+        def optional(path: str | None) -> str | None:
+            return None if path is None else absolute(path)
+
+        return dataclasses.replace(
+            self,
+            config_path=absolute(self.config_path),
+            model_dir=absolute(self.model_dir),
+            include=tuple(absolute(p) for p in self.include),
+            search_runner_config=optional(self.search_runner_config),
+            results_dir=optional(self.results_dir),
+            resume=optional(self.resume),
+        )
 
     def on_cluster(self) -> SearchSettings:
         """These settings as a search runner sees them: the config, MODEL_DIR and includes are

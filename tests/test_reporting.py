@@ -13,7 +13,13 @@ import pytest
 import torch
 
 from dsat import dsat_reporting_context
-from dsat.constants import METRICS_FILE, MODEL_INFO_FILE, OOM_MARKER, TRIAL_OUTCOME_FILE
+from dsat.constants import (
+    METRICS_FILE,
+    MODEL_INFO_FILE,
+    OOM_MARKER,
+    OOM_METRIC_KEY,
+    TRIAL_OUTCOME_FILE,
+)
 
 METRICS = {
     "fwd": 1.5,
@@ -141,3 +147,35 @@ def test_out_of_memory_is_recorded_and_reraised(
         "error": "OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB",
     }
     assert f"{OOM_MARKER}: OutOfMemoryError" in capsys.readouterr().err
+
+
+class _Operation:
+    """A searcher operation that keeps what the trial reports, or fails to report it."""
+
+    def __init__(self, fails: bool = False) -> None:
+        self.fails = fails
+        self.reported: list[Any] = []
+
+    def report_completed(self, metric: Any) -> None:
+        if self.fails:
+            raise ConnectionError("master unreachable")
+        self.reported.append(metric)
+
+
+def test_out_of_memory_is_reported_to_the_search_by_the_chief_only(trial_dir: Path) -> None:
+    # On a cluster the master only says "errored" of a failed trial; the OOM travels as the
+    # operation's reported metric, which dsat's search method reads as an OOM.
+    for rank, expected in ((1, []), (0, [{OOM_METRIC_KEY: "MemoryError: CUDA out of memory"}])):
+        op = _Operation()
+        with pytest.raises(MemoryError), dsat_reporting_context(_Recorder(rank), op):
+            raise MemoryError("CUDA out of memory")
+        assert op.reported == expected
+
+
+def test_a_failed_oom_report_does_not_hide_the_oom(
+    trial_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with pytest.raises(MemoryError), dsat_reporting_context(_Recorder(0), _Operation(fails=True)):
+        raise MemoryError("CUDA out of memory")
+    assert "could not report the out-of-memory outcome" in caplog.text
+    assert _outcome(trial_dir)["status"] == "oom"

@@ -22,19 +22,21 @@ from pathlib import Path
 from typing import IO, Any
 
 from dsat.atomic_file import write_json_atomic
-from dsat.constants import ENV_HPARAMS_FILE, TRIAL_OUTCOME_FILE
+from dsat.constants import ENV_HPARAMS_FILE, ENV_RESULTS_DIR, RESULTS_ROOT, TRIAL_OUTCOME_FILE
 from dsat.errors import DsatError
 from dsat.oom import text_shows_out_of_memory
 from dsat.reporting import read_autotuning_result
+from dsat.runners.deepspeed_ops import clear_stale_locks
 from dsat.runners.driver import TrialOutcome
 from dsat.runners.launch import trial_command
+from dsat.runners.trial_processes import guarded, kill_process_group
+from dsat.runners.trial_timeout import TrialTimeout
 from dsat.search.trial import TrialStatus
 
 HPARAMS_FILE = "dsat_hparams.json"
 LOG_TAIL_LINES = 20
 POLL_SECONDS = 0.1
-KILL_GRACE_SECONDS = 5.0
-COPY_IGNORE = shutil.ignore_patterns(".git", "__pycache__", "*.pyc", ".venv", "dsat-results")
+COPY_IGNORE = shutil.ignore_patterns(".git", "__pycache__", "*.pyc", ".venv", RESULTS_ROOT)
 
 
 # Determined's DistributedContext broadcasts between a trial's processes on two TCP ports that
@@ -135,22 +137,6 @@ def prepare_trial_directory(
     write_json_atomic(directory / HPARAMS_FILE, hparams)
 
 
-def kill_process_group(process: subprocess.Popen[bytes]) -> None:
-    """Stop a trial's whole process group: SIGTERM, then SIGKILL after a grace period."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            process.wait(timeout=KILL_GRACE_SECONDS)
-            if sig == signal.SIGKILL:
-                return
-        except subprocess.TimeoutExpired:
-            continue
-    process.wait()
-
-
 class LocalExecutor:
     def __init__(
         self,
@@ -160,7 +146,7 @@ class LocalExecutor:
         results_dir: Path,
         pool: SlotPool,
         slots_per_trial: int,
-        timeout: float,
+        timeout: TrialTimeout,
         environ: dict[str, str] | None = None,
     ) -> None:
         self.entrypoint = entrypoint
@@ -191,6 +177,7 @@ class LocalExecutor:
         ``ports``: three free ports, torch.distributed's first, then Determined's two."""
         env = dict(self.environ)
         env[ENV_HPARAMS_FILE] = str(directory / HPARAMS_FILE)
+        env[ENV_RESULTS_DIR] = str(self.results_dir)
         if self.pool.on_gpu:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(slots)
         else:
@@ -213,17 +200,25 @@ class LocalExecutor:
             )
         return env
 
+    def op_build_environment(self) -> dict[str, str]:
+        """The environment in which DeepSpeed's ops are built for these trials."""
+        env = dict(self.environ)
+        if not self.pool.on_gpu:
+            env["DS_ACCELERATOR"] = "cpu"
+        return env
+
     def spawn(
         self, directory: Path, slots: list[str], stdout: IO[bytes] | int, log: IO[bytes]
-    ) -> subprocess.Popen[bytes]:
-        """The entrypoint in ``directory`` on ``slots``, in a process group of its own; the
-        command goes first into ``log``."""
+    ) -> tuple[subprocess.Popen[bytes], list[str]]:
+        """The entrypoint in ``directory`` on ``slots``, in a process group of its own that dies
+        with dsat (``trial_guard``); returns the process and the command, which goes first into
+        ``log``."""
         ports = free_ports(3)
         command = trial_command(self.entrypoint, self.slots_per_trial, ports[0])
         log.write(f"$ {' '.join(command)}\n".encode())
         log.flush()
-        return subprocess.Popen(
-            command,
+        process = subprocess.Popen(
+            guarded(command),
             cwd=directory,
             env=self.environment(directory, slots, ports),
             stdout=stdout,
@@ -231,6 +226,7 @@ class LocalExecutor:
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
+        return process, command
 
     def start(
         self, request_id: str, hparams: dict[str, Any], ds_config: dict[str, Any], length: int
@@ -240,7 +236,9 @@ class LocalExecutor:
         log_path = self.results_dir / "logs" / f"{directory.name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         log = log_path.open("wb")
-        process = self.spawn(directory, slots, log, log)
+        # A build lock left by a killed trial would make this one wait on it until its timeout.
+        clear_stale_locks(self.environ)
+        process, _ = self.spawn(directory, slots, log, log)
         self.running[request_id] = RunningTrial(
             request_id, process, directory, log_path, log, slots, self.now()
         )
@@ -249,7 +247,7 @@ class LocalExecutor:
         while True:
             for trial in list(self.running.values()):
                 code = trial.process.poll()
-                timed_out = code is None and self.now() - trial.start > self.timeout
+                timed_out = code is None and self.now() - trial.start > self.timeout.seconds
                 if code is None and not timed_out:
                     continue
                 if timed_out:
@@ -261,8 +259,11 @@ class LocalExecutor:
         del self.running[trial.request_id]
         trial.log.close()
         self.pool.give_back(trial.slots)
-        status, metrics, error = classify(trial, timed_out, self.timeout)
-        return TrialOutcome(trial.request_id, status, metrics, error, trial.start, self.now())
+        status, metrics, error = classify(trial, timed_out, self.timeout.seconds)
+        end = self.now()
+        if status is TrialStatus.COMPLETED:  # the first to complete is the model-profile trial
+            self.timeout.profile_finished(end - trial.start)
+        return TrialOutcome(trial.request_id, status, metrics, error, trial.start, end)
 
     def _kill(self, trial: RunningTrial) -> None:
         kill_process_group(trial.process)
@@ -308,7 +309,7 @@ def classify(
         return (
             TrialStatus.TIMEOUT,
             {},
-            f"stopped after --trial-timeout {timeout:g} s\n{log_tail(text)}",
+            f"stopped after the trial timeout of {timeout:g} s\n{log_tail(text)}",
         )
     code = trial.process.returncode
     if outcome.get("status") == "completed" and code == 0:

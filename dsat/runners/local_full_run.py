@@ -10,14 +10,11 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
-from dsat.runners.local import (
-    HPARAMS_FILE,
-    LocalExecutor,
-    kill_process_group,
-    prepare_trial_directory,
-)
+from dsat.paths import shown
+from dsat.runners.local import HPARAMS_FILE, LocalExecutor, prepare_trial_directory
+from dsat.runners.trial_processes import kill_process_group
 
 FULL_RUN_DIR = "full-experiment"
 
@@ -34,10 +31,9 @@ def run_full_experiment(executor: LocalExecutor, hparams: dict[str, Any]) -> Pat
     slots = executor.pool.take(executor.slots_per_trial)
     log_path = results_dir / "logs" / f"{FULL_RUN_DIR}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    print(f"dsat: full experiment in {directory} ({HPARAMS_FILE} holds the best overrides)")
+    print(f"dsat: full experiment in {shown(directory)} ({HPARAMS_FILE} holds the best overrides)")
     with log_path.open("wb") as log:
-        process = executor.spawn(directory, slots, subprocess.PIPE, log)
-        command = cast(list[str], process.args)  # spawn passes a list
+        process, command = executor.spawn(directory, slots, subprocess.PIPE, log)
         print(f"dsat: $ {' '.join(command)}", flush=True)
         try:
             assert process.stdout is not None  # stdout=PIPE above
@@ -54,7 +50,7 @@ def run_full_experiment(executor: LocalExecutor, hparams: dict[str, Any]) -> Pat
     if code != 0:
         raise FullExperimentFailed(
             f"the full experiment with the best config exited with code {code}; "
-            f"its log is {log_path}"
+            f"its log is {shown(log_path)}"
         )
-    print(f"dsat: full experiment finished; its log is {log_path}")
+    print(f"dsat: full experiment finished; its log is {shown(log_path)}")
     return directory

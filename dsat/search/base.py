@@ -32,7 +32,9 @@ from dsat.constants import (
     METRICS_FILE,
     MICRO_BATCH_SIZE,
     MODEL_INFO_FILE,
+    OOM_METRIC_KEY,
     OVERWRITE_KEY,
+    STATE_FILE,
 )
 from dsat.memory import (
     ModelProfile,
@@ -48,7 +50,6 @@ from dsat.settings import SearchSettings
 
 logger = logging.getLogger(__name__)
 
-STATE_FILE = "dsat_search_state.json"
 STATE_VERSION = 1
 _REQUEST_NAMESPACE = uuid.UUID("6c1f7e1a-3f5e-4a52-9a3c-2f0d5c8e9b41")
 # Chance that a new lineage varies the best configuration of its stage instead of a random one.
@@ -311,6 +312,9 @@ class DsatSearchMethod(searcher.SearchMethod):  # type: ignore[misc]
     ) -> list[searcher.Operation]:
         if self._already_finished(request_id):
             return []
+        if isinstance(metric, dict) and OOM_METRIC_KEY in metric:  # reported by the trial
+            self._failed(request_id, TrialStatus.OOM, str(metric[OOM_METRIC_KEY]))
+            return [searcher.Close(request_id)]
         metrics = metric if isinstance(metric, dict) else {self.settings.metric.value: metric}
         record = self.tracker.mark_finished(str(request_id), TrialStatus.COMPLETED, metrics)
         if record.kind is TrialKind.MODEL_PROFILE:
@@ -335,13 +339,17 @@ class DsatSearchMethod(searcher.SearchMethod):  # type: ignore[misc]
         status, error = self._pending_failures.pop(str(request_id), (TrialStatus.ERROR, None))
         if self._already_finished(request_id):
             return []
-        record = self.tracker.mark_finished(str(request_id), status, error=error)
         if exited_reason is not searcher.ExitedReason.ERRORED:
+            self.tracker.mark_finished(str(request_id), status, error=error)
             self.shutdown_reason = f"trial exited early: {exited_reason.value}"
             return [searcher.Shutdown(failure=self.search_failed)]
+        self._failed(request_id, status, error)
+        return []
+
+    def _failed(self, request_id: uuid.UUID, status: TrialStatus, error: str | None) -> None:
+        record = self.tracker.mark_finished(str(request_id), status, error=error)
         if record.kind is TrialKind.SEARCH:
             self._follow_up(lambda: self.after_failure(record))
-        return []
 
     def _already_finished(self, request_id: uuid.UUID) -> bool:
         """A second outcome for one trial (on a cluster, a trial that reported its metrics can

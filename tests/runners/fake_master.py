@@ -7,7 +7,8 @@ boundary: Determined's own client code (``determined.experimental.client``, the 
 cannot parse fails here as it would against a real master.
 
 Trials do not train: ``outcome(hparams)`` scripts each trial's result (a metrics dict, or an
-exception for a trial that errors).
+exception for a trial that errors). A trial that raises an out-of-memory error reports it first
+through dsat's own ``report_out_of_memory``, as ``dsat_reporting_context`` does in a real trial.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from typing import Any
 
 import responses
 from determined.common.api import bindings
+
+from dsat.oom import is_out_of_memory
+from dsat.reporting import report_out_of_memory
 
 MASTER = "http://fake-master:8080"
 TOKEN = "fake-token"
@@ -184,7 +188,16 @@ class FakeMaster:
         assert self.outcome is not None, "this fake master was given no trial outcomes"
         try:
             metrics = self.outcome(self.trial_hparams[request_id])
-        except Exception:
+        except Exception as err:
+            op = ReportingOperation()
+            if is_out_of_memory(err):
+                report_out_of_memory(CHIEF, op, err)
+            if op.reported is not None:
+                self._event(
+                    validationCompleted=bindings.v1ValidationCompleted(
+                        metric=op.reported, requestId=request_id, validateAfterLength=length
+                    )
+                )
             reason = bindings.v1TrialExitedEarlyExitedReason.UNSPECIFIED
             self._event(
                 trialExitedEarly=bindings.v1TrialExitedEarly(
@@ -199,6 +212,20 @@ class FakeMaster:
                 metric=metrics, requestId=request_id, validateAfterLength=length
             )
         )
+
+
+# The chief's view of a trial's Core API context, for the reports a trial makes itself.
+CHIEF = types.SimpleNamespace(distributed=types.SimpleNamespace(get_rank=lambda: 0))
+
+
+class ReportingOperation:
+    """A trial's searcher operation: keeps what the trial reports."""
+
+    def __init__(self) -> None:
+        self.reported: Any = None
+
+    def report_completed(self, metric: Any) -> None:
+        self.reported = metric
 
 
 def trial_cluster_info(

@@ -75,11 +75,13 @@ def cluster(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[FakeMas
         yield fake
 
 
-def submitted_context(master: FakeMaster, tmp_path: Path, *flags: str) -> tuple[Path, int]:
+def submitted_context(
+    master: FakeMaster, tmp_path: Path, *flags: str, method: str = "asha"
+) -> tuple[Path, int]:
     """Submit with the CLI, then unpack the upload as the search runner's working directory."""
     model_dir = tmp_path / "user" / "mlp"
     shutil.copytree(EXAMPLE_DIR, model_dir)
-    assert main(["asha", str(model_dir / "deepspeed.yaml"), str(model_dir), *flags]) == 0
+    assert main([method, str(model_dir / "deepspeed.yaml"), str(model_dir), *flags]) == 0
     runner = master.experiments[-1]
     workdir = tmp_path / "task"
     for path, content in runner.files.items():
@@ -274,9 +276,8 @@ def test_a_search_where_every_trial_fails_shuts_the_experiment_down_as_failed(
     scripted = ScriptedTrials()
 
     def everything_runs_out_of_memory(hparams: dict[str, Any]) -> dict[str, Any]:
-        metrics = scripted(hparams)
-        if "num_params" in metrics:
-            return metrics  # the model profile works
+        if hparams["overwrite_deepspeed_args"]["autotuning"].get("model_info", {}).get("profile"):
+            return scripted(hparams)  # the model profile works
         raise MemoryError("CUDA out of memory")
 
     cluster.outcome = everything_runs_out_of_memory
@@ -286,4 +287,41 @@ def test_a_search_where_every_trial_fails_shuts_the_experiment_down_as_failed(
     assert cluster.final_state is not None and cluster.final_state.name == "ERROR"
     checkpoint = tmp_path / "ckpt" / cluster.checkpoints[-1]
     assert not (checkpoint / BEST_CONFIG_FILE).exists()
-    assert {line["status"] for line in trial_lines(checkpoint)[1:]} == {"error"}
+    assert {line["status"] for line in trial_lines(checkpoint)[1:]} == {"oom"}
+
+
+def test_an_out_of_memory_trial_on_the_cluster_is_an_oom_and_lowers_the_ceiling(
+    cluster: FakeMaster, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Micro-batches above STAGE_CEILING raise an out-of-memory error in the scripted trials; the
+    # trial reports it through dsat_reporting_context's path before the error ends it. The binary
+    # search follows each outcome within its lineage, so the next trial shows the lowered ceiling.
+    workdir, runner_id = submitted_context(
+        cluster,
+        tmp_path,
+        "--max-trials",
+        "8",
+        "--max-concurrent-trials",
+        "1",
+        "--zero-stages",
+        "1",
+        method="binary",
+    )
+    method = run(core_context(monkeypatch, tmp_path / "ckpt", runner_id, None), workdir, runner_id)
+    lines = trial_lines(tmp_path / "ckpt" / cluster.checkpoints[-1])
+    searched = lines[1:]
+    crashed = searched.pop(ERRORING_TRIAL - 1)  # one at a time: the trials finish in order
+    assert crashed["status"] == "error"  # a crash stays an error, whatever its size
+    over = [line for line in searched if line["mbs"] > STAGE_CEILING[line["zero_stage"]]]
+    assert over and all(line["status"] == "oom" for line in over)
+    assert all(line["error"].startswith("MemoryError: CUDA out of memory") for line in over)
+    records = method.tracker.records
+    followed = 0
+    for oom in (r for r in records if r.status.value == "oom"):
+        for child in (r for r in records if r.parent_id == oom.request_id):
+            assert child.search_range is not None and child.search_range.hi < oom.mbs
+            assert child.mbs < oom.mbs
+            followed += 1
+    assert followed >= 1  # the search went on below the size that ran out of memory
+    best = method.tracker.best()
+    assert best is not None and best.mbs <= STAGE_CEILING[1]

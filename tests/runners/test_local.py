@@ -11,6 +11,7 @@ import pytest
 
 from dsat.errors import DsatError
 from dsat.runners.local import LocalExecutor, SlotPool, free_ports
+from dsat.runners.trial_timeout import TrialTimeout
 from dsat.search.trial import TrialStatus
 
 RID = "00000000-0000-0000-0000-00000000000{}"
@@ -48,7 +49,14 @@ def executor(tmp_path: Path, script: str, timeout: float = 60.0) -> LocalExecuto
     environ = {"PATH": os.environ["PATH"], "CUDA_VISIBLE_DEVICES": ""}
     pool = SlotPool.for_machine(1, 1, environ)
     return LocalExecutor(
-        ["python3", "job.py"], model, (), tmp_path / "results", pool, 1, timeout, environ
+        ["python3", "job.py"],
+        model,
+        (),
+        tmp_path / "results",
+        pool,
+        1,
+        TrialTimeout(timeout),
+        environ,
     )
 
 
@@ -111,7 +119,7 @@ def test_deepspeed_metric_file_without_dsat_counts(tmp_path: Path) -> None:
 
 def test_timeout_kills_the_trial(tmp_path: Path) -> None:
     status, _, error = run_one(executor(tmp_path, "import time; time.sleep(60)", timeout=1.0))
-    assert status is TrialStatus.TIMEOUT and error is not None and "--trial-timeout 1" in error
+    assert status is TrialStatus.TIMEOUT and error is not None and "trial timeout of 1 s" in error
 
 
 def test_multi_process_trials_get_their_own_determined_broadcast_ports(tmp_path: Path) -> None:
@@ -121,7 +129,9 @@ def test_multi_process_trials_get_their_own_determined_broadcast_ports(tmp_path:
     model.mkdir()
     environ = {"PATH": os.environ["PATH"], "CUDA_VISIBLE_DEVICES": "0,1,2,3"}
     pool = SlotPool.for_machine(2, None, environ)
-    ex = LocalExecutor(["python3", "t.py"], model, (), tmp_path / "r", pool, 2, 60.0, environ)
+    ex = LocalExecutor(
+        ["python3", "t.py"], model, (), tmp_path / "r", pool, 2, TrialTimeout(60.0), environ
+    )
     first = ex.environment(tmp_path, pool.take(2), free_ports(3))
     second = ex.environment(tmp_path, pool.take(2), free_ports(3))
     names = ("INTER_TRAIN_PROCESS_COMM_PORT_1", "INTER_TRAIN_PROCESS_COMM_PORT_2")

@@ -1,0 +1,185 @@
+"""DeepSpeed's JIT-compiled ops: built once before the first trial, and never waited on forever.
+
+DeepSpeed compiles some ops the first time a process needs them (on the CPU its shared-memory
+communication op, on every accelerator its fused Adam unless ``torch_adam`` is set): minutes, with
+nothing on screen, inside whichever trial comes first. dsat builds them in one process of its own
+before trials start and says so. The build runs under torch's lock file in the extension's build
+directory; a build that was interrupted (Ctrl-C, a killed trial) leaves that file behind, and
+every later process that needs the op waits on it without a word. A lock that no living process
+holds open is such a leftover, and dsat removes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from dsat.paths import shown
+
+logger = logging.getLogger(__name__)
+
+LOCK_NAME = "lock"  # torch.utils.file_baton's file in each extension's build directory
+BUILD_TIMEOUT_S = 1800.0
+REPORT = "dsat-op:"  # the build process's lines for dsat, among the compiler's
+
+# Run in the trials' environment: load each op named on the command line (building it if torch's
+# cache has none), and say which ones had to be built.
+BUILD_SCRIPT = f"""
+import os, sys, time
+import deepspeed.ops
+from deepspeed.accelerator import get_accelerator
+from torch.utils.cpp_extension import _get_build_directory
+for name in sys.argv[1:]:
+    builder = get_accelerator().create_op_builder(name)
+    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        continue
+    so = os.path.join(_get_build_directory(builder.name, False), builder.name + ".so")
+    cached = os.path.exists(so)
+    print("{REPORT}", "start", builder.NAME, int(cached), flush=True)
+    started = time.time()
+    builder.load()
+    print("{REPORT}", "done", builder.NAME, round(time.time() - started), flush=True)
+"""
+
+
+# The library each builder makes (its NAME), to see without importing DeepSpeed that it is built.
+OP_LIBRARIES = {
+    "ShareMemCommBuilder": "deepspeed_shm_comm",
+    "FusedAdamBuilder": "fused_adam",
+    "CPUAdamBuilder": "cpu_adam",
+}
+
+
+def ops_for_trials(ds_config: Mapping[str, Any], on_gpu: bool) -> list[str]:
+    """DeepSpeed op builders the trials of ``ds_config`` will load (class names)."""
+    names = [] if on_gpu else ["ShareMemCommBuilder"]
+    optimizer = ds_config.get("optimizer")
+    if isinstance(optimizer, Mapping):
+        kind = str(optimizer.get("type", "")).lower()
+        params = optimizer.get("params")
+        torch_adam = isinstance(params, Mapping) and bool(params.get("torch_adam"))
+        if kind in ("adam", "adamw") and not torch_adam:
+            names.append("CPUAdamBuilder" if _offloads_optimizer(ds_config) else "FusedAdamBuilder")
+    return names
+
+
+def _offloads_optimizer(ds_config: Mapping[str, Any]) -> bool:
+    zero = ds_config.get("zero_optimization")
+    offload = zero.get("offload_optimizer") if isinstance(zero, Mapping) else None
+    return isinstance(offload, Mapping) and offload.get("device") in ("cpu", "nvme")
+
+
+def extensions_root(environ: Mapping[str, str]) -> Path:
+    """Where torch keeps JIT-built extensions for processes with ``environ``."""
+    explicit = environ.get("TORCH_EXTENSIONS_DIR")
+    if explicit:
+        return Path(explicit)
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(get_default_build_root())
+
+
+def is_built(builder: str, root: Path) -> bool:
+    """Whether torch's cache under ``root`` holds the library ``builder`` makes."""
+    library = OP_LIBRARIES.get(builder)
+    if library is None:
+        return False
+    return any(root.glob(f"{library}/{library}.so")) or any(root.glob(f"*/{library}/{library}.so"))
+
+
+def build_locks(root: Path) -> list[Path]:
+    """Lock files under ``root`` (``<root>/<op>/lock``, or ``<root>/<py>_<accel>/<op>/lock``)."""
+    if not root.is_dir():
+        return []
+    return sorted({*root.glob(f"*/{LOCK_NAME}"), *root.glob(f"*/*/{LOCK_NAME}")})
+
+
+def lock_holders(lock: Path) -> list[int] | None:
+    """Processes that have ``lock`` open (its creator keeps it open until the build ends);
+    None where this cannot be known (no /proc)."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return None
+    target = os.path.realpath(lock)
+    holders = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            for fd in (entry / "fd").iterdir():
+                with contextlib.suppress(OSError):
+                    if os.readlink(fd) == target:
+                        holders.append(int(entry.name))
+                        break
+    return holders
+
+
+def clear_stale_locks(environ: Mapping[str, str]) -> list[Path]:
+    """Remove build locks that no living process holds; returns them. A lock held by a live
+    process (a build under way) is left alone."""
+    removed = []
+    for lock in build_locks(extensions_root(environ)):
+        if lock_holders(lock) == []:
+            with contextlib.suppress(FileNotFoundError):
+                lock.unlink()
+                removed.append(lock)
+                logger.info(
+                    "removed %s, left behind by an interrupted DeepSpeed op build", shown(lock)
+                )
+    return removed
+
+
+def build_ops(names: list[str], environ: Mapping[str, str], log_path: Path) -> bool:
+    """Load (and build where needed) ``names`` in one process with the trials' environment,
+    telling the user when a build starts; False when it failed (trials then try themselves)."""
+    clear_stale_locks(environ)
+    root = extensions_root(environ)
+    if all(is_built(name, root) for name in names):
+        return True  # nothing to build: no need to spend seconds importing DeepSpeed
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-c", BUILD_SCRIPT, *names],
+            env=dict(environ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+        assert process.stdout is not None  # stdout=PIPE above
+        for line in process.stdout:
+            log.write(line)
+            log.flush()
+            _report(line.decode(errors="replace").split(), log_path)
+            if time.monotonic() - started > BUILD_TIMEOUT_S:
+                process.kill()
+        code = process.wait()
+    if code != 0:
+        logger.info(
+            "could not build DeepSpeed's ops %s (see %s); trials will try on their own",
+            ", ".join(names),
+            shown(log_path),
+        )
+    return code == 0
+
+
+def _report(words: list[str], log_path: Path) -> None:
+    if len(words) != 4 or words[0] != REPORT:
+        return
+    _, event, name, value = words
+    if event == "start" and value == "0":
+        logger.info(
+            "building DeepSpeed's %s op for this machine, once: a few minutes the first time, "
+            "reused by later searches (log: %s)",
+            name,
+            shown(log_path),
+        )
+    elif event == "done" and int(value) >= 5:
+        logger.info("built DeepSpeed's %s op in %s s", name, value)

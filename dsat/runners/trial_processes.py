@@ -1,0 +1,79 @@
+"""Trial processes on this machine: started so they die with dsat, stopped as a whole group, and
+found again when a resumed search must make sure none of its earlier trials still runs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from dsat.constants import ENV_RESULTS_DIR
+
+GUARD = Path(__file__).with_name("trial_guard.py")
+KILL_GRACE_SECONDS = 5.0
+
+
+def guarded(command: list[str]) -> list[str]:
+    """``command`` under the trial guard, which stops the trial's process group if dsat dies."""
+    return [sys.executable, str(GUARD), str(os.getpid()), "--", *command]
+
+
+def kill_process_group(process: subprocess.Popen[bytes]) -> None:
+    """Stop a trial's whole process group: SIGTERM, then SIGKILL after a grace period."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=KILL_GRACE_SECONDS)
+            if sig == signal.SIGKILL:
+                return
+        except subprocess.TimeoutExpired:
+            continue
+    process.wait()
+
+
+def leftover_trials(results_dir: Path) -> list[psutil.Process]:
+    """Live processes of trials started for ``results_dir`` (they carry it in their environment),
+    this process excepted."""
+    found = []
+    for process in psutil.process_iter():
+        if process.pid == os.getpid():
+            continue
+        try:
+            if process.environ().get(ENV_RESULTS_DIR) == str(results_dir):
+                found.append(process)
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def stop_leftover_trials(results_dir: Path) -> int:
+    """Stop what an earlier, killed dsat left running for ``results_dir``; returns how many
+    processes there were."""
+    processes = leftover_trials(results_dir)
+    groups = set()
+    for process in processes:
+        try:
+            groups.add(os.getpgid(process.pid))
+        except ProcessLookupError:
+            continue
+    groups.discard(os.getpgrp())
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for group in groups:
+            try:
+                os.killpg(group, sig)
+            except (ProcessLookupError, PermissionError):
+                continue
+        _, alive = psutil.wait_procs(processes, timeout=KILL_GRACE_SECONDS)
+        if not alive:
+            break
+        time.sleep(0.1)
+    return len(processes)
