@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -121,17 +122,34 @@ class RunningTrial:
     start: float
 
 
+def copy_ignore(results_dir: Path) -> Callable[[str, list[str]], set[str]]:
+    """What a trial's copy leaves out: caches, environments, and the search's own results (which
+    may lie inside MODEL_DIR, as with `--results-dir out` or the default from `.`)."""
+
+    def ignore(directory: str, names: list[str]) -> set[str]:
+        ignored = set(COPY_IGNORE(directory, names))
+        ignored.update(n for n in names if os.path.join(directory, n) == str(results_dir))
+        return ignored
+
+    return ignore
+
+
 def prepare_trial_directory(
-    directory: Path, model_dir: Path, includes: tuple[Path, ...], hparams: dict[str, Any]
+    directory: Path,
+    model_dir: Path,
+    includes: tuple[Path, ...],
+    hparams: dict[str, Any],
+    results_dir: Path,
 ) -> None:
     """A fresh copy of the model dir and the includes, with the hyperparameters beside them."""
     if directory.exists():  # a resumed search re-runs an interrupted trial from scratch
         shutil.rmtree(directory)
-    shutil.copytree(model_dir, directory, ignore=COPY_IGNORE)
+    ignore = copy_ignore(results_dir)
+    shutil.copytree(model_dir, directory, ignore=ignore)
     for include in includes:
         target = directory / include.name
         if include.is_dir():
-            shutil.copytree(include, target, ignore=COPY_IGNORE, dirs_exist_ok=True)
+            shutil.copytree(include, target, ignore=ignore, dirs_exist_ok=True)
         else:
             shutil.copy2(include, target)
     write_json_atomic(directory / HPARAMS_FILE, hparams)
@@ -168,7 +186,7 @@ class LocalExecutor:
     def _prepare_directory(self, request_id: str, hparams: dict[str, Any]) -> Path:
         self._count += 1
         directory = self.results_dir / "trials" / f"{self._count:03d}-{request_id[:8]}"
-        prepare_trial_directory(directory, self.model_dir, self.includes, hparams)
+        prepare_trial_directory(directory, self.model_dir, self.includes, hparams, self.results_dir)
         return directory
 
     def environment(self, directory: Path, slots: list[str], ports: list[int]) -> dict[str, str]:

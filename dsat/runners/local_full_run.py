@@ -27,7 +27,7 @@ def run_full_experiment(executor: LocalExecutor, hparams: dict[str, Any]) -> Pat
     """Run to the end, streaming output; returns the working directory it ran in."""
     results_dir = executor.results_dir
     directory = results_dir / FULL_RUN_DIR
-    prepare_trial_directory(directory, executor.model_dir, executor.includes, hparams)
+    prepare_trial_directory(directory, executor.model_dir, executor.includes, hparams, results_dir)
     slots = executor.pool.take(executor.slots_per_trial)
     log_path = results_dir / "logs" / f"{FULL_RUN_DIR}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -50,7 +50,7 @@ class TrialTimeout:
                 f"{PROFILE_MULTIPLE:g}x its time (at least {FLOOR_S:g} s); --trial-timeout sets one"
             )
         return (
-            f"trial timeout {self.seconds:g} s ({PROFILE_MULTIPLE:g}x the model-profile trial's "
+            f"trial timeout {self.seconds:.0f} s ({PROFILE_MULTIPLE:g}x the model-profile trial's "
             f"{self.profile_seconds:.0f} s, at least {FLOOR_S:g} s; --trial-timeout sets one)"
         )
 

@@ -144,3 +144,20 @@ def test_multi_process_trials_get_their_own_determined_broadcast_ports(tmp_path:
 def test_free_ports_are_distinct() -> None:
     ports = free_ports(5)
     assert len(set(ports)) == 5 and all(p > 0 for p in ports)
+
+
+def test_a_results_dir_inside_the_model_dir_is_not_copied_into_trials(tmp_path: Path) -> None:
+    # `python3 -m dsat asha deepspeed.yaml . --results-dir out` puts the results in MODEL_DIR.
+    model = tmp_path / "model"
+    (model / "out" / "trials").mkdir(parents=True)
+    (model / "out" / "big.log").write_text("x")
+    (model / "job.py").write_text(ENV_DUMP)
+    environ = {"PATH": os.environ["PATH"], "CUDA_VISIBLE_DEVICES": ""}
+    pool = SlotPool.for_machine(1, 1, environ)
+    ex = LocalExecutor(
+        ["python3", "job.py"], model, (), model / "out", pool, 1, TrialTimeout(60.0), environ
+    )
+    ex.start(RID.format(1), {}, {}, 5)
+    assert ex.wait().status is TrialStatus.COMPLETED
+    [trial] = (model / "out" / "trials").iterdir()
+    assert (trial / "job.py").is_file() and not (trial / "out").exists()
