@@ -26,7 +26,9 @@ class ResultsRecorder:
         self.writer = writer
 
     def trial_started(self, request_id: str) -> None:
-        pass  # nothing to keep until the trial ends
+        # From the first trial on, an interrupted search (a Ctrl-C in its first minute included)
+        # can be resumed: the state names the trial as running, and a resume re-runs it.
+        self.method.save_method_state(self.writer.directory)
 
     def trial_finished(self, request_id: str, outcome: TrialOutcome) -> None:
         record = self.method.tracker.get(request_id)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,12 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_DIR = REPO_ROOT / "examples" / "core_api_mlp"
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def copy_example(target: Path, source: Path = EXAMPLE_DIR) -> Path:
+    """A copy of an example as a user has it: without the results of searches run in it."""
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__", "dsat-results"))
+    return target
 
 
 def gpu_available() -> bool:

@@ -139,6 +139,22 @@ def test_a_damaged_or_foreign_results_dir_is_one_line(
     assert_one_line_error(capsys, ["asha", "--resume", str(results)], name, needle)
 
 
+def test_a_search_stopped_during_its_first_trial_resumes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "sim.py").write_text(STOPPING_SIMULATOR)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("STOP_AT_CALL", "1")  # Ctrl-C during the model-profile trial
+    args = ["asha", str(SIMULATED / "gpt2_large.yaml"), str(SIMULATED), "--backend", "simulated"]
+    code = main([*args, "--simulator", "sim.py:perf", "--results-dir", "out", *ORIGINAL_FLAGS])
+    assert code == 130 and "Resume with: " in capsys.readouterr().err
+    assert not (tmp_path / "out" / TRIALS_FILE).exists()  # nothing finished
+    monkeypatch.delenv("STOP_AT_CALL")
+    assert main(["asha", "--resume", "out"]) == 0
+    finished = rows(tmp_path / "out")
+    assert len(finished) == 14 and finished[0]["kind"] == "model_profile"
+
+
 def test_config_and_model_dir_are_required_without_resume(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from dsat.search.base import SearchSpec
 from dsat.search.space import random_zero_config
 from dsat.search.trial import TrialKind
 from dsat.settings import SearchSettings
-from tests.conftest import EXAMPLE_DIR, REPO_ROOT
+from tests.conftest import EXAMPLE_DIR, REPO_ROOT, copy_example
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +38,7 @@ def _free_port() -> int:
 def run_example_trial(
     directory: Path, overwrites: dict[str, Any], nproc: int = 1
 ) -> subprocess.CompletedProcess[str]:
-    shutil.copytree(EXAMPLE_DIR, directory)
+    copy_example(directory)
     hparams = {
         "deepspeed_config": "ds_config.json",
         "width": WIDTH,

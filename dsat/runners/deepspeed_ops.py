@@ -154,13 +154,18 @@ def build_ops(names: list[str], environ: Mapping[str, str], log_path: Path) -> b
             stdin=subprocess.DEVNULL,
         )
         assert process.stdout is not None  # stdout=PIPE above
-        for line in process.stdout:
-            log.write(line)
-            log.flush()
-            _report(line.decode(errors="replace").split(), log_path)
-            if time.monotonic() - started > BUILD_TIMEOUT_S:
-                process.kill()
-        code = process.wait()
+        try:
+            for line in process.stdout:
+                log.write(line)
+                log.flush()
+                _report(line.decode(errors="replace").split(), log_path)
+                if time.monotonic() - started > BUILD_TIMEOUT_S:
+                    process.kill()
+            code = process.wait()
+        except BaseException:  # Ctrl-C or SIGTERM: the build stops with dsat
+            process.kill()
+            process.wait()
+            raise
     if code != 0:
         logger.info(
             "could not build DeepSpeed's ops %s (see %s); trials will try on their own",

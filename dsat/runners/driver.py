@@ -51,7 +51,8 @@ class TrialExecutor(Protocol):
 
 
 class TrialListener(Protocol):
-    """Told about every trial the driver starts and finishes (results files, progress display)."""
+    """Told about every trial the driver starts (just before) and finishes (results files,
+    progress display)."""
 
     def trial_started(self, request_id: str) -> None: ...
 
@@ -94,11 +95,11 @@ class SearchDriver:
                 request_id = str(op.request_id)
                 self.lengths[request_id] = op.length
                 self.running.add(request_id)
+                for listener in self.listeners:  # first, so the state on disk includes the trial
+                    listener.trial_started(request_id)
                 self.executor.start(
                     request_id, self.hparams[request_id], self.ds_config(request_id), op.length
                 )
-                for listener in self.listeners:
-                    listener.trial_started(request_id)
             elif isinstance(op, searcher.Close):
                 self.state.trials_closed.add(op.request_id)
                 self.apply(self.method.on_trial_closed(self.state, op.request_id))
@@ -107,27 +108,33 @@ class SearchDriver:
             # Progress operations carry nothing a local driver needs.
 
     def finish(self, outcome: TrialOutcome) -> None:
+        """Feed ``outcome`` to the method, tell the listeners, then apply what the method asks.
+
+        The listeners (the results files, the saved state) hear of the outcome before any trial
+        the method starts next, so an interruption while that one starts loses nothing."""
         request_id = uuid.UUID(outcome.request_id)
         self.running.discard(outcome.request_id)
         self.state.trial_progress[request_id] = 1.0
         if outcome.status is TrialStatus.COMPLETED:
-            self.apply(
-                self.method.on_validation_completed(
-                    self.state, request_id, outcome.metrics, self.lengths[outcome.request_id]
-                )
+            ops = self.method.on_validation_completed(
+                self.state, request_id, outcome.metrics, self.lengths[outcome.request_id]
             )
-        else:
-            record_failure = getattr(self.method, "record_failure", None)
-            if record_failure is not None:
-                record_failure(outcome.request_id, outcome.status, outcome.error)
-            self.state.failures.add(request_id)
-            self.apply(
-                self.method.on_trial_exited_early(
-                    self.state, request_id, searcher.ExitedReason.ERRORED
-                )
-            )
-            self.state.trials_closed.add(request_id)
-            self.apply(self.method.on_trial_closed(self.state, request_id))
+            self._tell_finished(outcome)
+            self.apply(ops)
+            return
+        record_failure = getattr(self.method, "record_failure", None)
+        if record_failure is not None:
+            record_failure(outcome.request_id, outcome.status, outcome.error)
+        self.state.failures.add(request_id)
+        ops = self.method.on_trial_exited_early(
+            self.state, request_id, searcher.ExitedReason.ERRORED
+        )
+        self._tell_finished(outcome)
+        self.apply(ops)
+        self.state.trials_closed.add(request_id)
+        self.apply(self.method.on_trial_closed(self.state, request_id))
+
+    def _tell_finished(self, outcome: TrialOutcome) -> None:
         hparams = self.hparams[outcome.request_id]
         self.history.append(FinishedTrial(hparams, self.ds_config(outcome.request_id), outcome))
         for listener in self.listeners:

@@ -4,12 +4,11 @@ CPU, a random-initialised GPT-2 on synthetic tokens, nothing downloaded."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, copy_example
 from tests.dsat_process import dsat, trials
 
 pytestmark = pytest.mark.slow
@@ -18,7 +17,7 @@ EXAMPLE = REPO_ROOT / "examples" / "hf_trainer"
 
 def test_a_local_search_and_full_run_of_the_hf_trainer_example(tmp_path: Path) -> None:
     model_dir = tmp_path / "hf_trainer"
-    shutil.copytree(EXAMPLE, model_dir, ignore=shutil.ignore_patterns("__pycache__"))
+    copy_example(model_dir, EXAMPLE)
     results = tmp_path / "results"
     run = dsat(
         "binary",

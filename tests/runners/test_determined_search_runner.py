@@ -21,7 +21,7 @@ from dsat.cli import main
 from dsat.results import BEST_CONFIG_FILE, BEST_METRICS_FILE, SUMMARY_FILE, TRIALS_FILE
 from dsat.runners.determined_search_runner import run
 from dsat.search.base import DsatSearchMethod
-from tests.conftest import EXAMPLE_DIR
+from tests.conftest import copy_example
 from tests.runners.fake_master import (
     MASTER,
     TOKEN,
@@ -80,7 +80,7 @@ def submitted_context(
 ) -> tuple[Path, int]:
     """Submit with the CLI, then unpack the upload as the search runner's working directory."""
     model_dir = tmp_path / "user" / "mlp"
-    shutil.copytree(EXAMPLE_DIR, model_dir)
+    copy_example(model_dir)
     assert main([method, str(model_dir / "deepspeed.yaml"), str(model_dir), *flags]) == 0
     runner = master.experiments[-1]
     workdir = tmp_path / "task"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from dsat.runners.determined_submit import (
     upload_names,
 )
 from dsat.settings import SearchSettings
-from tests.conftest import EXAMPLE_DIR
+from tests.conftest import copy_example
 from tests.runners.fake_master import MASTER, FakeMaster, logged_in_environment
 
 
@@ -38,7 +37,7 @@ def master(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[FakeMast
 @pytest.fixture
 def model_dir(tmp_path: Path) -> Path:
     target = tmp_path / "work" / "mlp"
-    shutil.copytree(EXAMPLE_DIR, target)
+    copy_example(target)
     (target / "data").mkdir()
     (target / "data" / "tokens.txt").write_text("1 2 3\n")
     return target
@@ -153,7 +152,7 @@ def test_versions_with_a_custom_searcher(version: str, ok: bool) -> None:
 
 def test_upload_names_must_not_collide(tmp_path: Path) -> None:
     model = tmp_path / "dsat"  # would shadow dsat's own package in the context
-    shutil.copytree(EXAMPLE_DIR, model)
+    copy_example(model)
     experiment = load_experiment(model / "deepspeed.yaml", model)
     with pytest.raises(DsatError, match="uploads as 'dsat'"):
         upload_names(experiment)

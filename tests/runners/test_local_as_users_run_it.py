@@ -18,7 +18,7 @@ import pytest
 from dsat.constants import RESULTS_ROOT, SETTINGS_FILE
 from dsat.results import BEST_CONFIG_FILE
 from dsat.runners.deepspeed_ops import OP_LIBRARIES, extensions_root
-from tests.conftest import EXAMPLE_DIR
+from tests.conftest import EXAMPLE_DIR, copy_example
 from tests.dsat_process import env, trials
 from tests.runners.test_local_end_to_end import model_dir, trial_processes
 
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 def test_the_examples_own_command_with_the_default_results_dir(tmp_path: Path) -> None:
     # `cd examples/core_api_mlp && python3 -m dsat asha deepspeed.yaml .`, shortened.
     example = tmp_path / "core_api_mlp"
-    shutil.copytree(EXAMPLE_DIR, example)
+    copy_example(example)
     run = subprocess.run(
         ["python3", "-m", "dsat", "asha", "deepspeed.yaml", ".", "--max-trials", "3"],
         cwd=example,

@@ -15,7 +15,7 @@ import psutil
 import pytest
 import yaml
 
-from tests.conftest import EXAMPLE_DIR
+from tests.conftest import copy_example
 from tests.dsat_process import dsat, env, trials
 
 pytestmark = pytest.mark.slow
@@ -25,7 +25,7 @@ FIXTURE = Path(__file__).parent / "fixtures" / "behaviour_train.py"
 def model_dir(tmp_path: Path, **config: Any) -> tuple[Path, Path]:
     """A copy of the CPU example plus the misbehaving entrypoint; returns (yaml, model dir)."""
     directory = tmp_path / "model"
-    shutil.copytree(EXAMPLE_DIR, directory)
+    copy_example(directory)
     shutil.copy(FIXTURE, directory / "behaviour_train.py")
     experiment = yaml.safe_load((directory / "deepspeed.yaml").read_text())
     experiment["entrypoint"] = "python3 behaviour_train.py"
