@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -87,7 +88,8 @@ def test_small_search_writes_a_best_config_deepspeed_accepts(tmp_path: Path) -> 
     rows = trials(results)
     # Progress: one plain line per finished trial (stdout is a pipe here, so no live display).
     assert "dsat: trial 0 model profile: completed | running" in run.stdout
-    assert run.stdout.count("dsat: trial ") == 7 and "\x1b[" not in run.stdout
+    assert len(re.findall(r"^dsat: trial \d+ ", run.stdout, re.MULTILINE)) == 7
+    assert "\x1b[" not in run.stdout
     assert len(rows) == 7 and all(row["status"] == "completed" for row in rows)
     assert rows[0]["kind"] == "model_profile" and rows[0]["metrics"]["num_params"] > 0
     assert "| global" in run.stdout and str(results / "best_ds_config.json") in run.stdout
