@@ -175,9 +175,9 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
         type=positive_float,
         default=None,
         metavar="SECONDS",
-        help="a trial running longer than this is stopped and counts as failed (default: "
-        f"{PROFILE_TRIAL_LIMIT_S:g} for the model-profile trial, then {PROFILE_MULTIPLE:g}x its "
-        f"time, at least {FLOOR_S:g})",
+        help="a trial running longer than this is stopped and counts as failed; if not given, "
+        f"{PROFILE_TRIAL_LIMIT_S:g} s for the model-profile trial, then {PROFILE_MULTIPLE:g}x its "
+        f"time, at least {FLOOR_S:g} s",
     )
     parser.add_argument(
         "--simulator",

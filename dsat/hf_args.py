@@ -20,6 +20,7 @@ from dsat.batch_size import batch_value
 from dsat.config import deep_merge, load_ds_json
 from dsat.constants import GRAD_ACCUM_STEPS, MICRO_BATCH_SIZE, OVERWRITE_KEY
 from dsat.errors import DsatError
+from dsat.step_clock import start_clock
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ def get_hf_args_with_overwrites(args: Sequence[str], hparams: Mapping[str, Any])
     args = list(args)
     if not overwrites:
         return args
+    start_clock(overwrites)  # a search trial: dsat times the steps itself
     index, value = _find_flag(args, HF_DS_FLAG)
     if index < 0 or not value:
         raise DsatError(

@@ -26,6 +26,7 @@ from dsat.constants import (
     TRIAL_OUTCOME_FILE,
 )
 from dsat.oom import is_out_of_memory
+from dsat.step_clock import current_clock, peak_memory
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +116,9 @@ def report_result(
     """Report on rank 0 only; the other ranks' files are partial or absent."""
     if core_context.distributed.get_rank() != 0:
         return
+    clock = current_clock()
+    if result.kind == METRICS and clock is not None:
+        result = AutotuningResult(METRICS, {**clock.metrics(result.values), **peak_memory()})
     write_json_atomic(
         directory / TRIAL_OUTCOME_FILE,
         {"status": "completed", "kind": result.kind, "values": result.values},

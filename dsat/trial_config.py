@@ -16,6 +16,7 @@ from typing import Any
 from dsat.config import deep_merge, load_ds_json
 from dsat.constants import DS_CONFIG_KEY, ENV_HPARAMS_FILE, OVERWRITE_KEY
 from dsat.errors import DsatError
+from dsat.step_clock import start_clock
 
 
 def overwrite_deepspeed_config(
@@ -38,7 +39,9 @@ def get_ds_config_from_hparams(
             "JSON in the experiment YAML"
         )
     base = load_ds_json(Path(base_dir) / relative, f"hyperparameters.{DS_CONFIG_KEY}")
-    return deep_merge(base, hparams.get(OVERWRITE_KEY) or {})
+    overwrites = hparams.get(OVERWRITE_KEY) or {}
+    start_clock(overwrites)  # a search trial: dsat times the steps itself
+    return deep_merge(base, overwrites)
 
 
 def get_hparams() -> dict[str, Any]:

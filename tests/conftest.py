@@ -7,11 +7,14 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+
+from dsat.step_clock import stop_clock
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_DIR = REPO_ROOT / "examples" / "core_api_mlp"
@@ -23,6 +26,14 @@ def copy_example(target: Path, source: Path = EXAMPLE_DIR) -> Path:
     """A copy of an example as a user has it: without the results of searches run in it."""
     shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__", "dsat-results"))
     return target
+
+
+@pytest.fixture(autouse=True)
+def no_trial_clock_between_tests() -> Iterator[None]:
+    """A test that builds a trial's config starts dsat's step clock in this process; the next
+    test starts without it, as a new trial process would."""
+    yield
+    stop_clock()
 
 
 def gpu_available() -> bool:

@@ -21,6 +21,7 @@ from dsat.search.base import SearchSpec
 from dsat.search.space import random_zero_config
 from dsat.search.trial import TrialKind
 from dsat.settings import SearchSettings
+from dsat.step_clock import MEASURED_STEPS
 from tests.conftest import EXAMPLE_DIR, REPO_ROOT, copy_example
 
 pytestmark = pytest.mark.slow
@@ -123,6 +124,14 @@ def test_search_trial_at_every_zero_stage(tmp_path: Path, stage: int) -> None:
     values = outcome["values"]
     assert values["throughput"] > 0 and values["FLOPS_per_gpu"] > 0 and values["latency"] > 0
     assert {"fwd", "bwd", "step"} <= set(values)
+    # dsat's own wall-clock measurement over its window, DeepSpeed's figures kept beside it.
+    assert values["measured_steps"] == MEASURED_STEPS
+    assert values["throughput"] == pytest.approx(4 * 1000.0 / values["latency"])
+    assert values["deepspeed_throughput"] > 0 and values["deepspeed_latency"] > 0
+    flops_per_step = values["deepspeed_FLOPS_per_gpu"] * values["deepspeed_latency"] / 1e6
+    assert values["FLOPS_per_gpu"] == pytest.approx(flops_per_step * 1000.0 / values["latency"])
+    assert 0 <= values["step_time_spread"] < 5
+    assert 0 < values["memory_peak_bytes"] < values["memory_total_bytes"]
 
 
 def test_model_profile_trial(tmp_path: Path) -> None:
@@ -145,6 +154,11 @@ def test_two_process_trial(tmp_path: Path) -> None:
     outcome = _outcome(tmp_path / "trial")
     assert outcome["kind"] == "metrics" and outcome["values"]["throughput"] > 0
     assert outcome["values"]["rank"] == 0
+    assert outcome["values"]["measured_steps"] == MEASURED_STEPS
+    # Both ranks' samples count: the global batch over the measured time per iteration.
+    assert outcome["values"]["throughput"] == pytest.approx(
+        4 * 1000.0 / outcome["values"]["latency"]
+    )
 
 
 def test_full_run_without_autotuning_trains(tmp_path: Path) -> None:

@@ -47,6 +47,7 @@ from dsat.search.space import neighbour_zero_config, random_zero_config
 from dsat.search.tracker import TrialTracker
 from dsat.search.trial import SearchRange, TrialKind, TrialRecord, TrialStatus
 from dsat.settings import SearchSettings
+from dsat.step_clock import measured_window
 
 logger = logging.getLogger(__name__)
 
@@ -154,9 +155,14 @@ class DsatSearchMethod(searcher.SearchMethod):  # type: ignore[misc]
         return {
             "enabled": True,
             "start_profile_step": self.settings.start_profile_step,
-            "end_profile_step": self.settings.end_profile_step,
+            "end_profile_step": self.last_measured_step,
             "metric_path": METRICS_FILE,
         }
+
+    @property
+    def last_measured_step(self) -> int:
+        """DeepSpeed ends a search trial after this step: the end of dsat's measured window."""
+        return measured_window(self.settings.start_profile_step, self.settings.end_profile_step)[1]
 
     def make_trial(
         self,
@@ -285,7 +291,7 @@ class DsatSearchMethod(searcher.SearchMethod):  # type: ignore[misc]
     def _start_ops(self, record: TrialRecord) -> list[searcher.Operation]:
         self.tracker.mark_running(record.request_id)
         request_id = uuid.UUID(record.request_id)
-        length = 1 if record.kind is TrialKind.MODEL_PROFILE else self.settings.end_profile_step + 1
+        length = 1 if record.kind is TrialKind.MODEL_PROFILE else self.last_measured_step + 1
         return [
             searcher.Create(request_id=request_id, hparams=record.hparams, checkpoint=None),
             searcher.ValidateAfter(request_id=request_id, length=length),

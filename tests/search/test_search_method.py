@@ -11,6 +11,7 @@ from determined import searcher
 from dsat.runners.driver import SearchDriver
 from dsat.runners.simulated import SimulatedExecutor
 from dsat.search.trial import TrialKind, TrialStatus
+from dsat.step_clock import MEASURED_STEPS, WARMUP_STEPS, measured_window
 from tests.search.helpers import PROFILE, cliff_function, history, method, run
 
 METHODS = ["asha", "binary", "random"]
@@ -175,7 +176,9 @@ def test_progress_and_created_events() -> None:
     m.on_validation_completed(state, ops[0].request_id, dict(PROFILE), 1)
     started = m.on_trial_closed(state, ops[0].request_id)
     lengths = {op.length for op in started if isinstance(op, searcher.ValidateAfter)}
-    assert lengths == {m.settings.end_profile_step + 1}
+    # A search trial runs through dsat's measured window, DeepSpeed then ends it.
+    _, last = measured_window(m.settings.start_profile_step, m.settings.end_profile_step)
+    assert lengths == {last + 1} and last + 1 >= WARMUP_STEPS + MEASURED_STEPS
     assert m.progress(state) == pytest.approx(0.1)
 
 

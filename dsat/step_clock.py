@@ -1,0 +1,172 @@
+"""dsat's own measurement of a trial: wall-clock time of whole training iterations, and peak memory.
+
+DeepSpeed's autotuning figure is the mean of its forward/backward/step timers over a few profile
+steps. It leaves out whatever a configuration spends outside those timers (ZeRO-3's parameter
+gathering, host work between steps) and it starts while the run is still warming up, so it can
+rank configurations in the wrong order. dsat instead marks the end of every optimizer step (the
+device synchronised) in the trial's process and takes the steady-state time per iteration over a
+window after a warm-up. The metrics the search ranks by come from that time; DeepSpeed's own stay
+beside them, prefixed ``deepspeed_``.
+
+The clock needs no line in user code: ``get_ds_config_from_hparams`` and
+``get_hf_args_with_overwrites`` start it for a tuning trial, before the engine exists, and
+``dsat_reporting_context`` reads it when DeepSpeed ends the trial.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import resource
+import statistics
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from dsat.constants import AUTOTUNING_KEY
+
+# Optimizer steps before the window opens: the first steps of a run allocate, compile and fill
+# caches (on an H100, GPT-2 medium took 1.4 s, 2.2 s, then 0.5 s a step).
+WARMUP_STEPS = 5
+# Steps in the window at the least; the trial ends (DeepSpeed's autotuning exit) after them.
+MEASURED_STEPS = 10
+DEEPSPEED_PREFIX = "deepspeed_"
+# DeepSpeed's figures that dsat replaces with its own measurement.
+REMEASURED = ("throughput", "latency", "FLOPS_per_gpu")
+
+
+def measured_window(start_profile_step: int, end_profile_step: int) -> tuple[int, int]:
+    """The window dsat measures, as (first, last) optimizer step: it opens when step ``first``
+    ends and closes when step ``last + 1`` ends, which is when DeepSpeed ends the trial with
+    ``end_profile_step = last`` in its autotuning block."""
+    first = max(start_profile_step, WARMUP_STEPS)
+    return first, max(end_profile_step, first + MEASURED_STEPS - 1)
+
+
+@dataclasses.dataclass
+class StepClock:
+    """Ends of optimizer steps, as (DeepSpeed's global step count after it, seconds)."""
+
+    first_step: int
+    marks: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+    train_batch_size: int | None = None
+
+    def mark(self, global_steps: int, train_batch_size: int) -> None:
+        if global_steps >= self.first_step:
+            self.marks.append((global_steps, time.perf_counter()))
+            self.train_batch_size = train_batch_size
+
+    def seconds_per_step(self) -> list[float]:
+        return [b[1] - a[1] for a, b in itertools.pairwise(self.marks)]
+
+    def metrics(self, deepspeed: Mapping[str, Any]) -> dict[str, Any]:
+        """dsat's metrics from the window, with DeepSpeed's kept beside them."""
+        durations = self.seconds_per_step()
+        if not durations or not self.train_batch_size:
+            return {**deepspeed, "measured_steps": 0}  # nothing to measure: DeepSpeed's figures
+        seconds = (self.marks[-1][1] - self.marks[0][1]) / (self.marks[-1][0] - self.marks[0][0])
+        ours: dict[str, Any] = {
+            "throughput": self.train_batch_size / seconds,
+            "latency": seconds * 1000.0,  # ms per iteration, DeepSpeed's unit
+            "measured_steps": len(durations),
+            "step_time_spread": spread(durations),
+        }
+        flops = flops_per_step(deepspeed)
+        if flops is not None:
+            ours["FLOPS_per_gpu"] = flops / seconds
+        kept = {f"{DEEPSPEED_PREFIX}{k}": deepspeed[k] for k in REMEASURED if k in deepspeed}
+        return {**deepspeed, **kept, **ours}
+
+
+def spread(durations: list[float]) -> float:
+    """How far the two halves of the window disagree, relative to the whole: what two runs of
+    one configuration would differ by, roughly."""
+    if len(durations) < 2:
+        return 0.0
+    half = len(durations) // 2
+    first, second = statistics.fmean(durations[:half]), statistics.fmean(durations[half:])
+    return abs(first - second) / statistics.fmean(durations)
+
+
+def flops_per_step(deepspeed: Mapping[str, Any]) -> float | None:
+    """The model's FLOPs per iteration per GPU, recovered from DeepSpeed's figures (it reports
+    ``FLOPS_per_gpu = flops * 1e6 * gas / latency``)."""
+    try:
+        value = float(deepspeed["FLOPS_per_gpu"]) * float(deepspeed["latency"]) / 1e6
+    except (KeyError, TypeError, ValueError):
+        return None
+    return value if value > 0 else None
+
+
+def peak_memory() -> dict[str, int]:
+    """This process's peak memory and the device's total: GPU allocated and reserved bytes, or
+    the peak resident set on the CPU."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        device = torch.cuda.current_device()
+        return {
+            "memory_peak_bytes": int(torch.cuda.max_memory_allocated(device)),
+            "memory_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
+            "memory_total_bytes": int(torch.cuda.get_device_properties(device).total_memory),
+        }
+    import psutil
+
+    return {
+        "memory_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "memory_total_bytes": int(psutil.virtual_memory().total),
+    }
+
+
+_clock: StepClock | None = None
+
+
+def current_clock() -> StepClock | None:
+    """The clock of this trial, if one was started."""
+    return _clock
+
+
+def stop_clock() -> None:
+    """Forget this process's clock (a process that runs several trials' code: the tests)."""
+    global _clock
+    _clock = None
+
+
+def start_clock(overwrites: Mapping[str, Any] | None) -> StepClock | None:
+    """Start timing DeepSpeed's optimizer steps when ``overwrites`` make this a search trial (an
+    autotuning block with a metric window); idempotent."""
+    global _clock
+    block = (overwrites or {}).get(AUTOTUNING_KEY)
+    if not isinstance(block, Mapping) or "end_profile_step" not in block:
+        return None
+    if _clock is None:
+        first, _ = measured_window(
+            int(block.get("start_profile_step", 0)), int(block["end_profile_step"])
+        )
+        _clock = StepClock(first)
+        _time_engine_steps()
+    return _clock
+
+
+def _time_engine_steps() -> None:
+    """Wrap ``DeepSpeedEngine.step`` so the end of every optimizer step is marked, the device
+    synchronised, even when DeepSpeed ends the trial inside that step."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    original = DeepSpeedEngine.step
+    if getattr(original, "_dsat_timed", False):
+        return
+    accelerator = get_accelerator()
+
+    def step(engine: Any, *args: Any, **kwargs: Any) -> Any:
+        before = engine.global_steps
+        try:
+            return original(engine, *args, **kwargs)
+        finally:
+            if engine.global_steps != before and _clock is not None:
+                accelerator.synchronize()
+                _clock.mark(int(engine.global_steps), int(engine.train_batch_size()))
+
+    step._dsat_timed = True  # type: ignore[attr-defined]
+    DeepSpeedEngine.step = step
