@@ -32,6 +32,7 @@ OOM_METRIC_KEY = "dsat_out_of_memory"
 ENV_HPARAMS_FILE = "DSAT_HPARAMS_FILE"  # JSON hyperparameters written by a dsat runner
 ENV_DET_MASTER = "DET_MASTER"  # set when a Determined cluster is in reach
 ENV_RESULTS_DIR = "DSAT_RESULTS_DIR"  # in every local trial: the search that started it
+ENV_TRIAL_LENGTH = "DSAT_TRIAL_LENGTH"  # a local trial's searcher-operation length, in batches
 
 RESULTS_ROOT = "dsat-results"
 # In a results directory: the settings a search runs with, and its method's state.

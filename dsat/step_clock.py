@@ -15,15 +15,20 @@ The clock needs no line in user code: ``get_ds_config_from_hparams`` and
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import dataclasses
 import itertools
+import os
 import resource
 import statistics
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
-from dsat.constants import AUTOTUNING_KEY
+from dsat.atomic_file import write_json_atomic
+from dsat.constants import AUTOTUNING_KEY, TRIAL_OUTCOME_FILE
 
 # Optimizer steps before the window opens: the first steps of a run allocate, compile and fill
 # caches (on an H100, GPT-2 medium took 1.4 s, 2.2 s, then 0.5 s a step).
@@ -48,10 +53,13 @@ class StepClock:
     """Ends of optimizer steps, as (DeepSpeed's global step count after it, seconds)."""
 
     first_step: int
+    last_step: int = 0  # DeepSpeed ends the trial when step last_step + 1 ends
     marks: list[tuple[int, float]] = dataclasses.field(default_factory=list)
     train_batch_size: int | None = None
+    steps_done: int = 0
 
     def mark(self, global_steps: int, train_batch_size: int) -> None:
+        self.steps_done = global_steps
         if global_steps >= self.first_step:
             self.marks.append((global_steps, time.perf_counter()))
             self.train_batch_size = train_batch_size
@@ -140,12 +148,27 @@ def start_clock(overwrites: Mapping[str, Any] | None) -> StepClock | None:
     if not isinstance(block, Mapping) or "end_profile_step" not in block:
         return None
     if _clock is None:
-        first, _ = measured_window(
+        first, last = measured_window(
             int(block.get("start_profile_step", 0)), int(block["end_profile_step"])
         )
-        _clock = StepClock(first)
+        _clock = StepClock(first, last)
         _time_engine_steps()
+        atexit.register(_explain_missing_results, Path.cwd())
     return _clock
+
+
+def _explain_missing_results(directory: Path) -> None:
+    """At exit, when the trial ended without an outcome (its loop stopped before DeepSpeed's
+    autotuning exit), leave how far it got, so the runner can say why in one line."""
+    clock = _clock
+    outcome = directory / TRIAL_OUTCOME_FILE
+    if clock is None or outcome.exists() or os.environ.get("RANK", "0") != "0":
+        return
+    with contextlib.suppress(OSError):
+        write_json_atomic(
+            outcome,
+            {"status": "incomplete", "steps": clock.steps_done, "needed": clock.last_step + 1},
+        )
 
 
 def _time_engine_steps() -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from dsat.config import deep_merge, load_ds_json
-from dsat.constants import DS_CONFIG_KEY, ENV_HPARAMS_FILE, OVERWRITE_KEY
+from dsat.constants import DS_CONFIG_KEY, ENV_HPARAMS_FILE, ENV_TRIAL_LENGTH, OVERWRITE_KEY
 from dsat.errors import DsatError
 from dsat.step_clock import start_clock
 
@@ -44,6 +44,24 @@ def get_ds_config_from_hparams(
     return deep_merge(base, overwrites)
 
 
+def lengthen_offcluster_operations(length: int) -> None:
+    """Have off-cluster ``det.core.init()`` hand out operations of the trial's length.
+
+    Off a cluster Determined's searcher yields one operation of length 1, so the Core API idiom
+    ``for batch in range(op.length)`` would stop before DeepSpeed measures anything. Under dsat's
+    local runner the operation gets the length a cluster would give."""
+    from determined.core import _searcher
+
+    context = _searcher.DummySearcherContext
+    original = getattr(context.__init__, "_dsat_original", context.__init__)
+
+    def init(self: Any, dist: Any, length_: int = length) -> None:
+        original(self, dist, length_)
+
+    init._dsat_original = original  # type: ignore[attr-defined]
+    context.__init__ = init  # type: ignore[method-assign]
+
+
 def get_hparams() -> dict[str, Any]:
     """The trial's hyperparameters, whether dsat's local runner or Determined launched it."""
     path = os.environ.get(ENV_HPARAMS_FILE)
@@ -56,6 +74,9 @@ def get_hparams() -> dict[str, Any]:
             ) from None
         if not isinstance(hparams, dict):
             raise DsatError(f"{ENV_HPARAMS_FILE}={path}: hyperparameters must be a JSON object")
+        length = os.environ.get(ENV_TRIAL_LENGTH)
+        if length and length.isdigit():
+            lengthen_offcluster_operations(int(length))
         return hparams
     import determined
 

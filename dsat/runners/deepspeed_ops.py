@@ -12,6 +12,7 @@ holds open is such a leftover, and dsat removes it.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import os
 import subprocess
@@ -87,11 +88,25 @@ def extensions_root(environ: Mapping[str, str]) -> Path:
 
 
 def is_built(builder: str, root: Path) -> bool:
-    """Whether torch's cache under ``root`` holds the library ``builder`` makes."""
+    """Whether torch's cache under ``root`` holds the library ``builder`` makes, built from this
+    DeepSpeed installation's sources (another environment sharing the cache rebuilds it)."""
     library = OP_LIBRARIES.get(builder)
-    if library is None:
+    sources = deepspeed_sources()
+    if library is None or sources is None:
         return False
-    return any(root.glob(f"{library}/{library}.so")) or any(root.glob(f"*/{library}/{library}.so"))
+    for built in [*root.glob(f"{library}/{library}.so"), *root.glob(f"*/{library}/{library}.so")]:
+        with contextlib.suppress(OSError):
+            if sources in (built.parent / "build.ninja").read_text():
+                return True
+    return False
+
+
+def deepspeed_sources() -> str | None:
+    """Where this environment's DeepSpeed keeps its op sources, found without importing it."""
+    spec = importlib.util.find_spec("deepspeed")
+    if spec is None or spec.origin is None:
+        return None
+    return str(Path(spec.origin).parent / "ops" / "csrc")
 
 
 def build_locks(root: Path) -> list[Path]:

@@ -23,7 +23,13 @@ from pathlib import Path
 from typing import IO, Any
 
 from dsat.atomic_file import write_json_atomic
-from dsat.constants import ENV_HPARAMS_FILE, ENV_RESULTS_DIR, RESULTS_ROOT, TRIAL_OUTCOME_FILE
+from dsat.constants import (
+    ENV_HPARAMS_FILE,
+    ENV_RESULTS_DIR,
+    ENV_TRIAL_LENGTH,
+    RESULTS_ROOT,
+    TRIAL_OUTCOME_FILE,
+)
 from dsat.errors import DsatError
 from dsat.oom import text_shows_out_of_memory
 from dsat.reporting import read_autotuning_result
@@ -189,13 +195,18 @@ class LocalExecutor:
         prepare_trial_directory(directory, self.model_dir, self.includes, hparams, self.results_dir)
         return directory
 
-    def environment(self, directory: Path, slots: list[str], ports: list[int]) -> dict[str, str]:
-        """The trial's environment: where its hyperparameters are, its slots, its rank.
+    def environment(
+        self, directory: Path, slots: list[str], ports: list[int], length: int | None = None
+    ) -> dict[str, str]:
+        """The trial's environment: where its hyperparameters are, its slots, its rank, and the
+        length of its searcher operation (which off-cluster Determined would make 1).
 
         ``ports``: three free ports, torch.distributed's first, then Determined's two."""
         env = dict(self.environ)
         env[ENV_HPARAMS_FILE] = str(directory / HPARAMS_FILE)
         env[ENV_RESULTS_DIR] = str(self.results_dir)
+        if length is not None:
+            env[ENV_TRIAL_LENGTH] = str(length)
         if self.pool.on_gpu:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(slots)
         else:
@@ -226,7 +237,12 @@ class LocalExecutor:
         return env
 
     def spawn(
-        self, directory: Path, slots: list[str], stdout: IO[bytes] | int, log: IO[bytes]
+        self,
+        directory: Path,
+        slots: list[str],
+        stdout: IO[bytes] | int,
+        log: IO[bytes],
+        length: int | None = None,
     ) -> tuple[subprocess.Popen[bytes], list[str]]:
         """The entrypoint in ``directory`` on ``slots``, in a process group of its own that dies
         with dsat (``trial_guard``); returns the process and the command, which goes first into
@@ -238,7 +254,7 @@ class LocalExecutor:
         process = subprocess.Popen(
             guarded(command),
             cwd=directory,
-            env=self.environment(directory, slots, ports),
+            env=self.environment(directory, slots, ports, length),
             stdout=stdout,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -256,7 +272,7 @@ class LocalExecutor:
         log = log_path.open("wb")
         # A build lock left by a killed trial would make this one wait on it until its timeout.
         clear_stale_locks(self.environ)
-        process, _ = self.spawn(directory, slots, log, log)
+        process, _ = self.spawn(directory, slots, log, log, length)
         self.running[request_id] = RunningTrial(
             request_id, process, directory, log_path, log, slots, self.now()
         )
@@ -337,6 +353,15 @@ def classify(
         if result is not None:
             return TrialStatus.COMPLETED, result.values, None
     tail = log_tail(text)
+    if code == 0 and outcome.get("status") == "incomplete":
+        needed = outcome.get("needed")
+        return (
+            TrialStatus.ERROR,
+            {},
+            f"DeepSpeed stopped after {outcome.get('steps')} steps; it needs {needed} to measure "
+            f"this configuration: let the training loop run at least {needed} steps (the "
+            f"searcher operation's length, op.length, is {needed})\n{tail}",
+        )
     if outcome.get("status") == "oom" or text_shows_out_of_memory(text):
         return TrialStatus.OOM, {}, tail
     if code == -signal.SIGKILL:  # not dsat's doing (that is a timeout): the kernel's OOM killer

@@ -10,6 +10,7 @@ from pathlib import Path
 from dsat.runners.deepspeed_ops import (
     build_ops,
     clear_stale_locks,
+    deepspeed_sources,
     is_built,
     lock_holders,
     ops_for_trials,
@@ -65,6 +66,10 @@ def test_a_built_op_is_not_built_again(tmp_path: Path) -> None:
     assert not is_built("ShareMemCommBuilder", tmp_path)
     library.parent.mkdir()
     library.touch()
+    ninja = library.parent / "build.ninja"
+    ninja.write_text("build shm.o: compile /another/venv/deepspeed/ops/csrc/cpu/comm/shm.cpp\n")
+    assert not is_built("ShareMemCommBuilder", tmp_path)  # another environment's build
+    ninja.write_text(f"build shm.o: compile {deepspeed_sources()}/cpu/comm/shm.cpp\n")
     assert is_built("ShareMemCommBuilder", tmp_path)
     assert not is_built("SomeOtherBuilder", tmp_path)
     log = tmp_path / "logs" / "ops.log"

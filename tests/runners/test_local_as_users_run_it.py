@@ -14,10 +14,13 @@ from pathlib import Path
 
 import psutil
 import pytest
+import yaml
 
 from dsat.constants import RESULTS_ROOT, SETTINGS_FILE
 from dsat.results import BEST_CONFIG_FILE
 from dsat.runners.deepspeed_ops import OP_LIBRARIES, extensions_root
+from dsat.settings import DEFAULT_END_PROFILE_STEP, DEFAULT_START_PROFILE_STEP
+from dsat.step_clock import MEASURED_STEPS, measured_window
 from tests.conftest import EXAMPLE_DIR, copy_example
 from tests.dsat_process import env, trials
 from tests.runners.test_local_end_to_end import model_dir, trial_processes
@@ -148,3 +151,44 @@ def test_an_unreachable_master_is_a_short_error_without_deepspeeds_chatter(
     assert 1 <= len(lines) <= 3, lines
     assert not any("[WARNING]" in line or "accelerator" in line for line in lines), lines
     assert "127.0.0.1:9" in lines[-1]
+
+
+def example_without_steps(tmp_path: Path, steps: int | None) -> Path:
+    """The Core API example training ``steps`` batches per operation, or ``op.length`` (the
+    Determined idiom) when ``steps`` is None."""
+    example = copy_example(tmp_path / "core_api_mlp")
+    experiment = yaml.safe_load((example / "deepspeed.yaml").read_text())
+    experiment["hyperparameters"].pop("steps")
+    if steps is not None:
+        experiment["hyperparameters"]["steps"] = steps
+    (example / "deepspeed.yaml").write_text(yaml.safe_dump(experiment))
+    return example
+
+
+def small_search(example: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "dsat", "binary", "deepspeed.yaml", ".", "-z", "1"]
+    command += ["--max-trials", "2", "--search-range-factor", "0.005"]
+    command += ["--results-dir", str(tmp_path / "results")]
+    return subprocess.run(
+        command, cwd=example, env=env(), capture_output=True, text=True, timeout=540
+    )
+
+
+def test_the_core_api_idiom_of_op_length_batches_completes_off_cluster(tmp_path: Path) -> None:
+    # Off-cluster det.core.init() would hand out one operation of length 1; under dsat's local
+    # runner it has the length a cluster would give, so DeepSpeed reaches its measured window.
+    run = small_search(example_without_steps(tmp_path, None), tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = trials(tmp_path / "results")
+    assert [row["status"] for row in rows] == ["completed", "completed"]
+    assert rows[1]["metrics"]["measured_steps"] == MEASURED_STEPS
+
+
+def test_a_loop_too_short_to_measure_says_why_in_one_line(tmp_path: Path) -> None:
+    run = small_search(example_without_steps(tmp_path, 8), tmp_path)
+    assert run.returncode == 1
+    rows = trials(tmp_path / "results")
+    assert rows[1]["status"] == "error"
+    first_line = rows[1]["error"].splitlines()[0]
+    _, last = measured_window(DEFAULT_START_PROFILE_STEP, DEFAULT_END_PROFILE_STEP)
+    assert first_line.startswith(f"DeepSpeed stopped after 8 steps; it needs {last + 1}")
