@@ -120,9 +120,20 @@ class DsatSearchMethod(searcher.SearchMethod):  # type: ignore[misc]
         stages = list(self.settings.zero_stages)
         return int(stages[int(self.rng.integers(len(stages)))])
 
+    def untried_stage(self) -> int | None:
+        """A stage of ``--zero-stages`` that has no trial yet: each gets one before any gets a
+        second configuration."""
+        untried = sorted(set(self.settings.zero_stages) - self.tracker.tried_stages())
+        return int(untried[int(self.rng.integers(len(untried)))]) if untried else None
+
     def initial_range(self, stage: int) -> SearchRange:
-        ceiling = self.micro_batch_ceiling(stage)
-        return SearchRange(1, max(int(ceiling * self.settings.search_range_factor), 1))
+        """The memory model's range for a stage's first configuration; a later one starts from
+        what the stage proved: its largest micro-batch that ran, below its smallest OOM."""
+        estimate = max(int(self.micro_batch_ceiling(stage) * self.settings.search_range_factor), 1)
+        ran, out_of_memory = self.tracker.proven_micro_batches(stage)
+        lo = ran or 1
+        hi = out_of_memory - 1 if out_of_memory is not None else max(estimate, lo)
+        return SearchRange(lo, max(hi, lo))
 
     def first_micro_batch(self, search_range: SearchRange) -> int:
         return search_range.midpoint
@@ -222,7 +233,9 @@ class DsatSearchMethod(searcher.SearchMethod):  # type: ignore[misc]
     def new_lineage(self, stage: int | None = None) -> TrialRecord | None:
         """A new configuration, not tried before, at its first micro-batch."""
         for _ in range(MAX_DRAWS):
-            chosen = self.choose_stage() if stage is None else stage
+            chosen = self.untried_stage() if stage is None else stage
+            if chosen is None:
+                chosen = self.choose_stage()
             search_range = self.initial_range(chosen)
             zero_config = self.draw_zero_config(chosen)
             record = self.make_trial(

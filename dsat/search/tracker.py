@@ -127,6 +127,22 @@ class TrialTracker:
     def successful_stages(self) -> set[int]:
         return {r.zero_stage for r in self._records.values() if self.metric_value(r) is not None}
 
+    def tried_stages(self) -> set[int]:
+        """ZeRO stages with a search trial, queued or further along."""
+        return {r.zero_stage for r in self._records.values() if r.kind is TrialKind.SEARCH}
+
+    def proven_micro_batches(self, stage: int) -> tuple[int | None, int | None]:
+        """What ``stage`` has shown so far: its largest micro-batch that ran and its smallest one
+        that ran out of memory (None where there is none)."""
+        in_stage = [
+            r
+            for r in self._records.values()
+            if r.kind is TrialKind.SEARCH and r.zero_stage == stage
+        ]
+        ran = [r.mbs for r in in_stage if self.metric_value(r) is not None]
+        out_of_memory = [r.mbs for r in in_stage if r.status is TrialStatus.OOM]
+        return (max(ran) if ran else None, min(out_of_memory) if out_of_memory else None)
+
     def can_start_more(self) -> bool:
         if not self.queue or self.num_started >= self.max_trials:
             return False
