@@ -55,6 +55,13 @@ non_negative_int = _typed(int, 0, "an integer of 0 or more")
 positive_float = _typed(float, 1e-12, "a positive number")
 
 
+def fraction(text: str) -> float:
+    value = _typed(float, 0.0, "a fraction from 0 to 1")(text)
+    if value >= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction from 0 to 1, got {text!r}")
+    return value
+
+
 def _add_common_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "config_path",
@@ -137,6 +144,22 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=defaults.DEFAULT_RANDOM_SEED,
         help="seed of the search's random generator",
+    )
+    parser.add_argument(
+        "--confirm-top",
+        type=non_negative_int,
+        default=defaults.DEFAULT_CONFIRM_TOP,
+        metavar="N",
+        help="after the search, run the N leading distinct configurations again, interleaved, "
+        "and hand over the winner of that round (0 or 1: no confirmation round)",
+    )
+    parser.add_argument(
+        "--memory-margin",
+        type=fraction,
+        default=defaults.DEFAULT_MEMORY_MARGIN,
+        metavar="F",
+        help="never hand over a configuration whose peak memory leaves less than this fraction "
+        "of the device's memory",
     )
     parser.add_argument(
         "--search-runner-config",

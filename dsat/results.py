@@ -105,6 +105,9 @@ class ResultsWriter:
         self._lines.append(trial_line(len(self._lines), record, timing))
         text = "".join(json.dumps(line, sort_keys=True) + "\n" for line in self._lines)
         write_text_atomic(self.directory / TRIALS_FILE, text)
+        self._write_best(tracker)
+
+    def _write_best(self, tracker: TrialTracker) -> None:
         best = tracker.best()
         if best is not None and best.request_id != self._best_id:
             write_json_atomic(self.directory / BEST_CONFIG_FILE, best_ds_config(best))
@@ -112,7 +115,10 @@ class ResultsWriter:
             self._best_id = best.request_id
 
     def write_summary(self, tracker: TrialTracker) -> str:
-        text = summary_table(tracker)
+        """The summary at the end, and the best config as the search finally decided it (the
+        confirmation round decides after its last trial is recorded)."""
+        self._write_best(tracker)
+        text = summary_table(tracker) + confirmation_table(tracker)
         write_text_atomic(self.directory / SUMMARY_FILE, text)
         return text
 
@@ -145,6 +151,36 @@ def summary_table(tracker: TrialTracker) -> str:
         + " |"
     )
     return "\n".join([fmt(header), rule, *(fmt(row) for row in rows)]) + "\n"
+
+
+def confirmation_table(tracker: TrialTracker) -> str:
+    """The confirmation round beside the search's own figures; empty when there was none."""
+    runs = [r for r in tracker.finished if r.kind is TrialKind.CONFIRM]
+    if not runs:
+        return ""
+    lines = [
+        "",
+        f"confirmation round ({tracker.metric.value}, runs interleaved):",
+        "| config | in the search | run again | memory used |",
+        "| :----- | ------------: | --------: | ----------: |",
+    ]
+    for parent_id in dict.fromkeys(r.parent_id for r in runs if r.parent_id is not None):
+        leader = tracker.get(parent_id)
+        values = [tracker.confirmed_value(r) for r in runs if r.parent_id == parent_id]
+        again = " / ".join(f"{v:.6g}" if v is not None else "failed" for v in values)
+        searched = tracker.metric_value(leader)
+        peak, total = (
+            leader.metrics.get("memory_peak_bytes"),
+            leader.metrics.get("memory_total_bytes"),
+        )
+        memory = f"{peak / total:.1%}" if peak and total else "-"
+        chosen = " (handed over)" if leader.request_id == tracker.confirmed_id else ""
+        lines.append(
+            f"| {leader.name}{chosen} | {searched:.6g} | {again} | {memory} |"
+            if searched is not None
+            else f"| {leader.name}{chosen} | - | {again} | {memory} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def _row(

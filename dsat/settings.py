@@ -33,6 +33,9 @@ DEFAULT_MAX_RUNGS = 5
 DEFAULT_MIN_BINARY_SEARCH_TRIALS = 3
 DEFAULT_ASHA_EARLY_STOPPING = 0
 DEFAULT_DIVISOR = 2
+# dsat's own: the confirmation round and the memory a handed-over configuration must leave free.
+DEFAULT_CONFIRM_TOP = 3
+DEFAULT_MEMORY_MARGIN = 0.05
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +68,8 @@ class SearchSettings:
     asha_early_stopping: int = DEFAULT_ASHA_EARLY_STOPPING
     divisor: int = DEFAULT_DIVISOR
     # dsat's own
+    confirm_top: int = DEFAULT_CONFIRM_TOP
+    memory_margin: float = DEFAULT_MEMORY_MARGIN
     backend: str = "auto"
     results_dir: str | None = None
     resume: str | None = None
@@ -122,6 +127,13 @@ class SearchSettings:
         }.items():
             if value < 0:
                 raise DsatError(f"{flag} must be 0 or more, got {value}")
+        if self.confirm_top < 0:
+            raise DsatError(f"--confirm-top must be 0 or more, got {self.confirm_top}")
+        if not 0.0 <= self.memory_margin < 1.0:
+            raise DsatError(
+                f"--memory-margin is a fraction of the device's memory, from 0 to below 1; got "
+                f"{self.memory_margin}"
+            )
         if self.divisor < 2:
             raise DsatError(
                 f"--divisor must be at least 2 (ASHA keeps 1/divisor per rung), got {self.divisor}"

@@ -43,6 +43,7 @@ from dsat.memory import (
     approx_max_micro_batch,
     log_estimates,
 )
+from dsat.search.confirmation import leaders, planned_runs, winner
 from dsat.search.space import neighbour_zero_config, random_zero_config
 from dsat.search.tracker import TrialTracker
 from dsat.search.trial import SearchRange, TrialKind, TrialRecord, TrialStatus
@@ -90,6 +91,9 @@ class DsatSearchMethod(searcher.SearchMethod):  # type: ignore[misc]
         self._next_index = 0
         self._pending_failures: dict[str, tuple[TrialStatus, str | None]] = {}
         self.shutdown_reason: str | None = None
+        self.confirmation_candidates: list[str] = []
+        self.search_end_reason = ""
+        self.unsafe_memory = False  # every configuration that ran leaves too little memory
 
     # ------------------------------------------------------------------ hooks for subclasses
 
@@ -286,18 +290,84 @@ class DsatSearchMethod(searcher.SearchMethod):  # type: ignore[misc]
 
     def should_shutdown(self) -> bool:
         tracker = self.tracker
+        if self.confirming:
+            if tracker.running or tracker.queue:
+                return False
+            self._end_confirmation()
+            return True
         reason = self._stop_reason()
         if reason is None and not tracker.running:
             if not tracker.queue or tracker.num_started >= tracker.max_trials:
                 reason = "no configuration left to try"
+        unconfirmed = tracker.confirmed_id is None and not self.unsafe_memory
+        if reason is not None and unconfirmed and tracker.best() is not None:
+            for request_id in list(tracker.queue):  # the search is over: nothing more of it runs
+                tracker.discard(request_id)
+            if tracker.running:
+                return False  # the confirmation round starts once the last search trial ends
+            if self._start_confirmation(reason):
+                return False
         if reason is not None:
             self.shutdown_reason = reason
         return reason is not None
 
+    # ------------------------------------------------------------------ the confirmation round
+
+    @property
+    def confirming(self) -> bool:
+        return bool(self.confirmation_candidates) and self.tracker.confirmed_id is None
+
+    def _start_confirmation(self, reason: str) -> bool:
+        """Queue the runs of the confirmation round; False when there is nothing to confirm."""
+        candidates = leaders(self.tracker, self.settings.confirm_top, self.settings.memory_margin)
+        searched = sum(1 for r in self.tracker.finished if r.kind is TrialKind.SEARCH)
+        runs = planned_runs(candidates, searched) if self.settings.confirm_top > 1 else []
+        if not runs:
+            if candidates:
+                self.tracker.confirmed_id = candidates[0].request_id
+            else:
+                self.unsafe_memory = True
+            return False
+        self.search_end_reason = reason
+        self.confirmation_candidates = [c.request_id for c in candidates]
+        for candidate in runs:
+            index = self._next_index
+            request_id = str(uuid.uuid5(_REQUEST_NAMESPACE, f"{self.settings.random_seed}:{index}"))
+            run = candidate.replace(
+                request_id=request_id,
+                index=index,
+                kind=TrialKind.CONFIRM,
+                parent_id=candidate.request_id,
+                status=TrialStatus.QUEUED,
+                metrics={},
+                error=None,
+            )
+            self._register(run)
+        self.tracker.max_trials += len(runs)
+        logger.info(
+            "search ends: %s; confirmation round: %d run(s) of the %d leading configurations "
+            "(%s), interleaved",
+            reason,
+            len(runs),
+            len(candidates),
+            ", ".join(c.name for c in candidates),
+        )
+        return True
+
+    def _end_confirmation(self) -> None:
+        candidates = [self.tracker.get(i) for i in self.confirmation_candidates]
+        chosen = winner(self.tracker, candidates)
+        if chosen is None:  # every leader failed when run again: the search's best stands
+            chosen = candidates[0]
+            logger.info("confirmation round: no leader ran again; keeping %s", chosen.name)
+        self.tracker.confirmed_id = chosen.request_id
+        self.shutdown_reason = f"{self.search_end_reason}; confirmed {chosen.name}"
+
     @property
     def search_failed(self) -> bool:
-        """A search with no successful trial (or no model profile) has failed."""
-        return self.model_profile_failed() or self.tracker.best() is None
+        """A search with no successful trial (or no model profile, or only configurations that
+        leave too little memory) has failed."""
+        return self.model_profile_failed() or self.tracker.best() is None or self.unsafe_memory
 
     # ------------------------------------------------------------------ Determined's events
 
@@ -341,7 +411,7 @@ class DsatSearchMethod(searcher.SearchMethod):  # type: ignore[misc]
             if profile is not None:
                 log_estimates(profile, self.precision, self.spec.slots_per_trial)
                 self._follow_up(self.initial_lineages)
-        else:
+        elif record.kind is TrialKind.SEARCH:
             self._follow_up(lambda: self.after_success(record))
         return [searcher.Close(request_id)]
 
@@ -417,6 +487,8 @@ class DsatSearchMethod(searcher.SearchMethod):  # type: ignore[misc]
             "tracker": self.tracker.to_json(),
             "rng": self.rng.bit_generator.state,
             "next_index": self._next_index,
+            "confirmation_candidates": self.confirmation_candidates,
+            "search_end_reason": self.search_end_reason,
         }
 
     def load_state_json(self, state: dict[str, Any]) -> None:
@@ -428,6 +500,10 @@ class DsatSearchMethod(searcher.SearchMethod):  # type: ignore[misc]
         self.tracker.load_json(state["tracker"])
         self.rng.bit_generator.state = state["rng"]
         self._next_index = int(state["next_index"])
+        self.confirmation_candidates = list(state.get("confirmation_candidates", []))
+        self.search_end_reason = str(state.get("search_end_reason", ""))
+        confirm_runs = sum(1 for r in self.tracker.records if r.kind is TrialKind.CONFIRM)
+        self.tracker.max_trials = self.settings.max_trials + confirm_runs
 
     def save_method_state(self, path: Path) -> None:
         write_json_atomic(Path(path) / STATE_FILE, self.state_json())

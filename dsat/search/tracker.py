@@ -15,7 +15,10 @@ from dsat.search.trial import TrialKind, TrialRecord, TrialStatus
 
 
 def config_key(record: TrialRecord) -> str:
-    """Identity of a trial's configuration: two trials with the same key measure the same thing."""
+    """Identity of a trial's configuration: two trials with the same key measure the same thing
+    (a confirmation run measures it again on purpose, so each has its own)."""
+    if record.kind is TrialKind.CONFIRM:
+        return f"confirm:{record.request_id}"
     return json.dumps(record.hparams.get(OVERWRITE_KEY, {}), sort_keys=True)
 
 
@@ -37,6 +40,8 @@ class TrialTracker:
         self._keys: set[str] = set()
         self.queue: list[str] = []
         self.trials_since_best = 0
+        # The search trial the confirmation round chose, which is then the best there is.
+        self.confirmed_id: str | None = None
 
     # ------------------------------------------------------------------ registration
 
@@ -155,7 +160,16 @@ class TrialTracker:
 
     def metric_value(self, record: TrialRecord) -> float | None:
         """The searched metric of a completed search trial; None for anything else."""
-        if record.kind is not TrialKind.SEARCH or record.status is not TrialStatus.COMPLETED:
+        if record.kind is not TrialKind.SEARCH:
+            return None
+        return self._value(record)
+
+    def confirmed_value(self, record: TrialRecord) -> float | None:
+        """The searched metric of a completed confirmation run; None for anything else."""
+        return self._value(record) if record.kind is TrialKind.CONFIRM else None
+
+    def _value(self, record: TrialRecord) -> float | None:
+        if record.status is not TrialStatus.COMPLETED:
             return None
         for key in (self.metric.file_key, self.metric.value):
             value = record.metrics.get(key)
@@ -173,7 +187,10 @@ class TrialTracker:
         return best
 
     def best(self, stage: int | None = None) -> TrialRecord | None:
-        """The best trial overall or of one ZeRO stage (the earliest among equals)."""
+        """The best trial overall (the confirmed one, once confirmed) or of one ZeRO stage (the
+        earliest among equals)."""
+        if stage is None and self.confirmed_id is not None:
+            return self._records[self.confirmed_id]
         return self.best_of(
             [r for r in self._records.values() if stage is None or r.zero_stage == stage]
         )
@@ -211,6 +228,7 @@ class TrialTracker:
             "records": [r.to_json() for r in self._records.values()],
             "queue": list(self.queue),
             "trials_since_best": self.trials_since_best,
+            "confirmed_id": self.confirmed_id,
         }
 
     def load_json(self, data: dict[str, Any]) -> None:
@@ -222,3 +240,4 @@ class TrialTracker:
             self._keys.add(config_key(record))
         self.queue = list(data["queue"])
         self.trials_since_best = int(data["trials_since_best"])
+        self.confirmed_id = data.get("confirmed_id")

@@ -27,6 +27,7 @@ class TrialStatus(str, enum.Enum):
 class TrialKind(str, enum.Enum):
     MODEL_PROFILE = "model_profile"  # micro-batch 1, measures the model for the memory model
     SEARCH = "search"  # measures one DeepSpeed configuration
+    CONFIRM = "confirm"  # runs a leading configuration again before it is handed over
 
 
 @dataclasses.dataclass(frozen=True)

@@ -154,13 +154,16 @@ def test_a_whole_search_runs_through_remote_search_runner(
     assert custom.config["hyperparameters"]["_use_dsat_mode"] is True
     assert "train.py" in custom.files and "dsat/__init__.py" in custom.files  # trials import dsat
     assert cluster.final_state is not None and cluster.final_state.name == "COMPLETED"
-    assert len(cluster.created_order) == 16  # --max-trials, the model profile included
-
     lines = trial_lines(checkpoint)
-    statuses = [line["status"] for line in lines]
-    assert len(lines) == 16 and statuses.count("error") >= 1 and "completed" in statuses
+    confirmations = [line for line in lines if line["kind"] == "confirm"]
+    searched = [line for line in lines if line["kind"] != "confirm"]
+    # --max-trials, the model profile included, then the confirmation round of the 3 leaders
+    assert len(searched) == 16 and len(confirmations) == 3
+    assert len(cluster.created_order) == 16 + 3
+    statuses = [line["status"] for line in searched]
+    assert statuses.count("error") >= 1 and "completed" in statuses
     completed = [
-        line for line in lines if line["status"] == "completed" and line["kind"] != "model_profile"
+        line for line in searched if line["status"] == "completed" and line["kind"] == "search"
     ]
     best_line = max(completed, key=lambda line: line["metrics"]["throughput"])
     best = method.tracker.best()

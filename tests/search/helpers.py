@@ -26,6 +26,9 @@ BASE_DS = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1
 
 
 def settings(method: str = "binary", **overrides: Any) -> SearchSettings:
+    """Search settings for tests of the search itself: without the confirmation round unless a
+    test asks for it (tests/search/test_confirmation.py does)."""
+    overrides.setdefault("confirm_top", 0)
     return SearchSettings(method=method, config_path="x.yaml", model_dir=".", **overrides)
 
 

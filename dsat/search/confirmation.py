@@ -1,0 +1,100 @@
+"""The confirmation round: the leading configurations run again before one is handed over.
+
+One short trial per configuration ranks them, and a single measurement can be lucky. When the
+search ends, the leading distinct configurations run again, interleaved (A, B, C, A, B, C), so
+machine noise hits them alike; the winner is the best mean of those runs. Leaders within the
+measured noise of the winner count as equal, and among equals the one with the most memory
+headroom wins: one that barely fits a short trial can run out of memory hours into a real run,
+which is also why a configuration leaving less than ``--memory-margin`` of the device is never
+handed over. The round is kept to a share of the search's trials.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+
+from dsat.search.tracker import TrialTracker, config_key
+from dsat.search.trial import TrialKind, TrialRecord
+
+# The round's runs, as a share of the search trials that finished (at least one per leader).
+SHARE_OF_SEARCH = 0.15
+REPEATS = 2
+MIN_NOISE = 0.01  # relative; below this two measurements count as different
+
+
+def memory_fraction(record: TrialRecord) -> float | None:
+    """Peak memory over the device's total, where the trial measured both."""
+    peak, total = record.metrics.get("memory_peak_bytes"), record.metrics.get("memory_total_bytes")
+    if isinstance(peak, (int, float)) and isinstance(total, (int, float)) and total > 0:
+        return float(peak) / float(total)
+    return None
+
+
+def leaders(tracker: TrialTracker, count: int, memory_margin: float) -> list[TrialRecord]:
+    """The best ``count`` distinct configurations that leave ``memory_margin`` of the device."""
+    ranked = sorted(
+        (r for r in tracker.records if tracker.metric_value(r) is not None),
+        key=lambda r: tracker.metric_value(r) or 0.0,
+        reverse=not tracker.metric.smaller_is_better,
+    )
+    chosen: list[TrialRecord] = []
+    seen: set[str] = set()
+    for record in ranked:
+        fraction = memory_fraction(record)
+        if fraction is not None and fraction > 1.0 - memory_margin:
+            continue
+        key = config_key(record)
+        if key not in seen:
+            seen.add(key)
+            chosen.append(record)
+        if len(chosen) == count:
+            break
+    return chosen
+
+
+def planned_runs(candidates: Sequence[TrialRecord], search_trials: int) -> list[TrialRecord]:
+    """The candidates in the order they run again: interleaved, as many rounds as the share of
+    the search allows (one at the least, ``REPEATS`` at the most)."""
+    if len(candidates) < 2:
+        return []  # nothing to choose between
+    budget = max(len(candidates), int(SHARE_OF_SEARCH * search_trials))
+    rounds = max(1, min(REPEATS, budget // len(candidates)))
+    return [candidate for _ in range(rounds) for candidate in candidates]
+
+
+def winner(tracker: TrialTracker, candidates: Sequence[TrialRecord]) -> TrialRecord | None:
+    """The confirmed best of ``candidates``, from their confirmation runs."""
+    means: dict[str, float] = {}
+    noise = MIN_NOISE
+    for candidate in candidates:
+        runs = [
+            r
+            for r in tracker.records
+            if r.kind is TrialKind.CONFIRM and r.parent_id == candidate.request_id
+        ]
+        values = [v for v in (tracker.confirmed_value(r) for r in runs) if v is not None]
+        if not values:
+            continue  # it failed when run again: not handed over
+        mean = statistics.fmean(values)
+        means[candidate.request_id] = mean
+        if len(values) > 1 and mean:
+            noise = max(noise, (max(values) - min(values)) / abs(mean))
+        spreads = [r.metrics.get("step_time_spread") for r in runs]
+        noise = max([noise, *(float(s) for s in spreads if isinstance(s, (int, float)))])
+    if not means:
+        return None
+    better = tracker.metric.is_better
+    best_id = next(iter(means))
+    for request_id, value in means.items():
+        if better(value, means[best_id]):
+            best_id = request_id
+    best_value = means[best_id]
+    equals = [
+        c
+        for c in candidates
+        if c.request_id in means
+        and abs(means[c.request_id] - best_value) <= noise * abs(best_value)
+    ]
+    roomiest = min(equals, key=lambda c: (memory_fraction(c) or 0.0, c.request_id != best_id))
+    return roomiest

@@ -1,0 +1,144 @@
+"""The confirmation round: leaders run again, interleaved; the winner of that round is handed
+over, with memory headroom deciding among equals and a margin no configuration may break."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dsat.runners.simulated import SimulatedExecutor
+from dsat.search.confirmation import planned_runs, winner
+from dsat.search.trial import TrialKind, TrialStatus
+from dsat.search_run import run_search
+from tests.search.helpers import PROFILE, method, run, settings, spec
+
+GiB = 2**30
+
+
+def performance(
+    lucky_mbs: int | None = None, memory: Callable[[int], float] = lambda mbs: 0.5
+) -> Callable[..., dict[str, Any]]:
+    """Throughput rising with the micro-batch up to an OOM above 40; the first measurement of
+    ``lucky_mbs`` comes out 60% high (a noisy short trial); ``memory`` gives the peak memory as
+    a fraction of the device."""
+    calls: Counter[int] = Counter()
+
+    def perform(ds_config: dict[str, Any], slots: int) -> dict[str, Any]:
+        if ds_config.get("autotuning", {}).get("model_info", {}).get("profile"):
+            return dict(PROFILE)
+        mbs = ds_config["train_micro_batch_size_per_gpu"]
+        if mbs > 40:
+            raise MemoryError("too big")
+        calls[mbs] += 1
+        throughput = float(mbs) * (1.6 if mbs == lucky_mbs and calls[mbs] == 1 else 1.0)
+        return {
+            "throughput": throughput,
+            "FLOPS_per_gpu": throughput * 1e9,
+            "latency": 1000 / throughput,
+            "memory_peak_bytes": int(memory(mbs) * 16 * GiB),
+            "memory_total_bytes": 16 * GiB,
+        }
+
+    return perform
+
+
+def search(function: Callable[..., dict[str, Any]], **overrides: Any) -> Any:
+    overrides.setdefault("confirm_top", 3)
+    overrides.setdefault("max_trials", 12)
+    m = method("binary", zero_stages=(1,), max_concurrent_trials=1, **overrides)
+    run(m, function)
+    return m
+
+
+def confirm_runs(m: Any) -> list[Any]:
+    return [r for r in m.tracker.records if r.kind is TrialKind.CONFIRM]
+
+
+def test_a_lucky_measurement_is_not_handed_over() -> None:
+    m = search(performance(lucky_mbs=32))
+    searched_best = m.tracker.best_of(m.tracker.records)
+    assert searched_best is not None and searched_best.mbs == 32  # 51.2 measured once
+    best = m.tracker.best()
+    assert best is not None and best.mbs == 40 and best.kind is TrialKind.SEARCH
+    runs = confirm_runs(m)
+    assert runs and {r.parent_id for r in runs} >= {searched_best.request_id, best.request_id}
+    assert "confirmed z1_gas1_tmbspg40" in (m.shutdown_reason or "")
+    assert not m.search_failed
+
+
+def measured(m: Any, mbs: int, values: list[float], memory: float) -> Any:
+    """A finished search trial at ``mbs`` and its confirmation runs measuring ``values``."""
+    metrics = {"memory_peak_bytes": int(memory * GiB), "memory_total_bytes": GiB}
+    leader = m.make_trial(TrialKind.SEARCH, {"stage": 1}, mbs).replace(request_id=f"at-{mbs}")
+    m.tracker.add(leader, queue=False)
+    m.tracker.mark_finished(
+        leader.request_id, TrialStatus.COMPLETED, {"throughput": 1.0, **metrics}
+    )
+    for number, value in enumerate(values):
+        run = leader.replace(
+            request_id=f"{leader.request_id}-{number}",
+            kind=TrialKind.CONFIRM,
+            parent_id=leader.request_id,
+        )
+        m.tracker.add(run, queue=False)
+        m.tracker.mark_finished(
+            run.request_id, TrialStatus.COMPLETED, {"throughput": value, **metrics}
+        )
+    return m.tracker.get(leader.request_id)
+
+
+def test_among_equals_the_one_with_more_memory_headroom_wins() -> None:
+    m = method("binary", metric="throughput")
+    fast = measured(m, 40, [100.0, 104.0], memory=0.9)  # its runs differ by 4%: the noise
+    roomy = measured(m, 32, [101.0, 100.0], memory=0.6)  # 1.5% slower, within that noise
+    slow = measured(m, 24, [90.0, 91.0], memory=0.3)  # 11% slower: not an equal
+    assert winner(m.tracker, [fast, roomy, slow]) is roomy
+    steady = method("binary", metric="throughput")
+    fast = measured(steady, 40, [102.0, 102.0], memory=0.9)  # no noise measured: 1% floor
+    roomy = measured(steady, 32, [100.0, 100.0], memory=0.6)
+    assert winner(steady.tracker, [fast, roomy]) is fast
+
+
+def test_a_configuration_that_leaves_too_little_memory_is_never_handed_over() -> None:
+    m = search(performance(memory=lambda mbs: 0.97 if mbs >= 36 else 0.5))
+    best = m.tracker.best()
+    assert best is not None and best.mbs < 36
+    assert all(r.mbs < 36 for r in confirm_runs(m))
+    unsafe = search(performance(memory=lambda mbs: 0.99))
+    assert unsafe.search_failed  # nothing that ran leaves the margin free
+
+
+def test_the_round_is_a_small_share_of_the_search() -> None:
+    leaders = list(range(3))
+    assert planned_runs(leaders, 63) == leaders * 2  # type: ignore[arg-type]
+    assert planned_runs(leaders, 13) == leaders  # type: ignore[arg-type]
+    assert planned_runs(leaders[:1], 63) == []  # type: ignore[arg-type]
+
+
+def test_no_round_with_confirm_top_0() -> None:
+    m = search(performance(lucky_mbs=32), confirm_top=0)
+    assert confirm_runs(m) == [] and m.tracker.best().mbs == 32
+
+
+@pytest.mark.parametrize("stop_after", [8, 11, 12])
+def test_a_search_interrupted_in_its_confirmation_round_resumes_to_the_same_winner(
+    tmp_path: Path, stop_after: int
+) -> None:
+    chosen = settings("binary", zero_stages=(1,), max_concurrent_trials=1, max_trials=12)
+    chosen = chosen.__class__(**{**chosen.__dict__, "confirm_top": 3})
+    # Measurements that do not change between runs: a resumed round sees what a whole one does.
+    whole = run_search(chosen, spec(), SimulatedExecutor(performance(), 1), tmp_path / "a")
+    run_search(
+        chosen, spec(), SimulatedExecutor(performance(), 1), tmp_path / "b", max_events=stop_after
+    )
+    resumed = run_search(chosen, spec(), SimulatedExecutor(performance(), 1), tmp_path / "b")
+    assert whole.tracker.best() is not None and resumed.tracker.best() is not None
+    assert resumed.tracker.best().request_id == whole.tracker.best().request_id
+    assert (tmp_path / "a" / "best_ds_config.json").read_text() == (
+        tmp_path / "b" / "best_ds_config.json"
+    ).read_text()
+    assert "confirmation round" in (tmp_path / "b" / "summary.txt").read_text()
