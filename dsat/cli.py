@@ -21,6 +21,7 @@ from dsat.metric import Metric
 from dsat.resume import resumed_settings
 from dsat.runners.trial_timeout import FLOOR_S, PROFILE_MULTIPLE, PROFILE_TRIAL_LIMIT_S
 from dsat.settings import SearchSettings
+from dsat.step_clock import MEASURED_STEPS, WARMUP_STEPS
 
 PROG = "dsat"
 
@@ -136,7 +137,9 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
         "--end-profile-step",
         type=positive_int,
         default=defaults.DEFAULT_END_PROFILE_STEP,
-        help="training step at which DeepSpeed stops profiling and the trial ends",
+        help="training step at which DeepSpeed stops profiling and the trial ends; dsat's own "
+        "measurement needs a warm-up and a window, so a trial runs at least "
+        f"{WARMUP_STEPS + MEASURED_STEPS} steps",
     )
     parser.add_argument(
         "-r",
