@@ -307,6 +307,12 @@ class DsatSearchMethod(searcher.SearchMethod):  # type: ignore[misc]
                 return False  # the confirmation round starts once the last search trial ends
             if self._start_confirmation(reason):
                 return False
+            if self.unsafe_memory:
+                reason = (
+                    f"{reason}, but every configuration that ran leaves less than "
+                    f"{self.settings.memory_margin:.0%} of the device's memory free "
+                    "(--memory-margin); none is handed over"
+                )
         if reason is not None:
             self.shutdown_reason = reason
         return reason is not None

@@ -110,6 +110,7 @@ def test_a_configuration_that_leaves_too_little_memory_is_never_handed_over() ->
     assert all(r.mbs < 36 for r in confirm_runs(m))
     unsafe = search(performance(memory=lambda mbs: 0.99))
     assert unsafe.search_failed  # nothing that ran leaves the margin free
+    assert "--memory-margin" in (unsafe.shutdown_reason or "")
 
 
 def test_the_round_is_a_small_share_of_the_search() -> None:
