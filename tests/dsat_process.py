@@ -37,5 +37,8 @@ def dsat(*args: str, timeout: float = 540, **extra: str) -> subprocess.Completed
     )
 
 
-def trials(results: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (results / "trials.jsonl").read_text().splitlines()]
+def trials(results: Path, confirmations: bool = False) -> list[dict[str, Any]]:
+    """The rows of trials.jsonl: the search's own, or with ``confirmations`` only the runs of the
+    confirmation round that follows it."""
+    rows = [json.loads(line) for line in (results / "trials.jsonl").read_text().splitlines()]
+    return [row for row in rows if (row["kind"] == "confirm") == confirmations]

@@ -16,6 +16,7 @@ import psutil
 import pytest
 import yaml
 
+from dsat.step_clock import MEASURED_STEPS
 from tests.conftest import copy_example
 from tests.dsat_process import dsat, env, trials
 
@@ -86,15 +87,22 @@ def test_small_search_writes_a_best_config_deepspeed_accepts(tmp_path: Path) -> 
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     rows = trials(results)
+    confirmations = trials(results, confirmations=True)
     # Progress: one plain line per finished trial (stdout is a pipe here, so no live display).
     assert "dsat: trial 0 model profile: completed | running" in run.stdout
-    assert len(re.findall(r"^dsat: trial \d+ ", run.stdout, re.MULTILINE)) == 7
+    finished_lines = re.findall(r"^dsat: trial \d+ ", run.stdout, re.MULTILINE)
+    assert len(finished_lines) == 7 + len(confirmations)
     assert "\x1b[" not in run.stdout
     assert len(rows) == 7 and all(row["status"] == "completed" for row in rows)
+    # The leaders ran again; the handed-over config is one of them, measured by dsat itself.
+    assert len(confirmations) >= 2 and "confirmation round" in run.stdout
+    assert all(row["metrics"]["measured_steps"] == MEASURED_STEPS for row in rows[1:])
     assert rows[0]["kind"] == "model_profile" and rows[0]["metrics"]["num_params"] > 0
     assert "| global" in run.stdout and str(results / "best_ds_config.json") in run.stdout
     best = json.loads((results / "best_ds_config.json").read_text())
     assert "autotuning" not in best
+    confirmed = {(row["zero_stage"], row["mbs"]) for row in confirmations}
+    assert (best["zero_optimization"]["stage"], best["train_micro_batch_size_per_gpu"]) in confirmed
     check = (
         "import json, sys, torch, deepspeed\n"
         "sys.path.insert(0, sys.argv[2])\n"
@@ -117,7 +125,7 @@ def test_small_search_writes_a_best_config_deepspeed_accepts(tmp_path: Path) -> 
     assert f"initialized {best['train_micro_batch_size_per_gpu']}" in initialized.stdout
     # The user's model dir is never modified: trials ran in copies.
     assert {p.name: p.read_bytes() for p in directory.iterdir() if p.is_file()} == user_files
-    assert len(list((results / "trials").iterdir())) == 7
+    assert len(list((results / "trials").iterdir())) == 7 + len(confirmations)
     # --run-full-experiment trained once more with the best overrides and no autotuning block.
     full_hparams = json.loads((results / "full-experiment" / "dsat_hparams.json").read_text())
     overwrites = full_hparams["overwrite_deepspeed_args"]
