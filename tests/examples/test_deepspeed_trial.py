@@ -134,6 +134,9 @@ def test_the_model_code_trains_under_deepspeed_with_a_trials_overrides(tmp_path:
     assert metrics["throughput"] > 0 and metrics["FLOPS_per_gpu"] > 0
     outcome = json.loads((tmp_path / "dsat_trial_outcome.json").read_text())
     assert outcome["status"] == "completed" and outcome["kind"] == "metrics"
+    # dsat timed the DeepSpeedTrial's steps itself; DeepSpeed's figure is kept beside.
+    assert outcome["values"]["measured_steps"] > 0
+    assert outcome["values"]["deepspeed_throughput"] == metrics["throughput"]
 
 
 def test_the_local_runner_refuses_a_trial_class_with_the_way_out(
