@@ -30,20 +30,18 @@ LOCK_NAME = "lock"  # torch.utils.file_baton's file in each extension's build di
 BUILD_TIMEOUT_S = 1800.0
 REPORT = "dsat-op:"  # the build process's lines for dsat, among the compiler's
 
-# Run in the trials' environment: load each op named on the command line (building it if torch's
-# cache has none), and say which ones had to be built.
+# Run in the trials' environment: load each op named on the command line as BUILDER=BUILT
+# (building it where torch's cache has no build of this environment's sources), saying so.
 BUILD_SCRIPT = f"""
-import os, sys, time
+import sys, time
 import deepspeed.ops
 from deepspeed.accelerator import get_accelerator
-from torch.utils.cpp_extension import _get_build_directory
-for name in sys.argv[1:]:
+for item in sys.argv[1:]:
+    name, built = item.split("=")
     builder = get_accelerator().create_op_builder(name)
     if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
         continue
-    so = os.path.join(_get_build_directory(builder.name, False), builder.name + ".so")
-    cached = os.path.exists(so)
-    print("{REPORT}", "start", builder.NAME, int(cached), flush=True)
+    print("{REPORT}", "start", builder.NAME, built, flush=True)
     started = time.time()
     builder.load()
     print("{REPORT}", "done", builder.NAME, round(time.time() - started), flush=True)
@@ -156,13 +154,14 @@ def build_ops(names: list[str], environ: Mapping[str, str], log_path: Path) -> b
     telling the user when a build starts; False when it failed (trials then try themselves)."""
     clear_stale_locks(environ)
     root = extensions_root(environ)
-    if all(is_built(name, root) for name in names):
+    built = {name: is_built(name, root) for name in names}
+    if all(built.values()):
         return True  # nothing to build: no need to spend seconds importing DeepSpeed
     log_path.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-c", BUILD_SCRIPT, *names],
+            [sys.executable, "-c", BUILD_SCRIPT, *(f"{n}={int(b)}" for n, b in built.items())],
             env=dict(environ),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
