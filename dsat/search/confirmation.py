@@ -21,6 +21,8 @@ from dsat.search.trial import TrialKind, TrialRecord
 SHARE_OF_SEARCH = 0.15
 REPEATS = 2
 MIN_NOISE = 0.01  # relative; below this two measurements count as different
+# Among equals, more headroom wins only when it is this much of the device's memory or more.
+HEADROOM_STEP = 0.05
 
 
 def memory_fraction(record: TrialRecord) -> float | None:
@@ -96,5 +98,7 @@ def winner(tracker: TrialTracker, candidates: Sequence[TrialRecord]) -> TrialRec
         if c.request_id in means
         and abs(means[c.request_id] - best_value) <= noise * abs(best_value)
     ]
-    roomiest = min(equals, key=lambda c: (memory_fraction(c) or 0.0, c.request_id != best_id))
-    return roomiest
+    best = next(c for c in candidates if c.request_id == best_id)
+    roomiest = min(equals, key=lambda c: memory_fraction(c) or 0.0)
+    freed = (memory_fraction(best) or 0.0) - (memory_fraction(roomiest) or 0.0)
+    return roomiest if freed >= HEADROOM_STEP else best

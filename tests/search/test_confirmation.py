@@ -101,6 +101,11 @@ def test_among_equals_the_one_with_more_memory_headroom_wins() -> None:
     fast = measured(steady, 40, [102.0, 102.0], memory=0.9)  # no noise measured: 1% floor
     roomy = measured(steady, 32, [100.0, 100.0], memory=0.6)
     assert winner(steady.tracker, [fast, roomy]) is fast
+    # Within the noise but hardly more headroom (2% of the device): the faster one stays.
+    close = method("binary", metric="throughput")
+    fast = measured(close, 40, [100.0, 104.0], memory=0.62)
+    roomy = measured(close, 32, [101.0, 100.0], memory=0.60)
+    assert winner(close.tracker, [fast, roomy]) is fast
 
 
 def test_a_configuration_that_leaves_too_little_memory_is_never_handed_over() -> None:
