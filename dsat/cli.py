@@ -1,4 +1,4 @@
-"""`python3 -m dsat {asha,binary,random} CONFIG_PATH MODEL_DIR [flags]`.
+"""`python3 -m dsat {guided,asha,binary,random} CONFIG_PATH MODEL_DIR [flags]`.
 
 Flags and defaults follow determined.pytorch.dsat so its users can switch without surprises; every
 flag is typed, and every user mistake ends as one ``dsat: error:`` line and exit status 2.
@@ -229,7 +229,13 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=formatter,
         description="Find the fastest DeepSpeed configuration for your model and hardware.",
     )
-    sub = parser.add_subparsers(dest="method", metavar="{asha,binary,random}", required=True)
+    sub = parser.add_subparsers(dest="method", metavar="{guided,asha,binary,random}", required=True)
+    guided = sub.add_parser(
+        "guided",
+        formatter_class=formatter,
+        help="dsat's own search (the one to use): every result bounds what is still worth "
+        "trying; knobs are stepped around each stage's best; ends when nothing can beat it",
+    )
     asha = sub.add_parser(
         "asha",
         formatter_class=formatter,
@@ -245,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=formatter,
         help="random configurations with aggressive early stopping",
     )
-    for subparser in (asha, binary, random):
+    for subparser in (guided, asha, binary, random):
         _add_common_flags(subparser)
     random.add_argument(
         "--trials-per-random-config",

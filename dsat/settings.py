@@ -15,7 +15,7 @@ from dsat.errors import DsatError
 from dsat.metric import Metric
 from dsat.paths import absolute
 
-SEARCH_METHODS = ("asha", "binary", "random")
+SEARCH_METHODS = ("guided", "asha", "binary", "random")
 ALL_ZERO_STAGES = (0, 1, 2, 3)
 
 # The reference's defaults (determined.pytorch.dsat), so its users see no surprises.

@@ -10,10 +10,14 @@ its memory exceeds the GPU's. What shapes them:
 - compute efficiency that saturates with the micro-batch;
 - communication: gradient reduction and parameter all-gathers, per-call latency that makes small
   buckets expensive, overlap that hides part of it, and ZeRO-3's extra parameter traffic;
+- optionally, memory pressure: steps slow down as memory fills (allocator retries, cache
+  flushes), so throughput can peak below the largest micro-batch that fits;
 - a few percent of measurement noise, a deterministic function of the configuration and a seed.
 
-Calibrated loosely against DeepSpeed's published autotuning tables (GPT2-large and BERT-base on
-16 V100s, see shared/reference) and a 7B model on 8 A100s.
+The first three are calibrated loosely against DeepSpeed's published autotuning tables
+(GPT2-large and BERT-base on 16 V100s, see shared/reference) and a 7B model on 8 A100s. The
+others (`STRESS_MODELS`) are each built to break one assumption a search might make; see
+docs/search.md.
 """
 
 from __future__ import annotations
@@ -65,6 +69,10 @@ class PerformanceModel:
     noise_seed: int = 0
     startup_seconds: float = 90.0
     profiled_steps: int = 6
+    gpus: int = 16  # the trial's slots this surface is built for
+    # Above this fraction of usable memory, compute slows down, by `pressure_slowdown` when full.
+    pressure_threshold: float = 1.0
+    pressure_slowdown: float = 0.0
 
     # ---------------------------------------------------------------- memory
 
@@ -121,6 +129,7 @@ class PerformanceModel:
         compute *= 1.0 + self.stage_overhead[stage]
         if stage >= 2 and zero.get("contiguous_gradients", True) is False:
             compute *= 1.01
+        compute *= self._pressure(ds_config, slots)
         forward, backward = compute / 3, 2 * compute / 3
 
         param_bytes, grad_bytes, _ = self.precision.bytes_per_param
@@ -149,6 +158,20 @@ class PerformanceModel:
         optimizer_bytes = self.num_params * sum(self.precision.bytes_per_param)
         step = optimizer_bytes / (slots if stage >= 1 else 1) / self.optimizer_bandwidth
         return forward, backward, step
+
+    def _pressure(self, ds_config: Mapping[str, Any], slots: int) -> float:
+        if self.pressure_slowdown == 0.0:
+            return 1.0
+        used = self.memory_bytes(ds_config, slots) / (self.usable_memory_fraction * self.gpu_mem)
+        excess = max(0.0, used - self.pressure_threshold) / (1.0 - self.pressure_threshold)
+        return 1.0 + self.pressure_slowdown * min(excess, 1.0) ** 2
+
+    @property
+    def base_ds_config(self) -> dict[str, Any]:
+        """The precision section a user's config has for this surface."""
+        if self.precision is Precision.FP32:
+            return {}
+        return {self.precision.value: {"enabled": True}}
 
     def _noise_factor(self, ds_config: Mapping[str, Any], slots: int) -> float:
         key = json.dumps(
@@ -251,12 +274,167 @@ llama_7b_8xa100 = PerformanceModel(
     call_latency=40e-6,
     stage_overhead=(0.0, 0.0, 0.03, 0.12),
     startup_seconds=240.0,
+    gpus=8,
 )
+
+# ---------------------------------------------------------------- stress surfaces
+# Each breaks one assumption; none is calibrated on the memory model's own accounting alone.
+
+# A third of the activations never show up in the profile (a fused kernel's workspace, say): the
+# memory model's ceiling is about 1.5x the real one.
+gpt_1b_underreported_4xa10 = PerformanceModel(
+    name="1.3b-underreported-4xA10",
+    num_params=1_300_000_000,
+    precision=Precision.FP16,
+    gpu_mem=24 * 2**30,
+    activation_per_sample=int(0.9 * GB),
+    activation_reported_fraction=0.67,
+    flops_per_sample=6 * 1.3e9 * 1024,
+    peak_flops=125e12,
+    max_efficiency=0.40,
+    half_efficiency_mbs=2.0,
+    bandwidth=20e9,
+    call_latency=80e-6,
+    stage_overhead=(0.0, 0.01, 0.05, 0.20),
+    noise_seed=11,
+    gpus=4,
+)
+
+# Bucket buffers worth several samples of activations: a bucket size moves the memory cliff, and
+# the fastest buckets do not leave room for the largest micro-batch.
+gpt_2b_bucket_memory_8xa100 = PerformanceModel(
+    name="2.7b-bucket-memory-8xA100-40GB",
+    num_params=2_700_000_000,
+    precision=Precision.BF16,
+    gpu_mem=40 * 2**30,
+    activation_per_sample=int(1.1 * GB),
+    activation_reported_fraction=0.85,
+    flops_per_sample=6 * 2.7e9 * 2048,
+    peak_flops=312e12,
+    max_efficiency=0.50,
+    half_efficiency_mbs=1.5,
+    bandwidth=80e9,
+    call_latency=150e-6,
+    stage_overhead=(0.0, 0.01, 0.04, 0.15),
+    noise_seed=12,
+    gpus=8,
+)
+
+# Steps slow down as memory fills: throughput peaks well below the largest micro-batch that fits.
+gpt_350m_pressure_2x4090 = PerformanceModel(
+    name="350m-memory-pressure-2xRTX4090",
+    num_params=355_000_000,
+    precision=Precision.BF16,
+    gpu_mem=24 * 2**30,
+    activation_per_sample=int(0.75 * GB),
+    activation_reported_fraction=0.8,
+    flops_per_sample=6 * 355e6 * 1024,
+    peak_flops=165e12,
+    max_efficiency=0.45,
+    half_efficiency_mbs=2.0,
+    bandwidth=12e9,
+    call_latency=50e-6,
+    stage_overhead=(0.0, 0.01, 0.04, 0.18),
+    pressure_threshold=0.6,
+    pressure_slowdown=0.35,
+    noise_seed=13,
+    gpus=2,
+)
+
+# A slow network (16 GPUs over Ethernet): bucket sizes and overlap are worth 5-15%.
+gpt_1b_knobs_16xethernet = PerformanceModel(
+    name="1.5b-knob-sensitive-16xA100-ethernet",
+    num_params=1_500_000_000,
+    precision=Precision.FP16,
+    gpu_mem=40 * 2**30,
+    activation_per_sample=int(1.6 * GB),
+    activation_reported_fraction=0.8,
+    flops_per_sample=6 * 1.5e9 * 1024,
+    peak_flops=312e12,
+    max_efficiency=0.45,
+    half_efficiency_mbs=1.0,
+    bandwidth=25e9,
+    call_latency=1.5e-3,
+    stage_overhead=(0.0, 0.01, 0.03, 0.10),
+    noise_seed=14,
+    gpus=16,
+)
+
+# A 14B model on 8 A100-80GB: stages 0 and 1 do not fit at any micro-batch.
+llama_14b_no_low_stages_8xa100 = PerformanceModel(
+    name="14b-stages-0-1-cannot-fit-8xA100",
+    num_params=14_000_000_000,
+    precision=Precision.BF16,
+    gpu_mem=80 * 2**30,
+    activation_per_sample=int(3.2 * GB),
+    activation_reported_fraction=0.75,
+    flops_per_sample=8 * 14e9 * 2048,
+    peak_flops=312e12,
+    max_efficiency=0.55,
+    half_efficiency_mbs=1.0,
+    bandwidth=150e9,
+    call_latency=40e-6,
+    stage_overhead=(0.0, 0.0, 0.03, 0.10),
+    startup_seconds=300.0,
+    noise_seed=15,
+    gpus=8,
+)
+
+# BERT-large in fp32 on 2 GPUs: 16 bytes a parameter, little to gain from partitioning.
+bert_large_fp32_2xv100 = PerformanceModel(
+    name="bert-large-fp32-2xV100",
+    num_params=340_000_000,
+    precision=Precision.FP32,
+    gpu_mem=16 * 2**30,
+    activation_per_sample=int(0.3 * GB),
+    activation_reported_fraction=0.7,
+    flops_per_sample=6 * 340e6 * 512,
+    peak_flops=15e12,
+    max_efficiency=0.6,
+    half_efficiency_mbs=3.0,
+    bandwidth=10e9,
+    call_latency=100e-6,
+    stage_overhead=(0.0, 0.02, 0.07, 0.2),
+    noise_seed=16,
+    gpus=2,
+)
+
+# A 6B model on 16 A100-40GB with a fast fabric, whose efficiency keeps growing with the
+# micro-batch: ZeRO-3's room for larger micro-batches beats its extra traffic.
+gpt_6b_zero3_wins_16xa100 = PerformanceModel(
+    name="6b-zero3-wins-16xA100-40GB",
+    num_params=6_000_000_000,
+    precision=Precision.BF16,
+    gpu_mem=40 * 2**30,
+    activation_per_sample=int(1.9 * GB),
+    activation_reported_fraction=0.9,
+    flops_per_sample=6 * 6e9 * 2048,
+    peak_flops=312e12,
+    max_efficiency=0.6,
+    half_efficiency_mbs=6.0,
+    bandwidth=200e9,
+    call_latency=30e-6,
+    stage_overhead=(0.0, 0.0, 0.02, 0.05),
+    startup_seconds=200.0,
+    noise_seed=17,
+    gpus=16,
+)
+
+STRESS_MODELS: dict[str, PerformanceModel] = {
+    "gpt_1b_underreported_4xa10": gpt_1b_underreported_4xa10,
+    "gpt_2b_bucket_memory_8xa100": gpt_2b_bucket_memory_8xa100,
+    "gpt_350m_pressure_2x4090": gpt_350m_pressure_2x4090,
+    "gpt_1b_knobs_16xethernet": gpt_1b_knobs_16xethernet,
+    "llama_14b_no_low_stages_8xa100": llama_14b_no_low_stages_8xa100,
+    "bert_large_fp32_2xv100": bert_large_fp32_2xv100,
+    "gpt_6b_zero3_wins_16xa100": gpt_6b_zero3_wins_16xa100,
+}
 
 BUILTIN_MODELS: dict[str, PerformanceModel] = {
     "gpt2_large_16xv100": gpt2_large_16xv100,
     "bert_base_16xv100": bert_base_16xv100,
     "llama_7b_8xa100": llama_7b_8xa100,
+    **STRESS_MODELS,
 }
 
 
@@ -284,9 +462,10 @@ def optimum(
 ) -> tuple[float, dict[str, Any]]:
     """The best noise-free metric over the whole search space, and the config that reaches it.
 
-    Throughput and FLOPS only grow with the micro-batch in these models and times only shrink as
-    it falls, so each ZeRO configuration is evaluated at its largest fitting micro-batch and at 1
-    (tests check that property on sampled configurations).
+    Without memory pressure, throughput and FLOPS only grow with the micro-batch in these models
+    and times only shrink as it falls, so each ZeRO configuration is evaluated at its largest
+    fitting micro-batch and at 1 (tests check that property on sampled configurations); with
+    pressure, at every micro-batch that fits.
     """
     best_value: float | None = None
     best_config: dict[str, Any] = {}
@@ -295,7 +474,8 @@ def optimum(
         largest = model.max_micro_batch(config, slots)
         if largest == 0:
             continue
-        for mbs in {1, largest}:
+        sizes = range(1, largest + 1) if model.pressure_slowdown else (1, largest)
+        for mbs in sizes:
             candidate = {**config, "train_micro_batch_size_per_gpu": mbs}
             value = model.metrics(candidate, slots, noisy=False)[metric_key]
             better = best_value is None or (

@@ -3,10 +3,12 @@
 from dsat.search.asha import AshaSearch
 from dsat.search.base import DsatSearchMethod, SearchSpec
 from dsat.search.binary import BinarySearch
+from dsat.search.guided import GuidedSearch
 from dsat.search.random import RandomSearch
 from dsat.settings import SearchSettings
 
 METHODS: dict[str, type[DsatSearchMethod]] = {
+    "guided": GuidedSearch,
     "asha": AshaSearch,
     "binary": BinarySearch,
     "random": RandomSearch,
@@ -23,6 +25,7 @@ __all__ = [
     "AshaSearch",
     "BinarySearch",
     "DsatSearchMethod",
+    "GuidedSearch",
     "RandomSearch",
     "SearchSpec",
     "make_search_method",

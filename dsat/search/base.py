@@ -45,7 +45,7 @@ from dsat.memory import (
 )
 from dsat.search.confirmation import leaders, planned_runs, winner
 from dsat.search.space import neighbour_zero_config, random_zero_config
-from dsat.search.tracker import TrialTracker
+from dsat.search.tracker import TrialTracker, config_key
 from dsat.search.trial import SearchRange, TrialKind, TrialRecord, TrialStatus
 from dsat.settings import SearchSettings
 from dsat.step_clock import measured_window
@@ -121,8 +121,26 @@ class DsatSearchMethod(searcher.SearchMethod):  # type: ignore[misc]
         return False
 
     def choose_stage(self) -> int:
-        stages = list(self.settings.zero_stages)
+        stages = self.live_stages()
         return int(stages[int(self.rng.integers(len(stages)))])
+
+    def live_stages(self) -> list[int]:
+        """The stages of ``--zero-stages`` still worth a configuration: not one where two
+        configurations ran out of memory at micro-batch 1 and none ran (the model's states alone
+        do not fit; buckets cannot make up for that). All of them if none is left."""
+        dead = set()
+        for stage in self.settings.zero_stages:
+            in_stage = [
+                r
+                for r in self.tracker.records
+                if r.kind is TrialKind.SEARCH and r.zero_stage == stage
+            ]
+            at_one = {config_key(r) for r in in_stage if r.status is TrialStatus.OOM and r.mbs == 1}
+            if len(at_one) >= 2 and stage not in self.tracker.successful_stages:
+                dead.add(stage)
+        return [s for s in self.settings.zero_stages if s not in dead] or list(
+            self.settings.zero_stages
+        )
 
     def untried_stage(self) -> int | None:
         """A stage of ``--zero-stages`` that has no trial yet: each gets one before any gets a
@@ -130,11 +148,12 @@ class DsatSearchMethod(searcher.SearchMethod):  # type: ignore[misc]
         untried = sorted(set(self.settings.zero_stages) - self.tracker.tried_stages())
         return int(untried[int(self.rng.integers(len(untried)))]) if untried else None
 
-    def initial_range(self, stage: int) -> SearchRange:
+    def initial_range(self, stage: int, section: dict[str, Any] | None = None) -> SearchRange:
         """The memory model's range for a stage's first configuration; a later one starts from
-        what the stage proved: its largest micro-batch that ran, below its smallest OOM."""
+        what the stage proved for it: the largest micro-batch that ran with a configuration
+        needing no less memory, below the smallest OOM of one needing no more."""
         estimate = max(int(self.micro_batch_ceiling(stage) * self.settings.search_range_factor), 1)
-        ran, out_of_memory = self.tracker.proven_micro_batches(stage)
+        ran, out_of_memory = self.tracker.proven_micro_batches(stage, section)
         lo = ran or 1
         hi = out_of_memory - 1 if out_of_memory is not None else max(estimate, lo)
         return SearchRange(lo, max(hi, lo))
@@ -240,8 +259,8 @@ class DsatSearchMethod(searcher.SearchMethod):  # type: ignore[misc]
             chosen = self.untried_stage() if stage is None else stage
             if chosen is None:
                 chosen = self.choose_stage()
-            search_range = self.initial_range(chosen)
             zero_config = self.draw_zero_config(chosen)
+            search_range = self.initial_range(chosen, zero_config)
             record = self.make_trial(
                 TrialKind.SEARCH,
                 zero_config,

@@ -10,6 +10,8 @@ saves memory), or a failed lineage whose ceiling is below what a same-stage tria
 
 from __future__ import annotations
 
+from typing import Any
+
 from dsat.search.base import MAX_DRAWS, DsatSearchMethod
 from dsat.search.trial import SearchRange, TrialRecord
 
@@ -31,10 +33,10 @@ class RandomSearch(DsatSearchMethod):
         preferred = sorted(
             LOWER_STAGES & self.tracker.successful_stages & set(self.settings.zero_stages)
         )
-        stages = preferred or list(self.settings.zero_stages)
+        stages = preferred or self.live_stages()
         return int(stages[int(self.rng.integers(len(stages)))])
 
-    def initial_range(self, stage: int) -> SearchRange:
+    def initial_range(self, stage: int, section: dict[str, Any] | None = None) -> SearchRange:
         """Below the memory model's estimate until the stage has a best trial; then from that trial's
         micro-batch (other knobs may be faster there) up to the smallest micro-batch that ran
         out of memory in this stage, or, with none yet, twice as high."""

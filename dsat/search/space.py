@@ -59,3 +59,54 @@ def neighbour_zero_config(config: dict[str, Any], rng: np.random.Generator) -> d
     others = [v for v in knobs[knob] if v != config.get(knob)] or list(knobs[knob])
     value = others[int(rng.integers(len(others)))]
     return {**config, knob: value.item() if isinstance(value, np.generic) else value}
+
+
+# DeepSpeed's values for knobs a config leaves out (overlap_comm is on by default at stage 3).
+DEEPSPEED_DEFAULTS: dict[str, Any] = {
+    "reduce_bucket_size": 500_000_000,
+    "allgather_bucket_size": 500_000_000,
+    "reduce_scatter": True,
+    "contiguous_gradients": True,
+    "allgather_partitions": True,
+}
+# Knobs whose larger value (or True) never needs less memory: bucket buffers, overlap's copies.
+MEMORY_MONOTONE_KNOBS = ("reduce_bucket_size", "allgather_bucket_size", "overlap_comm")
+
+
+def explicit_zero_config(section: dict[str, Any], stage: int) -> dict[str, Any]:
+    """``section`` at ``stage`` with every knob of that stage spelled out, DeepSpeed's defaults
+    where the user set none, so that one step changes one known value."""
+    config: dict[str, Any] = {**section, "stage": stage}
+    for knob in zero_knobs(stage):
+        if knob not in config:
+            config[knob] = stage == 3 if knob == "overlap_comm" else DEEPSPEED_DEFAULTS[knob]
+    return config
+
+
+def knob_steps(config: dict[str, Any]) -> list[tuple[str, Any]]:
+    """Every single-knob step from ``config``: a bucket size one or two rungs up or down the
+    ladder, a switch flipped. Returned as (knob, new value)."""
+    steps: list[tuple[str, Any]] = []
+    for knob, choices in zero_knobs(int(config.get("stage", 0))).items():
+        value = config.get(knob)
+        if all(isinstance(c, bool) for c in choices):
+            steps.append((knob, not bool(value)))
+            continue
+        below = sorted((c for c in choices if c < value), reverse=True)
+        above = sorted(c for c in choices if c > value)
+        steps += [(knob, c) for c in below[:2] + above[:2]]
+    return steps
+
+
+def needs_no_less_memory(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether config ``a`` needs at least the memory of ``b`` at every micro-batch: same stage
+    and switches, and buckets and overlap no smaller. An OOM of ``b`` then rules ``a`` out."""
+    if a.get("stage") != b.get("stage") or set(a) != set(b):
+        return False
+    for knob in a:
+        if knob in MEMORY_MONOTONE_KNOBS:
+            if a[knob] < b[knob]:
+                return False
+        elif a[knob] != b[knob]:
+            return False
+    return True

@@ -11,7 +11,13 @@ from typing import Any
 
 from dsat.constants import OVERWRITE_KEY
 from dsat.metric import Metric
+from dsat.search.space import explicit_zero_config, needs_no_less_memory
 from dsat.search.trial import TrialKind, TrialRecord, TrialStatus
+
+
+def _section(record: TrialRecord) -> dict[str, Any]:
+    zero = record.ds_config.get("zero_optimization")
+    return explicit_zero_config(dict(zero) if isinstance(zero, dict) else {}, record.zero_stage)
 
 
 def config_key(record: TrialRecord) -> str:
@@ -136,16 +142,26 @@ class TrialTracker:
         """ZeRO stages with a search trial, queued or further along."""
         return {r.zero_stage for r in self._records.values() if r.kind is TrialKind.SEARCH}
 
-    def proven_micro_batches(self, stage: int) -> tuple[int | None, int | None]:
-        """What ``stage`` has shown so far: its largest micro-batch that ran and its smallest one
-        that ran out of memory (None where there is none)."""
+    def proven_micro_batches(
+        self, stage: int, section: dict[str, Any] | None = None
+    ) -> tuple[int | None, int | None]:
+        """What ``stage`` has shown so far for a configuration: the largest micro-batch that ran
+        with one needing no less memory, and the smallest that ran out of memory with one needing
+        no more (None where there is none). Without ``section``, any configuration of the stage
+        counts; with it, buckets that move the memory cliff are allowed for."""
         in_stage = [
             r
             for r in self._records.values()
             if r.kind is TrialKind.SEARCH and r.zero_stage == stage
         ]
-        ran = [r.mbs for r in in_stage if self.metric_value(r) is not None]
-        out_of_memory = [r.mbs for r in in_stage if r.status is TrialStatus.OOM]
+        if section is None:
+            fits, fails = in_stage, in_stage
+        else:
+            target = explicit_zero_config(section, stage)
+            fits = [r for r in in_stage if needs_no_less_memory(_section(r), target)]
+            fails = [r for r in in_stage if needs_no_less_memory(target, _section(r))]
+        ran = [r.mbs for r in fits if self.metric_value(r) is not None]
+        out_of_memory = [r.mbs for r in fails if r.status is TrialStatus.OOM]
         return (max(ran) if ran else None, min(out_of_memory) if out_of_memory else None)
 
     def can_start_more(self) -> bool:

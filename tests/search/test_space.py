@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from dsat.search.space import neighbour_zero_config, random_zero_config, space_size, zero_knobs
+from dsat.search.space import (
+    explicit_zero_config,
+    knob_steps,
+    needs_no_less_memory,
+    neighbour_zero_config,
+    random_zero_config,
+    space_size,
+    zero_knobs,
+)
 
 
 def test_knobs_accumulate_by_stage() -> None:
@@ -37,3 +45,37 @@ def test_neighbour_changes_exactly_one_knob() -> None:
         near = neighbour_zero_config(base, rng)
         assert sum(near[k] != base[k] for k in base) == 1
     assert neighbour_zero_config({"stage": 0}, rng) == {"stage": 0}
+
+
+def test_explicit_config_spells_out_deepspeeds_defaults() -> None:
+    config = explicit_zero_config({"reduce_bucket_size": 10**7}, 3)
+    assert config["reduce_bucket_size"] == 10**7
+    assert config["allgather_bucket_size"] == 500_000_000
+    assert config["overlap_comm"] is True  # DeepSpeed's default at stage 3 only
+    assert explicit_zero_config({}, 2)["overlap_comm"] is False
+    assert set(config) == {"stage", *zero_knobs(3)}
+
+
+def test_knob_steps_move_one_knob_one_or_two_rungs() -> None:
+    config = explicit_zero_config({}, 2)
+    steps = knob_steps(config)
+    assert ("reduce_bucket_size", 10**8) in steps and ("reduce_bucket_size", 5 * 10**7) in steps
+    assert ("reduce_bucket_size", 10**9) in steps and ("reduce_bucket_size", 5 * 10**9) in steps
+    assert ("overlap_comm", True) in steps
+    assert ("reduce_scatter", False) in steps
+    top = {**config, "allgather_bucket_size": max(zero_knobs(2)["allgather_bucket_size"])}
+    assert all(
+        value <= top["allgather_bucket_size"]
+        for k, value in knob_steps(top)
+        if k == "allgather_bucket_size"
+    )
+
+
+def test_memory_order_covers_buckets_and_overlap_only() -> None:
+    base = explicit_zero_config({}, 2)
+    bigger = {**base, "reduce_bucket_size": 10**9, "overlap_comm": True}
+    assert needs_no_less_memory(bigger, base) and not needs_no_less_memory(base, bigger)
+    assert needs_no_less_memory(base, base)
+    other_switch = {**bigger, "contiguous_gradients": False}
+    assert not needs_no_less_memory(other_switch, base)  # its memory effect is not known
+    assert not needs_no_less_memory(explicit_zero_config({}, 3), base)  # another stage

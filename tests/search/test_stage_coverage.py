@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from dsat.search.space import explicit_zero_config
 from dsat.search.trial import SearchRange, TrialKind, TrialStatus
 from tests.search.helpers import cliff_function, created_ids, finish, method, run, start_profile
 
@@ -41,3 +42,35 @@ def test_a_new_configuration_starts_between_the_stages_largest_success_and_small
     fresh = m.new_lineage()
     assert fresh is not None and 30 <= fresh.mbs <= 34
     assert m.initial_range(2) == SearchRange(1, 64)  # a stage with no history: the estimate
+
+
+def test_an_oom_caps_only_configurations_that_need_no_less_memory() -> None:
+    m = method("binary", zero_stages=(2,), max_concurrent_trials=1)
+    start_profile(m)
+    section = explicit_zero_config({}, 2)
+    record = m.make_trial(TrialKind.SEARCH, section, 35, search_range=SearchRange(1, 64))
+    assert m._register(record) is not None
+    m.tracker.dequeue(record.request_id)
+    m.tracker.mark_running(record.request_id)
+    m.tracker.mark_finished(record.request_id, TrialStatus.OOM)
+    bigger = {**section, "reduce_bucket_size": 5 * 10**9, "overlap_comm": True}
+    smaller = {**section, "reduce_bucket_size": 10**6}
+    assert m.initial_range(2, section).hi == 34
+    assert m.initial_range(2, bigger).hi == 34
+    assert m.initial_range(2, smaller).hi == 64  # its buckets may leave room: the estimate
+    assert m.initial_range(2, {**section, "reduce_scatter": False}).hi == 64  # not comparable
+
+
+def test_a_stage_that_never_fits_stops_being_drawn() -> None:
+    m = method("asha", zero_stages=(1, 2), max_concurrent_trials=1)
+    start_profile(m)
+    assert m.live_stages() == [1, 2]
+    for reduce_bucket in (10**6, 10**7):
+        section = {"stage": 1, "reduce_bucket_size": reduce_bucket, "allgather_bucket_size": 10**6}
+        record = m.make_trial(TrialKind.SEARCH, section, 1, search_range=SearchRange(1, 1))
+        assert m._register(record) is not None
+        m.tracker.dequeue(record.request_id)
+        m.tracker.mark_running(record.request_id)
+        m.tracker.mark_finished(record.request_id, TrialStatus.OOM)
+    assert m.live_stages() == [2]
+    assert {m.choose_stage() for _ in range(20)} == {2}

@@ -1,0 +1,373 @@
+"""The guided search: every trial's result bounds what is still worth trying.
+
+Per configuration (a ZeRO stage with its knobs), the metric against the micro-batch is treated as
+a concave curve (dsat.search.concave_curve): the trials run so far bound every untried micro-batch,
+and a configuration is tried further only where it can still beat the best result. Memory is
+monotone: a micro-batch above one that ran out of memory is never tried, for that configuration or
+any that needs no less memory (larger buckets, overlap on). Knobs are searched by single steps
+around each stage's best configuration (a bucket size one rung up or down, a switch flipped),
+ranked by an optimistic estimate of each kind of step learned from all the pairs of configurations
+that differ in that knob alone (a bandit over step kinds). The search ends when nothing untried
+can beat the best by more than a tolerance, leaving the rest of `--max-trials` unspent.
+
+Everything is derived from the tracker's records, so a resumed search plans the same trials.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+from typing import Any
+
+from dsat.memory import Precision
+from dsat.search.base import DsatSearchMethod
+from dsat.search.concave_curve import CurveEvidence, best_possible, gaps, next_micro_batch
+from dsat.search.space import (
+    BUCKET_SIZES,
+    explicit_zero_config,
+    knob_steps,
+    needs_no_less_memory,
+)
+from dsat.search.trial import SearchRange, TrialKind, TrialRecord, TrialStatus
+
+# Stop once nothing untried can beat the best by more than this (relative).
+TOLERANCE = 0.01
+# How much better than its stage's best an untried knob step may be, before any evidence.
+STEP_OPTIMISM = 0.06
+# Profiles under-report activations (by 10-30% in practice); bucket memory is counted in
+# samples of this many reported activations when a step's micro-batch is chosen.
+TYPICAL_UNDER_REPORT = 1.25
+# Trials in flight at once: each result changes what is worth trying next.
+PARALLEL_TRIALS = 4
+
+
+def _key(section: dict[str, Any]) -> str:
+    return json.dumps(section, sort_keys=True)
+
+
+@dataclasses.dataclass
+class ConfigState:
+    """What the trials of one ZeRO configuration showed."""
+
+    section: dict[str, Any]
+    values: dict[int, float] = dataclasses.field(default_factory=dict)  # larger is better
+    failed: dict[int, TrialStatus] = dataclasses.field(default_factory=dict)
+    pending: bool = False
+    first_index: int = 0  # when the search first tried it
+
+    @property
+    def stage(self) -> int:
+        return int(self.section["stage"])
+
+    @property
+    def best(self) -> float | None:
+        return max(self.values.values()) if self.values else None
+
+    @property
+    def best_micro_batch(self) -> int | None:
+        return max(self.values, key=lambda m: self.values[m]) if self.values else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Action:
+    value: float  # the best this trial's configuration may reach
+    section: dict[str, Any]
+    mbs: int
+    reach: int
+
+
+class GuidedSearch(DsatSearchMethod):
+    name = "guided"
+
+    # ------------------------------------------------------------------ hooks
+
+    def initial_lineages(self) -> list[TrialRecord]:
+        return self.plan()
+
+    def after_success(self, record: TrialRecord) -> list[TrialRecord]:
+        return self.plan()
+
+    def after_failure(self, record: TrialRecord) -> list[TrialRecord]:
+        return self.plan()
+
+    def plan(self) -> list[TrialRecord]:
+        """Queue the most promising trials until the parallel limit is reached."""
+        queued: list[TrialRecord] = []
+        limit = min(self.settings.max_concurrent_trials, PARALLEL_TRIALS)
+        tracker = self.tracker
+        while (
+            len(tracker.queue) + len(tracker.running) < limit
+            and len(tracker.queue) + tracker.num_started < self.settings.max_trials
+        ):
+            action = self.best_action()
+            if action is None:
+                break
+            record = self._register(
+                self.make_trial(
+                    TrialKind.SEARCH,
+                    action.section,
+                    action.mbs,
+                    search_range=SearchRange(1, max(action.reach, 1)),
+                )
+            )
+            if record is None:  # already tried: the evidence says otherwise; stop planning
+                break
+            queued.append(record)
+        return queued
+
+    # ------------------------------------------------------------------ evidence
+
+    def _oriented(self, value: float) -> float:
+        if self.settings.metric.smaller_is_better:
+            return 1.0 / value if value > 0 else math.inf
+        return value
+
+    def configs(self) -> dict[str, ConfigState]:
+        states: dict[str, ConfigState] = {}
+        for record in self.tracker.records:
+            if record.kind is not TrialKind.SEARCH:
+                continue
+            section = record.ds_config.get("zero_optimization")
+            section = dict(section) if isinstance(section, dict) else {"stage": 0}
+            state = states.setdefault(_key(section), ConfigState(section, first_index=record.index))
+            value = self.tracker.metric_value(record)
+            if value is not None:
+                state.values[record.mbs] = self._oriented(float(value))
+            elif record.status.failed:
+                state.failed[record.mbs] = record.status
+            elif not record.status.finished:
+                state.pending = True
+        return states
+
+    def ceiling(self, section: dict[str, Any], states: dict[str, ConfigState]) -> int | None:
+        """The largest micro-batch not ruled out: below this configuration's smallest failure,
+        and below any OOM of a configuration that needs no more memory."""
+        bounds = []
+        for state in states.values():
+            own = state.section == section
+            if not own and not needs_no_less_memory(section, state.section):
+                continue
+            for mbs, status in state.failed.items():
+                if own or status is TrialStatus.OOM:
+                    bounds.append(mbs - 1)
+        return min(bounds) if bounds else None
+
+    def reach(self, state: ConfigState, states: dict[str, ConfigState]) -> int:
+        """The largest micro-batch worth trying: below a known failure; else where the stage's
+        other configurations ran out of memory, moved by the bucket memory this one saves; else
+        the memory model's estimate (or twice the largest success, once past it)."""
+        ceiling = self.ceiling(state.section, states)
+        if ceiling is not None:
+            return ceiling
+        largest = max(state.values, default=0)
+        learned = [
+            mbs - 1 + max(0, self.samples_freed(other.section, state.section))
+            for other in states.values()
+            if other.stage == state.stage
+            for mbs, status in other.failed.items()
+            if status is TrialStatus.OOM
+        ]
+        if learned:
+            return max(min(learned), largest, 1)
+        estimate = self.micro_batch_ceiling(state.stage)
+        return max(estimate if largest < estimate else 2 * largest, 1)
+
+    def samples_freed(
+        self, before: dict[str, Any], after: dict[str, Any], per_sample: float = 1.0
+    ) -> int:
+        """How many more samples fit with ``after``'s buckets than with ``before``'s (negative:
+        fewer), by DeepSpeed's own estimate of bucket memory and the profile's activations per
+        sample times ``per_sample`` (the profile under-reports: 1.0 errs towards higher)."""
+        profile = self.profile
+        if profile is None or profile.activation_mem_per_gpu <= 0:
+            return 0
+        saved = _bucket_bytes(before, self.precision, profile.num_params) - _bucket_bytes(
+            after, self.precision, profile.num_params
+        )
+        samples = saved / (profile.activation_mem_per_gpu * per_sample)
+        return round(samples)  # to the nearest: half a sample moves the cliff as often as not
+
+    def incumbents(self, states: dict[str, ConfigState]) -> dict[int, ConfigState]:
+        """Each stage's best configuration so far: among those within the tolerance of the
+        best result, the first found, so that a plateau of equals does not move it."""
+        best: dict[int, ConfigState] = {}
+        for state in sorted(states.values(), key=lambda s: s.first_index):
+            if state.best is None:
+                continue
+            current = best.get(state.stage)
+            if current is None or state.best > (current.best or 0.0):
+                best[state.stage] = state
+        return best
+
+    def evidence(
+        self, state: ConfigState, reach: int, states: dict[str, ConfigState], incumbent: ConfigState
+    ) -> CurveEvidence:
+        """The configuration's own results plus the shape of a related curve of its stage: for a
+        stage's best configuration, the best-explored one it shares a micro-batch with, scaled to
+        agree there; for one without a success yet, the stage's best, optimistically scaled."""
+        borrowed: dict[int, float] = {}
+        if state is incumbent:
+            donors = [
+                other
+                for other in states.values()
+                if other is not state
+                and other.stage == state.stage
+                and any(m in other.values for m in state.values)
+            ]
+            if donors:
+                donor = max(donors, key=lambda d: (len(d.values), _key(d.section)))
+                shared = [m for m in state.values if m in donor.values]
+                ratio = sum(state.values[m] / donor.values[m] for m in shared) / len(shared)
+                borrowed = {m: v * ratio for m, v in donor.values.items() if m <= reach}
+        else:
+            ratio = _ratio(state, incumbent) if state.values else 1.0 + STEP_OPTIMISM
+            borrowed = {m: v * ratio for m, v in incumbent.values.items() if m <= reach}
+        return CurveEvidence(
+            values=dict(state.values),
+            reach=reach,
+            through_origin=not self.settings.metric.smaller_is_better,
+            borrowed=borrowed,
+        )
+
+    def step_scores(self, states: dict[str, ConfigState]) -> dict[tuple[str, str], list[float]]:
+        """What each kind of knob step showed: the log-gains of every pair of tried
+        configurations one step apart, compared where both ran."""
+        seen: dict[tuple[str, str], list[float]] = {}
+        tried = [s for s in states.values() if s.values]
+        for a in tried:
+            for b in tried:
+                differing = [k for k in a.section if a.section[k] != b.section.get(k)]
+                if len(differing) != 1 or set(a.section) != set(b.section):
+                    continue
+                shared = [m for m in a.values if m in b.values]
+                if not shared:
+                    continue
+                knob = differing[0]
+                gain = sum(math.log(a.values[m] / b.values[m]) for m in shared) / len(shared)
+                seen.setdefault(_step_kind(knob, b.section[knob], a.section[knob]), []).append(gain)
+        return seen
+
+    @staticmethod
+    def step_value(scores: dict[tuple[str, str], list[float]], kind: tuple[str, str]) -> float:
+        """Optimistic log-gain of a kind of step: the mean seen so far plus a bonus that
+        shrinks with the evidence (an upper confidence bound)."""
+        gains = scores.get(kind, [])
+        mean = sum(gains) / len(gains) if gains else 0.0
+        return mean + STEP_OPTIMISM / math.sqrt(1 + len(gains))
+
+    # ------------------------------------------------------------------ choosing
+
+    def best_action(self) -> Action | None:
+        states = self.configs()
+        incumbents = self.incumbents(states)
+        top = max((s.best for s in incumbents.values() if s.best is not None), default=0.0)
+        actions: list[Action] = []
+
+        for stage in self.settings.zero_stages:
+            if any(s.stage == stage for s in states.values()):
+                continue
+            reach = max(self.micro_batch_ceiling(stage), 1)
+            section = explicit_zero_config(self._user_zero_section(), stage)
+            actions.append(Action(math.inf, section, (1 + reach) // 2, reach))
+
+        for key in sorted(states):
+            state = states[key]
+            incumbent = incumbents.get(state.stage)
+            if state.pending:
+                continue
+            if state.values and incumbent is not None and state is not incumbent:
+                if _ratio(state, incumbent) <= 1 + TOLERANCE:
+                    continue  # it lost to its stage's best where both ran
+            reach = self.reach(state, states)
+            if reach < 1:
+                continue
+            evidence = self.evidence(state, reach, states, incumbent or state)
+            mbs = next_micro_batch(evidence, TOLERANCE, top)
+            if mbs is None:
+                continue
+            bound = max(g.bound for g in gaps(evidence) if g.lo <= mbs <= g.hi)
+            actions.append(Action(bound, state.section, mbs, reach))
+
+        scores = self.step_scores(states)
+        for stage in sorted(incumbents):
+            incumbent = incumbents[stage]
+            best_mbs, best_value = incumbent.best_micro_batch, incumbent.best
+            assert best_mbs is not None and best_value is not None
+            reach = self.reach(incumbent, states)
+            potential = best_possible(self.evidence(incumbent, reach, states, incumbent))
+            for knob, value, section in memory_aware_steps(incumbent.section):
+                if _key(section) in states:
+                    continue
+                ceiling = self.ceiling(section, states)
+                mbs = best_mbs
+                if best_mbs >= reach - 1:
+                    # The stage's best is held back by memory: run the step where the memory it
+                    # frees (or costs) puts its own cliff.
+                    mbs += self.samples_freed(incumbent.section, section, TYPICAL_UNDER_REPORT)
+                mbs = max(1, mbs if ceiling is None else min(mbs, ceiling))
+                if ceiling is not None and ceiling < 1:
+                    continue
+                kind = _step_kind(knob, incumbent.section[knob], value)
+                gain = math.exp(self.step_value(scores, kind))
+                if potential * gain <= top * (1 + TOLERANCE):
+                    continue
+                # Ranked by what the step can show where it runs: the stage's best micro-batch.
+                step_reach = ceiling if ceiling is not None else reach
+                actions.append(Action(best_value * gain, section, mbs, max(step_reach, mbs)))
+
+        worth = [a for a in actions if a.value > top * (1 + TOLERANCE)]
+        if not worth:
+            return None
+        return max(worth, key=lambda a: a.value)
+
+    def _user_zero_section(self) -> dict[str, Any]:
+        section = self.spec.ds_config.get("zero_optimization")
+        return dict(section) if isinstance(section, dict) else {}
+
+
+def memory_aware_steps(config: dict[str, Any]) -> list[tuple[str, Any, dict[str, Any]]]:
+    """Every single-knob step, plus overlap switched on with a reduce bucket small enough that
+    the bucket memory stays the same: overlap keeps 4.5 copies of the reduce bucket, so alone
+    it often runs out of memory where it would help."""
+    steps = [(knob, value, {**config, knob: value}) for knob, value in knob_steps(config)]
+    if config.get("overlap_comm") is False and "reduce_bucket_size" in config:
+        smaller = [b for b in BUCKET_SIZES if b <= config["reduce_bucket_size"] / 4.5]
+        if smaller:
+            paired = {**config, "overlap_comm": True, "reduce_bucket_size": max(smaller)}
+            steps.append(("overlap_comm", True, paired))
+    return steps
+
+
+def _step_kind(knob: str, before: Any, after: Any) -> tuple[str, str]:
+    """A step's kind: the knob, and which way it went (a switch's new value)."""
+    if isinstance(after, bool):
+        return knob, str(after)
+    return knob, "up" if after > before else "down"
+
+
+def _bucket_bytes(section: dict[str, Any], precision: Precision, num_params: int) -> float:
+    """DeepSpeed's estimate of a configuration's bucket buffers (overlap keeps 4.5 copies)."""
+    if int(section.get("stage", 0)) < 1:
+        return 0.0
+    param_bytes, grad_bytes, _ = precision.bytes_per_param
+    reduce = min(int(section.get("reduce_bucket_size", 0)), num_params)
+    gather = min(int(section.get("allgather_bucket_size", 0)), num_params)
+    copies = 4.5 if section.get("overlap_comm") else 1.0
+    return reduce * grad_bytes * copies + gather * param_bytes
+
+
+def _value_at(state: ConfigState, mbs: int) -> float:
+    """The configuration's value at ``mbs``, interpolated between its results (0 at 0)."""
+    points = sorted([(0, 0.0), *state.values.items()])
+    for (m1, y1), (m2, y2) in itertools.pairwise(points):
+        if m1 <= mbs <= m2:
+            return y1 + (y2 - y1) * (mbs - m1) / (m2 - m1)
+    return points[-1][1]
+
+
+def _ratio(state: ConfigState, reference: ConfigState) -> float:
+    """How ``state`` compares with ``reference`` where ``state`` ran (geometric mean)."""
+    logs = [math.log(v / _value_at(reference, m)) for m, v in state.values.items()]
+    return math.exp(sum(logs) / len(logs))

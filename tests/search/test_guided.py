@@ -1,0 +1,112 @@
+"""The guided search: bounded by what trials showed, ending when nothing can beat the best."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from dsat.metric import Metric
+from dsat.runners.performance_models import (
+    BUILTIN_MODELS,
+    STRESS_MODELS,
+    PerformanceModel,
+    optimum,
+)
+from dsat.search import make_search_method
+from dsat.search.base import DsatSearchMethod
+from dsat.search.space import needs_no_less_memory
+from dsat.search.trial import TrialKind, TrialStatus
+from tests.search.helpers import cliff_function, history, method, run, settings, spec
+
+
+def test_it_ends_when_nothing_untried_can_beat_the_best() -> None:
+    m = method("guided", zero_stages=(1, 2, 3), max_trials=64)
+    driver = run(m, cliff_function(40, {2: 0.2}))
+    best = m.tracker.best()
+    assert best is not None and (best.zero_stage, best.mbs) == (2, 40)
+    assert m.shutdown_reason == "no configuration left to try"
+    assert len(driver.history) < 40  # the rest of --max-trials is left unspent
+
+
+def test_it_never_spends_more_than_max_trials() -> None:
+    m = method("guided", zero_stages=(1, 2, 3), max_trials=6)
+    driver = run(m, cliff_function(40, {2: 0.2}))
+    assert len(driver.history) == 6 == len(m.tracker.finished)
+
+
+def test_the_same_events_give_the_same_trials_whatever_the_seed() -> None:
+    """Nothing in it is random: a seed changes nothing, and a resume plans the same."""
+    runs = [history(run(method("guided", random_seed=seed), cliff_function(21))) for seed in (5, 6)]
+    assert runs[0] == runs[1]
+
+
+def surface_search(model: PerformanceModel, seed: int) -> DsatSearchMethod:
+    """The guided search as a user of ``model``'s hardware would start it."""
+    ds_config = {"train_micro_batch_size_per_gpu": 1, **model.base_ds_config}
+    return make_search_method(settings("guided", random_seed=seed), spec(model.gpus, ds_config))
+
+
+def zero_section(record: Any) -> dict[str, Any]:
+    return dict(record.ds_config["zero_optimization"])
+
+
+@pytest.mark.parametrize("name", sorted(STRESS_MODELS))
+def test_no_trial_above_an_oom_that_already_decides_it(name: str) -> None:
+    """A micro-batch at or above one that ran out of memory with a configuration needing no more
+    memory is never tried: earlier trials already decided it."""
+    model = BUILTIN_MODELS[name]
+    m = surface_search(model, seed=0)
+    driver = run(m, model, slots=model.gpus)
+    finished: list[Any] = []
+    for trial in driver.history:
+        record = m.tracker.get(trial.outcome.request_id)
+        if record.kind is TrialKind.SEARCH:
+            for earlier, ended in finished:
+                if ended > trial.outcome.start:
+                    continue  # still running when this one started: it could not know
+                decided = earlier.status is TrialStatus.OOM and needs_no_less_memory(
+                    zero_section(record), zero_section(earlier)
+                )
+                assert not (decided and record.mbs >= earlier.mbs), (record.name, earlier.name)
+            finished.append((record, trial.outcome.end))
+
+
+# Seeds, of 20, where the configuration the search hands over is within 2% of the optimum; each
+# seed draws the surface's noise afresh (as benchmarks/search_efficiency.py does). Measured; the
+# searches are deterministic, so these are exact. A trial within 2% is found in 19 or 20 of 20
+# seeds on every surface but the memory-pressure one (14): the rest is noise in the pick.
+REACHED = {
+    "bert_base_16xv100": 18,
+    "bert_large_fp32_2xv100": 9,
+    "gpt2_large_16xv100": 20,
+    "gpt_1b_knobs_16xethernet": 15,
+    "gpt_1b_underreported_4xa10": 11,
+    "gpt_2b_bucket_memory_8xa100": 19,
+    "gpt_350m_pressure_2x4090": 10,
+    "gpt_6b_zero3_wins_16xa100": 18,
+    "llama_14b_no_low_stages_8xa100": 17,
+    "llama_7b_8xa100": 15,
+}
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_MODELS))
+def test_what_it_hands_over_is_within_2_percent_of_the_optimum(name: str) -> None:
+    metric = Metric.FLOPS_PER_GPU
+    reached = 0
+    for seed in range(20):
+        model = dataclasses.replace(
+            BUILTIN_MODELS[name], noise_seed=BUILTIN_MODELS[name].noise_seed * 1000 + seed
+        )
+        m = surface_search(model, seed)
+        run(m, model, slots=model.gpus)
+        best_value, _ = optimum(
+            model, model.gpus, metric.file_key, False, (1, 2, 3), model.base_ds_config
+        )
+        handed_over = m.tracker.best()
+        assert handed_over is not None
+        found = model.metrics(handed_over.ds_config, model.gpus, noisy=False)[metric.file_key]
+        assert found <= best_value * (1 + 1e-9)  # nothing beats the exhaustive optimum
+        reached += found >= 0.98 * best_value
+    assert reached >= REACHED[name]
