@@ -115,11 +115,15 @@ def _saturating_bound(points: list[tuple[float, float]], at: float) -> float:
 
 
 def gaps(evidence: CurveEvidence) -> list[Gap]:
-    """Every run of untried micro-batches up to the reach, with its bound."""
+    """Every run of untried micro-batches up to the reach, with its bound. Borrowed points split
+    runs (they bound the curve on both sides) and are untried themselves: each is bounded by its
+    borrowed value."""
     points = _points(evidence)
-    tried = sorted(m for m in evidence.values)
     result: list[Gap] = []
-    edges = [0, *tried, evidence.reach + 1]
+    for m, y in evidence.borrowed.items():
+        if m not in evidence.values and 1 <= m <= evidence.reach:
+            result.append(Gap(m, m, y * (1 + NOISE)))
+    edges = [0, *sorted({int(m) for m, _ in points if m > 0}), evidence.reach + 1]
     for lower, upper in itertools.pairwise(edges):
         lo, hi = lower + 1, min(upper - 1, evidence.reach)
         if lo > hi:

@@ -35,10 +35,12 @@ from dsat.search.trial import SearchRange, TrialKind, TrialRecord, TrialStatus
 # Stop once nothing untried can beat the best by more than this (relative).
 TOLERANCE = 0.01
 # How much better than its stage's best an untried knob step may be, before any evidence.
-STEP_OPTIMISM = 0.06
+STEP_OPTIMISM = 0.045
 # Profiles under-report activations (by 10-30% in practice); bucket memory is counted in
 # samples of this many reported activations when a step's micro-batch is chosen.
 TYPICAL_UNDER_REPORT = 1.25
+# The step that switches overlap on and shrinks the reduce bucket to keep memory level.
+PAIRED_STEP = "overlap_comm+reduce_bucket_size"
 # Trials in flight at once: each result changes what is worth trying next.
 PARALLEL_TRIALS = 4
 
@@ -238,15 +240,22 @@ class GuidedSearch(DsatSearchMethod):
         tried = [s for s in states.values() if s.values]
         for a in tried:
             for b in tried:
-                differing = [k for k in a.section if a.section[k] != b.section.get(k)]
-                if len(differing) != 1 or set(a.section) != set(b.section):
-                    continue
+                differing = sorted(k for k in a.section if a.section[k] != b.section.get(k))
                 shared = [m for m in a.values if m in b.values]
-                if not shared:
+                if not shared or set(a.section) != set(b.section):
                     continue
-                knob = differing[0]
                 gain = sum(math.log(a.values[m] / b.values[m]) for m in shared) / len(shared)
-                seen.setdefault(_step_kind(knob, b.section[knob], a.section[knob]), []).append(gain)
+                if len(differing) == 1:
+                    knob = differing[0]
+                    kind = _step_kind(knob, b.section[knob], a.section[knob])
+                elif (
+                    differing == ["overlap_comm", "reduce_bucket_size"]
+                    and a.section["overlap_comm"]
+                ):
+                    kind = (PAIRED_STEP, "True")
+                else:
+                    continue
+                seen.setdefault(kind, []).append(gain)
         return seen
 
     @staticmethod
@@ -296,8 +305,15 @@ class GuidedSearch(DsatSearchMethod):
             best_mbs, best_value = incumbent.best_micro_batch, incumbent.best
             assert best_mbs is not None and best_value is not None
             reach = self.reach(incumbent, states)
-            potential = best_possible(self.evidence(incumbent, reach, states, incumbent))
+            evidence = self.evidence(incumbent, reach, states, incumbent)
+            if incumbent.pending or next_micro_batch(evidence, TOLERANCE, top) is not None:
+                continue  # steps are compared at its best micro-batch: settle that first
+            potential = best_possible(evidence)
             for knob, value, section in memory_aware_steps(incumbent.section):
+                if knob == PAIRED_STEP:
+                    kind: tuple[str, str] = (PAIRED_STEP, "True")
+                else:
+                    kind = _step_kind(knob, incumbent.section[knob], value)
                 if _key(section) in states:
                     continue
                 ceiling = self.ceiling(section, states)
@@ -309,7 +325,6 @@ class GuidedSearch(DsatSearchMethod):
                 mbs = max(1, mbs if ceiling is None else min(mbs, ceiling))
                 if ceiling is not None and ceiling < 1:
                     continue
-                kind = _step_kind(knob, incumbent.section[knob], value)
                 gain = math.exp(self.step_value(scores, kind))
                 if potential * gain <= top * (1 + TOLERANCE):
                     continue
@@ -336,7 +351,7 @@ def memory_aware_steps(config: dict[str, Any]) -> list[tuple[str, Any, dict[str,
         smaller = [b for b in BUCKET_SIZES if b <= config["reduce_bucket_size"] / 4.5]
         if smaller:
             paired = {**config, "overlap_comm": True, "reduce_bucket_size": max(smaller)}
-            steps.append(("overlap_comm", True, paired))
+            steps.append((PAIRED_STEP, True, paired))
     return steps
 
 

@@ -75,19 +75,19 @@ def test_no_trial_above_an_oom_that_already_decides_it(name: str) -> None:
 
 # Seeds, of 20, where the configuration the search hands over is within 2% of the optimum; each
 # seed draws the surface's noise afresh (as benchmarks/search_efficiency.py does). Measured; the
-# searches are deterministic, so these are exact. A trial within 2% is found in 19 or 20 of 20
-# seeds on every surface but the memory-pressure one (14): the rest is noise in the pick.
+# searches are deterministic, so these are exact. Most misses are noise in the pick: a trial
+# within 2% ran, but a luckier-measured one handed over (see benchmarks/README.md).
 REACHED = {
-    "bert_base_16xv100": 18,
-    "bert_large_fp32_2xv100": 9,
+    "bert_base_16xv100": 19,
+    "bert_large_fp32_2xv100": 17,
     "gpt2_large_16xv100": 20,
-    "gpt_1b_knobs_16xethernet": 15,
-    "gpt_1b_underreported_4xa10": 11,
-    "gpt_2b_bucket_memory_8xa100": 19,
-    "gpt_350m_pressure_2x4090": 10,
-    "gpt_6b_zero3_wins_16xa100": 18,
-    "llama_14b_no_low_stages_8xa100": 17,
-    "llama_7b_8xa100": 15,
+    "gpt_1b_knobs_16xethernet": 17,
+    "gpt_1b_underreported_4xa10": 13,
+    "gpt_2b_bucket_memory_8xa100": 20,
+    "gpt_350m_pressure_2x4090": 16,
+    "gpt_6b_zero3_wins_16xa100": 17,
+    "llama_14b_no_low_stages_8xa100": 14,
+    "llama_7b_8xa100": 10,
 }
 
 
