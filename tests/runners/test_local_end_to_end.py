@@ -136,6 +136,40 @@ def test_small_search_writes_a_best_config_deepspeed_accepts(tmp_path: Path) -> 
     assert run.stdout.rstrip().endswith("full-experiment.log")
 
 
+def test_guided_search_runs_real_trials_and_hands_over_a_config(tmp_path: Path) -> None:
+    path, directory = model_dir(tmp_path)
+    results = tmp_path / "results"
+    run = dsat(
+        "guided",
+        str(path),
+        str(directory),
+        "-z",
+        "1",
+        "2",
+        "--max-trials",
+        "6",
+        "--max-slots",
+        "2",
+        "--confirm-top",
+        "0",
+        "--results-dir",
+        str(results),
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = trials(results)
+    assert rows[0]["kind"] == "model_profile"
+    search = rows[1:]
+    assert len(search) == 5 and {row["zero_stage"] for row in search} == {1, 2}
+    assert all(row["status"] == "completed" for row in search)
+    best = json.loads((results / "best_ds_config.json").read_text())
+    measured = {
+        (row["zero_stage"], row["mbs"]): row["metrics"]["FLOPS_per_gpu"] for row in search
+    }
+    picked = (best["zero_optimization"]["stage"], best["train_micro_batch_size_per_gpu"])
+    assert measured[picked] == max(measured.values())
+    assert "-m dsat guided --resume" in run.stdout  # the resume hint names the method
+
+
 def test_two_process_trial(tmp_path: Path) -> None:
     path, directory = model_dir(
         tmp_path,

@@ -10,7 +10,7 @@ from dsat.search.trial import SearchRange, TrialKind, TrialStatus
 from tests.search.helpers import cliff_function, created_ids, finish, method, run, start_profile
 
 
-@pytest.mark.parametrize("name", ["asha", "binary", "random"])
+@pytest.mark.parametrize("name", ["guided", "asha", "binary", "random"])
 @pytest.mark.parametrize("seed", [0, 1, 2, 3, 4])
 def test_every_stage_gets_a_trial_before_any_gets_a_second_configuration(
     name: str, seed: int
