@@ -162,9 +162,7 @@ def test_guided_search_runs_real_trials_and_hands_over_a_config(tmp_path: Path) 
     assert len(search) == 5 and {row["zero_stage"] for row in search} == {1, 2}
     assert all(row["status"] == "completed" for row in search)
     best = json.loads((results / "best_ds_config.json").read_text())
-    measured = {
-        (row["zero_stage"], row["mbs"]): row["metrics"]["FLOPS_per_gpu"] for row in search
-    }
+    measured = {(row["zero_stage"], row["mbs"]): row["metrics"]["FLOPS_per_gpu"] for row in search}
     picked = (best["zero_optimization"]["stage"], best["train_micro_batch_size_per_gpu"])
     assert measured[picked] == max(measured.values())
     assert "-m dsat guided --resume" in run.stdout  # the resume hint names the method
