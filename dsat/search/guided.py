@@ -4,11 +4,13 @@ Per configuration (a ZeRO stage with its knobs), the metric against the micro-ba
 a concave curve (dsat.search.concave_curve): the trials run so far bound every untried micro-batch,
 and a configuration is tried further only where it can still beat the best result. Memory is
 monotone: a micro-batch above one that ran out of memory is never tried, for that configuration or
-any that needs no less memory (larger buckets, overlap on). Knobs are searched by single steps
-around each stage's best configuration (a bucket size one rung up or down, a switch flipped),
-ranked by an optimistic estimate of each kind of step learned from all the pairs of configurations
-that differ in that knob alone (a bandit over step kinds). The search ends when nothing untried
-can beat the best by more than a tolerance, leaving the rest of `--max-trials` unspent.
+any that needs no less memory (larger buckets, overlap on); where another configuration ran out,
+moved by the bucket memory this one saves, is where this one is expected to. Knobs are searched
+by steps around each stage's best configuration (a bucket size one or two rungs up or down, a
+switch flipped, overlap on with a smaller reduce bucket), ranked by an optimistic estimate of each
+kind of step learned from every pair of tried configurations one step apart (an upper confidence
+bound over step kinds). The search ends when nothing untried can beat the best by more than a
+tolerance, leaving the rest of `--max-trials` unspent. docs/search.md has the details.
 
 Everything is derived from the tracker's records, so a resumed search plans the same trials.
 """
@@ -74,7 +76,7 @@ class ConfigState:
 
 @dataclasses.dataclass(frozen=True)
 class Action:
-    value: float  # the best this trial's configuration may reach
+    value: float  # how good what this trial may show can be (optimistic)
     section: dict[str, Any]
     mbs: int
     reach: int
@@ -135,8 +137,9 @@ class GuidedSearch(DsatSearchMethod):
             section = dict(section) if isinstance(section, dict) else {"stage": 0}
             state = states.setdefault(_key(section), ConfigState(section, first_index=record.index))
             value = self.tracker.metric_value(record)
-            if value is not None:
-                state.values[record.mbs] = self._oriented(float(value))
+            oriented = None if value is None else self._oriented(float(value))
+            if oriented is not None and 0 < oriented < math.inf:
+                state.values[record.mbs] = oriented
             elif record.status.failed:
                 state.failed[record.mbs] = record.status
             elif not record.status.finished:
@@ -192,8 +195,8 @@ class GuidedSearch(DsatSearchMethod):
         return round(samples)  # to the nearest: half a sample moves the cliff as often as not
 
     def incumbents(self, states: dict[str, ConfigState]) -> dict[int, ConfigState]:
-        """Each stage's best configuration so far: among those within the tolerance of the
-        best result, the first found, so that a plateau of equals does not move it."""
+        """Each stage's best configuration so far; among equals the first found, so that a
+        plateau of equal results does not keep moving it (and its steps)."""
         best: dict[int, ConfigState] = {}
         for state in sorted(states.values(), key=lambda s: s.first_index):
             if state.best is None:
