@@ -36,6 +36,9 @@ from dsat.search.trial import SearchRange, TrialKind, TrialRecord, TrialStatus
 
 # Stop once nothing untried can beat the best by more than this (relative).
 TOLERANCE = 0.01
+# A configuration's micro-batch curve is explored while it may come within this of the best
+# measured result, which is itself inflated by the luckiest measurement's noise.
+CURVE_TOLERANCE = -0.005
 # How much better than its stage's best an untried knob step may be, before any evidence.
 STEP_OPTIMISM = 0.045
 # Profiles under-report activations (by 10-30% in practice); bucket memory is counted in
@@ -296,7 +299,7 @@ class GuidedSearch(DsatSearchMethod):
             if reach < 1:
                 continue
             evidence = self.evidence(state, reach, states, incumbent or state)
-            mbs = next_micro_batch(evidence, TOLERANCE, top)
+            mbs = next_micro_batch(evidence, CURVE_TOLERANCE, top)
             if mbs is None:
                 continue
             bound = max(g.bound for g in gaps(evidence) if g.lo <= mbs <= g.hi)
@@ -309,7 +312,7 @@ class GuidedSearch(DsatSearchMethod):
             assert best_mbs is not None and best_value is not None
             reach = self.reach(incumbent, states)
             evidence = self.evidence(incumbent, reach, states, incumbent)
-            if incumbent.pending or next_micro_batch(evidence, TOLERANCE, top) is not None:
+            if incumbent.pending or next_micro_batch(evidence, CURVE_TOLERANCE, top) is not None:
                 continue  # steps are compared at its best micro-batch: settle that first
             potential = best_possible(evidence)
             for knob, value, section in memory_aware_steps(incumbent.section):
@@ -335,7 +338,7 @@ class GuidedSearch(DsatSearchMethod):
                 step_reach = ceiling if ceiling is not None else reach
                 actions.append(Action(best_value * gain, section, mbs, max(step_reach, mbs)))
 
-        worth = [a for a in actions if a.value > top * (1 + TOLERANCE)]
+        worth = [a for a in actions if a.value > top * (1 + min(TOLERANCE, CURVE_TOLERANCE))]
         if not worth:
             return None
         return max(worth, key=lambda a: a.value)
