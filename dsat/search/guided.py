@@ -41,6 +41,9 @@ TOLERANCE = 0.01
 CURVE_TOLERANCE = -0.005
 # How much better than its stage's best an untried knob step may be, before any evidence.
 STEP_OPTIMISM = 0.045
+# Bucket steps come a little after switches: a switch changes how communication is done, a
+# bucket step only how it is chunked.
+BUCKET_STEP_OPTIMISM = 0.04
 # Profiles under-report activations (by 10-30% in practice); bucket memory is counted in
 # samples of this many reported activations when a step's micro-batch is chosen.
 TYPICAL_UNDER_REPORT = 1.25
@@ -270,7 +273,8 @@ class GuidedSearch(DsatSearchMethod):
         shrinks with the evidence (an upper confidence bound)."""
         gains = scores.get(kind, [])
         mean = sum(gains) / len(gains) if gains else 0.0
-        return mean + STEP_OPTIMISM / math.sqrt(1 + len(gains))
+        prior = STEP_OPTIMISM if kind[1] in ("True", "False") else BUCKET_STEP_OPTIMISM
+        return mean + prior / math.sqrt(1 + len(gains))
 
     # ------------------------------------------------------------------ choosing
 

@@ -79,13 +79,13 @@ def test_no_trial_above_an_oom_that_already_decides_it(name: str) -> None:
 # within 2% ran, but a luckier-measured one handed over (see benchmarks/README.md).
 REACHED = {
     "bert_base_16xv100": 19,
-    "bert_large_fp32_2xv100": 12,
+    "bert_large_fp32_2xv100": 15,
     "gpt2_large_16xv100": 20,
-    "gpt_1b_knobs_16xethernet": 16,
-    "gpt_1b_underreported_4xa10": 13,
+    "gpt_1b_knobs_16xethernet": 18,
+    "gpt_1b_underreported_4xa10": 15,
     "gpt_2b_bucket_memory_8xa100": 18,
     "gpt_350m_pressure_2x4090": 19,
-    "gpt_6b_zero3_wins_16xa100": 18,
+    "gpt_6b_zero3_wins_16xa100": 16,
     "llama_14b_no_low_stages_8xa100": 14,
     "llama_7b_8xa100": 15,
 }
