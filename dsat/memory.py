@@ -77,6 +77,23 @@ def memory_per_gpu_per_stage(
     return {stage: mem + profile.activation_mem_per_gpu for stage, mem in model_states.items()}
 
 
+def bucket_buffer_bytes(
+    reduce_bucket: int,
+    allgather_bucket: int,
+    overlap_comm: bool,
+    precision: Precision,
+    num_params: int,
+) -> int:
+    """DeepSpeed's own estimate of ZeRO's bucket buffers (stage 1 and up): the reduce bucket in
+    gradients, 4.5 of them with overlap, plus the all-gather bucket in parameters; no bucket is
+    larger than the model."""
+    param_bytes, grad_bytes, _ = precision.bytes_per_param
+    copies = 4.5 if overlap_comm else 1.0
+    reduce = min(reduce_bucket, num_params)
+    gather = min(allgather_bucket, num_params)
+    return int(reduce * grad_bytes * copies + gather * param_bytes)
+
+
 def approx_max_micro_batch(
     profile: ModelProfile, precision: Precision, slots: int
 ) -> dict[int, int]:

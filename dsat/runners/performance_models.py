@@ -29,7 +29,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from dsat.memory import ModelProfile, Precision, memory_per_gpu_per_stage
+from dsat.memory import ModelProfile, Precision, bucket_buffer_bytes, memory_per_gpu_per_stage
 
 GB = 10**9
 DEFAULT_BUCKET = 500_000_000  # DeepSpeed's default reduce/allgather bucket size (elements)
@@ -94,19 +94,16 @@ class PerformanceModel:
             self.profile(), activation_mem_per_gpu=self.activation_per_sample
         )
         states = memory_per_gpu_per_stage(true_profile, self.precision, slots)[stage]
-        param_bytes, grad_bytes, _ = self.precision.bytes_per_param
+        _, grad_bytes, _ = self.precision.bytes_per_param
         buffers = 0
         if stage >= 1:
-            reduce_bucket = min(
-                int(zero.get("reduce_bucket_size", DEFAULT_BUCKET)), self.num_params
+            buffers = bucket_buffer_bytes(
+                int(zero.get("reduce_bucket_size", DEFAULT_BUCKET)),
+                int(zero.get("allgather_bucket_size", DEFAULT_BUCKET)),
+                bool(zero.get("overlap_comm", stage == 3)),
+                self.precision,
+                self.num_params,
             )
-            gather_bucket = min(
-                int(zero.get("allgather_bucket_size", DEFAULT_BUCKET)), self.num_params
-            )
-            factor = (
-                4.5 if zero.get("overlap_comm", stage == 3) else 1.0
-            )  # DeepSpeed's own estimate
-            buffers = int(reduce_bucket * grad_bytes * factor + gather_bucket * param_bytes)
         if stage >= 2 and zero.get("contiguous_gradients", True) is False:
             buffers += self.num_params * grad_bytes // (4 * slots)  # fragmentation
         return states + (mbs - 1) * self.activation_per_sample + buffers

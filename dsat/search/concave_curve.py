@@ -143,10 +143,11 @@ def best_possible(evidence: CurveEvidence) -> float:
     return max([own, *(g.bound for g in gaps(evidence))])
 
 
-def next_micro_batch(evidence: CurveEvidence, tolerance: float, target: float) -> int | None:
-    """The micro-batch to try next, or None when no untried one can beat ``target`` by more than
-    ``tolerance`` (relative)."""
+def next_gap(evidence: CurveEvidence, tolerance: float, target: float) -> Gap | None:
+    """The gap to try next (its ``probe`` is the micro-batch, its ``bound`` what it may reach),
+    or None when no untried micro-batch can beat ``target`` by more than ``tolerance``
+    (relative)."""
     open_gaps = [g for g in gaps(evidence) if g.bound > target * (1 + tolerance)]
     if not open_gaps:
         return None
-    return max(open_gaps, key=lambda g: (g.bound, -g.lo)).probe
+    return max(open_gaps, key=lambda g: (g.bound, -g.lo))

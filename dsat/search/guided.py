@@ -23,9 +23,9 @@ import json
 import math
 from typing import Any
 
-from dsat.memory import Precision
+from dsat.memory import bucket_buffer_bytes
 from dsat.search.base import DsatSearchMethod
-from dsat.search.concave_curve import CurveEvidence, best_possible, gaps, next_micro_batch
+from dsat.search.concave_curve import CurveEvidence, Gap, best_possible, next_gap
 from dsat.search.space import (
     BUCKET_SIZES,
     explicit_zero_config,
@@ -139,8 +139,7 @@ class GuidedSearch(DsatSearchMethod):
         for record in self.tracker.records:
             if record.kind is not TrialKind.SEARCH:
                 continue
-            section = record.ds_config.get("zero_optimization")
-            section = dict(section) if isinstance(section, dict) else {"stage": 0}
+            section = record.zero_section
             state = states.setdefault(_key(section), ConfigState(section, first_index=record.index))
             value = self.tracker.metric_value(record)
             oriented = None if value is None else self._oriented(float(value))
@@ -194,11 +193,22 @@ class GuidedSearch(DsatSearchMethod):
         profile = self.profile
         if profile is None or profile.activation_mem_per_gpu <= 0:
             return 0
-        saved = _bucket_bytes(before, self.precision, profile.num_params) - _bucket_bytes(
-            after, self.precision, profile.num_params
+        saved = self._bucket_bytes(before, profile.num_params) - self._bucket_bytes(
+            after, profile.num_params
         )
         samples = saved / (profile.activation_mem_per_gpu * per_sample)
         return round(samples)  # to the nearest: half a sample moves the cliff as often as not
+
+    def _bucket_bytes(self, section: dict[str, Any], num_params: int) -> int:
+        if int(section.get("stage", 0)) < 1:
+            return 0
+        return bucket_buffer_bytes(
+            int(section.get("reduce_bucket_size", 0)),
+            int(section.get("allgather_bucket_size", 0)),
+            bool(section.get("overlap_comm")),
+            self.precision,
+            num_params,
+        )
 
     def incumbents(self, states: dict[str, ConfigState]) -> dict[int, ConfigState]:
         """Each stage's best configuration so far; among equals the first found, so that a
@@ -291,6 +301,17 @@ class GuidedSearch(DsatSearchMethod):
             section = explicit_zero_config(self._user_zero_section(), stage)
             actions.append(Action(math.inf, section, (1 + reach) // 2, reach))
 
+        curves: dict[str, tuple[int, CurveEvidence, Gap | None]] = {}
+
+        def curve(state: ConfigState) -> tuple[int, CurveEvidence, Gap | None]:
+            """Its reach, its evidence and its next gap, worked out once per decision."""
+            key = _key(state.section)
+            if key not in curves:
+                reach = self.reach(state, states)
+                evidence = self.evidence(state, reach, states, incumbents.get(state.stage, state))
+                curves[key] = (reach, evidence, next_gap(evidence, CURVE_TOLERANCE, top))
+            return curves[key]
+
         for key in sorted(states):
             state = states[key]
             incumbent = incumbents.get(state.stage)
@@ -299,24 +320,20 @@ class GuidedSearch(DsatSearchMethod):
             if state.values and incumbent is not None and state is not incumbent:
                 if _ratio(state, incumbent) <= 1 + TOLERANCE:
                     continue  # it lost to its stage's best where both ran
-            reach = self.reach(state, states)
-            if reach < 1:
+            reach, _, gap = curve(state)
+            if reach < 1 or gap is None:
                 continue
-            evidence = self.evidence(state, reach, states, incumbent or state)
-            mbs = next_micro_batch(evidence, CURVE_TOLERANCE, top)
-            if mbs is None:
-                continue
-            bound = max(g.bound for g in gaps(evidence) if g.lo <= mbs <= g.hi)
-            actions.append(Action(bound, state.section, mbs, reach))
+            actions.append(Action(gap.bound, state.section, gap.probe, reach))
 
         scores = self.step_scores(states)
         for stage in sorted(incumbents):
             incumbent = incumbents[stage]
             best_mbs, best_value = incumbent.best_micro_batch, incumbent.best
             assert best_mbs is not None and best_value is not None
-            reach = self.reach(incumbent, states)
-            evidence = self.evidence(incumbent, reach, states, incumbent)
-            if incumbent.pending or next_micro_batch(evidence, CURVE_TOLERANCE, top) is not None:
+            if incumbent.pending:
+                continue
+            reach, evidence, gap = curve(incumbent)
+            if gap is not None:
                 continue  # steps are compared at its best micro-batch: settle that first
             potential = best_possible(evidence)
             for knob, value, section in memory_aware_steps(incumbent.section):
@@ -370,17 +387,6 @@ def _step_kind(knob: str, before: Any, after: Any) -> tuple[str, str]:
     if isinstance(after, bool):
         return knob, str(after)
     return knob, "up" if after > before else "down"
-
-
-def _bucket_bytes(section: dict[str, Any], precision: Precision, num_params: int) -> float:
-    """DeepSpeed's estimate of a configuration's bucket buffers (overlap keeps 4.5 copies)."""
-    if int(section.get("stage", 0)) < 1:
-        return 0.0
-    param_bytes, grad_bytes, _ = precision.bytes_per_param
-    reduce = min(int(section.get("reduce_bucket_size", 0)), num_params)
-    gather = min(int(section.get("allgather_bucket_size", 0)), num_params)
-    copies = 4.5 if section.get("overlap_comm") else 1.0
-    return reduce * grad_bytes * copies + gather * param_bytes
 
 
 def _value_at(state: ConfigState, mbs: int) -> float:

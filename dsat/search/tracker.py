@@ -15,11 +15,6 @@ from dsat.search.space import explicit_zero_config, needs_no_less_memory
 from dsat.search.trial import TrialKind, TrialRecord, TrialStatus
 
 
-def _section(record: TrialRecord) -> dict[str, Any]:
-    zero = record.ds_config.get("zero_optimization")
-    return explicit_zero_config(dict(zero) if isinstance(zero, dict) else {}, record.zero_stage)
-
-
 def config_key(record: TrialRecord) -> str:
     """Identity of a trial's configuration: two trials with the same key measure the same thing
     (a confirmation run measures it again on purpose, so each has its own)."""
@@ -158,8 +153,8 @@ class TrialTracker:
             fits, fails = in_stage, in_stage
         else:
             target = explicit_zero_config(section, stage)
-            fits = [r for r in in_stage if needs_no_less_memory(_section(r), target)]
-            fails = [r for r in in_stage if needs_no_less_memory(target, _section(r))]
+            fits = [r for r in in_stage if needs_no_less_memory(r.zero_section, target)]
+            fails = [r for r in in_stage if needs_no_less_memory(target, r.zero_section)]
         ran = [r.mbs for r in fits if self.metric_value(r) is not None]
         out_of_memory = [r.mbs for r in fails if r.status is TrialStatus.OOM]
         return (max(ran) if ran else None, min(out_of_memory) if out_of_memory else None)

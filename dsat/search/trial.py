@@ -6,6 +6,8 @@ import dataclasses
 import enum
 from typing import Any
 
+from dsat.search.space import explicit_zero_config
+
 
 class TrialStatus(str, enum.Enum):
     QUEUED = "queued"
@@ -69,6 +71,13 @@ class TrialRecord:
     status: TrialStatus = TrialStatus.QUEUED
     metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
     error: str | None = None
+
+    @property
+    def zero_section(self) -> dict[str, Any]:
+        """Its ``zero_optimization`` section with every knob of its stage spelled out (DeepSpeed's
+        defaults where the config sets none), so that two trials' knobs can be compared."""
+        zero = self.ds_config.get("zero_optimization")
+        return explicit_zero_config(dict(zero) if isinstance(zero, dict) else {}, self.zero_stage)
 
     @property
     def name(self) -> str:

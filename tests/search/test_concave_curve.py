@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import math
 
-from dsat.search.concave_curve import CurveEvidence, best_possible, gaps, next_micro_batch
+from dsat.search.concave_curve import CurveEvidence, Gap, best_possible, gaps, next_gap
 from dsat.search.guided import TOLERANCE
+
+
+def next_micro_batch(evidence: CurveEvidence, tolerance: float, target: float) -> int | None:
+    gap: Gap | None = next_gap(evidence, tolerance, target)
+    return None if gap is None else gap.probe
 
 
 def saturating(mbs: int, overhead: float = 4.0) -> float:

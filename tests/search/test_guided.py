@@ -48,10 +48,6 @@ def surface_search(model: PerformanceModel, seed: int) -> DsatSearchMethod:
     return make_search_method(settings("guided", random_seed=seed), spec(model.gpus, ds_config))
 
 
-def zero_section(record: Any) -> dict[str, Any]:
-    return dict(record.ds_config["zero_optimization"])
-
-
 @pytest.mark.parametrize("name", sorted(STRESS_MODELS))
 def test_no_trial_above_an_oom_that_already_decides_it(name: str) -> None:
     """A micro-batch at or above one that ran out of memory with a configuration needing no more
@@ -67,7 +63,7 @@ def test_no_trial_above_an_oom_that_already_decides_it(name: str) -> None:
                 if ended > trial.outcome.start:
                     continue  # still running when this one started: it could not know
                 decided = earlier.status is TrialStatus.OOM and needs_no_less_memory(
-                    zero_section(record), zero_section(earlier)
+                    record.zero_section, earlier.zero_section
                 )
                 assert not (decided and record.mbs >= earlier.mbs), (record.name, earlier.name)
             finished.append((record, trial.outcome.end))

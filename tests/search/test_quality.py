@@ -17,9 +17,8 @@ from dsat.search.base import SearchSpec
 from dsat.settings import SearchSettings
 
 CASES: dict[str, tuple[int, dict[str, Any]]] = {
-    "gpt2_large_16xv100": (16, {"fp16": {"enabled": True}}),
-    "bert_base_16xv100": (16, {}),
-    "llama_7b_8xa100": (8, {"bf16": {"enabled": True}}),
+    name: (BUILTIN_MODELS[name].gpus, BUILTIN_MODELS[name].base_ds_config)
+    for name in ("gpt2_large_16xv100", "bert_base_16xv100", "llama_7b_8xa100")
 }
 SEEDS = range(20)
 # Measured rates (of 20 seeds): asha 10/20/14, binary 10/20/15, random 14/20/15 for
