@@ -94,11 +94,9 @@ def resumed_settings(
         )
     changes: dict[str, Any] = {}
     for key, value in given.items():
-        if key in ("method", "resume"):
+        if key in ("method", "resume", "results_dir"):  # checked above, or not a setting
             continue
         flag = flag_names.get(key, key)
-        if key == "results_dir":
-            continue
         now, before = _normalised(key, value), getattr(saved, key)
         if key == "metric":
             before = before.value

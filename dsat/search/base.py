@@ -218,7 +218,7 @@ class DsatSearchMethod(searcher.SearchMethod):  # type: ignore[misc]
         hparams = {**copy.deepcopy(self.spec.hparams), OVERWRITE_KEY: overwrites}
         ds_config = deep_merge(self.spec.ds_config, overwrites)
         index = self._next_index
-        request_id = str(uuid.uuid5(_REQUEST_NAMESPACE, f"{self.settings.random_seed}:{index}"))
+        request_id = self._request_id(index)
         zero = ds_config.get("zero_optimization")
         return TrialRecord(
             request_id=request_id,
@@ -234,6 +234,11 @@ class DsatSearchMethod(searcher.SearchMethod):  # type: ignore[misc]
             search_range=search_range,
             rung=rung,
         )
+
+    def _request_id(self, index: int) -> str:
+        """The request id of the trial created ``index``-th: a function of the seed and the
+        index, so a resumed search names its trials as the original would."""
+        return str(uuid.uuid5(_REQUEST_NAMESPACE, f"{self.settings.random_seed}:{index}"))
 
     def _register(self, record: TrialRecord | None, queue: bool = True) -> TrialRecord | None:
         if record is None or not self.tracker.add(record, queue=queue):
@@ -357,7 +362,7 @@ class DsatSearchMethod(searcher.SearchMethod):  # type: ignore[misc]
         self.confirmation_candidates = [c.request_id for c in candidates]
         for candidate in runs:
             index = self._next_index
-            request_id = str(uuid.uuid5(_REQUEST_NAMESPACE, f"{self.settings.random_seed}:{index}"))
+            request_id = self._request_id(index)
             run = candidate.replace(
                 request_id=request_id,
                 index=index,
