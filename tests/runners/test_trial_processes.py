@@ -26,11 +26,20 @@ time.sleep(600)
 """
 
 
+def running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (not a zombie); one that exits while it is being looked
+    at is gone."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def wait_gone(pids: list[int], seconds: float) -> list[int]:
     deadline = time.monotonic() + seconds
     alive = pids
     while alive and time.monotonic() < deadline:
-        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+        alive = [p for p in pids if running(p)]
         time.sleep(0.1)
     return alive
 
