@@ -193,8 +193,8 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="DIR",
         help="resume the interrupted search in DIR with the settings it ran with; of the other "
-        "flags only --max-trials, --max-slots, --max-concurrent-trials, --trial-timeout and "
-        "--run-full-experiment may change",
+        "flags only --max-trials, --max-slots, --max-concurrent-trials, --trial-timeout, "
+        "--fresh-processes and --run-full-experiment may change",
     )
     parser.add_argument(
         "--trial-timeout",
@@ -204,6 +204,13 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
         help="a trial running longer than this is stopped and counts as failed; if not given, "
         f"{PROFILE_TRIAL_LIMIT_S:g} s for the model-profile trial, then {PROFILE_MULTIPLE:g}x its "
         f"time, at least {FLOOR_S:g} s",
+    )
+    parser.add_argument(
+        "--fresh-processes",
+        action="store_true",
+        help="local runner: start every trial in a new Python interpreter; by default a "
+        "one-process trial is forked from a worker per slot that has already imported the "
+        "entrypoint's modules (docs/warm-trials.md says what a script must not do for that)",
     )
     parser.add_argument(
         "--simulator",

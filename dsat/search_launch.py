@@ -172,6 +172,9 @@ def launch(settings: SearchSettings, environ: Mapping[str, str]) -> None:
     except KeyboardInterrupt:
         executor.stop_all()
         raise SearchInterrupted(settings.method, plan.results_dir) from None
+    finally:
+        if isinstance(executor, LocalExecutor):
+            executor.close()
     report_end(method, plan.results_dir)
     if settings.run_full_experiment and isinstance(executor, LocalExecutor):
         best = method.tracker.best()
@@ -201,6 +204,7 @@ def local_executor(plan: LaunchPlan) -> LocalExecutor:
         pool,
         plan.experiment.slots_per_trial,
         timeout,
+        warm=not settings.fresh_processes,
     )
     build_ops(
         ops_for_trials(plan.experiment.ds_config, pool.on_gpu),

@@ -74,6 +74,7 @@ class SearchSettings:
     results_dir: str | None = None
     resume: str | None = None
     trial_timeout: float | None = None  # None: derived from the model-profile trial
+    fresh_processes: bool = False  # local runner: no warm workers
     simulator: str | None = None
 
     def __post_init__(self) -> None:

@@ -36,8 +36,9 @@ from dsat.reporting import read_autotuning_result
 from dsat.runners.deepspeed_ops import clear_stale_locks
 from dsat.runners.driver import TrialOutcome
 from dsat.runners.launch import trial_command
-from dsat.runners.trial_processes import guarded, kill_process_group
+from dsat.runners.trial_processes import TrialProcess, guarded, kill_process_group
 from dsat.runners.trial_timeout import TrialTimeout
+from dsat.runners.warm_trials import WarmWorkers, warm_command
 from dsat.search.trial import TrialStatus
 
 HPARAMS_FILE = "dsat_hparams.json"
@@ -120,7 +121,7 @@ class SlotPool:
 @dataclass
 class RunningTrial:
     request_id: str
-    process: subprocess.Popen[bytes]
+    process: TrialProcess
     directory: Path
     log_path: Path
     log: IO[bytes]
@@ -172,7 +173,10 @@ class LocalExecutor:
         slots_per_trial: int,
         timeout: TrialTimeout,
         environ: dict[str, str] | None = None,
+        warm: bool = True,
     ) -> None:
+        """``warm``: fork one-process trials from a warm worker per slot (``warm_trials``) when
+        the entrypoint allows it; otherwise every trial starts a fresh interpreter."""
         self.entrypoint = entrypoint
         self.model_dir = model_dir
         self.includes = includes
@@ -185,6 +189,12 @@ class LocalExecutor:
         self.running: dict[str, RunningTrial] = {}
         self.started_at = time.monotonic()
         self._count = 0
+        single = trial_command(entrypoint, 1, 0)
+        self.warm_workers = (
+            WarmWorkers(single, model_dir, results_dir / "logs")
+            if warm and slots_per_trial == 1 and warm_command(single)
+            else None
+        )
 
     def now(self) -> float:
         return time.monotonic() - self.started_at
@@ -202,16 +212,10 @@ class LocalExecutor:
         length of its searcher operation (which off-cluster Determined would make 1).
 
         ``ports``: three free ports, torch.distributed's first, then Determined's two."""
-        env = dict(self.environ)
+        env = self.slot_environment(slots)
         env[ENV_HPARAMS_FILE] = str(directory / HPARAMS_FILE)
-        env[ENV_RESULTS_DIR] = str(self.results_dir)
         if length is not None:
             env[ENV_TRIAL_LENGTH] = str(length)
-        if self.pool.on_gpu:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(slots)
-        else:
-            env["DS_ACCELERATOR"] = "cpu"
-            env["OMP_NUM_THREADS"] = str(self.cpu_threads)
         if self.slots_per_trial > 1:
             env.update(zip(DETERMINED_PORT_VARIABLES, map(str, ports[1:3]), strict=True))
         else:
@@ -227,6 +231,18 @@ class LocalExecutor:
                     "MASTER_PORT": str(ports[0]),
                 }
             )
+        return env
+
+    def slot_environment(self, slots: list[str]) -> dict[str, str]:
+        """What every trial on ``slots`` sees, whichever trial it is: the devices or threads, and
+        the results directory (by which a resumed search finds processes left running)."""
+        env = dict(self.environ)
+        env[ENV_RESULTS_DIR] = str(self.results_dir)
+        if self.pool.on_gpu:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(slots)
+        else:
+            env["DS_ACCELERATOR"] = "cpu"
+            env["OMP_NUM_THREADS"] = str(self.cpu_threads)
         return env
 
     def op_build_environment(self) -> dict[str, str]:
@@ -272,10 +288,32 @@ class LocalExecutor:
         log = log_path.open("wb")
         # A build lock left by a killed trial would make this one wait on it until its timeout.
         clear_stale_locks(self.environ)
-        process, _ = self.spawn(directory, slots, log, log, length)
+        process = self._fork_warm(directory, slots, log, log_path, length)
+        if process is None:
+            process, _ = self.spawn(directory, slots, log, log, length)
         self.running[request_id] = RunningTrial(
             request_id, process, directory, log_path, log, slots, self.now()
         )
+
+    def _fork_warm(
+        self, directory: Path, slots: list[str], log: IO[bytes], log_path: Path, length: int
+    ) -> TrialProcess | None:
+        """The trial forked from its slot's warm worker, or None if it must start fresh."""
+        if self.warm_workers is None:
+            return None
+        ports = free_ports(3)
+        command = trial_command(self.entrypoint, 1, ports[0])
+        log.write(f"$ {' '.join(command)}  # forked from a warm worker\n".encode())
+        log.flush()
+        worker_env = self.slot_environment(slots)
+        if self.pool.on_gpu:  # torch.cuda.is_available() without starting CUDA before a fork
+            worker_env["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+        env = self.environment(directory, slots, ports, length)
+        process = self.warm_workers.run(slots[0], worker_env, command, directory, env, log_path)
+        if process is None:
+            log.seek(0)
+            log.truncate()
+        return process
 
     def wait(self) -> TrialOutcome:
         while True:
@@ -308,6 +346,12 @@ class LocalExecutor:
             trial.log.close()
             self.pool.give_back(trial.slots)
         self.running.clear()
+        self.close()
+
+    def close(self) -> None:
+        """Stop the warm workers (a later trial starts them again)."""
+        if self.warm_workers is not None:
+            self.warm_workers.close()
 
 
 LOG_SCAN_BYTES = 256 * 1024

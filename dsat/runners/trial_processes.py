@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any, Protocol
 
 import psutil
 
@@ -19,12 +20,24 @@ GUARD = Path(__file__).with_name("trial_guard.py")
 KILL_GRACE_SECONDS = 5.0
 
 
+class TrialProcess(Protocol):
+    """A trial's process as the local runner handles it: a ``subprocess.Popen``, or a process
+    forked by a warm worker; either leads its own process group."""
+
+    pid: int
+    returncode: int | Any
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
 def guarded(command: list[str]) -> list[str]:
     """``command`` under the trial guard, which stops the trial's process group if dsat dies."""
     return [sys.executable, str(GUARD), str(os.getpid()), "--", *command]
 
 
-def kill_process_group(process: subprocess.Popen[bytes]) -> None:
+def kill_process_group(process: TrialProcess) -> None:
     """Stop a trial's whole process group: SIGTERM, then SIGKILL after a grace period."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
