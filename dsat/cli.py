@@ -210,7 +210,7 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="local runner: start every trial in a new Python interpreter; by default a "
         "one-process trial is forked from a worker per slot that has already imported the "
-        "entrypoint's modules (docs/warm-trials.md says what a script must not do for that)",
+        "entrypoint's modules (docs/local-runner.md#warm-trials says what a script must not do then)",
     )
     parser.add_argument(
         "--simulator",

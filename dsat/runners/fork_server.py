@@ -45,6 +45,7 @@ from typing import Any
 from dsat.runners.trial_guard import PR_SET_PDEATHSIG, Stop, die_with
 
 POLL_SECONDS = 0.05
+LOST_EXIT = 1  # a trial whose worker died before it could start
 
 
 def script_imports(source: str) -> list[str]:
@@ -135,13 +136,16 @@ def run_entry(command: list[str]) -> int:
     return 0
 
 
-def become_trial(request: dict[str, Any], channels: list[int]) -> None:
-    """In the forked child: take on the trial's group, signals, directory, environment and log."""
+def become_trial(request: dict[str, Any], channels: list[int], worker: int) -> None:
+    """In the forked child: take on the trial's group, signals, directory, environment and log;
+    die with the worker (which dies with dsat)."""
     os.setsid()
     with contextlib.suppress(OSError, AttributeError):
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != worker:  # the worker died before the line above
+        os._exit(LOST_EXIT)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -163,11 +167,13 @@ def become_trial(request: dict[str, Any], channels: list[int]) -> None:
         numpy.random.seed()
 
 
-def trial_child(request: dict[str, Any], channels: list[int], modules_path: Path) -> None:
+def trial_child(
+    request: dict[str, Any], channels: list[int], worker: int, modules_path: Path
+) -> None:
     """Run one trial and exit without the interpreter's teardown (a second of a short trial)."""
     code = 127
     try:
-        become_trial(request, channels)
+        become_trial(request, channels, worker)
         code = run_entry(list(request["argv"]))
         atexit._run_exitfuncs()
         with contextlib.suppress(OSError):
@@ -212,9 +218,10 @@ class ForkServer:
         return [n for n in names if not is_local(n, self.model_dir)]
 
     def fork_trial(self, request: dict[str, Any], channels: list[int]) -> None:
+        worker = os.getpid()
         pid = os.fork()
         if pid == 0:
-            trial_child(request, channels, self.modules_dir / f"{os.getpid()}.json")
+            trial_child(request, channels, worker, self.modules_dir / f"{os.getpid()}.json")
         self.children.add(pid)
         self.send({"event": "started", "pid": pid})
 

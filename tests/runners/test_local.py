@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from dsat.errors import DsatError
@@ -42,7 +43,15 @@ def test_cpu_pool_runs_one_trial_at_a_time_unless_max_slots_says_more() -> None:
     assert SlotPool.for_machine(1, 2, no_gpu).size == min(2, cores)
 
 
-def executor(tmp_path: Path, script: str, timeout: float = 60.0) -> LocalExecutor:
+@pytest.fixture(params=[True, False], ids=["warm", "fresh"])
+def warm(request: pytest.FixtureRequest) -> bool:
+    """Each outcome is classified alike whether the trial was forked by a warm worker or not."""
+    return bool(request.param)
+
+
+def executor(
+    tmp_path: Path, script: str, timeout: float = 60.0, warm: bool = True
+) -> LocalExecutor:
     model = tmp_path / "model"
     model.mkdir(exist_ok=True)
     (model / "job.py").write_text(script)
@@ -57,12 +66,17 @@ def executor(tmp_path: Path, script: str, timeout: float = 60.0) -> LocalExecuto
         1,
         TrialTimeout(timeout),
         environ,
+        warm=warm,
     )
 
 
 def run_one(ex: LocalExecutor, n: int = 1) -> tuple[TrialStatus, dict[str, object], str | None]:
-    ex.start(RID.format(n), {"lr": 0.5}, {}, 5)
-    outcome = ex.wait()
+    """One trial, then the executor stops its warm worker."""
+    try:
+        ex.start(RID.format(n), {"lr": 0.5}, {}, 5)
+        outcome = ex.wait()
+    finally:
+        ex.close()
     return outcome.status, outcome.metrics, outcome.error
 
 
@@ -77,8 +91,10 @@ json.dump({"status": "completed", "values": {"throughput": 7.0}},
 """
 
 
-def test_trial_runs_in_a_copy_with_its_hparams_and_cpu_environment(tmp_path: Path) -> None:
-    ex = executor(tmp_path, ENV_DUMP)
+def test_trial_runs_in_a_copy_with_its_hparams_and_cpu_environment(
+    tmp_path: Path, warm: bool
+) -> None:
+    ex = executor(tmp_path, ENV_DUMP, warm=warm)
     status, metrics, error = run_one(ex)
     assert (status, metrics, error) == (TrialStatus.COMPLETED, {"throughput": 7.0}, None)
     [trial_dir] = (tmp_path / "results" / "trials").iterdir()
@@ -89,6 +105,7 @@ def test_trial_runs_in_a_copy_with_its_hparams_and_cpu_environment(tmp_path: Pat
     assert not (tmp_path / "model" / "env.json").exists()  # the user's dir is untouched
     log = (tmp_path / "results" / "logs" / f"{trial_dir.name}.log").read_text()
     assert log.startswith(f"$ {sys.executable} job.py")
+    assert ("forked from a warm worker" in log.splitlines()[0]) is warm
     assert ex.pool.size == 1  # the slot came back
 
 
@@ -105,21 +122,28 @@ def test_trial_runs_in_a_copy_with_its_hparams_and_cpu_environment(tmp_path: Pat
         ),
     ],
 )
-def test_outcomes(tmp_path: Path, script: str, status: TrialStatus, needle: str) -> None:
-    got_status, metrics, error = run_one(executor(tmp_path, script))
+def test_outcomes(
+    tmp_path: Path, script: str, status: TrialStatus, needle: str, warm: bool
+) -> None:
+    got_status, metrics, error = run_one(executor(tmp_path, script, warm=warm))
     assert got_status is status and metrics == {}
     assert error is not None and needle in error
 
 
-def test_deepspeed_metric_file_without_dsat_counts(tmp_path: Path) -> None:
+def test_deepspeed_metric_file_without_dsat_counts(tmp_path: Path, warm: bool) -> None:
     script = "import json; json.dump({'throughput': 3.5}, open('autotuning_metric.json', 'w'))"
-    status, metrics, _ = run_one(executor(tmp_path, script))
+    status, metrics, _ = run_one(executor(tmp_path, script, warm=warm))
     assert status is TrialStatus.COMPLETED and metrics["throughput"] == 3.5
 
 
-def test_timeout_kills_the_trial(tmp_path: Path) -> None:
-    status, _, error = run_one(executor(tmp_path, "import time; time.sleep(60)", timeout=1.0))
-    assert status is TrialStatus.TIMEOUT and error is not None and "trial timeout of 1 s" in error
+def test_timeout_kills_the_trial(tmp_path: Path, warm: bool) -> None:
+    ex = executor(
+        tmp_path, "import os, time; print(os.getpid(), flush=True); time.sleep(60)", 2.0, warm
+    )
+    status, _, error = run_one(ex)
+    assert status is TrialStatus.TIMEOUT and error is not None and "trial timeout of 2 s" in error
+    pid = int(error.splitlines()[-1])
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
 def test_multi_process_trials_get_their_own_determined_broadcast_ports(tmp_path: Path) -> None:
@@ -157,7 +181,6 @@ def test_a_results_dir_inside_the_model_dir_is_not_copied_into_trials(tmp_path: 
     ex = LocalExecutor(
         ["python3", "job.py"], model, (), model / "out", pool, 1, TrialTimeout(60.0), environ
     )
-    ex.start(RID.format(1), {}, {}, 5)
-    assert ex.wait().status is TrialStatus.COMPLETED
+    assert run_one(ex)[0] is TrialStatus.COMPLETED
     [trial] = (model / "out" / "trials").iterdir()
     assert (trial / "job.py").is_file() and not (trial / "out").exists()
