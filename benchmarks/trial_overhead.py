@@ -3,7 +3,8 @@
 A search's trials, as the local runner starts them: one executor forking trials from its warm
 worker, one starting every trial in a fresh interpreter (``--fresh-processes``), both running the
 CPU example with the same search-trial hyperparameters (a ZeRO-1 trial with DeepSpeed's autotuning
-block, as the search makes them), one trial each in turn so machine noise hits both alike. Each
+block, as the search makes them), one trial each in turn (the order swapped every round) so
+machine noise hits both alike. Each
 trial's wall time (start to outcome, copying the model dir included) and its measured throughput
 are recorded; the warm side's first trials include starting the worker and learning its imports.
 A bare run of the script by hand is the runner-overhead baseline. Then `make demo` end to end,
@@ -28,7 +29,7 @@ from typing import Any
 
 from dsat.atomic_file import write_json_atomic
 from dsat.config import load_experiment
-from dsat.constants import ENV_HPARAMS_FILE
+from dsat.constants import AUTOTUNING_KEY, ENV_HPARAMS_FILE
 from dsat.runners.local import HPARAMS_FILE, LocalExecutor, SlotPool
 from dsat.runners.trial_timeout import TrialTimeout
 from dsat.search import make_search_method
@@ -155,9 +156,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--mbs", type=int, default=64)
     parser.add_argument("--demo-repeats", type=int, default=2, help="0 skips make demo")
+    parser.add_argument(
+        "--window-steps",
+        type=int,
+        default=0,
+        help="measure over this many steps instead of a search trial's window (0: the search's)",
+    )
     args = parser.parse_args()
 
     hparams, ds_config = search_trial(args.mbs)
+    if args.window_steps:  # a longer window than a search trial's, to see past the noise
+        hparams["steps"] = args.window_steps + 10
+        hparams["overwrite_deepspeed_args"][AUTOTUNING_KEY]["end_profile_step"] = args.window_steps
     times: dict[str, list[float]] = {"warm": [], "fresh": [], "bare": []}
     throughput: dict[str, list[float]] = {"warm": [], "fresh": []}
     demos: dict[str, list[dict[str, Any]]] = {"warm": [], "fresh": []}
@@ -167,7 +177,8 @@ def main() -> None:
         runners = {"warm": executor(work, "warm", True), "fresh": executor(work, "fresh", False)}
         try:
             for n in range(args.repeats):
-                for name, runner in runners.items():
+                order = list(runners.items())
+                for name, runner in order if n % 2 == 0 else order[::-1]:
                     seconds, samples = through_runner(runner, n, hparams, ds_config)
                     times[name].append(seconds)
                     throughput[name].append(samples)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import ast
 import atexit
 import contextlib
+import gc
 import importlib
 import importlib.util
 import json
@@ -219,6 +220,9 @@ class ForkServer:
 
     def fork_trial(self, request: dict[str, Any], channels: list[int]) -> None:
         worker = os.getpid()
+        # What the worker imported stays out of the trial's garbage collections, whose marks
+        # would otherwise copy every page the worker shares with it.
+        gc.freeze()
         pid = os.fork()
         if pid == 0:
             trial_child(request, channels, worker, self.modules_dir / f"{os.getpid()}.json")
