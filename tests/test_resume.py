@@ -109,7 +109,14 @@ def test_a_changed_flag_is_refused_and_a_safe_one_applied(
         == 0
     )
     assert len([row for row in rows(results) if row["kind"] != "confirm"]) == 16
-    assert json.loads((results / SETTINGS_FILE).read_text())["max_trials"] == 16
+    saved = json.loads((results / SETTINGS_FILE).read_text())
+    assert saved["max_trials"] == 16 and saved["fresh_processes"] is False
+
+
+def test_how_trials_start_may_change_on_resume(interrupted: tuple[Path, str]) -> None:
+    results, _ = interrupted
+    assert main(["asha", "--resume", str(results), "--fresh-processes"]) == 0
+    assert json.loads((results / SETTINGS_FILE).read_text())["fresh_processes"] is True
 
 
 @pytest.mark.parametrize(

@@ -44,6 +44,8 @@ from dsat.search.trial import TrialStatus
 HPARAMS_FILE = "dsat_hparams.json"
 LOG_TAIL_LINES = 20
 POLL_SECONDS = 0.1
+# After the command on a trial log's first line when the trial was forked from a warm worker.
+WARM_TRIAL_MARK = "# forked from a warm worker"
 COPY_IGNORE = shutil.ignore_patterns(".git", "__pycache__", "*.pyc", ".venv", RESULTS_ROOT)
 
 
@@ -303,7 +305,7 @@ class LocalExecutor:
             return None
         ports = free_ports(3)
         command = trial_command(self.entrypoint, 1, ports[0])
-        log.write(f"$ {' '.join(command)}  # forked from a warm worker\n".encode())
+        log.write(f"$ {' '.join(command)}  {WARM_TRIAL_MARK}\n".encode())
         log.flush()
         worker_env = self.slot_environment(slots)
         if self.pool.on_gpu:  # torch.cuda.is_available() without starting CUDA before a fork

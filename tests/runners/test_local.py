@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from dsat.errors import DsatError
-from dsat.runners.local import LocalExecutor, SlotPool, free_ports
+from dsat.runners.local import WARM_TRIAL_MARK, LocalExecutor, SlotPool, free_ports
 from dsat.runners.trial_timeout import TrialTimeout
 from dsat.search.trial import TrialStatus
 
@@ -105,7 +105,7 @@ def test_trial_runs_in_a_copy_with_its_hparams_and_cpu_environment(
     assert not (tmp_path / "model" / "env.json").exists()  # the user's dir is untouched
     log = (tmp_path / "results" / "logs" / f"{trial_dir.name}.log").read_text()
     assert log.startswith(f"$ {sys.executable} job.py")
-    assert ("forked from a warm worker" in log.splitlines()[0]) is warm
+    assert (WARM_TRIAL_MARK in log.splitlines()[0]) is warm
     assert ex.pool.size == 1  # the slot came back
 
 

@@ -16,6 +16,7 @@ import psutil
 import pytest
 import yaml
 
+from dsat.runners.local import WARM_TRIAL_MARK as WARM_MARK
 from dsat.step_clock import MEASURED_STEPS
 from tests.conftest import copy_example
 from tests.dsat_process import dsat, env, trials
@@ -98,6 +99,12 @@ def test_small_search_writes_a_best_config_deepspeed_accepts(tmp_path: Path) -> 
     assert len(confirmations) >= 2 and "confirmation round" in run.stdout
     assert all(row["metrics"]["measured_steps"] == MEASURED_STEPS for row in rows[1:])
     assert rows[0]["kind"] == "model_profile" and rows[0]["metrics"]["num_params"] > 0
+    # Trials were forked from warm workers (one per slot); the full run started fresh.
+    trial_logs = sorted((results / "logs").glob("[0-9]*.log"))
+    assert len(trial_logs) == 7 + len(confirmations)
+    assert all(WARM_MARK in log.read_text().splitlines()[0] for log in trial_logs)
+    assert len(list((results / "logs").glob("warm-worker-cpu*.log"))) == 2
+    assert WARM_MARK not in (results / "logs" / "full-experiment.log").read_text()
     assert "| global" in run.stdout and str(results / "best_ds_config.json") in run.stdout
     best = json.loads((results / "best_ds_config.json").read_text())
     assert "autotuning" not in best
@@ -219,12 +226,14 @@ def test_oom_lowers_the_ceiling(tmp_path: Path) -> None:
 
 
 def test_crashing_trial_is_an_error_not_a_crash_of_the_search(tmp_path: Path) -> None:
-    run, results = binary_search(tmp_path, 3, DSAT_TEST_BEHAVIOUR="crash")
+    # In fresh processes, so that path runs real DeepSpeed too.
+    run, results = binary_search(tmp_path, 3, "--fresh-processes", DSAT_TEST_BEHAVIOUR="crash")
     assert run.returncode == 1  # no search trial worked: a failed search, reported as such
     assert "dsat: search failed" in run.stderr and "Traceback" not in run.stderr
     rows = trials(results)
     assert [row["status"] for row in rows] == ["completed", "error", "error"]
     assert "ValueError: this trial crashes on purpose" in rows[1]["error"]
+    assert not any(WARM_MARK in log.read_text() for log in (results / "logs").glob("*.log"))
 
 
 def trial_processes(tmp_path: Path) -> list[psutil.Process]:
