@@ -14,12 +14,11 @@ starts later trials fresh.
 
 Protocol, one JSON object per line (never pickle): requests on stdin
 ``{"argv": [...], "cwd": ..., "env": {...}, "log": ...}``; on the original stdout the events
-``{"event": "ready"}``, ``{"event": "started", "pid": N}``, ``{"event": "exited", "pid": N,
-"returncode": N}`` and ``{"event": "cold", "reason": ...}``. Anything a module prints goes to
-stderr, which the runner keeps as the worker's log.
+``{"event": "started", "pid": N}``, ``{"event": "exited", "pid": N, "returncode": N}`` and
+``{"event": "cold", "reason": ...}``. Anything a module prints goes to stderr, which the runner
+keeps as the worker's log.
 
-    python -m dsat.runners.fork_server DSAT_PID MODEL_DIR -- python3 SCRIPT [ARGS...]
-    python -m dsat.runners.fork_server DSAT_PID MODEL_DIR -- python3 -m MODULE [ARGS...]
+    python -m dsat.runners.fork_server DSAT_PID MODEL_DIR [INCLUDE...] -- python3 SCRIPT [ARGS...]
 """
 
 from __future__ import annotations
@@ -34,17 +33,19 @@ import json
 import os
 import runpy
 import selectors
+import shutil
 import signal
 import sys
 import tempfile
 import threading
 import traceback
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from dsat.runners.trial_guard import PR_SET_PDEATHSIG, Stop, die_with
 
+USAGE = "DSAT_PID MODEL_DIR [INCLUDE...] -- python3 SCRIPT|-m MODULE [ARGS...]"
 POLL_SECONDS = 0.05
 LOST_EXIT = 1  # a trial whose worker died before it could start
 
@@ -60,11 +61,16 @@ def script_imports(source: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def is_local(name: str, model_dir: Path) -> bool:
-    """Whether ``name`` is (or lies in) a module of the user's directory: those are imported by
-    each trial from its own copy, never here."""
-    top = name.partition(".")[0]
-    return (model_dir / f"{top}.py").exists() or (model_dir / top).is_dir()
+def local_names(model_dir: Path, includes: Sequence[Path]) -> set[str]:
+    """The top-level module names a trial's directory provides: the model dir's files and
+    folders, and each include (copied beside them). Each trial imports those from its own copy;
+    the worker never does, or it would hand trials a namesake from site-packages."""
+    entries = [*model_dir.iterdir(), *includes] if model_dir.is_dir() else list(includes)
+    return {entry.name if entry.is_dir() else entry.name.split(".")[0] for entry in entries}
+
+
+def is_local(name: str, local: set[str]) -> bool:
+    return name.partition(".")[0] in local
 
 
 def import_quietly(names: Iterable[str]) -> None:
@@ -78,19 +84,27 @@ def import_quietly(names: Iterable[str]) -> None:
             continue
 
 
+def thread_count() -> int:
+    """Threads of this process, native ones included where the system shows them."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
+
+
 def unsafe_to_fork() -> str | None:
     """Why forking now could hand a trial a broken process, or None."""
     torch = sys.modules.get("torch")
     cuda = getattr(torch, "cuda", None)
     if cuda is not None and getattr(cuda, "is_initialized", lambda: False)():
         return "an import started CUDA, which a forked process cannot use"
-    if threading.active_count() > 1:
+    if thread_count() > 1:
         names = ", ".join(t.name for t in threading.enumerate() if t is not threading.main_thread())
-        return f"an import started threads ({names}), which a fork would not copy"
+        return f"an import started threads ({names or 'native'}), which a fork would not copy"
     return None
 
 
-def learned_modules(path: Path, model_dir: Path) -> list[str]:
+def learned_modules(path: Path, local: set[str]) -> list[str]:
     """What a finished trial imported that this worker has not, leaving out the user's modules."""
     try:
         names = json.loads(path.read_text())
@@ -100,9 +114,17 @@ def learned_modules(path: Path, model_dir: Path) -> list[str]:
     if not isinstance(names, list):
         return []
     return [
-        n
-        for n in names
-        if isinstance(n, str) and n not in sys.modules and not is_local(n, model_dir)
+        n for n in names if isinstance(n, str) and n not in sys.modules and not is_local(n, local)
+    ]
+
+
+def imported_from_elsewhere(directory: str) -> list[str]:
+    """The modules of this process that were not loaded from ``directory`` (the trial's own)."""
+    inside = os.path.join(os.path.abspath(directory), "")
+    return [
+        name
+        for name, module in list(sys.modules.items())
+        if not str(getattr(module, "__file__", None) or "").startswith(inside)
     ]
 
 
@@ -178,7 +200,7 @@ def trial_child(
         code = run_entry(list(request["argv"]))
         atexit._run_exitfuncs()
         with contextlib.suppress(OSError):
-            modules_path.write_text(json.dumps(list(sys.modules)))
+            modules_path.write_text(json.dumps(imported_from_elsewhere(request["cwd"])))
     except BaseException:  # the trial's log says what went wrong
         traceback.print_exc()
     finally:
@@ -189,9 +211,12 @@ def trial_child(
 
 
 class ForkServer:
-    def __init__(self, command: list[str], model_dir: Path, out_fd: int) -> None:
+    def __init__(
+        self, command: list[str], model_dir: Path, includes: Sequence[Path], out_fd: int
+    ) -> None:
         self.command = command
         self.model_dir = model_dir
+        self.local = local_names(model_dir, includes)
         self.out_fd = out_fd
         self.children: set[int] = set()
         self.modules_dir = Path(tempfile.mkdtemp(prefix="dsat-warm-"))
@@ -210,13 +235,13 @@ class ForkServer:
 
     def first_imports(self) -> list[str]:
         if self.command[1] == "-m":
-            return [] if is_local(self.command[2], self.model_dir) else [self.command[2]]
+            return [] if is_local(self.command[2], self.local) else [self.command[2]]
         try:
             source = (self.model_dir / self.command[1]).read_text()
             names = script_imports(source)
         except (OSError, SyntaxError, ValueError):
             return []
-        return [n for n in names if not is_local(n, self.model_dir)]
+        return [n for n in names if not is_local(n, self.local)]
 
     def fork_trial(self, request: dict[str, Any], channels: list[int]) -> None:
         worker = os.getpid()
@@ -240,7 +265,7 @@ class ForkServer:
             self.children.discard(pid)
             returncode = os.waitstatus_to_exitcode(status)
             self.send({"event": "exited", "pid": pid, "returncode": returncode})
-            learned = learned_modules(self.modules_dir / f"{pid}.json", self.model_dir)
+            learned = learned_modules(self.modules_dir / f"{pid}.json", self.local)
             if learned and not self.warm_up(learned):
                 return False
         return True
@@ -248,7 +273,6 @@ class ForkServer:
     def serve(self) -> None:
         if not self.warm_up(self.first_imports()):
             return
-        self.send({"event": "ready"})
         selector = selectors.DefaultSelector()
         selector.register(0, selectors.EVENT_READ)
         buffer = b""
@@ -285,18 +309,21 @@ def _stop(signum: int, frame: object) -> None:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) < 6 or argv[3] != "--":
-        sys.exit("usage: python -m dsat.runners.fork_server DSAT_PID MODEL_DIR -- python3 ...")
+    if "--" not in argv[3:] or len(argv) - argv.index("--") < 3:
+        sys.exit(f"usage: python -m dsat.runners.fork_server {USAGE}")
+    split = argv.index("--")
     signal.signal(signal.SIGTERM, _stop)
     out_fd = os.dup(1)
     os.dup2(2, 1)  # what imports print must not mix with the events
     sys.path[:] = [p for p in sys.path if p and Path(p).resolve() != Path.cwd().resolve()]
-    server = ForkServer(argv[4:], Path(argv[2]), out_fd)
+    includes = [Path(p) for p in argv[3:split]]
+    server = ForkServer(argv[split + 1 :], Path(argv[2]), includes, out_fd)
     try:
         die_with(int(argv[1]))
         server.serve()
     except (Stop, KeyboardInterrupt, BrokenPipeError):
         server.stop_children()
+    shutil.rmtree(server.modules_dir, ignore_errors=True)
     # Without the interpreter's teardown of everything imported (a second or more).
     os._exit(0)
 

@@ -193,7 +193,7 @@ class LocalExecutor:
         self._count = 0
         single = trial_command(entrypoint, 1, 0)
         self.warm_workers = (
-            WarmWorkers(single, model_dir, results_dir / "logs")
+            WarmWorkers(single, model_dir, includes, results_dir / "logs")
             if warm and slots_per_trial == 1 and warm_command(single)
             else None
         )

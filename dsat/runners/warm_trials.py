@@ -67,7 +67,12 @@ class WarmWorker:
     """One slot's worker process and the thread that reads its events."""
 
     def __init__(
-        self, command: Sequence[str], model_dir: Path, env: dict[str, str], log_path: Path
+        self,
+        command: Sequence[str],
+        model_dir: Path,
+        env: dict[str, str],
+        log_path: Path,
+        includes: Sequence[Path] = (),
     ) -> None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log: IO[bytes] = log_path.open("ab")
@@ -78,6 +83,7 @@ class WarmWorker:
                 "dsat.runners.fork_server",
                 str(os.getpid()),
                 str(model_dir),
+                *map(str, includes),
                 "--",
                 *command,
             ],
@@ -166,9 +172,12 @@ class WarmWorker:
 class WarmWorkers:
     """The workers of a machine's slots, each started at its slot's first trial."""
 
-    def __init__(self, command: Sequence[str], model_dir: Path, logs_dir: Path) -> None:
+    def __init__(
+        self, command: Sequence[str], model_dir: Path, includes: Sequence[Path], logs_dir: Path
+    ) -> None:
         self.command = list(command)
         self.model_dir = model_dir
+        self.includes = list(includes)
         self.logs_dir = logs_dir
         self.workers: dict[str, WarmWorker] = {}
         self.cold: dict[str, str] = {}
@@ -194,6 +203,7 @@ class WarmWorkers:
                 self.model_dir,
                 worker_env,
                 self.logs_dir / WORKER_LOG.format(slot=slot),
+                self.includes,
             )
             self.workers[slot] = worker
         trial = worker.run(command, cwd, env, log_path)

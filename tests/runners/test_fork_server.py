@@ -11,7 +11,7 @@ from pathlib import Path
 
 import psutil
 
-from dsat.runners.fork_server import is_local, script_imports
+from dsat.runners.fork_server import is_local, local_names, script_imports
 from dsat.runners.warm_trials import LOST_RETURNCODE, WarmProcess, WarmWorker
 
 # Appends the pid of whichever process imports it, so a test sees who imported what.
@@ -26,11 +26,17 @@ def test_script_imports_are_absolute_names_in_order() -> None:
     assert script_imports(source) == ["os", "json", "a.b", "torch.nn"]
 
 
-def test_modules_of_the_model_dir_are_local(tmp_path: Path) -> None:
-    (tmp_path / "model.py").write_text("")
-    (tmp_path / "pkg").mkdir()
-    assert is_local("model", tmp_path) and is_local("pkg.sub", tmp_path)
-    assert not is_local("json", tmp_path)
+def test_the_model_dirs_modules_and_the_includes_are_local(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    (model / "pkg").mkdir(parents=True)
+    (model / "model.py").write_text("")
+    (model / "fast.cpython-311-x86_64-linux-gnu.so").write_text("")
+    (tmp_path / "extra").mkdir()
+    (tmp_path / "helpers.py").write_text("")
+    local = local_names(model, [tmp_path / "extra", tmp_path / "helpers.py"])
+    assert local == {"pkg", "model", "fast", "extra", "helpers"}
+    assert is_local("pkg.sub", local) and is_local("helpers", local)
+    assert not is_local("json", local)
 
 
 def setup(tmp_path: Path, script: str) -> tuple[Path, Path, dict[str, str]]:
@@ -150,5 +156,24 @@ def test_a_worker_that_dies_takes_its_trial_down_and_says_so(tmp_path: Path) -> 
         gone = not psutil.pid_exists(trial.pid)
         assert gone or psutil.Process(trial.pid).status() == psutil.STATUS_ZOMBIE
         assert not worker.alive
+    finally:
+        worker.close()
+
+
+def test_a_name_an_include_provides_is_left_to_the_trial(tmp_path: Path) -> None:
+    # The script imports `shadowed` at its top; an include of that name is copied into every
+    # trial, so the worker must not import site-packages' `shadowed` in its place.
+    model, site, env = setup(tmp_path, "import shadowed\n")
+    (site / "shadowed.py").write_text(RECORDS_IMPORT)
+    include = tmp_path / "include" / "shadowed.py"
+    include.parent.mkdir()
+    include.write_text("")
+    worker = WarmWorker(
+        [sys.executable, "job.py"], model, env, tmp_path / "worker.log", includes=[include]
+    )
+    try:
+        trial = run_trial(worker, model, env, 1)
+        assert trial.wait(30) == 0
+        assert imports_seen(tmp_path) == [trial.pid]  # the trial's own import, not the worker's
     finally:
         worker.close()
