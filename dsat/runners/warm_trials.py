@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import queue
 import subprocess
@@ -22,6 +23,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from dsat.runners.launch import PYTHON_NAMES
+
+logger = logging.getLogger(__name__)
 
 # How long a worker may take to import the entrypoint's modules before its first trial starts.
 READY_TIMEOUT_S = 600.0
@@ -75,6 +78,7 @@ class WarmWorker:
         includes: Sequence[Path] = (),
     ) -> None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_path
         self._log: IO[bytes] = log_path.open("ab")
         self.process = subprocess.Popen(
             [
@@ -209,6 +213,12 @@ class WarmWorkers:
         trial = worker.run(command, cwd, env, log_path)
         if trial is None and worker.cold_reason is not None:
             self.cold[slot] = worker.cold_reason
+            logger.info(
+                "slot %s: trials start in fresh processes from now on (%s; see %s)",
+                slot,
+                worker.cold_reason,
+                worker.log_path,
+            )
         return trial
 
     def close(self) -> None:

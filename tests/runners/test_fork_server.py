@@ -177,3 +177,18 @@ def test_a_name_an_include_provides_is_left_to_the_trial(tmp_path: Path) -> None
         assert imports_seen(tmp_path) == [trial.pid]  # the trial's own import, not the worker's
     finally:
         worker.close()
+
+
+def test_what_a_trial_changes_in_a_shared_module_stays_in_that_trial(tmp_path: Path) -> None:
+    script = (
+        "import json, os\nprint(getattr(json, 'changed_by', None), os.environ.get('LEFT'))\n"
+        "json.changed_by = 'a trial'\nos.environ['LEFT'] = 'behind'\n"
+    )
+    model, _, env = setup(tmp_path, script)
+    worker = WarmWorker([sys.executable, "job.py"], model, env, tmp_path / "worker.log")
+    try:
+        for n in (1, 2):
+            assert run_trial(worker, model, env, n).wait(30) == 0
+            assert (model / f"trial{n}.log").read_text() == "None None\n"
+    finally:
+        worker.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -95,12 +96,16 @@ def test_a_worker_lost_between_trials_is_started_again(tmp_path: Path) -> None:
         ex.close()
 
 
-def test_a_cold_slot_runs_its_trials_fresh(tmp_path: Path) -> None:
+def test_a_cold_slot_runs_its_trials_fresh(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="dsat")
     starts_a_thread = "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
     ex = executor(tmp_path, "import site_module\n" + COMPLETES, site_module=starts_a_thread)
     try:
         first, second = run(ex, 1), run(ex, 2)
         assert ex.warm_workers is not None and "started threads" in ex.warm_workers.cold["cpu0"]
+        assert "slot cpu0: trials start in fresh processes from now on" in caplog.text
         assert first["parent"] != second["parent"]  # each under a trial guard of its own
         logs = sorted((tmp_path / "results" / "logs").glob("0*.log"))
         assert [log.read_text().startswith(f"$ {sys.executable} job.py\n") for log in logs] == [
