@@ -3,10 +3,12 @@ the user's modules, cold when a fork would no longer be safe."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import psutil
@@ -54,6 +56,17 @@ def setup(tmp_path: Path, script: str) -> tuple[Path, Path, dict[str, str]]:
     return model, site, env
 
 
+@contextlib.contextmanager
+def warm_worker(
+    tmp_path: Path, model: Path, env: dict[str, str], includes: Sequence[Path] = ()
+) -> Iterator[WarmWorker]:
+    worker = WarmWorker([sys.executable, "job.py"], model, env, tmp_path / "worker.log", includes)
+    try:
+        yield worker
+    finally:
+        worker.close()
+
+
 def run_trial(
     worker: WarmWorker, model: Path, env: dict[str, str], n: int, **extra: str
 ) -> WarmProcess:
@@ -75,16 +88,13 @@ def test_a_trial_is_a_process_group_of_its_own_with_its_env_dir_and_log(tmp_path
         "sys.argv[1:])\nraise SystemExit(int(sys.argv[1]))\n"
     )
     model, _, env = setup(tmp_path, script)
-    worker = WarmWorker([sys.executable, "job.py"], model, env, tmp_path / "worker.log")
-    try:
+    with warm_worker(tmp_path, model, env) as worker:
         trial = run_trial(worker, model, env, 3, TRIAL_NAME="third")
         assert trial.wait(30) == 3
         pid, group, cwd, name, argv = (model / "trial3.log").read_text().split(maxsplit=4)
         assert int(pid) == int(group) == trial.pid  # its own group: stopped as a whole
         assert (cwd, name, argv.strip()) == (str(model), "third", "['3']")
         assert run_trial(worker, model, env, 0, TRIAL_NAME="next").wait(30) == 0
-    finally:
-        worker.close()
 
 
 def test_a_trial_that_raises_or_is_killed_exits_as_a_fresh_interpreter_would(
@@ -95,13 +105,10 @@ def test_a_trial_that_raises_or_is_killed_exits_as_a_fresh_interpreter_would(
         "os.kill(os.getpid(), signal.SIGKILL)\n"
     )
     model, _, env = setup(tmp_path, script)
-    worker = WarmWorker([sys.executable, "job.py"], model, env, tmp_path / "worker.log")
-    try:
+    with warm_worker(tmp_path, model, env) as worker:
         assert run_trial(worker, model, env, 1).wait(30) == 1
         assert "RuntimeError: boom" in (model / "trial1.log").read_text()
         assert run_trial(worker, model, env, 2).wait(30) == -signal.SIGKILL
-    finally:
-        worker.close()
 
 
 def test_the_worker_learns_third_party_imports_but_never_the_users_modules(
@@ -113,8 +120,7 @@ def test_the_worker_learns_third_party_imports_but_never_the_users_modules(
     (site / "library_x.py").write_text(RECORDS_IMPORT)
     (model / "helper.py").write_text(RECORDS_IMPORT.replace("IMPORTS_FILE", "HELPER_FILE"))
     env.update({"LIBRARY": "library_x", "HELPER_FILE": str(tmp_path / "helper.txt")})
-    worker = WarmWorker([sys.executable, "job.py"], model, env, tmp_path / "worker.log")
-    try:
+    with warm_worker(tmp_path, model, env) as worker:
         first = run_trial(worker, model, env, 1)
         assert first.wait(30) == 0
         second = run_trial(worker, model, env, 2)
@@ -124,8 +130,6 @@ def test_the_worker_learns_third_party_imports_but_never_the_users_modules(
         assert imports_seen(tmp_path) == [first.pid, worker_pid]
         helper = [int(x) for x in (tmp_path / "helper.txt").read_text().split()]
         assert helper == [first.pid, second.pid]  # each trial imports its own copy
-    finally:
-        worker.close()
 
 
 def test_an_import_that_starts_a_thread_makes_the_worker_cold(tmp_path: Path) -> None:
@@ -133,19 +137,15 @@ def test_an_import_that_starts_a_thread_makes_the_worker_cold(tmp_path: Path) ->
     (site / "threaded_lib.py").write_text(
         "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
     )
-    worker = WarmWorker([sys.executable, "job.py"], model, env, tmp_path / "worker.log")
-    try:
+    with warm_worker(tmp_path, model, env) as worker:
         assert worker.run([sys.executable, "job.py"], model, env, model / "t.log") is None
         assert worker.cold_reason is not None and "started threads" in worker.cold_reason
         assert not worker.alive
-    finally:
-        worker.close()
 
 
 def test_a_worker_that_dies_takes_its_trial_down_and_says_so(tmp_path: Path) -> None:
     model, _, env = setup(tmp_path, "import time\ntime.sleep(60)\n")
-    worker = WarmWorker([sys.executable, "job.py"], model, env, tmp_path / "worker.log")
-    try:
+    with warm_worker(tmp_path, model, env) as worker:
         trial = run_trial(worker, model, env, 1)
         os.kill(worker.process.pid, signal.SIGKILL)
         assert trial.wait(30) == LOST_RETURNCODE
@@ -156,8 +156,6 @@ def test_a_worker_that_dies_takes_its_trial_down_and_says_so(tmp_path: Path) -> 
         gone = not psutil.pid_exists(trial.pid)
         assert gone or psutil.Process(trial.pid).status() == psutil.STATUS_ZOMBIE
         assert not worker.alive
-    finally:
-        worker.close()
 
 
 def test_a_name_an_include_provides_is_left_to_the_trial(tmp_path: Path) -> None:
@@ -168,15 +166,10 @@ def test_a_name_an_include_provides_is_left_to_the_trial(tmp_path: Path) -> None
     include = tmp_path / "include" / "shadowed.py"
     include.parent.mkdir()
     include.write_text("")
-    worker = WarmWorker(
-        [sys.executable, "job.py"], model, env, tmp_path / "worker.log", includes=[include]
-    )
-    try:
+    with warm_worker(tmp_path, model, env, [include]) as worker:
         trial = run_trial(worker, model, env, 1)
         assert trial.wait(30) == 0
         assert imports_seen(tmp_path) == [trial.pid]  # the trial's own import, not the worker's
-    finally:
-        worker.close()
 
 
 def test_what_a_trial_changes_in_a_shared_module_stays_in_that_trial(tmp_path: Path) -> None:
@@ -185,10 +178,7 @@ def test_what_a_trial_changes_in_a_shared_module_stays_in_that_trial(tmp_path: P
         "json.changed_by = 'a trial'\nos.environ['LEFT'] = 'behind'\n"
     )
     model, _, env = setup(tmp_path, script)
-    worker = WarmWorker([sys.executable, "job.py"], model, env, tmp_path / "worker.log")
-    try:
+    with warm_worker(tmp_path, model, env) as worker:
         for n in (1, 2):
             assert run_trial(worker, model, env, n).wait(30) == 0
             assert (model / f"trial{n}.log").read_text() == "None None\n"
-    finally:
-        worker.close()

@@ -50,12 +50,16 @@ def warm(request: pytest.FixtureRequest) -> bool:
 
 
 def executor(
-    tmp_path: Path, script: str, timeout: float = 60.0, warm: bool = True
+    tmp_path: Path,
+    script: str,
+    timeout: float = 60.0,
+    warm: bool = True,
+    environ_extra: dict[str, str] | None = None,
 ) -> LocalExecutor:
     model = tmp_path / "model"
     model.mkdir(exist_ok=True)
     (model / "job.py").write_text(script)
-    environ = {"PATH": os.environ["PATH"], "CUDA_VISIBLE_DEVICES": ""}
+    environ = {"PATH": os.environ["PATH"], "CUDA_VISIBLE_DEVICES": "", **(environ_extra or {})}
     pool = SlotPool.for_machine(1, 1, environ)
     return LocalExecutor(
         ["python3", "job.py"],

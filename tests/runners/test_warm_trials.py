@@ -14,6 +14,7 @@ from dsat.runners.trial_processes import leftover_trials
 from dsat.runners.trial_timeout import TrialTimeout
 from dsat.runners.warm_trials import warm_command
 from dsat.search.trial import TrialStatus
+from tests.runners.test_local import executor as local_executor
 
 COMPLETES = (
     "import json, os\njson.dump({'status': 'completed', 'values': {'pid': os.getpid(), "
@@ -37,29 +38,13 @@ def test_which_commands_run_warm(command: list[str], warm: bool) -> None:
 
 
 def executor(tmp_path: Path, script: str, site_module: str | None = None) -> LocalExecutor:
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "job.py").write_text(script)
+    """test_local's executor, with a site dir on PYTHONPATH holding ``site_module``."""
     site = tmp_path / "site"
     site.mkdir()
     if site_module is not None:
         (site / "site_module.py").write_text(site_module)
-    environ = {
-        "PATH": os.environ["PATH"],
-        "CUDA_VISIBLE_DEVICES": "",
-        "PYTHONPATH": os.pathsep.join([str(site), *sys.path[1:]]),
-    }
-    pool = SlotPool.for_machine(1, 1, environ)
-    return LocalExecutor(
-        ["python3", "job.py"],
-        model,
-        (),
-        tmp_path / "results",
-        pool,
-        1,
-        TrialTimeout(60.0),
-        environ,
-    )
+    path = os.pathsep.join([str(site), *sys.path[1:]])
+    return local_executor(tmp_path, script, environ_extra={"PYTHONPATH": path})
 
 
 def run(ex: LocalExecutor, n: int) -> dict[str, int]:
