@@ -15,7 +15,7 @@ $(PY):
 
 $(STAMP): $(PY) setup.cfg pyproject.toml
 	$(PY) -m pip install --quiet "$(TORCH_PIN)"
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet -e ".[test,report]"
 	touch $(STAMP)
 
 $(DEV_STAMP): $(STAMP)
@@ -32,7 +32,7 @@ lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff format --check dsat tests examples benchmarks
 	$(VENV)/bin/mypy
 
-# The main job: a real local autotune of the CPU example, 2 trials at a time (about a minute on
+# The main job: a real local autotune of the CPU example, 2 trials at a time (about 20 s on
 # 2 cores). On a CPU the memory model sees all of RAM; --search-range-factor keeps micro-batches
 # small enough for quick trials. DEMO_ARGS adds flags (the benchmarks pass --results-dir).
 demo: $(STAMP)

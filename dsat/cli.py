@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from dsat import settings as defaults
@@ -236,7 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=formatter,
         description="Find the fastest DeepSpeed configuration for your model and hardware.",
     )
-    sub = parser.add_subparsers(dest="method", metavar="{guided,asha,binary,random}", required=True)
+    sub = parser.add_subparsers(
+        dest="method", metavar="{guided,asha,binary,random,report}", required=True
+    )
     guided = sub.add_parser(
         "guided",
         formatter_class=formatter,
@@ -260,6 +263,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for subparser in (guided, asha, binary, random):
         _add_common_flags(subparser)
+    report = sub.add_parser(
+        "report",
+        formatter_class=formatter,
+        help="draw a search's results (report.png, report.html in RESULTS_DIR); needs "
+        "matplotlib: pip install 'dsat[report]'",
+    )
+    report.add_argument("report_dir", metavar="RESULTS_DIR", help="the directory a search wrote")
     random.add_argument(
         "--trials-per-random-config",
         type=positive_int,
@@ -371,10 +381,26 @@ def show_progress_logs() -> None:
         log.propagate = False
 
 
+def report_main(argv: Sequence[str]) -> int:
+    """`python3 -m dsat report RESULTS_DIR`."""
+    from dsat.report import report_to_terminal
+
+    namespace = build_parser().parse_args(["report", *argv])
+    try:
+        report_to_terminal(Path(namespace.report_dir))
+    except DsatError as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return USAGE_EXIT_CODE
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from dsat.runners.local_full_run import FullExperimentFailed
     from dsat.search_launch import SearchFailed, SearchInterrupted, launch
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["report"]:
+        return report_main(argv[1:])
     show_progress_logs()
     previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:

@@ -17,6 +17,7 @@ from dsat.config import Experiment, load_experiment, load_yaml_mapping, validate
 from dsat.constants import RESULTS_ROOT, STATE_FILE
 from dsat.errors import DsatError
 from dsat.paths import shown
+from dsat.report import write_report
 from dsat.results import SUMMARY_FILE, full_experiment_hparams
 from dsat.resume import read_saved_state, resume_command
 from dsat.runners import Backend, resolve_backend
@@ -221,6 +222,11 @@ def report_end(method: DsatSearchMethod, results_dir: Path) -> None:
     if summary.is_file():
         print(summary.read_text(), end="")
     print(f"dsat: {len(method.tracker.finished)} trials; search ended: {method.shutdown_reason}")
+    try:
+        png, page = write_report(results_dir)
+        print(f"dsat: report: {shown(png)}, {shown(page)}")
+    except DsatError as err:  # matplotlib is optional: the search itself is done
+        print(f"dsat: no report drawn: {err}")
     if method.search_failed:
         raise SearchFailed(method.shutdown_reason or "no trial succeeded")
     print(f"dsat: best DeepSpeed config: {shown(best_config_path(results_dir))}")

@@ -105,6 +105,14 @@ def test_small_search_writes_a_best_config_deepspeed_accepts(tmp_path: Path) -> 
     assert all(WARM_MARK in log.read_text().splitlines()[0] for log in trial_logs)
     assert len(list((results / "logs").glob("warm-worker-cpu*.log"))) == 2
     assert WARM_MARK not in (results / "logs" / "full-experiment.log").read_text()
+    # The report was drawn at the end, from real trials (peak memory measured), and on demand.
+    assert f"dsat: report: {results / 'report.png'}" in run.stdout
+    assert (results / "report.png").read_bytes().startswith(b"\x89PNG")
+    peak = rows[1]["metrics"]["memory_peak_bytes"] / 2**30
+    assert f"<td>{rows[1]['name']}</td><td>completed</td>" in (results / "report.html").read_text()
+    assert f"<td>{peak:.2f}</td>" in (results / "report.html").read_text()
+    again = dsat("report", str(results))
+    assert again.returncode == 0 and "| stage | trials |" in again.stdout
     assert "| global" in run.stdout and str(results / "best_ds_config.json") in run.stdout
     best = json.loads((results / "best_ds_config.json").read_text())
     assert "autotuning" not in best
