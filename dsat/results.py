@@ -94,6 +94,9 @@ class ResultsWriter:
                     "start a new one"
                 ) from None
         self._best_id: str | None = None
+        # A resumed search's runner counts time from its own start: carry on from the last end,
+        # so start/end stay seconds of search (the time it was stopped left out).
+        self._clock_offset = max((float(line.get("end", 0.0)) for line in self._lines), default=0.0)
 
     @property
     def lines(self) -> list[dict[str, Any]]:
@@ -103,7 +106,9 @@ class ResultsWriter:
     def trial_finished(
         self, record: TrialRecord, timing: TrialTiming, tracker: TrialTracker
     ) -> None:
-        self._lines.append(trial_line(len(self._lines), record, timing))
+        offset = self._clock_offset
+        shifted = TrialTiming(timing.start + offset, timing.end + offset)
+        self._lines.append(trial_line(len(self._lines), record, shifted))
         text = "".join(json.dumps(line, sort_keys=True) + "\n" for line in self._lines)
         write_text_atomic(self.directory / TRIALS_FILE, text)
         self._write_best(tracker)

@@ -69,6 +69,8 @@ def test_an_interrupted_search_is_reported_then_resumed_and_reported_again(
     assert main(["asha", "--resume", str(results)]) == 0
     assert_report(results)
     assert (results / REPORT_PNG).read_bytes() != first  # drawn again with every trial
+    ends = [row["end"] for row in load_results(results).rows]
+    assert ends == sorted(ends)  # the resumed run's clock carries on: progress runs forward
 
 
 def test_without_matplotlib_the_search_runs_and_report_says_how_to_install(

@@ -316,3 +316,6 @@ def test_sigint_stops_every_trial_and_resume_finishes(tmp_path: Path) -> None:
     rows = trials(results)
     assert len(rows) == 4 and all(row["status"] == "completed" for row in rows)
     assert len({row["request_id"] for row in rows}) == 4
+    # The resumed run's trials come after the first run's on the search's clock.
+    ends = [row["end"] for row in trials(results) + trials(results, confirmations=True)]
+    assert ends == sorted(ends) and rows[1]["start"] >= rows[0]["end"]
