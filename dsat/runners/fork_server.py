@@ -80,6 +80,8 @@ def import_quietly(names: Iterable[str]) -> None:
             continue
         try:
             importlib.import_module(name)
+        except Stop:  # dsat is stopping this worker
+            raise
         except (Exception, SystemExit):  # the trial reports its own import errors
             continue
 
