@@ -16,11 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from dsat.atomic_file import write_bytes_atomic, write_text_atomic
-from dsat.constants import SETTINGS_FILE
 from dsat.errors import DsatError
 from dsat.metric import Metric
 from dsat.paths import shown
-from dsat.results import BEST_METRICS_FILE, SUMMARY_FILE, TRIALS_FILE
+from dsat.results import BEST_METRICS_FILE, SUMMARY_FILE, TRIALS_FILE, read_trial_rows
+from dsat.resume import saved_settings
+from dsat.settings import DEFAULT_METRIC
 
 REPORT_PNG = "report.png"
 REPORT_HTML = "report.html"
@@ -53,6 +54,19 @@ class SearchResults:
         value = metrics.get(self.metric.file_key, metrics.get(self.metric.value))
         return float(value) if row.get("status") == "completed" and value is not None else None
 
+    def best_run(self, rows: list[dict[str, Any]]) -> tuple[float, dict[str, Any]] | None:
+        """The best completed run among ``rows``, with its value; None if none completed."""
+        best: tuple[float, dict[str, Any]] | None = None
+        for row in rows:
+            value = self.value(row)
+            if value is not None and (best is None or self.metric.is_better(value, best[0])):
+                best = (value, row)
+        return best
+
+    @property
+    def stages(self) -> list[int]:
+        return sorted({int(row["zero_stage"]) for row in self.search_rows})
+
     def best_so_far(self) -> list[tuple[int, float, float]]:
         """(trial number, seconds since the first start, best value so far) per search trial."""
         if not self.rows:
@@ -77,16 +91,13 @@ def load_results(results_dir: Path) -> SearchResults:
             f"{shown(results_dir)}: no {TRIALS_FILE} there; pass a directory a dsat search wrote"
         )
     try:
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        rows = read_trial_rows(path)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise DsatError(f"{shown(path)}: damaged trial records ({err})") from None
-    metric = Metric.FLOPS_PER_GPU
-    settings = results_dir / SETTINGS_FILE
-    if settings.is_file():
-        try:
-            metric = Metric(json.loads(settings.read_text())["metric"])
-        except (json.JSONDecodeError, KeyError, ValueError, TypeError):
-            pass  # the default metric still makes a useful picture
+    try:
+        metric = saved_settings(results_dir).metric
+    except DsatError:  # no or damaged settings: the default metric still makes a useful picture
+        metric = DEFAULT_METRIC
     return SearchResults(rows, metric, picked_row(rows, results_dir / BEST_METRICS_FILE))
 
 
@@ -106,18 +117,13 @@ def stage_table(results: SearchResults) -> str:
         f"| stage | trials | oom / error / timeout | best {results.metric.value} | config |",
         "| ---: | ---: | :---: | ---: | :--- |",
     ]
-    for stage in sorted({int(row["zero_stage"]) for row in results.search_rows}):
+    for stage in results.stages:
         rows = [row for row in results.search_rows if row["zero_stage"] == stage]
         failed = "/".join(
             str(sum(row["status"] == status for row in rows)) for status in FAILED_MARKERS
         )
-        scored = [(value, row) for row in rows if (value := results.value(row)) is not None]
-        if scored:
-            pick = min if results.metric.smaller_is_better else max
-            value, row = pick(scored, key=lambda pair: pair[0])
-            best, name = f"{value:.4g}", str(row["name"])
-        else:
-            best, name = "-", "-"
+        found = results.best_run(rows)
+        best, name = (f"{found[0]:.4g}", str(found[1]["name"])) if found else ("-", "-")
         lines.append(f"| {stage} | {len(rows)} | {failed} | {best} | {name} |")
     return "\n".join(lines)
 
@@ -149,21 +155,18 @@ def draw(results: SearchResults) -> bytes:
     return buffer.getvalue()
 
 
-def stages(results: SearchResults) -> list[int]:
-    return sorted({int(row["zero_stage"]) for row in results.search_rows})
-
-
 def draw_throughput(ax: Any, results: SearchResults) -> None:
     metric = results.metric.value
     floor = min((v for r in results.search_rows if (v := results.value(r)) is not None), default=0)
-    for stage in stages(results):
+    for stage in results.stages:
         rows = [row for row in results.search_rows if row["zero_stage"] == stage]
         done = sorted((row["mbs"], v) for row in rows if (v := results.value(row)) is not None)
         # Every run a dot; the line joins each micro-batch's best (other knobs share an x).
-        best: dict[int, float] = {}
-        for mbs, v in done:
-            if mbs not in best or results.metric.is_better(v, best[mbs]):
-                best[mbs] = v
+        best = {
+            mbs: found[0]
+            for mbs in sorted({m for m, _ in done})
+            if (found := results.best_run([r for r in rows if r["mbs"] == mbs]))
+        }
         line = ax.plot(list(best), list(best.values()), "-", label=f"ZeRO-{stage}")
         color = line[0].get_color()
         ax.scatter([m for m, _ in done], [v for _, v in done], color=color, s=18)
@@ -206,7 +209,7 @@ def draw_throughput(ax: Any, results: SearchResults) -> None:
 
 def draw_memory(ax: Any, results: SearchResults) -> None:
     device = None
-    for stage in stages(results):
+    for stage in results.stages:
         points = []
         for row in results.search_rows:
             metrics = row.get("metrics") or {}
@@ -271,17 +274,19 @@ tr:nth-child(even){{background:#f4f4f4}}</style></head><body>
 
 def report_to_terminal(results_dir: Path) -> None:
     """`dsat report DIR`: the files written, then the per-stage table and their paths."""
-    png, page_path = write_report(results_dir)
     results = load_results(results_dir)
+    png, page_path = write_report(results_dir, results)
     print(stage_table(results))
     if results.picked is not None:
         print(f"picked: {results.picked['name']}")
     print(f"dsat: report: {shown(png)}, {shown(page_path)}")
 
 
-def write_report(results_dir: Path) -> tuple[Path, Path]:
-    """Write report.png and report.html into ``results_dir``; returns their paths."""
-    results = load_results(results_dir)
+def write_report(results_dir: Path, results: SearchResults | None = None) -> tuple[Path, Path]:
+    """Write report.png and report.html into ``results_dir`` (from ``results`` when already
+    loaded from it); returns their paths."""
+    if results is None:
+        results = load_results(results_dir)
     png = draw(results)
     png_path, html_path = results_dir / REPORT_PNG, results_dir / REPORT_HTML
     write_bytes_atomic(png_path, png)

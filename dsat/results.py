@@ -29,6 +29,12 @@ BEST_METRICS_FILE = "best_ds_metrics.json"
 SUMMARY_FILE = "summary.txt"
 
 
+def read_trial_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a trials.jsonl; a damaged file raises json's or the decoder's error, which
+    each reader words for its user."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 @dataclasses.dataclass(frozen=True)
 class TrialTiming:
     start: float
@@ -85,9 +91,7 @@ class ResultsWriter:
         path = self.directory / TRIALS_FILE
         if path.is_file():  # a resumed search keeps what was written before
             try:
-                self._lines = [
-                    json.loads(line) for line in path.read_text().splitlines() if line.strip()
-                ]
+                self._lines = read_trial_rows(path)
             except (json.JSONDecodeError, UnicodeDecodeError) as err:
                 raise DsatError(
                     f"{path}: damaged trial records ({err}); this search cannot be resumed, "

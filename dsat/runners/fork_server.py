@@ -28,7 +28,6 @@ import atexit
 import contextlib
 import gc
 import importlib
-import importlib.util
 import json
 import os
 import runpy
@@ -256,17 +255,23 @@ class ForkServer:
         self.children.add(pid)
         self.send({"event": "started", "pid": pid})
 
+    def report_exit(self, pid: int, status: int) -> bool:
+        """Tell dsat that trial ``pid`` ended; False if ``pid`` was not one of its trials."""
+        if pid not in self.children:
+            return False
+        self.children.discard(pid)
+        returncode = os.waitstatus_to_exitcode(status)
+        self.send({"event": "exited", "pid": pid, "returncode": returncode})
+        return True
+
     def reap(self) -> bool:
         """Report finished trials and learn their imports; False once forking is unsafe."""
         while self.children:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
                 break
-            if pid not in self.children:
+            if not self.report_exit(pid, status):
                 continue
-            self.children.discard(pid)
-            returncode = os.waitstatus_to_exitcode(status)
-            self.send({"event": "exited", "pid": pid, "returncode": returncode})
             learned = learned_modules(self.modules_dir / f"{pid}.json", self.local)
             if learned and not self.warm_up(learned):
                 return False
@@ -294,11 +299,7 @@ class ForkServer:
     def wait_for_children(self) -> None:
         """A cold worker still reports the trials it started before it leaves."""
         while self.children:
-            pid, status = os.waitpid(-1, 0)
-            if pid in self.children:
-                self.children.discard(pid)
-                returncode = os.waitstatus_to_exitcode(status)
-                self.send({"event": "exited", "pid": pid, "returncode": returncode})
+            self.report_exit(*os.waitpid(-1, 0))
 
     def stop_children(self) -> None:
         for pid in self.children:

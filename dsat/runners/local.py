@@ -191,7 +191,7 @@ class LocalExecutor:
         self.running: dict[str, RunningTrial] = {}
         self.started_at = time.monotonic()
         self._count = 0
-        single = trial_command(entrypoint, 1, 0)
+        single = trial_command(entrypoint, 1, 0)  # one process: no port in the command
         self.warm_workers = (
             WarmWorkers(single, model_dir, includes, results_dir / "logs")
             if warm and slots_per_trial == 1 and warm_command(single)
@@ -303,15 +303,13 @@ class LocalExecutor:
         """The trial forked from its slot's warm worker, or None if it must start fresh."""
         if self.warm_workers is None:
             return None
-        ports = free_ports(3)
-        command = trial_command(self.entrypoint, 1, ports[0])
-        log.write(f"$ {' '.join(command)}  {WARM_TRIAL_MARK}\n".encode())
+        log.write(f"$ {' '.join(self.warm_workers.command)}  {WARM_TRIAL_MARK}\n".encode())
         log.flush()
         worker_env = self.slot_environment(slots)
         if self.pool.on_gpu:  # torch.cuda.is_available() without starting CUDA before a fork
             worker_env["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
-        env = self.environment(directory, slots, ports, length)
-        process = self.warm_workers.run(slots[0], worker_env, command, directory, env, log_path)
+        env = self.environment(directory, slots, free_ports(3), length)
+        process = self.warm_workers.run(slots[0], worker_env, directory, env, log_path)
         if process is None:
             log.seek(0)
             log.truncate()

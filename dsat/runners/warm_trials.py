@@ -190,7 +190,6 @@ class WarmWorkers:
         self,
         slot: str,
         worker_env: dict[str, str],
-        command: Sequence[str],
         cwd: Path,
         env: dict[str, str],
         log_path: Path,
@@ -210,7 +209,7 @@ class WarmWorkers:
                 self.includes,
             )
             self.workers[slot] = worker
-        trial = worker.run(command, cwd, env, log_path)
+        trial = worker.run(self.command, cwd, env, log_path)
         if trial is None and worker.cold_reason is not None:
             self.cold[slot] = worker.cold_reason
             logger.info(
