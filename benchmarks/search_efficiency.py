@@ -23,11 +23,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from determined import searcher
-
 from dsat.atomic_file import write_json_atomic
 from dsat.metric import Metric
-from dsat.runners.driver import FinishedTrial, SearchDriver
+from dsat.runners.driver import DeterminedOnlyMethod, FinishedTrial, SearchDriver, SearchEvents
 from dsat.runners.performance_models import (
     BUILTIN_MODELS,
     PerformanceModel,
@@ -54,7 +52,7 @@ REFERENCE_OF = {"guided": "asha", "asha": "asha", "binary": "binary", "random": 
 
 def dsat_method(
     method: str, seed: int, slots: int, ds_config: dict[str, Any], _: Path
-) -> searcher.SearchMethod:
+) -> SearchEvents:
     settings = SearchSettings(method=method, config_path="x.yaml", model_dir=".", random_seed=seed)
     return make_search_method(
         settings, SearchSpec({"deepspeed_config": "ds_config.json"}, ds_config, slots)
@@ -63,7 +61,7 @@ def dsat_method(
 
 def reference_method(
     method: str, seed: int, slots: int, ds_config: dict[str, Any], model_dir: Path
-) -> searcher.SearchMethod:
+) -> SearchEvents:
     from determined.pytorch.dsat import _dsat_search_method as ref
     from determined.pytorch.dsat import defaults
 
@@ -87,7 +85,7 @@ def reference_method(
     }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        return classes[REFERENCE_OF[method]](args, exp_config)
+        return DeterminedOnlyMethod(classes[REFERENCE_OF[method]](args, exp_config))
 
 
 def measure(
@@ -120,7 +118,7 @@ def measure(
 
 
 def run_one(
-    factory: Callable[..., searcher.SearchMethod],
+    factory: Callable[..., SearchEvents],
     method: str,
     model_name: str,
     seed: int,

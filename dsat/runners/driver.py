@@ -2,8 +2,10 @@
 
 It plays the part of Determined's master for a ``determined.searcher.SearchMethod``: Create and
 ValidateAfter start a trial, a finished trial becomes ``on_validation_completed`` or
-``on_trial_exited_early`` followed by ``on_trial_closed``, and Shutdown ends the loop. Any
-SearchMethod works, dsat's or the reference's; what runs a trial is the executor's business.
+``on_trial_exited_early`` followed by ``on_trial_closed``, and Shutdown ends the loop. A failed
+trial's event carries what the runner knows of it (OOM, timeout) as a ``TrialFailure``; a method
+that speaks only Determined's protocol (the reference's) is wrapped in ``DeterminedOnlyMethod``.
+What runs a trial is the executor's business.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from determined import searcher
 
 from dsat.config import deep_merge
 from dsat.constants import OVERWRITE_KEY
-from dsat.search.trial import TrialStatus
+from dsat.search.trial import TrialFailure, TrialStatus
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +40,81 @@ class FinishedTrial:
     hparams: dict[str, Any]
     ds_config: dict[str, Any]
     outcome: TrialOutcome
+
+
+class SearchEvents(Protocol):
+    """Determined's custom-searcher events, with the failure's kind on the exited-early one."""
+
+    def initial_operations(
+        self, searcher_state: searcher.SearcherState
+    ) -> list[searcher.Operation]: ...
+
+    def on_trial_created(
+        self, searcher_state: searcher.SearcherState, request_id: uuid.UUID
+    ) -> list[searcher.Operation]: ...
+
+    def on_validation_completed(
+        self,
+        searcher_state: searcher.SearcherState,
+        request_id: uuid.UUID,
+        metric: Any,
+        train_length: int,
+    ) -> list[searcher.Operation]: ...
+
+    def on_trial_exited_early(
+        self,
+        searcher_state: searcher.SearcherState,
+        request_id: uuid.UUID,
+        exited_reason: searcher.ExitedReason,
+        failure: TrialFailure | None = None,
+    ) -> list[searcher.Operation]: ...
+
+    def on_trial_closed(
+        self, searcher_state: searcher.SearcherState, request_id: uuid.UUID
+    ) -> list[searcher.Operation]: ...
+
+
+class DeterminedOnlyMethod:
+    """A method that speaks only Determined's protocol (the reference's, in benchmarks): every
+    failure reaches it as Determined reports one, 'errored'."""
+
+    def __init__(self, method: searcher.SearchMethod) -> None:
+        self.method = method
+
+    def initial_operations(
+        self, searcher_state: searcher.SearcherState
+    ) -> list[searcher.Operation]:
+        return list(self.method.initial_operations(searcher_state))
+
+    def on_trial_created(
+        self, searcher_state: searcher.SearcherState, request_id: uuid.UUID
+    ) -> list[searcher.Operation]:
+        return list(self.method.on_trial_created(searcher_state, request_id))
+
+    def on_validation_completed(
+        self,
+        searcher_state: searcher.SearcherState,
+        request_id: uuid.UUID,
+        metric: Any,
+        train_length: int,
+    ) -> list[searcher.Operation]:
+        return list(
+            self.method.on_validation_completed(searcher_state, request_id, metric, train_length)
+        )
+
+    def on_trial_exited_early(
+        self,
+        searcher_state: searcher.SearcherState,
+        request_id: uuid.UUID,
+        exited_reason: searcher.ExitedReason,
+        failure: TrialFailure | None = None,
+    ) -> list[searcher.Operation]:
+        return list(self.method.on_trial_exited_early(searcher_state, request_id, exited_reason))
+
+    def on_trial_closed(
+        self, searcher_state: searcher.SearcherState, request_id: uuid.UUID
+    ) -> list[searcher.Operation]:
+        return list(self.method.on_trial_closed(searcher_state, request_id))
 
 
 class TrialExecutor(Protocol):
@@ -62,7 +139,7 @@ class TrialListener(Protocol):
 class SearchDriver:
     def __init__(
         self,
-        method: searcher.SearchMethod,
+        method: SearchEvents,
         executor: TrialExecutor,
         base_ds_config: dict[str, Any],
         listeners: Sequence[TrialListener] = (),
@@ -122,12 +199,12 @@ class SearchDriver:
             self._tell_finished(outcome)
             self.apply(ops)
             return
-        record_failure = getattr(self.method, "record_failure", None)
-        if record_failure is not None:
-            record_failure(outcome.request_id, outcome.status, outcome.error)
         self.state.failures.add(request_id)
         ops = self.method.on_trial_exited_early(
-            self.state, request_id, searcher.ExitedReason.ERRORED
+            self.state,
+            request_id,
+            searcher.ExitedReason.ERRORED,
+            TrialFailure(outcome.status, outcome.error),
         )
         self._tell_finished(outcome)
         self.apply(ops)

@@ -46,7 +46,7 @@ from dsat.memory import (
 from dsat.search.confirmation import leaders, planned_runs, winner
 from dsat.search.space import neighbour_zero_config, random_zero_config
 from dsat.search.tracker import TrialTracker, config_key
-from dsat.search.trial import SearchRange, TrialKind, TrialRecord, TrialStatus
+from dsat.search.trial import SearchRange, TrialFailure, TrialKind, TrialRecord, TrialStatus
 from dsat.settings import SearchSettings
 from dsat.step_clock import measured_window
 
@@ -89,7 +89,6 @@ class DsatSearchMethod(searcher.SearchMethod):  # type: ignore[misc]
         self.rng = np.random.default_rng(settings.random_seed)
         self.precision = Precision.of(spec.ds_config)
         self._next_index = 0
-        self._pending_failures: dict[str, tuple[TrialStatus, str | None]] = {}
         self.shutdown_reason: str | None = None
         self.confirmation_candidates: list[str] = []
         self.search_end_reason = ""
@@ -445,17 +444,17 @@ class DsatSearchMethod(searcher.SearchMethod):  # type: ignore[misc]
             self._follow_up(lambda: self.after_success(record))
         return [searcher.Close(request_id)]
 
-    def record_failure(self, request_id: str, status: TrialStatus, error: str | None) -> None:
-        """Runners that know more than 'errored' (an OOM, a timeout) say so before the event."""
-        self._pending_failures[request_id] = (status, error)
-
     def on_trial_exited_early(
         self,
         searcher_state: searcher.SearcherState,
         request_id: uuid.UUID,
         exited_reason: searcher.ExitedReason,
+        failure: TrialFailure | None = None,
     ) -> list[searcher.Operation]:
-        status, error = self._pending_failures.pop(str(request_id), (TrialStatus.ERROR, None))
+        """Determined says only 'errored' (an OOM arrives as a reported metric there); dsat's
+        runners add what they know (an OOM, a timeout) as ``failure``."""
+        status = failure.status if failure is not None else TrialStatus.ERROR
+        error = failure.error if failure is not None else None
         if self._already_finished(request_id):
             return []
         if exited_reason is not searcher.ExitedReason.ERRORED:

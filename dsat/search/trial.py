@@ -33,6 +33,15 @@ class TrialKind(str, enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True)
+class TrialFailure:
+    """Why a trial failed, as a runner that knows more than Determined's 'errored' tells it: it
+    travels with the trial's exited-early event."""
+
+    status: TrialStatus
+    error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class SearchRange:
     """The micro-batch interval [lo, hi] a lineage's binary search still considers."""
 

@@ -12,7 +12,7 @@ from dsat.runners.driver import SearchDriver
 from dsat.runners.simulated import SimulatedExecutor
 from dsat.search import make_search_method
 from dsat.search.base import DsatSearchMethod, SearchSpec
-from dsat.search.trial import TrialStatus
+from dsat.search.trial import TrialFailure, TrialStatus
 from dsat.settings import SearchSettings
 
 # A profile whose memory model allows micro-batch 64 at every stage (fp32, 1 slot).
@@ -98,8 +98,9 @@ def finish(
             state, rid, metrics or {"FLOPS_per_gpu": float(record.mbs)}, 6
         )
     else:
-        m.record_failure(request_id, status, "boom")
-        ops = m.on_trial_exited_early(state, rid, searcher.ExitedReason.ERRORED)
+        ops = m.on_trial_exited_early(
+            state, rid, searcher.ExitedReason.ERRORED, TrialFailure(status, "boom")
+        )
     return list(ops) + list(m.on_trial_closed(state, rid))
 
 
