@@ -33,10 +33,9 @@ from dsat.runners.performance_models import (
     optimum,
 )
 from dsat.runners.simulated import SimulatedExecutor
-from dsat.search import make_search_method
+from dsat.search import MethodSettings, make_search_method
 from dsat.search.base import SearchSpec
 from dsat.search.trial import TrialStatus
-from dsat.settings import SearchSettings
 
 RESULTS = Path(__file__).resolve().parent / "results" / "search_efficiency.json"
 METRIC = Metric.FLOPS_PER_GPU
@@ -53,7 +52,7 @@ REFERENCE_OF = {"guided": "asha", "asha": "asha", "binary": "binary", "random": 
 def dsat_method(
     method: str, seed: int, slots: int, ds_config: dict[str, Any], _: Path
 ) -> SearchEvents:
-    settings = SearchSettings(method=method, config_path="x.yaml", model_dir=".", random_seed=seed)
+    settings = MethodSettings(method=method, random_seed=seed)
     return make_search_method(
         settings, SearchSpec({"deepspeed_config": "ds_config.json"}, ds_config, slots)
     )

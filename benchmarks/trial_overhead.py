@@ -32,10 +32,9 @@ from dsat.config import load_experiment
 from dsat.constants import AUTOTUNING_KEY, ENV_HPARAMS_FILE
 from dsat.runners.local import HPARAMS_FILE, LocalExecutor, SlotPool
 from dsat.runners.trial_timeout import TrialTimeout
-from dsat.search import make_search_method
+from dsat.search import MethodSettings, make_search_method
 from dsat.search.base import SearchSpec
 from dsat.search.trial import TrialKind, TrialStatus
-from dsat.settings import SearchSettings
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "core_api_mlp"
@@ -46,7 +45,7 @@ def search_trial(mbs: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """The hyperparameters and merged config of one ZeRO-1 search trial, made by dsat's search."""
     config_path = str(EXAMPLE / "deepspeed.yaml")
     experiment = load_experiment(config_path, str(EXAMPLE), ())
-    settings = SearchSettings(method="binary", config_path=config_path, model_dir=str(EXAMPLE))
+    settings = MethodSettings(method="binary")
     spec = SearchSpec(experiment.hparams, experiment.ds_config, experiment.slots_per_trial)
     record = make_search_method(settings, spec).make_trial(TrialKind.SEARCH, {"stage": 1}, mbs)
     return record.hparams, record.ds_config

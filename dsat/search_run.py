@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from pathlib import Path
 
 from dsat.constants import STATE_FILE
@@ -13,7 +12,7 @@ from dsat.progress import SearchProgress
 from dsat.results import BEST_CONFIG_FILE, ResultsWriter, TrialTiming
 from dsat.resume import write_settings
 from dsat.runners.driver import SearchDriver, TrialExecutor, TrialListener, TrialOutcome
-from dsat.search import make_search_method
+from dsat.search import MethodSettings, make_search_method
 from dsat.search.base import DsatSearchMethod, SearchSpec
 from dsat.settings import SearchSettings
 
@@ -54,9 +53,7 @@ def run_search(
     machine's), without changing the settings saved for a resume.
     """
     write_settings(settings, results_dir)
-    if slot_limit is not None:
-        settings = dataclasses.replace(settings, max_slots=slot_limit)
-    method = make_search_method(settings, spec)
+    method = make_search_method(MethodSettings.from_settings(settings, slot_limit), spec)
     writer = ResultsWriter(results_dir)
     listeners: list[TrialListener] = [ResultsRecorder(method, writer)]
     progress = SearchProgress(method.tracker, settings.metric.value) if show_progress else None

@@ -20,7 +20,7 @@ from dsat.runners.performance_models import gpt2_large_16xv100
 from dsat.runners.simulated import SimulatedExecutor
 from dsat.search.base import STATE_FILE, DsatSearchMethod, SearchSpec
 from dsat.search_run import run_search
-from tests.search.helpers import settings
+from tests.search.helpers import search_settings
 
 SPEC = SearchSpec(
     hparams={"deepspeed_config": "ds.json", "lr": 0.1},
@@ -35,7 +35,7 @@ SPEC = SearchSpec(
 
 def search(results: Path, max_events: int | None = None, method: str = "asha") -> DsatSearchMethod:
     return run_search(
-        settings(method, max_trials=24, random_seed=3, search_range_factor=2.0),
+        search_settings(method, max_trials=24, random_seed=3, search_range_factor=2.0),
         SPEC,
         SimulatedExecutor(gpt2_large_16xv100, 16),
         results,

@@ -16,11 +16,10 @@ import pytest
 
 from dsat.constants import ENV_HPARAMS_FILE, OVERWRITE_KEY, TRIAL_OUTCOME_FILE
 from dsat.memory import ModelProfile
-from dsat.search import make_search_method
+from dsat.search import MethodSettings, make_search_method
 from dsat.search.base import SearchSpec
 from dsat.search.space import random_zero_config
 from dsat.search.trial import TrialKind
-from dsat.settings import SearchSettings
 from dsat.step_clock import MEASURED_STEPS
 from tests.conftest import EXAMPLE_DIR, REPO_ROOT, copy_example
 
@@ -98,10 +97,8 @@ def dsat_overrides(
     """The overrides dsat's search gives such a trial: batch triple, ZeRO knobs, autotuning block."""
     ds_config = json.loads((EXAMPLE_DIR / "ds_config.json").read_text())
     search = make_search_method(
-        SearchSettings(
+        MethodSettings(
             method="binary",
-            config_path="deepspeed.yaml",
-            model_dir=".",
             random_seed=stage or 0,
             start_profile_step=2,
             end_profile_step=4,

@@ -39,7 +39,7 @@ from dsat.runners.determined_configs import (
     full_experiment_config,
 )
 from dsat.runners.searcher_operations import operations_from_text, operations_to_text
-from dsat.search import make_search_method
+from dsat.search import MethodSettings, make_search_method
 from dsat.search.base import DsatSearchMethod, SearchSpec
 from dsat.settings import SearchSettings
 
@@ -131,7 +131,7 @@ def run(core_context: Any, workdir: Path, runner_experiment_id: int) -> DsatSear
     spec = SearchSpec(
         exp_config["hyperparameters"], experiment.ds_config, experiment.slots_per_trial
     )
-    method = make_search_method(settings, spec)
+    method = make_search_method(MethodSettings.from_settings(settings), spec)
     runner = CheckpointedSearchRunner(method, core_context, workdir / "dsat-results")
     includes = [*experiment.includes, workdir / DSAT_PACKAGE]  # trials `import dsat` too
     runner.run(exp_config, model_dir=str(experiment.model_dir), includes=includes)

@@ -4,8 +4,8 @@ from dsat.search.asha import AshaSearch
 from dsat.search.base import DsatSearchMethod, SearchSpec
 from dsat.search.binary import BinarySearch
 from dsat.search.guided import GuidedSearch
+from dsat.search.method_settings import MethodSettings
 from dsat.search.random import RandomSearch
-from dsat.settings import SearchSettings
 
 METHODS: dict[str, type[DsatSearchMethod]] = {
     "guided": GuidedSearch,
@@ -15,7 +15,7 @@ METHODS: dict[str, type[DsatSearchMethod]] = {
 }
 
 
-def make_search_method(settings: SearchSettings, spec: SearchSpec) -> DsatSearchMethod:
+def make_search_method(settings: MethodSettings, spec: SearchSpec) -> DsatSearchMethod:
     """The search method the settings name, ready to drive."""
     return METHODS[settings.method](settings, spec)
 
@@ -26,6 +26,7 @@ __all__ = [
     "BinarySearch",
     "DsatSearchMethod",
     "GuidedSearch",
+    "MethodSettings",
     "RandomSearch",
     "SearchSpec",
     "make_search_method",

@@ -44,10 +44,10 @@ from dsat.memory import (
     log_estimates,
 )
 from dsat.search.confirmation import leaders, planned_runs, winner
+from dsat.search.method_settings import MethodSettings
 from dsat.search.space import neighbour_zero_config, random_zero_config
 from dsat.search.tracker import TrialTracker, config_key
 from dsat.search.trial import SearchRange, TrialFailure, TrialKind, TrialRecord, TrialStatus
-from dsat.settings import SearchSettings
 from dsat.step_clock import measured_window
 
 logger = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ class DsatSearchMethod(searcher.SearchMethod):  # type: ignore[misc]
     name = "base"
     exploit_probability = EXPLOIT_PROBABILITY
 
-    def __init__(self, settings: SearchSettings, spec: SearchSpec) -> None:
+    def __init__(self, settings: MethodSettings, spec: SearchSpec) -> None:
         with warnings.catch_warnings():  # Determined marks custom searchers deprecated in 0.37
             warnings.simplefilter("ignore", FutureWarning)
             super().__init__()

@@ -19,7 +19,7 @@ from dsat.config import load_experiment, validate_with_deepspeed
 from dsat.errors import DsatError
 from dsat.runners.determined_configs import custom_experiment_config
 from dsat.runners.local import free_ports
-from dsat.search import make_search_method
+from dsat.search import MethodSettings, make_search_method
 from dsat.search.base import SearchSpec
 from dsat.settings import SearchSettings
 from tests.conftest import REPO_ROOT
@@ -39,7 +39,7 @@ def cluster_trial_hparams(stage: int) -> tuple[dict[str, Any], dict[str, Any]]:
     experiment = load_experiment(settings.config_path, settings.model_dir)
     config = custom_experiment_config(experiment.config, settings, runner_experiment_id=1)
     spec = SearchSpec(config["hyperparameters"], experiment.ds_config, experiment.slots_per_trial)
-    method = make_search_method(settings, spec)
+    method = make_search_method(MethodSettings.from_settings(settings), spec)
     ops = method.initial_operations(None)
     profile = json.loads(ops[0].hparams)
     method.on_validation_completed(

@@ -10,7 +10,7 @@ from determined import searcher
 
 from dsat.runners.driver import SearchDriver
 from dsat.runners.simulated import SimulatedExecutor
-from dsat.search import make_search_method
+from dsat.search import MethodSettings, make_search_method
 from dsat.search.base import DsatSearchMethod, SearchSpec
 from dsat.search.trial import TrialFailure, TrialStatus
 from dsat.settings import SearchSettings
@@ -25,9 +25,15 @@ PROFILE = {
 BASE_DS = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1}}
 
 
-def settings(method: str = "binary", **overrides: Any) -> SearchSettings:
+def settings(method: str = "binary", **overrides: Any) -> MethodSettings:
     """Search settings for tests of the search itself: without the confirmation round unless a
     test asks for it (tests/search/test_confirmation.py does)."""
+    overrides.setdefault("confirm_top", 0)
+    return MethodSettings(method=method, **overrides)
+
+
+def search_settings(method: str = "binary", **overrides: Any) -> SearchSettings:
+    """The settings of a whole search (for ``run_search``, which saves them for a resume)."""
     overrides.setdefault("confirm_top", 0)
     return SearchSettings(method=method, config_path="x.yaml", model_dir=".", **overrides)
 

@@ -14,7 +14,7 @@ from dsat.runners.simulated import SimulatedExecutor
 from dsat.search.confirmation import planned_runs, winner
 from dsat.search.trial import TrialKind, TrialStatus
 from dsat.search_run import run_search
-from tests.search.helpers import PROFILE, method, run, settings, spec
+from tests.search.helpers import PROFILE, method, run, search_settings, spec
 
 GiB = 2**30
 
@@ -134,8 +134,9 @@ def test_no_round_with_confirm_top_0() -> None:
 def test_a_search_interrupted_in_its_confirmation_round_resumes_to_the_same_winner(
     tmp_path: Path, stop_after: int
 ) -> None:
-    chosen = settings("binary", zero_stages=(1,), max_concurrent_trials=1, max_trials=12)
-    chosen = chosen.__class__(**{**chosen.__dict__, "confirm_top": 3})
+    chosen = search_settings(
+        "binary", zero_stages=(1,), max_concurrent_trials=1, max_trials=12, confirm_top=3
+    )
     # Measurements that do not change between runs: a resumed round sees what a whole one does.
     whole = run_search(chosen, spec(), SimulatedExecutor(performance(), 1), tmp_path / "a")
     run_search(

@@ -12,9 +12,8 @@ from dsat.metric import Metric
 from dsat.runners.driver import SearchDriver
 from dsat.runners.performance_models import BUILTIN_MODELS, optimum
 from dsat.runners.simulated import SimulatedExecutor
-from dsat.search import make_search_method
+from dsat.search import MethodSettings, make_search_method
 from dsat.search.base import SearchSpec
-from dsat.settings import SearchSettings
 
 CASES: dict[str, tuple[int, dict[str, Any]]] = {
     name: (BUILTIN_MODELS[name].gpus, BUILTIN_MODELS[name].base_ds_config)
@@ -33,7 +32,7 @@ def regret(name: str, method: str, seed: int) -> float:
     slots, base = CASES[name]
     model = BUILTIN_MODELS[name]
     metric = Metric.FLOPS_PER_GPU
-    settings = SearchSettings(method=method, config_path="x.yaml", model_dir=".", random_seed=seed)
+    settings = MethodSettings(method=method, random_seed=seed)
     spec = SearchSpec(
         {"deepspeed_config": "ds.json"}, {"train_micro_batch_size_per_gpu": 1, **base}, slots
     )
