@@ -20,6 +20,7 @@ from dsat import settings as defaults
 from dsat.errors import USAGE_EXIT_CODE, DsatError
 from dsat.metric import Metric
 from dsat.resume import resumed_settings
+from dsat.runners import Backend
 from dsat.runners.trial_timeout import FLOOR_S, PROFILE_MULTIPLE, PROFILE_TRIAL_LIMIT_S
 from dsat.settings import SearchSettings
 from dsat.step_clock import MEASURED_STEPS, WARMUP_STEPS
@@ -180,7 +181,7 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--backend",
         default="auto",
-        choices=["auto", "local", "determined", "simulated"],
+        choices=["auto", *(backend.value for backend in Backend)],
         help="where trials run; auto = determined when DET_MASTER is set, else local",
     )
     parser.add_argument(
@@ -238,7 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Find the fastest DeepSpeed configuration for your model and hardware.",
     )
     sub = parser.add_subparsers(
-        dest="method", metavar="{guided,asha,binary,random,report}", required=True
+        dest="method",
+        metavar="{" + ",".join([*defaults.SEARCH_METHODS, "report"]) + "}",
+        required=True,
     )
     guided = sub.add_parser(
         "guided",

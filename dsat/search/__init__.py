@@ -7,11 +7,9 @@ from dsat.search.guided import GuidedSearch
 from dsat.search.method_settings import MethodSettings
 from dsat.search.random import RandomSearch
 
+# Keyed by each class's own name; dsat.settings.SEARCH_METHODS lists the names for the CLI.
 METHODS: dict[str, type[DsatSearchMethod]] = {
-    "guided": GuidedSearch,
-    "asha": AshaSearch,
-    "binary": BinarySearch,
-    "random": RandomSearch,
+    method.name: method for method in (GuidedSearch, AshaSearch, BinarySearch, RandomSearch)
 }
 
 

@@ -10,7 +10,9 @@ from determined import searcher
 
 from dsat.runners.driver import SearchDriver
 from dsat.runners.simulated import SimulatedExecutor
+from dsat.search import METHODS as REGISTERED
 from dsat.search.trial import TrialKind, TrialStatus
+from dsat.settings import SEARCH_METHODS
 from dsat.step_clock import MEASURED_STEPS, WARMUP_STEPS, measured_window
 from tests.search.helpers import PROFILE, cliff_function, history, method, run
 
@@ -203,3 +205,8 @@ def test_a_second_outcome_for_a_finished_trial_changes_nothing() -> None:
     assert len(m.tracker.queue) == queued  # no failure follow-ups were queued
     assert m.on_validation_completed(state, first.request_id, {"FLOPS_per_gpu": 1.0}, 6) == []
     assert m.tracker.get(str(first.request_id)).metrics == metrics
+
+
+def test_every_method_the_cli_names_is_registered_under_its_own_name() -> None:
+    assert list(REGISTERED) == list(SEARCH_METHODS)
+    assert all(REGISTERED[name].name == name for name in SEARCH_METHODS)
