@@ -34,8 +34,8 @@ from dsat.runners.performance_models import (
 )
 from dsat.runners.simulated import SimulatedExecutor
 from dsat.search import MethodSettings, make_search_method
-from dsat.search.base import SearchSpec
 from dsat.search.trial import TrialStatus
+from dsat.search.trial_builder import SearchSpec
 
 RESULTS = Path(__file__).resolve().parent / "results" / "search_efficiency.json"
 METRIC = Metric.FLOPS_PER_GPU

@@ -33,8 +33,8 @@ from dsat.constants import AUTOTUNING_KEY, ENV_HPARAMS_FILE
 from dsat.runners.local import HPARAMS_FILE, LocalExecutor, SlotPool
 from dsat.runners.trial_timeout import TrialTimeout
 from dsat.search import MethodSettings, make_search_method
-from dsat.search.base import SearchSpec
 from dsat.search.trial import TrialKind, TrialStatus
+from dsat.search.trial_builder import SearchSpec
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "core_api_mlp"

@@ -30,7 +30,8 @@ from dsat.runners.local_full_run import run_full_experiment
 from dsat.runners.simulated import SimulatedExecutor
 from dsat.runners.trial_processes import stop_leftover_trials
 from dsat.runners.trial_timeout import TrialTimeout
-from dsat.search.base import DsatSearchMethod, SearchSpec
+from dsat.search.method import DsatSearchMethod
+from dsat.search.trial_builder import SearchSpec
 from dsat.search_run import best_config_path, run_search
 from dsat.settings import SearchSettings
 

@@ -13,7 +13,8 @@ from dsat.results import BEST_CONFIG_FILE, ResultsWriter, TrialTiming
 from dsat.resume import write_settings
 from dsat.runners.driver import SearchDriver, TrialExecutor, TrialListener, TrialOutcome
 from dsat.search import MethodSettings, make_search_method
-from dsat.search.base import DsatSearchMethod, SearchSpec
+from dsat.search.method import DsatSearchMethod
+from dsat.search.trial_builder import SearchSpec
 from dsat.settings import SearchSettings
 
 

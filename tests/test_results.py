@@ -6,7 +6,7 @@ import json
 import re
 from pathlib import Path
 
-from dsat.constants import SETTINGS_FILE
+from dsat.constants import SETTINGS_FILE, STATE_FILE
 from dsat.ds_config_check import deepspeed_config_error
 from dsat.results import (
     BEST_CONFIG_FILE,
@@ -18,7 +18,8 @@ from dsat.results import (
 )
 from dsat.runners.performance_models import gpt2_large_16xv100
 from dsat.runners.simulated import SimulatedExecutor
-from dsat.search.base import STATE_FILE, DsatSearchMethod, SearchSpec
+from dsat.search.method import DsatSearchMethod
+from dsat.search.trial_builder import SearchSpec
 from dsat.search_run import run_search
 from tests.search.helpers import search_settings
 

@@ -40,7 +40,8 @@ from dsat.runners.determined_configs import (
 )
 from dsat.runners.searcher_operations import operations_from_text, operations_to_text
 from dsat.search import MethodSettings, make_search_method
-from dsat.search.base import DsatSearchMethod, SearchSpec
+from dsat.search.method import DsatSearchMethod
+from dsat.search.trial_builder import SearchSpec
 from dsat.settings import SearchSettings
 
 logger = logging.getLogger(__name__)

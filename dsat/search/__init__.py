@@ -1,11 +1,12 @@
 """The search core: pure search methods that decide which DeepSpeed configuration to try next."""
 
 from dsat.search.asha import AshaSearch
-from dsat.search.base import DsatSearchMethod, SearchSpec
 from dsat.search.binary import BinarySearch
 from dsat.search.guided import GuidedSearch
+from dsat.search.method import DsatSearchMethod
 from dsat.search.method_settings import MethodSettings
 from dsat.search.random import RandomSearch
+from dsat.search.trial_builder import SearchSpec
 
 # Keyed by each class's own name; dsat.settings.SEARCH_METHODS lists the names for the CLI.
 METHODS: dict[str, type[DsatSearchMethod]] = {

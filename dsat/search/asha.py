@@ -8,8 +8,8 @@ best result within it, may go on to the next rung; the highest rungs are served 
 
 from __future__ import annotations
 
-from dsat.search.base import DsatSearchMethod
 from dsat.search.binary import range_after
+from dsat.search.method import DsatSearchMethod
 from dsat.search.trial import TrialRecord
 
 

@@ -24,8 +24,8 @@ import math
 from typing import Any
 
 from dsat.memory import bucket_buffer_bytes
-from dsat.search.base import DsatSearchMethod
 from dsat.search.concave_curve import CurveEvidence, Gap, best_possible, next_gap
+from dsat.search.method import DsatSearchMethod
 from dsat.search.space import (
     BUCKET_SIZES,
     explicit_zero_config,
@@ -114,7 +114,7 @@ class GuidedSearch(DsatSearchMethod):
             action = self.best_action()
             if action is None:
                 break
-            record = self._register(
+            record = self.register(
                 self.make_trial(
                     TrialKind.SEARCH,
                     action.section,

@@ -20,7 +20,7 @@ from dsat.errors import DsatError
 from dsat.runners.determined_configs import custom_experiment_config
 from dsat.runners.local import free_ports
 from dsat.search import MethodSettings, make_search_method
-from dsat.search.base import SearchSpec
+from dsat.search.trial_builder import SearchSpec
 from dsat.settings import SearchSettings
 from tests.conftest import REPO_ROOT
 

@@ -20,7 +20,7 @@ import responses
 from dsat.cli import main
 from dsat.results import BEST_CONFIG_FILE, BEST_METRICS_FILE, SUMMARY_FILE, TRIALS_FILE
 from dsat.runners.determined_search_runner import run
-from dsat.search.base import DsatSearchMethod
+from dsat.search.method import DsatSearchMethod
 from tests.conftest import copy_example
 from tests.runners.fake_master import (
     MASTER,

@@ -11,8 +11,9 @@ from determined import searcher
 from dsat.runners.driver import SearchDriver
 from dsat.runners.simulated import SimulatedExecutor
 from dsat.search import MethodSettings, make_search_method
-from dsat.search.base import DsatSearchMethod, SearchSpec
+from dsat.search.method import DsatSearchMethod
 from dsat.search.trial import TrialFailure, TrialStatus
+from dsat.search.trial_builder import SearchSpec
 from dsat.settings import SearchSettings
 
 # A profile whose memory model allows micro-batch 64 at every stage (fp32, 1 slot).

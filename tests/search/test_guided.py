@@ -15,7 +15,7 @@ from dsat.runners.performance_models import (
     optimum,
 )
 from dsat.search import make_search_method
-from dsat.search.base import DsatSearchMethod
+from dsat.search.method import DsatSearchMethod
 from dsat.search.space import needs_no_less_memory
 from dsat.search.trial import TrialKind, TrialStatus
 from tests.search.helpers import cliff_function, history, method, run, settings, spec

@@ -13,7 +13,7 @@ from dsat.runners.driver import SearchDriver
 from dsat.runners.performance_models import BUILTIN_MODELS, optimum
 from dsat.runners.simulated import SimulatedExecutor
 from dsat.search import MethodSettings, make_search_method
-from dsat.search.base import SearchSpec
+from dsat.search.trial_builder import SearchSpec
 
 CASES: dict[str, tuple[int, dict[str, Any]]] = {
     name: (BUILTIN_MODELS[name].gpus, BUILTIN_MODELS[name].base_ds_config)

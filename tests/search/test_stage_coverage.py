@@ -49,7 +49,7 @@ def test_an_oom_caps_only_configurations_that_need_no_less_memory() -> None:
     start_profile(m)
     section = explicit_zero_config({}, 2)
     record = m.make_trial(TrialKind.SEARCH, section, 35, search_range=SearchRange(1, 64))
-    assert m._register(record) is not None
+    assert m.register(record) is not None
     m.tracker.dequeue(record.request_id)
     m.tracker.mark_running(record.request_id)
     m.tracker.mark_finished(record.request_id, TrialStatus.OOM)
@@ -68,7 +68,7 @@ def test_a_stage_that_never_fits_stops_being_drawn() -> None:
     for reduce_bucket in (10**6, 10**7):
         section = {"stage": 1, "reduce_bucket_size": reduce_bucket, "allgather_bucket_size": 10**6}
         record = m.make_trial(TrialKind.SEARCH, section, 1, search_range=SearchRange(1, 1))
-        assert m._register(record) is not None
+        assert m.register(record) is not None
         m.tracker.dequeue(record.request_id)
         m.tracker.mark_running(record.request_id)
         m.tracker.mark_finished(record.request_id, TrialStatus.OOM)

@@ -1,0 +1,124 @@
+"""How a search ends: the stop rules, then the confirmation round that decides what is handed over.
+
+Kept apart from the methods' hooks: every method ends the same way, whatever it tried.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING
+
+from dsat.search.confirmation import leaders, planned_runs, winner
+from dsat.search.trial import TrialKind, TrialStatus
+
+if TYPE_CHECKING:
+    from dsat.search.method import DsatSearchMethod
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class SearchEnding:
+    """Why the search stopped, and the confirmation round's progress (saved with the state)."""
+
+    shutdown_reason: str | None = None
+    confirmation_candidates: list[str] = dataclasses.field(default_factory=list)
+    search_end_reason: str = ""
+    unsafe_memory: bool = False  # every configuration that ran leaves too little memory
+
+    def stop_reason(self, method: DsatSearchMethod) -> str | None:
+        """Why the search must stop now, whatever is still queued; None to go on."""
+        if method.model_profile_failed():
+            return (
+                "the model-profile trial failed: the model must run at micro-batch 1 with the "
+                "submitted DeepSpeed config; fix that (see the trial's log) and try again"
+            )
+        if method.early_stopping_triggered():
+            return "early stopping: no improvement in the last trials"
+        if len(method.tracker.finished) >= method.tracker.max_trials:
+            return "all trials finished"
+        return None
+
+    def should_shutdown(self, method: DsatSearchMethod) -> bool:
+        tracker = method.tracker
+        if self.confirming(method):
+            if tracker.running or tracker.queue:
+                return False
+            self._end_confirmation(method)
+            return True
+        reason = self.stop_reason(method)
+        if reason is None and not tracker.running:
+            if not tracker.queue or tracker.num_started >= tracker.max_trials:
+                reason = "no configuration left to try"
+        unconfirmed = tracker.confirmed_id is None and not self.unsafe_memory
+        if reason is not None and unconfirmed and tracker.best() is not None:
+            for request_id in list(tracker.queue):  # the search is over: nothing more of it runs
+                tracker.discard(request_id)
+            if tracker.running:
+                return False  # the confirmation round starts once the last search trial ends
+            if self._start_confirmation(method, reason):
+                return False
+            if self.unsafe_memory:
+                reason = (
+                    f"{reason}, but every configuration that ran leaves less than "
+                    f"{method.settings.memory_margin:.0%} of the device's memory free "
+                    "(--memory-margin); none is handed over"
+                )
+        if reason is not None:
+            self.shutdown_reason = reason
+        return reason is not None
+
+    def confirming(self, method: DsatSearchMethod) -> bool:
+        return bool(self.confirmation_candidates) and method.tracker.confirmed_id is None
+
+    def _start_confirmation(self, method: DsatSearchMethod, reason: str) -> bool:
+        """Queue the runs of the confirmation round; False when there is nothing to confirm."""
+        tracker, settings = method.tracker, method.settings
+        candidates = leaders(tracker, settings.confirm_top, settings.memory_margin)
+        searched = sum(1 for r in tracker.finished if r.kind is TrialKind.SEARCH)
+        runs = planned_runs(candidates, searched) if settings.confirm_top > 1 else []
+        if not runs:
+            if candidates:
+                tracker.confirmed_id = candidates[0].request_id
+            else:
+                self.unsafe_memory = True
+            return False
+        self.search_end_reason = reason
+        self.confirmation_candidates = [c.request_id for c in candidates]
+        for candidate in runs:
+            index = method.next_index
+            run = candidate.replace(
+                request_id=method.builder.request_id(index),
+                index=index,
+                kind=TrialKind.CONFIRM,
+                parent_id=candidate.request_id,
+                status=TrialStatus.QUEUED,
+                metrics={},
+                error=None,
+            )
+            method.register(run)
+        tracker.max_trials += len(runs)
+        logger.info(
+            "search ends: %s; confirmation round: %d run(s) of the %d leading configurations "
+            "(%s), interleaved",
+            reason,
+            len(runs),
+            len(candidates),
+            ", ".join(c.name for c in candidates),
+        )
+        return True
+
+    def _end_confirmation(self, method: DsatSearchMethod) -> None:
+        candidates = [method.tracker.get(i) for i in self.confirmation_candidates]
+        chosen = winner(method.tracker, candidates)
+        if chosen is None:  # every leader failed when run again: the search's best stands
+            chosen = candidates[0]
+            logger.info("confirmation round: no leader ran again; keeping %s", chosen.name)
+        method.tracker.confirmed_id = chosen.request_id
+        self.shutdown_reason = f"{self.search_end_reason}; confirmed {chosen.name}"
+
+    def search_failed(self, method: DsatSearchMethod) -> bool:
+        """A search with no successful trial (or no model profile, or only configurations that
+        leave too little memory) has failed."""
+        return method.model_profile_failed() or method.tracker.best() is None or self.unsafe_memory

@@ -1,0 +1,226 @@
+"""What every dsat search method shares: the hooks a method overrides, and building its trials.
+
+A method is pure: no processes, files (except its own state when asked to save), or clocks. Its
+randomness comes from one numpy generator seeded by `--random-seed`, so the same seed and the same
+events give the same trials, and its whole state is JSON (method_state.py), so a search resumes
+where it stopped.
+
+Subclasses decide only what to try after the model profile, a success and a failure, and which
+queued trial to start first. Determined's events (events.py) call these hooks; trial records are
+built by trial_builder.py; ending.py decides when the search is over and what is handed over.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from dsat.memory import ModelProfile, ModelProfileError, Precision, approx_max_micro_batch
+from dsat.search.ending import SearchEnding
+from dsat.search.events import DeterminedEvents
+from dsat.search.method_settings import MethodSettings
+from dsat.search.space import neighbour_zero_config, random_zero_config
+from dsat.search.tracker import TrialTracker, config_key
+from dsat.search.trial import SearchRange, TrialKind, TrialRecord, TrialStatus
+from dsat.search.trial_builder import SearchSpec, TrialBuilder
+
+logger = logging.getLogger(__name__)
+
+# Chance that a new lineage varies the best configuration of its stage instead of a random one.
+EXPLOIT_PROBABILITY = 0.5
+# Bounds the draws for a configuration that was not tried yet, once the space runs dry.
+MAX_DRAWS = 50
+
+
+class DsatSearchMethod(DeterminedEvents):
+    name = "base"
+    exploit_probability = EXPLOIT_PROBABILITY
+
+    def __init__(self, settings: MethodSettings, spec: SearchSpec) -> None:
+        super().__init__()
+        self.settings = settings
+        self.spec = spec
+        self.tracker = TrialTracker(
+            metric=settings.metric,
+            max_trials=settings.max_trials,
+            max_concurrent_trials=settings.max_concurrent_trials,
+            max_slots=settings.max_slots,
+            slots_per_trial=spec.slots_per_trial,
+        )
+        self.rng = np.random.default_rng(settings.random_seed)
+        self.precision = Precision.of(spec.ds_config)
+        self.builder = TrialBuilder(
+            spec, settings.random_seed, settings.start_profile_step, settings.end_profile_step
+        )
+        self.next_index = 0
+        self.ending = SearchEnding()
+
+    @property
+    def method(self) -> DsatSearchMethod:
+        return self
+
+    # ------------------------------------------------------------------ hooks for subclasses
+
+    def initial_lineages(self) -> list[TrialRecord]:
+        """Trials to queue once the model profile is known: one lineage per concurrent slot."""
+        count = min(self.settings.max_concurrent_trials, self.settings.max_trials - 1)
+        if self.settings.max_slots is not None:
+            count = min(count, max(self.settings.max_slots // self.spec.slots_per_trial, 1))
+        return [t for t in (self.new_lineage() for _ in range(count)) if t is not None]
+
+    def after_success(self, record: TrialRecord) -> list[TrialRecord]:
+        """Queue what to try after ``record`` succeeded (through ``continue_lineage`` or
+        ``new_lineage``, which register it); returns what was queued."""
+        raise NotImplementedError
+
+    def after_failure(self, record: TrialRecord) -> list[TrialRecord]:
+        """Queue what to try after ``record`` ran out of memory or failed; returns it."""
+        raise NotImplementedError
+
+    def choose_next(self) -> str | None:
+        """The queued trial to start now (first come, first served), or None for none."""
+        return self.tracker.queue[0] if self.tracker.queue else None
+
+    def early_stopping_triggered(self) -> bool:
+        return False
+
+    def choose_stage(self) -> int:
+        stages = self.live_stages()
+        return int(stages[int(self.rng.integers(len(stages)))])
+
+    def live_stages(self) -> list[int]:
+        """The stages of ``--zero-stages`` still worth a configuration: not one where two
+        configurations ran out of memory at micro-batch 1 and none ran (the model's states alone
+        do not fit; buckets cannot make up for that). All of them if none is left."""
+        dead = set()
+        for stage in self.settings.zero_stages:
+            in_stage = [
+                r
+                for r in self.tracker.records
+                if r.kind is TrialKind.SEARCH and r.zero_stage == stage
+            ]
+            at_one = {config_key(r) for r in in_stage if r.status is TrialStatus.OOM and r.mbs == 1}
+            if len(at_one) >= 2 and stage not in self.tracker.successful_stages:
+                dead.add(stage)
+        return [s for s in self.settings.zero_stages if s not in dead] or list(
+            self.settings.zero_stages
+        )
+
+    def untried_stage(self) -> int | None:
+        """A stage of ``--zero-stages`` that has no trial yet: each gets one before any gets a
+        second configuration."""
+        untried = sorted(set(self.settings.zero_stages) - self.tracker.tried_stages())
+        return int(untried[int(self.rng.integers(len(untried)))]) if untried else None
+
+    def initial_range(self, stage: int, section: dict[str, Any] | None = None) -> SearchRange:
+        """The memory model's range for a stage's first configuration; a later one starts from
+        what the stage proved for it: the largest micro-batch that ran with a configuration
+        needing no less memory, below the smallest OOM of one needing no more."""
+        estimate = max(int(self.micro_batch_ceiling(stage) * self.settings.search_range_factor), 1)
+        ran, out_of_memory = self.tracker.proven_micro_batches(stage, section)
+        lo = ran or 1
+        hi = out_of_memory - 1 if out_of_memory is not None else max(estimate, lo)
+        return SearchRange(lo, max(hi, lo))
+
+    def first_micro_batch(self, search_range: SearchRange) -> int:
+        return search_range.midpoint
+
+    # ------------------------------------------------------------------ building trials
+
+    @property
+    def profile(self) -> ModelProfile | None:
+        record = self.tracker.model_profile
+        if record is None or record.status is not TrialStatus.COMPLETED:
+            return None
+        try:
+            return ModelProfile.from_metrics(record.metrics)
+        except ModelProfileError:
+            return None
+
+    def micro_batch_ceiling(self, stage: int) -> int:
+        profile = self.profile
+        if profile is None:
+            return 1
+        return approx_max_micro_batch(profile, self.precision, self.spec.slots_per_trial)[stage]
+
+    def make_trial(
+        self,
+        kind: TrialKind,
+        zero_config: dict[str, Any] | None,
+        mbs: int,
+        parent: TrialRecord | None = None,
+        search_range: SearchRange | None = None,
+        rung: int = 0,
+    ) -> TrialRecord:
+        """The next trial's record (not yet registered): see TrialBuilder."""
+        return self.builder.make(
+            self.next_index, kind, zero_config, mbs, parent, search_range, rung
+        )
+
+    def register(self, record: TrialRecord | None, queue: bool = True) -> TrialRecord | None:
+        """Add ``record`` to the tracker (queued unless told otherwise); None for a repeat."""
+        if record is None or not self.tracker.add(record, queue=queue):
+            return None
+        self.next_index += 1
+        return record
+
+    def model_profile_failed(self) -> bool:
+        record = self.tracker.model_profile
+        return record is not None and record.status.finished and self.profile is None
+
+    @property
+    def shutdown_reason(self) -> str | None:
+        return self.ending.shutdown_reason
+
+    @property
+    def search_failed(self) -> bool:
+        return self.ending.search_failed(self)
+
+    def draw_zero_config(self, stage: int) -> dict[str, Any]:
+        """A ZeRO section for a new lineage: at random, or, half of the time once the stage has a
+        best trial, that trial's section with one knob changed (a local step that exploits it)."""
+        best = self.tracker.best(stage)
+        explore = self.exploit_probability == 0 or self.rng.random() >= self.exploit_probability
+        if best is None or explore:
+            return random_zero_config(stage, self.rng)
+        section = best.ds_config.get("zero_optimization")
+        return neighbour_zero_config(
+            dict(section) if isinstance(section, dict) else {"stage": stage}, self.rng
+        )
+
+    def new_lineage(self, stage: int | None = None) -> TrialRecord | None:
+        """A new configuration, not tried before, at its first micro-batch."""
+        for _ in range(MAX_DRAWS):
+            chosen = self.untried_stage() if stage is None else stage
+            if chosen is None:
+                chosen = self.choose_stage()
+            zero_config = self.draw_zero_config(chosen)
+            search_range = self.initial_range(chosen, zero_config)
+            record = self.make_trial(
+                TrialKind.SEARCH,
+                zero_config,
+                self.first_micro_batch(search_range),
+                search_range=search_range,
+            )
+            if self.register(record) is not None:
+                return record
+        return None
+
+    def continue_lineage(
+        self, parent: TrialRecord, search_range: SearchRange, mbs: int, rung: int | None = None
+    ) -> TrialRecord | None:
+        """The next trial of ``parent``'s lineage; None when that micro-batch already ran."""
+        if search_range.empty:
+            return None
+        zero_config = parent.ds_config.get("zero_optimization")
+        record = self.make_trial(
+            TrialKind.SEARCH,
+            dict(zero_config) if isinstance(zero_config, dict) else None,
+            mbs,
+            parent=parent,
+            search_range=search_range,
+            rung=parent.rung if rung is None else rung,
+        )
+        return self.register(record)

@@ -1,0 +1,40 @@
+"""A search method's whole state as JSON (no pickle): saved after every event, so a search
+resumes where it stopped and proposes the trials the uninterrupted one would have."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from dsat.search.trial import TrialKind
+
+if TYPE_CHECKING:
+    from dsat.search.method import DsatSearchMethod
+
+STATE_VERSION = 1
+
+
+def state_json(method: DsatSearchMethod) -> dict[str, Any]:
+    return {
+        "version": STATE_VERSION,
+        "method": method.name,
+        "tracker": method.tracker.to_json(),
+        "rng": method.rng.bit_generator.state,
+        "next_index": method.next_index,
+        "confirmation_candidates": method.ending.confirmation_candidates,
+        "search_end_reason": method.ending.search_end_reason,
+    }
+
+
+def load_state_json(method: DsatSearchMethod, state: dict[str, Any]) -> None:
+    if state.get("version") != STATE_VERSION or state.get("method") != method.name:
+        raise ValueError(
+            f"search state is for {state.get('method')!r} v{state.get('version')}, "
+            f"not {method.name!r} v{STATE_VERSION}"
+        )
+    method.tracker.load_json(state["tracker"])
+    method.rng.bit_generator.state = state["rng"]
+    method.next_index = int(state["next_index"])
+    method.ending.confirmation_candidates = list(state.get("confirmation_candidates", []))
+    method.ending.search_end_reason = str(state.get("search_end_reason", ""))
+    confirm_runs = sum(1 for r in method.tracker.records if r.kind is TrialKind.CONFIRM)
+    method.tracker.max_trials = method.settings.max_trials + confirm_runs

@@ -1,0 +1,106 @@
+"""Turning a method's choice (kind, ZeRO section, micro-batch) into a complete trial record.
+
+Every trial gets the user's overrides, the ZeRO section, a consistent batch triple for its slots
+and the autotuning block that makes DeepSpeed profile it and stop; its request id is a function of
+the seed and its index, so a resumed search names its trials as the original would.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import uuid
+from typing import Any
+
+from dsat.batch_size import consistent_batch_sizes
+from dsat.config import deep_merge
+from dsat.constants import (
+    AUTOTUNING_KEY,
+    GRAD_ACCUM_STEPS,
+    METRICS_FILE,
+    MICRO_BATCH_SIZE,
+    MODEL_INFO_FILE,
+    OVERWRITE_KEY,
+)
+from dsat.search.trial import SearchRange, TrialKind, TrialRecord
+from dsat.step_clock import measured_window
+
+_REQUEST_NAMESPACE = uuid.UUID("6c1f7e1a-3f5e-4a52-9a3c-2f0d5c8e9b41")
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchSpec:
+    """What a method needs to know of the experiment: no paths, only data."""
+
+    hparams: dict[str, Any]  # the experiment's hyperparameters
+    ds_config: dict[str, Any]  # the user's DeepSpeed config, as loaded
+    slots_per_trial: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TrialBuilder:
+    spec: SearchSpec
+    random_seed: int
+    start_profile_step: int
+    end_profile_step: int
+
+    @property
+    def last_measured_step(self) -> int:
+        """DeepSpeed ends a search trial after this step: the end of dsat's measured window."""
+        return measured_window(self.start_profile_step, self.end_profile_step)[1]
+
+    def autotuning_block(self, kind: TrialKind) -> dict[str, Any]:
+        if kind is TrialKind.MODEL_PROFILE:
+            return {
+                "enabled": True,
+                "model_info_path": MODEL_INFO_FILE,
+                "model_info": {"profile": True},
+            }
+        return {
+            "enabled": True,
+            "start_profile_step": self.start_profile_step,
+            "end_profile_step": self.last_measured_step,
+            "metric_path": METRICS_FILE,
+        }
+
+    def request_id(self, index: int) -> str:
+        """The request id of the trial created ``index``-th."""
+        return str(uuid.uuid5(_REQUEST_NAMESPACE, f"{self.random_seed}:{index}"))
+
+    def make(
+        self,
+        index: int,
+        kind: TrialKind,
+        zero_config: dict[str, Any] | None,
+        mbs: int,
+        parent: TrialRecord | None = None,
+        search_range: SearchRange | None = None,
+        rung: int = 0,
+    ) -> TrialRecord:
+        """The ``index``-th trial's record (not yet registered)."""
+        spec = self.spec
+        user_overwrites = spec.hparams.get(OVERWRITE_KEY) or {}
+        overwrites = deep_merge(user_overwrites, {AUTOTUNING_KEY: self.autotuning_block(kind)})
+        if zero_config is not None:
+            overwrites = deep_merge(overwrites, {"zero_optimization": zero_config})
+        merged = deep_merge(spec.ds_config, overwrites)
+        batch = consistent_batch_sizes(merged, spec.slots_per_trial, micro_batch=mbs)
+        overwrites = deep_merge(overwrites, batch)
+        hparams = {**copy.deepcopy(spec.hparams), OVERWRITE_KEY: overwrites}
+        ds_config = deep_merge(spec.ds_config, overwrites)
+        request_id = self.request_id(index)
+        zero = ds_config.get("zero_optimization")
+        return TrialRecord(
+            request_id=request_id,
+            index=index,
+            kind=kind,
+            hparams=hparams,
+            ds_config=ds_config,
+            zero_stage=int(zero.get("stage", 0)) if isinstance(zero, dict) else 0,
+            mbs=int(ds_config[MICRO_BATCH_SIZE]),
+            gas=int(ds_config[GRAD_ACCUM_STEPS]),
+            lineage_id=parent.lineage_id if parent is not None else request_id,
+            parent_id=parent.request_id if parent is not None else None,
+            search_range=search_range,
+            rung=rung,
+        )
