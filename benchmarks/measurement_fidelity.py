@@ -28,9 +28,9 @@ from typing import Any
 import numpy as np
 
 from dsat.atomic_file import write_json_atomic
-from dsat.config import deep_merge
 from dsat.constants import AUTOTUNING_KEY
-from dsat.results import BEST_CONFIG_FILE, TRIALS_FILE
+from dsat.experiment.config import deep_merge
+from dsat.results.directory import BEST_CONFIG_FILE, TRIALS_FILE
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "core_api_mlp"

@@ -24,18 +24,18 @@ from pathlib import Path
 from typing import Any
 
 from dsat.atomic_file import write_json_atomic
-from dsat.metric import Metric
+from dsat.experiment.metric import Metric
 from dsat.runners.driver import DeterminedOnlyMethod, FinishedTrial, SearchDriver, SearchEvents
-from dsat.runners.performance_models import (
+from dsat.runners.simulated.executor import SimulatedExecutor
+from dsat.runners.simulated.performance_models import (
     BUILTIN_MODELS,
     PerformanceModel,
     is_model_profile,
     optimum,
 )
-from dsat.runners.simulated import SimulatedExecutor
 from dsat.search import MethodSettings, make_search_method
-from dsat.search.trial import TrialStatus
 from dsat.search.trial_builder import SearchSpec
+from dsat.trial import TrialStatus
 
 RESULTS = Path(__file__).resolve().parent / "results" / "search_efficiency.json"
 METRIC = Metric.FLOPS_PER_GPU

@@ -28,13 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from dsat.atomic_file import write_json_atomic
-from dsat.config import load_experiment
 from dsat.constants import AUTOTUNING_KEY, ENV_HPARAMS_FILE
-from dsat.runners.local import HPARAMS_FILE, LocalExecutor, SlotPool
-from dsat.runners.trial_timeout import TrialTimeout
+from dsat.experiment.config import load_experiment
+from dsat.runners.local.executor import HPARAMS_FILE, LocalExecutor, SlotPool
+from dsat.runners.local.trial_timeout import TrialTimeout
 from dsat.search import MethodSettings, make_search_method
-from dsat.search.trial import TrialKind, TrialStatus
 from dsat.search.trial_builder import SearchSpec
+from dsat.trial import TrialKind, TrialStatus
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "core_api_mlp"

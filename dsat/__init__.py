@@ -4,9 +4,13 @@ Trial code needs only these functions; importing dsat loads neither torch nor De
 """
 
 from dsat.errors import DsatError
-from dsat.hf_args import get_hf_args_with_overwrites
-from dsat.reporting import dsat_reporting_context
-from dsat.trial_config import get_ds_config_from_hparams, get_hparams, overwrite_deepspeed_config
+from dsat.training.hf_args import get_hf_args_with_overwrites
+from dsat.training.reporting import dsat_reporting_context
+from dsat.training.trial_config import (
+    get_ds_config_from_hparams,
+    get_hparams,
+    overwrite_deepspeed_config,
+)
 
 __all__ = [
     "DsatError",

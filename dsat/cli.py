@@ -16,14 +16,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from dsat import settings as defaults
 from dsat.errors import USAGE_EXIT_CODE, DsatError
-from dsat.metric import Metric
-from dsat.resume import resumed_settings
+from dsat.experiment import settings as defaults
+from dsat.experiment.metric import Metric
+from dsat.experiment.settings import SearchSettings
+from dsat.results.resume import resumed_settings
 from dsat.runners import Backend
-from dsat.runners.trial_timeout import FLOOR_S, PROFILE_MULTIPLE, PROFILE_TRIAL_LIMIT_S
-from dsat.settings import SearchSettings
-from dsat.step_clock import MEASURED_STEPS, WARMUP_STEPS
+from dsat.runners.local.trial_timeout import FLOOR_S, PROFILE_MULTIPLE, PROFILE_TRIAL_LIMIT_S
+from dsat.training.step_clock import MEASURED_STEPS, WARMUP_STEPS
 
 PROG = "dsat"
 
@@ -386,7 +386,7 @@ def show_progress_logs() -> None:
 
 def report_main(argv: Sequence[str]) -> int:
     """`python3 -m dsat report RESULTS_DIR`."""
-    from dsat.report import report_to_terminal
+    from dsat.results.report import report_to_terminal
 
     namespace = build_parser().parse_args(["report", *argv])
     try:
@@ -398,7 +398,7 @@ def report_main(argv: Sequence[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from dsat.runners.local_full_run import FullExperimentFailed
+    from dsat.runners.local.full_run import FullExperimentFailed
     from dsat.search_launch import SearchFailed, SearchInterrupted, launch
 
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -12,28 +12,33 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from dsat.callable_spec import load_callable
-from dsat.config import Experiment, load_experiment, load_yaml_mapping, validate_with_deepspeed
 from dsat.constants import RESULTS_ROOT, STATE_FILE
 from dsat.errors import DsatError
+from dsat.experiment.config import (
+    Experiment,
+    load_experiment,
+    load_yaml_mapping,
+    validate_with_deepspeed,
+)
+from dsat.experiment.function_path import load_callable
+from dsat.experiment.settings import SearchSettings
 from dsat.paths import shown
-from dsat.report import write_report
-from dsat.results import SUMMARY_FILE, full_experiment_hparams
-from dsat.resume import read_saved_state, resume_command
+from dsat.results.directory import SUMMARY_FILE, full_experiment_hparams
+from dsat.results.report import write_report
+from dsat.results.resume import read_saved_state, resume_command
 from dsat.runners import Backend, resolve_backend
-from dsat.runners.deepspeed_ops import build_ops, ops_for_trials
-from dsat.runners.determined_submit import submit
+from dsat.runners.determined.submit import submit
 from dsat.runners.driver import TrialExecutor
-from dsat.runners.launch import entrypoint_tokens, require_command
-from dsat.runners.local import LocalExecutor, SlotPool
-from dsat.runners.local_full_run import run_full_experiment
-from dsat.runners.simulated import SimulatedExecutor
-from dsat.runners.trial_processes import stop_leftover_trials
-from dsat.runners.trial_timeout import TrialTimeout
+from dsat.runners.local.deepspeed_ops import build_ops, ops_for_trials
+from dsat.runners.local.entrypoint import entrypoint_tokens, require_command
+from dsat.runners.local.executor import LocalExecutor, SlotPool
+from dsat.runners.local.full_run import run_full_experiment
+from dsat.runners.local.trial_processes import stop_leftover_trials
+from dsat.runners.local.trial_timeout import TrialTimeout
+from dsat.runners.simulated.executor import SimulatedExecutor
 from dsat.search.method import DsatSearchMethod
 from dsat.search.trial_builder import SearchSpec
 from dsat.search_run import best_config_path, run_search
-from dsat.settings import SearchSettings
 
 OPS_LOG = "deepspeed-ops.log"
 

@@ -7,15 +7,15 @@ from pathlib import Path
 
 from dsat.constants import STATE_FILE
 from dsat.errors import DsatError
+from dsat.experiment.settings import SearchSettings
 from dsat.paths import shown
-from dsat.progress import SearchProgress
-from dsat.results import BEST_CONFIG_FILE, ResultsWriter, TrialTiming
-from dsat.resume import write_settings
+from dsat.results.directory import BEST_CONFIG_FILE, ResultsWriter, TrialTiming
+from dsat.results.progress import SearchProgress
+from dsat.results.resume import write_settings
 from dsat.runners.driver import SearchDriver, TrialExecutor, TrialListener, TrialOutcome
 from dsat.search import MethodSettings, make_search_method
 from dsat.search.method import DsatSearchMethod
 from dsat.search.trial_builder import SearchSpec
-from dsat.settings import SearchSettings
 
 
 class ResultsRecorder:

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from dsat.step_clock import stop_clock
+from dsat.training.step_clock import stop_clock
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_DIR = REPO_ROOT / "examples" / "core_api_mlp"

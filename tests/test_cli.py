@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from dsat.cli import main, parse_settings
-from dsat.metric import Metric
+from dsat.experiment.metric import Metric
 from tests.conftest import run_cli, write_experiment
 
 
@@ -193,7 +193,7 @@ def test_full_experiment_needs_a_real_runner(
             "--backend",
             "simulated",
             "--simulator",
-            "dsat.runners.performance_models:gpt2_large_16xv100",
+            "dsat.runners.simulated.performance_models:gpt2_large_16xv100",
             "--run-full-experiment",
         ],
         "--run-full-experiment needs a runner that trains for real",
@@ -481,7 +481,7 @@ def test_resume_and_results_dir_conflict(
 # ---------------------------------------------------------------- the simulated backend end to end
 
 SIMULATED = Path(__file__).resolve().parents[1] / "examples" / "simulated"
-GPT2 = "dsat.runners.performance_models:gpt2_large_16xv100"
+GPT2 = "dsat.runners.simulated.performance_models:gpt2_large_16xv100"
 
 
 def test_simulated_search_prints_the_summary_and_leaves_results(tmp_path: Path) -> None:

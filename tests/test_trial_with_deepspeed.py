@@ -18,9 +18,9 @@ from dsat.constants import ENV_HPARAMS_FILE, OVERWRITE_KEY, TRIAL_OUTCOME_FILE
 from dsat.memory import ModelProfile
 from dsat.search import MethodSettings, make_search_method
 from dsat.search.space import random_zero_config
-from dsat.search.trial import TrialKind
 from dsat.search.trial_builder import SearchSpec
-from dsat.step_clock import MEASURED_STEPS
+from dsat.training.step_clock import MEASURED_STEPS
+from dsat.trial import TrialKind
 from tests.conftest import EXAMPLE_DIR, REPO_ROOT, copy_example
 
 pytestmark = pytest.mark.slow

@@ -18,9 +18,9 @@ from typing import Any, Protocol
 
 from determined import searcher
 
-from dsat.config import deep_merge
 from dsat.constants import OVERWRITE_KEY
-from dsat.search.trial import TrialFailure, TrialStatus
+from dsat.experiment.config import deep_merge
+from dsat.trial import TrialFailure, TrialStatus
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,7 @@ from dsat.search.method_settings import MethodSettings
 from dsat.search.random import RandomSearch
 from dsat.search.trial_builder import SearchSpec
 
-# Keyed by each class's own name; dsat.settings.SEARCH_METHODS lists the names for the CLI.
+# Keyed by each class's own name; dsat.experiment.settings.SEARCH_METHODS lists the names for the CLI.
 METHODS: dict[str, type[DsatSearchMethod]] = {
     method.name: method for method in (GuidedSearch, AshaSearch, BinarySearch, RandomSearch)
 }

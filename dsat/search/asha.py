@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dsat.search.binary import range_after
 from dsat.search.method import DsatSearchMethod
-from dsat.search.trial import TrialRecord
+from dsat.trial import TrialRecord
 
 
 class AshaSearch(DsatSearchMethod):

@@ -7,7 +7,7 @@ error lowers the ceiling. When a range is used up, a fresh random configuration 
 from __future__ import annotations
 
 from dsat.search.method import DsatSearchMethod
-from dsat.search.trial import SearchRange, TrialRecord
+from dsat.trial import SearchRange, TrialRecord
 
 
 def range_after(record: TrialRecord) -> SearchRange:

@@ -15,7 +15,7 @@ import statistics
 from collections.abc import Sequence
 
 from dsat.search.tracker import TrialTracker, config_key
-from dsat.search.trial import TrialKind, TrialRecord
+from dsat.trial import TrialKind, TrialRecord
 
 # The round's runs, as a share of the search trials that finished (at least one per leader).
 SHARE_OF_SEARCH = 0.15

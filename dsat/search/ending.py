@@ -10,7 +10,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from dsat.search.confirmation import leaders, planned_runs, winner
-from dsat.search.trial import TrialKind, TrialStatus
+from dsat.trial import TrialKind, TrialStatus
 
 if TYPE_CHECKING:
     from dsat.search.method import DsatSearchMethod

@@ -23,7 +23,7 @@ from dsat.atomic_file import write_json_atomic
 from dsat.constants import OOM_METRIC_KEY, STATE_FILE
 from dsat.memory import log_estimates
 from dsat.search.method_state import load_state_json, state_json
-from dsat.search.trial import TrialFailure, TrialKind, TrialRecord, TrialStatus
+from dsat.trial import TrialFailure, TrialKind, TrialRecord, TrialStatus
 
 if TYPE_CHECKING:
     from dsat.search.method import DsatSearchMethod

@@ -32,7 +32,7 @@ from dsat.search.space import (
     knob_steps,
     needs_no_less_memory,
 )
-from dsat.search.trial import SearchRange, TrialKind, TrialRecord, TrialStatus
+from dsat.trial import SearchRange, TrialKind, TrialRecord, TrialStatus
 
 # Stop once nothing untried can beat the best by more than this (relative).
 TOLERANCE = 0.01

@@ -23,8 +23,8 @@ from dsat.search.events import DeterminedEvents
 from dsat.search.method_settings import MethodSettings
 from dsat.search.space import neighbour_zero_config, random_zero_config
 from dsat.search.tracker import TrialTracker, config_key
-from dsat.search.trial import SearchRange, TrialKind, TrialRecord, TrialStatus
 from dsat.search.trial_builder import SearchSpec, TrialBuilder
+from dsat.trial import SearchRange, TrialKind, TrialRecord, TrialStatus
 
 logger = logging.getLogger(__name__)
 

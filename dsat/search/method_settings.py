@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from dsat.metric import Metric
-from dsat.settings import (
+from dsat.experiment.metric import Metric
+from dsat.experiment.settings import (
     DEFAULT_ASHA_EARLY_STOPPING,
     DEFAULT_CONFIRM_TOP,
     DEFAULT_DIVISOR,
@@ -30,7 +30,7 @@ from dsat.settings import (
 )
 
 if TYPE_CHECKING:
-    from dsat.settings import SearchSettings
+    from dsat.experiment.settings import SearchSettings
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from dsat.search.trial import TrialKind
+from dsat.trial import TrialKind
 
 if TYPE_CHECKING:
     from dsat.search.method import DsatSearchMethod

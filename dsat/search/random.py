@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from dsat.search.method import MAX_DRAWS, DsatSearchMethod
-from dsat.search.trial import SearchRange, TrialRecord
+from dsat.trial import SearchRange, TrialRecord
 
 PRUNED_BY_LOWER_STAGES = 3
 LOWER_STAGES = {1, 2}

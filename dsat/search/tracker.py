@@ -10,9 +10,9 @@ import json
 from typing import Any
 
 from dsat.constants import OVERWRITE_KEY
-from dsat.metric import Metric
+from dsat.experiment.metric import Metric
 from dsat.search.space import explicit_zero_config, needs_no_less_memory
-from dsat.search.trial import TrialKind, TrialRecord, TrialStatus
+from dsat.trial import TrialKind, TrialRecord, TrialStatus
 
 
 def config_key(record: TrialRecord) -> str:

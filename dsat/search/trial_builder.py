@@ -12,8 +12,6 @@ import dataclasses
 import uuid
 from typing import Any
 
-from dsat.batch_size import consistent_batch_sizes
-from dsat.config import deep_merge
 from dsat.constants import (
     AUTOTUNING_KEY,
     GRAD_ACCUM_STEPS,
@@ -22,8 +20,10 @@ from dsat.constants import (
     MODEL_INFO_FILE,
     OVERWRITE_KEY,
 )
-from dsat.search.trial import SearchRange, TrialKind, TrialRecord
-from dsat.step_clock import measured_window
+from dsat.experiment.batch_size import consistent_batch_sizes
+from dsat.experiment.config import deep_merge
+from dsat.training.step_clock import measured_window
+from dsat.trial import SearchRange, TrialKind, TrialRecord
 
 _REQUEST_NAMESPACE = uuid.UUID("6c1f7e1a-3f5e-4a52-9a3c-2f0d5c8e9b41")
 

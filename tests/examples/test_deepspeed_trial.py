@@ -15,13 +15,13 @@ from typing import Any
 import pytest
 
 import dsat
-from dsat.config import load_experiment, validate_with_deepspeed
 from dsat.errors import DsatError
-from dsat.runners.determined_configs import custom_experiment_config
-from dsat.runners.local import free_ports
+from dsat.experiment.config import load_experiment, validate_with_deepspeed
+from dsat.experiment.settings import SearchSettings
+from dsat.runners.determined.configs import custom_experiment_config
+from dsat.runners.local.executor import free_ports
 from dsat.search import MethodSettings, make_search_method
 from dsat.search.trial_builder import SearchSpec
-from dsat.settings import SearchSettings
 from tests.conftest import REPO_ROOT
 
 EXAMPLE = REPO_ROOT / "examples" / "deepspeed_trial"
@@ -152,7 +152,7 @@ def test_the_local_runner_refuses_a_trial_class_with_the_way_out(
 
 
 def test_trial_class_message_names_the_class_and_the_backend() -> None:
-    from dsat.runners.launch import require_command
+    from dsat.runners.local.entrypoint import require_command
 
     with pytest.raises(DsatError) as caught:
         require_command(

@@ -25,8 +25,8 @@ from typing import Any
 import responses
 from determined.common.api import bindings
 
-from dsat.oom import is_out_of_memory
-from dsat.reporting import report_out_of_memory
+from dsat.training.oom import is_out_of_memory
+from dsat.training.reporting import report_out_of_memory
 
 MASTER = "http://fake-master:8080"
 TOKEN = "fake-token"

@@ -8,13 +8,13 @@ from typing import Any
 
 from determined import searcher
 
+from dsat.experiment.settings import SearchSettings
 from dsat.runners.driver import SearchDriver
-from dsat.runners.simulated import SimulatedExecutor
+from dsat.runners.simulated.executor import SimulatedExecutor
 from dsat.search import MethodSettings, make_search_method
 from dsat.search.method import DsatSearchMethod
-from dsat.search.trial import TrialFailure, TrialStatus
 from dsat.search.trial_builder import SearchSpec
-from dsat.settings import SearchSettings
+from dsat.trial import TrialFailure, TrialStatus
 
 # A profile whose memory model allows micro-batch 64 at every stage (fp32, 1 slot).
 PROFILE = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from dsat.search.asha import AshaSearch
-from dsat.search.trial import SearchRange, TrialStatus
+from dsat.trial import SearchRange, TrialStatus
 from tests.search.helpers import cliff_function, created_ids, finish, method, run, start_profile
 
 

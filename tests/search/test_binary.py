@@ -7,7 +7,7 @@ import math
 import pytest
 
 from dsat.search.binary import range_after
-from dsat.search.trial import SearchRange, TrialStatus
+from dsat.trial import SearchRange, TrialStatus
 from tests.search.helpers import cliff_function, created_ids, finish, method, run, start_profile
 
 

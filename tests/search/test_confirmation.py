@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from dsat.runners.simulated import SimulatedExecutor
+from dsat.runners.simulated.executor import SimulatedExecutor
 from dsat.search.confirmation import planned_runs, winner
-from dsat.search.trial import TrialKind, TrialStatus
 from dsat.search_run import run_search
+from dsat.trial import TrialKind, TrialStatus
 from tests.search.helpers import PROFILE, method, run, search_settings, spec
 
 GiB = 2**30

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from dsat.metric import Metric
-from dsat.runners.performance_models import (
+from dsat.experiment.metric import Metric
+from dsat.runners.simulated.performance_models import (
     BUILTIN_MODELS,
     STRESS_MODELS,
     PerformanceModel,
@@ -17,7 +17,7 @@ from dsat.runners.performance_models import (
 from dsat.search import make_search_method
 from dsat.search.method import DsatSearchMethod
 from dsat.search.space import needs_no_less_memory
-from dsat.search.trial import TrialKind, TrialStatus
+from dsat.trial import TrialKind, TrialStatus
 from tests.search.helpers import cliff_function, history, method, run, settings, spec
 
 

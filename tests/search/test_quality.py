@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from dsat.metric import Metric
+from dsat.experiment.metric import Metric
 from dsat.runners.driver import SearchDriver
-from dsat.runners.performance_models import BUILTIN_MODELS, optimum
-from dsat.runners.simulated import SimulatedExecutor
+from dsat.runners.simulated.executor import SimulatedExecutor
+from dsat.runners.simulated.performance_models import BUILTIN_MODELS, optimum
 from dsat.search import MethodSettings, make_search_method
 from dsat.search.trial_builder import SearchSpec
 

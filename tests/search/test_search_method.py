@@ -8,12 +8,12 @@ from typing import Any
 import pytest
 from determined import searcher
 
+from dsat.experiment.settings import SEARCH_METHODS
 from dsat.runners.driver import SearchDriver
-from dsat.runners.simulated import SimulatedExecutor
+from dsat.runners.simulated.executor import SimulatedExecutor
 from dsat.search import METHODS as REGISTERED
-from dsat.search.trial import TrialKind, TrialStatus
-from dsat.settings import SEARCH_METHODS
-from dsat.step_clock import MEASURED_STEPS, WARMUP_STEPS, measured_window
+from dsat.training.step_clock import MEASURED_STEPS, WARMUP_STEPS, measured_window
+from dsat.trial import TrialKind, TrialStatus
 from tests.search.helpers import PROFILE, cliff_function, history, method, run
 
 METHODS = ["guided", "asha", "binary", "random"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from dsat.search.space import explicit_zero_config
-from dsat.search.trial import SearchRange, TrialKind, TrialStatus
+from dsat.trial import SearchRange, TrialKind, TrialStatus
 from tests.search.helpers import cliff_function, created_ids, finish, method, run, start_profile
 
 

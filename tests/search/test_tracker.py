@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dsat.metric import Metric
+from dsat.experiment.metric import Metric
 from dsat.search.tracker import TrialTracker
-from dsat.search.trial import SearchRange, TrialKind, TrialRecord, TrialStatus
+from dsat.trial import SearchRange, TrialKind, TrialRecord, TrialStatus
 
 
 def record(

@@ -1,0 +1,221 @@
+"""Loading and checking what the user submits: the experiment YAML and its DeepSpeed JSON.
+
+Everything here turns a user mistake into a one-line ``DsatError`` naming the file and key, so a
+search never starts on a config that every trial would reject.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import shlex
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dsat.constants import AUTO, AUTOTUNING_KEY, DS_CONFIG_KEY
+from dsat.errors import DsatError
+from dsat.experiment.batch_size import consistent_batch_sizes
+
+# Entrypoint flags that name a DeepSpeed config: HF's `--deepspeed PATH` and DeepSpeed's own
+# `--deepspeed_config PATH` (DeepSpeed's bare `--deepspeed` is a switch with no value).
+ENTRYPOINT_DS_FLAGS = ("--deepspeed", "--deepspeed_config", "--deepspeed-config")
+
+
+@dataclasses.dataclass(frozen=True)
+class Experiment:
+    """A loaded, checked experiment: the user's YAML plus the DeepSpeed JSON it points to."""
+
+    config_path: Path
+    model_dir: Path
+    config: dict[str, Any]
+    ds_config_path: Path
+    ds_config: dict[str, Any]
+    includes: tuple[Path, ...] = ()
+
+    @property
+    def name(self) -> str:
+        name = self.config.get("name")
+        return name if isinstance(name, str) and name.strip() else self.config_path.stem
+
+    @property
+    def hparams(self) -> dict[str, Any]:
+        hparams: dict[str, Any] = self.config["hyperparameters"]
+        return hparams
+
+    @property
+    def slots_per_trial(self) -> int:
+        return slots_per_trial(self.config, str(self.config_path))
+
+
+def deep_merge(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """A new dict: mappings merge key by key, recursively; any other override value replaces."""
+    merged = copy.deepcopy(dict(base))
+    for key, value in overrides.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def load_yaml_mapping(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise DsatError(f"{path}: config file not found; pass the path of your experiment YAML")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise DsatError(f"{path}: not valid YAML ({err.problem}{where}); fix the syntax") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise DsatError(f"{path}: not valid YAML ({err}); fix the syntax") from None
+    if not isinstance(data, dict):
+        raise DsatError(f"{path}: expected a YAML mapping of experiment settings at the top level")
+    return data
+
+
+def load_ds_json(path: Path, source: str) -> dict[str, Any]:
+    """Read a DeepSpeed JSON config; ``source`` says who named it, for the error message."""
+    if not path.is_file():
+        raise DsatError(f"{path}: DeepSpeed config not found (named by {source}); fix the path")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise DsatError(
+            f"{path}: not valid JSON ({err.msg} at line {err.lineno}, column {err.colno})"
+        ) from None
+    except UnicodeDecodeError:
+        raise DsatError(f"{path}: not valid JSON (not UTF-8 text)") from None
+    if not isinstance(data, dict):
+        raise DsatError(
+            f"{path}: a DeepSpeed config must be a JSON object, got {type(data).__name__}"
+        )
+    return data
+
+
+def slots_per_trial(config: Mapping[str, Any], source: str) -> int:
+    resources = config.get("resources") or {}
+    slots = resources.get("slots_per_trial", 1) if isinstance(resources, Mapping) else None
+    if isinstance(slots, bool) or not isinstance(slots, int) or slots <= 0:
+        raise DsatError(
+            f"{source}: resources.slots_per_trial must be a positive integer, got {slots!r}"
+        )
+    return slots
+
+
+def resolve_ds_config_path(relative: str, model_dir: Path, includes: Sequence[Path]) -> Path | None:
+    """Where ``hyperparameters.deepspeed_config`` points: MODEL_DIR first, then the includes.
+
+    An included path lands at the root of the trial's context under its own name (as with
+    Determined's ``--include``), so ``configs/ds.json`` matches ``--include ../configs``.
+    """
+    candidates = [model_dir / relative]
+    first_part = Path(relative).parts[0] if Path(relative).parts else ""
+    candidates += [inc.parent / relative for inc in includes if inc.name == first_part]
+    return next((c for c in candidates if c.is_file()), None)
+
+
+def entrypoint_ds_config(entrypoint: str | Sequence[str] | None) -> str | None:
+    """The config path an entrypoint passes with ``--deepspeed``/``--deepspeed_config``, if any."""
+    if entrypoint is None:
+        return None
+    if isinstance(entrypoint, str):
+        try:
+            tokens = shlex.split(entrypoint)
+        except ValueError:
+            return None
+    else:
+        tokens = [str(t) for t in entrypoint]
+    for i, token in enumerate(tokens):
+        flag, eq, value = token.partition("=")
+        if flag not in ENTRYPOINT_DS_FLAGS:
+            continue
+        if eq:
+            return value
+        if i + 1 < len(tokens) and not tokens[i + 1].startswith("-"):
+            return tokens[i + 1]
+    return None
+
+
+def same_relative_file(a: str, b: str) -> bool:
+    return os.path.normpath(a) == os.path.normpath(b)
+
+
+def load_experiment(
+    config_path: str | Path, model_dir: str | Path, includes: Sequence[str | Path] = ()
+) -> Experiment:
+    """Load and check an experiment; raises ``DsatError`` on the first user mistake."""
+    config_path, model_dir = Path(config_path), Path(model_dir)
+    include_paths = tuple(Path(p) for p in includes)
+    config = load_yaml_mapping(config_path)
+    if not model_dir.is_dir():
+        raise DsatError(f"{model_dir}: model directory not found; pass the folder with your code")
+    for inc in include_paths:
+        if not inc.exists():
+            raise DsatError(f"--include {inc}: path not found")
+    hparams = config.get("hyperparameters")
+    if not isinstance(hparams, dict):
+        raise DsatError(
+            f"{config_path}: no hyperparameters section; add one with "
+            f"'{DS_CONFIG_KEY}: <your DeepSpeed JSON>'"
+        )
+    relative = hparams.get(DS_CONFIG_KEY)
+    if not isinstance(relative, str) or not relative.strip():
+        raise DsatError(
+            f"{config_path}: hyperparameters.{DS_CONFIG_KEY} is missing; set it to the path of "
+            "your DeepSpeed JSON, relative to MODEL_DIR"
+        )
+    ds_path = resolve_ds_config_path(relative, model_dir, include_paths)
+    if ds_path is None:
+        raise DsatError(
+            f"{config_path}: hyperparameters.{DS_CONFIG_KEY} names {relative}, which is not in "
+            f"MODEL_DIR {model_dir} nor any --include; fix the path (it is relative to MODEL_DIR)"
+        )
+    named = entrypoint_ds_config(config.get("entrypoint"))
+    if named is not None and not same_relative_file(named, relative):
+        raise DsatError(
+            f"{config_path}: the entrypoint passes DeepSpeed config {named} but "
+            f"hyperparameters.{DS_CONFIG_KEY} is {relative}; make them name the same file"
+        )
+    ds_config = load_ds_json(ds_path, f"hyperparameters.{DS_CONFIG_KEY} in {config_path}")
+    experiment = Experiment(config_path, model_dir, config, ds_path, ds_config, include_paths)
+    # Fail now, not in every trial, if the batch sizes cannot be made consistent.
+    consistent_batch_sizes(ds_config, experiment.slots_per_trial, source=str(ds_path))
+    return experiment
+
+
+def contains_auto(value: Any) -> bool:
+    if isinstance(value, Mapping):
+        return any(contains_auto(v) for v in value.values())
+    if isinstance(value, list):
+        return any(contains_auto(v) for v in value)
+    return isinstance(value, str) and value.strip() == AUTO
+
+
+def trial_ready_config(ds_config: Mapping[str, Any], slots: int, source: str) -> dict[str, Any]:
+    """``ds_config`` with a consistent batch triple and no autotuning block, as a trial runs it."""
+    config = deep_merge(ds_config, consistent_batch_sizes(ds_config, slots, source=source))
+    config.pop(AUTOTUNING_KEY, None)
+    return config
+
+
+def validate_with_deepspeed(ds_config: Mapping[str, Any], slots: int, source: str) -> bool:
+    """Check a config with DeepSpeed's own parser for ``slots`` data-parallel ranks.
+
+    Returns False when the check cannot be made off the trial (values HF fills in at run time,
+    ``"auto"``); raises ``DsatError`` with DeepSpeed's reason when DeepSpeed rejects the config.
+    """
+    config = trial_ready_config(ds_config, slots, source)
+    if contains_auto(config):
+        return False
+    from dsat.experiment.ds_config_check import deepspeed_config_error
+
+    reason = deepspeed_config_error(config, world_size=slots)
+    if reason is not None:
+        raise DsatError(f"{source}: DeepSpeed rejects this config: {reason}")
+    return True

@@ -1,0 +1,203 @@
+"""The validated settings of one search: what the CLI parsed, as a JSON-friendly record.
+
+The same record drives every runner and travels to a Determined search runner as JSON (never
+pickle), so all cross-flag checks live here, where loading from JSON repeats them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from dsat.errors import DsatError
+from dsat.experiment.metric import Metric
+from dsat.paths import absolute
+
+SEARCH_METHODS = ("guided", "asha", "binary", "random")
+ALL_ZERO_STAGES = (0, 1, 2, 3)
+
+# The reference's defaults (determined.pytorch.dsat), so its users see no surprises.
+DEFAULT_MAX_TRIALS = 64
+DEFAULT_MAX_CONCURRENT_TRIALS = 16
+DEFAULT_METRIC = Metric.FLOPS_PER_GPU
+DEFAULT_ZERO_STAGES = (1, 2, 3)
+DEFAULT_START_PROFILE_STEP = 3
+DEFAULT_END_PROFILE_STEP = 5
+DEFAULT_RANDOM_SEED = 42
+DEFAULT_MAX_SEARCH_RUNNER_RESTARTS = 5
+DEFAULT_TRIALS_PER_RANDOM_CONFIG = 5
+DEFAULT_SEARCH_RANGE_FACTOR = 1.0
+DEFAULT_MAX_RUNGS = 5
+DEFAULT_MIN_BINARY_SEARCH_TRIALS = 3
+DEFAULT_ASHA_EARLY_STOPPING = 0
+DEFAULT_DIVISOR = 2
+# dsat's own: the confirmation round and the memory a handed-over configuration must leave free.
+DEFAULT_CONFIRM_TOP = 3
+DEFAULT_MEMORY_MARGIN = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchSettings:
+    """Everything a search needs to know from the command line."""
+
+    method: str
+    config_path: str
+    model_dir: str
+    include: tuple[str, ...] = ()
+    max_trials: int = DEFAULT_MAX_TRIALS
+    max_slots: int | None = None
+    max_concurrent_trials: int = DEFAULT_MAX_CONCURRENT_TRIALS
+    metric: Metric = DEFAULT_METRIC
+    run_full_experiment: bool = False
+    zero_stages: tuple[int, ...] = DEFAULT_ZERO_STAGES
+    start_profile_step: int = DEFAULT_START_PROFILE_STEP
+    end_profile_step: int = DEFAULT_END_PROFILE_STEP
+    random_seed: int = DEFAULT_RANDOM_SEED
+    search_runner_config: str | None = None
+    max_search_runner_restarts: int = DEFAULT_MAX_SEARCH_RUNNER_RESTARTS
+    # random
+    trials_per_random_config: int = DEFAULT_TRIALS_PER_RANDOM_CONFIG
+    early_stopping: int | None = None
+    # binary and asha
+    search_range_factor: float = DEFAULT_SEARCH_RANGE_FACTOR
+    # asha
+    max_rungs: int = DEFAULT_MAX_RUNGS
+    min_binary_search_trials: int = DEFAULT_MIN_BINARY_SEARCH_TRIALS
+    asha_early_stopping: int = DEFAULT_ASHA_EARLY_STOPPING
+    divisor: int = DEFAULT_DIVISOR
+    # dsat's own
+    confirm_top: int = DEFAULT_CONFIRM_TOP
+    memory_margin: float = DEFAULT_MEMORY_MARGIN
+    backend: str = "auto"
+    results_dir: str | None = None
+    resume: str | None = None
+    trial_timeout: float | None = None  # None: derived from the model-profile trial
+    fresh_processes: bool = False  # local runner: no warm workers
+    simulator: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SEARCH_METHODS:
+            raise DsatError(
+                f"unknown search method {self.method!r}; use one of {', '.join(SEARCH_METHODS)}"
+            )
+        if not isinstance(self.metric, Metric):
+            object.__setattr__(self, "metric", parse_metric(str(self.metric)))
+        object.__setattr__(self, "zero_stages", tuple(sorted(set(self.zero_stages))))
+        object.__setattr__(self, "include", tuple(self.include))
+        self._check()
+
+    def _check(self) -> None:
+        if self.max_trials <= 1:
+            raise DsatError(
+                f"--max-trials must be at least 2 (it counts the model-profile trial), got {self.max_trials}"
+            )
+        if not self.zero_stages or any(s not in ALL_ZERO_STAGES for s in self.zero_stages):
+            raise DsatError(
+                f"--zero-stages must be a subset of 0 1 2 3, got {list(self.zero_stages)}"
+            )
+        if self.end_profile_step <= self.start_profile_step:
+            raise DsatError(
+                f"--end-profile-step ({self.end_profile_step}) must be greater than "
+                f"--start-profile-step ({self.start_profile_step})"
+            )
+        if self.start_profile_step < 0:
+            raise DsatError(
+                f"--start-profile-step must be 0 or more, got {self.start_profile_step}"
+            )
+        positive = {
+            "--max-concurrent-trials": self.max_concurrent_trials,
+            "--trials-per-random-config": self.trials_per_random_config,
+            "--max-rungs": self.max_rungs,
+            "--min-binary-search-trials": self.min_binary_search_trials,
+            "--search-range-factor": self.search_range_factor,
+        }
+        if self.max_slots is not None:
+            positive["--max-slots"] = self.max_slots
+        if self.early_stopping is not None:
+            positive["--early-stopping"] = self.early_stopping
+        if self.trial_timeout is not None:
+            positive["--trial-timeout"] = self.trial_timeout
+        for flag, value in positive.items():
+            if value <= 0:
+                raise DsatError(f"{flag} must be positive, got {value}")
+        for flag, value in {
+            "--asha-early-stopping": self.asha_early_stopping,
+            "--max-search-runner-restarts": self.max_search_runner_restarts,
+        }.items():
+            if value < 0:
+                raise DsatError(f"{flag} must be 0 or more, got {value}")
+        if self.confirm_top < 0:
+            raise DsatError(f"--confirm-top must be 0 or more, got {self.confirm_top}")
+        if not 0.0 <= self.memory_margin < 1.0:
+            raise DsatError(
+                f"--memory-margin is a fraction of the device's memory, from 0 to below 1; got "
+                f"{self.memory_margin}"
+            )
+        if self.divisor < 2:
+            raise DsatError(
+                f"--divisor must be at least 2 (ASHA keeps 1/divisor per rung), got {self.divisor}"
+            )
+        if self.resume and self.results_dir and self.resume != self.results_dir:
+            raise DsatError("--resume DIR already names the results directory; drop --results-dir")
+
+    @property
+    def smaller_is_better(self) -> bool:
+        return self.metric.smaller_is_better
+
+    def with_absolute_paths(self) -> SearchSettings:
+        """These settings with every path made absolute against the current directory, once, so
+        trials, child processes and a resumed search find the same files wherever they run."""
+
+        def optional(path: str | None) -> str | None:
+            return None if path is None else absolute(path)
+
+        return dataclasses.replace(
+            self,
+            config_path=absolute(self.config_path),
+            model_dir=absolute(self.model_dir),
+            include=tuple(absolute(p) for p in self.include),
+            search_runner_config=optional(self.search_runner_config),
+            results_dir=optional(self.results_dir),
+            resume=optional(self.resume),
+        )
+
+    def on_cluster(self) -> SearchSettings:
+        """These settings as a search runner sees them: the config, MODEL_DIR and includes are
+        uploaded by their base names to the top of the task's working directory."""
+        return dataclasses.replace(
+            self,
+            config_path=Path(self.config_path).name,
+            model_dir=Path(self.model_dir).resolve().name,
+            include=tuple(Path(p).resolve().name for p in self.include),
+            backend="determined",
+            results_dir=None,
+            resume=None,
+        )
+
+    def to_json(self) -> str:
+        data = dataclasses.asdict(self)
+        data["metric"] = self.metric.value
+        return json.dumps(data, indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> SearchSettings:
+        data: dict[str, Any] = json.loads(text)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise DsatError(f"search settings: unknown keys {unknown}")
+        for key in ("include", "zero_stages"):
+            if key in data:
+                data[key] = tuple(data[key])
+        return cls(**data)
+
+
+def parse_metric(name: str) -> Metric:
+    try:
+        return Metric(name)
+    except ValueError:
+        raise DsatError(
+            f"--metric {name!r} is not a metric; use one of {', '.join(Metric.names())}"
+        ) from None

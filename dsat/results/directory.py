@@ -1,0 +1,203 @@
+"""The results directory: what a user keeps from a search, written atomically as trials finish.
+
+trials.jsonl           one JSON object per finished trial
+best_ds_config.json    the best trial's full DeepSpeed config, ready for deepspeed.initialize
+best_ds_metrics.json   its metrics
+dsat_search_state.json the search method's state, for --resume
+summary.txt            the per-stage table, at the end
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from dsat.atomic_file import write_json_atomic, write_text_atomic
+from dsat.constants import AUTOTUNING_KEY, DSAT_MODE_KEY, OVERWRITE_KEY
+from dsat.errors import DsatError
+from dsat.search.confirmation import memory_fraction
+from dsat.search.tracker import TrialTracker
+from dsat.trial import TrialKind, TrialRecord
+
+TRIALS_FILE = "trials.jsonl"
+BEST_CONFIG_FILE = "best_ds_config.json"
+BEST_METRICS_FILE = "best_ds_metrics.json"
+SUMMARY_FILE = "summary.txt"
+
+
+def read_trial_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a trials.jsonl; a damaged file raises json's or the decoder's error, which
+    each reader words for its user."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrialTiming:
+    start: float
+    end: float
+
+
+def trial_line(number: int, record: TrialRecord, timing: TrialTiming) -> dict[str, Any]:
+    return {
+        "trial": number,
+        "request_id": record.request_id,
+        "kind": record.kind.value,
+        "status": record.status.value,
+        "zero_stage": record.zero_stage,
+        "mbs": record.mbs,
+        "gas": record.gas,
+        "name": record.name,
+        "overwrites": record.hparams.get(OVERWRITE_KEY, {}),
+        "metrics": record.metrics,
+        "error": record.error,
+        "start": timing.start,
+        "end": timing.end,
+    }
+
+
+def best_ds_config(record: TrialRecord) -> dict[str, Any]:
+    config: dict[str, Any] = copy.deepcopy(record.ds_config)
+    config.pop(AUTOTUNING_KEY, None)
+    return config
+
+
+def without_tuning(hparams: Mapping[str, Any]) -> dict[str, Any]:
+    """Hyperparameters for a real training run: the overrides kept, dsat's autotuning block and
+    the cluster's dsat-mode switch removed."""
+    cleaned: dict[str, Any] = copy.deepcopy(dict(hparams))
+    overwrites = cleaned.get(OVERWRITE_KEY)
+    if isinstance(overwrites, dict):
+        overwrites.pop(AUTOTUNING_KEY, None)
+    cleaned.pop(DSAT_MODE_KEY, None)
+    return cleaned
+
+
+def full_experiment_hparams(record: TrialRecord) -> dict[str, Any]:
+    """The best trial's hyperparameters for a real training run: its overrides, minus tuning."""
+    return without_tuning(record.hparams)
+
+
+class ResultsWriter:
+    """Keeps the results directory current; every file is replaced atomically."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._lines: list[dict[str, Any]] = []
+        path = self.directory / TRIALS_FILE
+        if path.is_file():  # a resumed search keeps what was written before
+            try:
+                self._lines = read_trial_rows(path)
+            except (json.JSONDecodeError, UnicodeDecodeError) as err:
+                raise DsatError(
+                    f"{path}: damaged trial records ({err}); this search cannot be resumed, "
+                    "start a new one"
+                ) from None
+        self._best_id: str | None = None
+        # A resumed search's runner counts time from its own start: carry on from the last end,
+        # so start/end stay seconds of search (the time it was stopped left out).
+        self._clock_offset = max((float(line.get("end", 0.0)) for line in self._lines), default=0.0)
+
+    @property
+    def lines(self) -> list[dict[str, Any]]:
+        """The rows of trials.jsonl so far."""
+        return list(self._lines)
+
+    def trial_finished(
+        self, record: TrialRecord, timing: TrialTiming, tracker: TrialTracker
+    ) -> None:
+        offset = self._clock_offset
+        shifted = TrialTiming(timing.start + offset, timing.end + offset)
+        self._lines.append(trial_line(len(self._lines), record, shifted))
+        text = "".join(json.dumps(line, sort_keys=True) + "\n" for line in self._lines)
+        write_text_atomic(self.directory / TRIALS_FILE, text)
+        self._write_best(tracker)
+
+    def _write_best(self, tracker: TrialTracker) -> None:
+        best = tracker.best()
+        if best is not None and best.request_id != self._best_id:
+            write_json_atomic(self.directory / BEST_CONFIG_FILE, best_ds_config(best))
+            write_json_atomic(self.directory / BEST_METRICS_FILE, best.metrics)
+            self._best_id = best.request_id
+
+    def write_summary(self, tracker: TrialTracker) -> str:
+        """The summary at the end, and the best config as the search finally decided it (the
+        confirmation round decides after its last trial is recorded)."""
+        self._write_best(tracker)
+        text = summary_table(tracker) + confirmation_table(tracker)
+        write_text_atomic(self.directory / SUMMARY_FILE, text)
+        return text
+
+
+def summary_table(tracker: TrialTracker) -> str:
+    """DeepSpeed's autotuner summary: one row per ZeRO stage tried, then a global row."""
+    searched = [r for r in tracker.finished if r.kind is TrialKind.SEARCH]
+    rows: list[tuple[str, str, str, str]] = []
+    for stage in sorted({r.zero_stage for r in searched}):
+        in_stage = [r for r in searched if r.zero_stage == stage]
+        rows.append(_row(f"z{stage}", in_stage, tracker))
+    rows.append(_row("global", searched, tracker))
+    header = ("tuning_space", "num_experiments", "best_metric_val", "best_exp_name")
+    widths = [max(len(header[i]), *(len(row[i]) for row in rows)) for i in range(4)]
+    align = ["<", ">", ">", "<"]
+
+    def fmt(cells: tuple[str, ...]) -> str:
+        return (
+            "| "
+            + " | ".join(f"{c:{a}{w}}" for c, a, w in zip(cells, align, widths, strict=True))
+            + " |"
+        )
+
+    rule = (
+        "| "
+        + " | ".join(
+            (":" + "-" * (w - 1)) if a == "<" else ("-" * (w - 1) + ":")
+            for a, w in zip(align, widths, strict=True)
+        )
+        + " |"
+    )
+    return "\n".join([fmt(header), rule, *(fmt(row) for row in rows)]) + "\n"
+
+
+def confirmation_table(tracker: TrialTracker) -> str:
+    """The confirmation round beside the search's own figures; empty when there was none."""
+    runs = [r for r in tracker.finished if r.kind is TrialKind.CONFIRM]
+    if not runs:
+        return ""
+    lines = [
+        "",
+        f"confirmation round ({tracker.metric.value}, runs interleaved):",
+        "| config | in the search | run again | memory used |",
+        "| :----- | ------------: | --------: | ----------: |",
+    ]
+    for parent_id in dict.fromkeys(r.parent_id for r in runs if r.parent_id is not None):
+        leader = tracker.get(parent_id)
+        values = [tracker.confirmed_value(r) for r in runs if r.parent_id == parent_id]
+        again = " / ".join(f"{v:.6g}" if v is not None else "failed" for v in values)
+        searched = tracker.metric_value(leader)
+        fraction = memory_fraction(leader)
+        memory = f"{fraction:.1%}" if fraction else "-"
+        chosen = " (handed over)" if leader.request_id == tracker.confirmed_id else ""
+        lines.append(
+            f"| {leader.name}{chosen} | {searched:.6g} | {again} | {memory} |"
+            if searched is not None
+            else f"| {leader.name}{chosen} | - | {again} | {memory} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _row(
+    space: str, records: list[TrialRecord], tracker: TrialTracker
+) -> tuple[str, str, str, str]:
+    best = tracker.best_of(records)
+    value = tracker.metric_value(best) if best is not None else None
+    return (
+        space,
+        str(len(records)),
+        f"{value:.6g}" if value is not None else "-",
+        best.name if best is not None else "-",
+    )

@@ -1,0 +1,117 @@
+"""What a user watches while trials run: one line per finished trial and live counts.
+
+On a terminal a rich status line (running / done / oom / error, best so far, elapsed) stays at the
+bottom and refreshes on its own; when stdout is a file or a pipe (CI logs, ``| tee``) only the
+plain per-trial lines are written, so the log reads cleanly.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable
+from types import TracebackType
+
+from rich.console import Console
+from rich.live import Live
+from rich.text import Text
+
+from dsat.runners.driver import TrialOutcome
+from dsat.search.tracker import TrialTracker
+from dsat.trial import TrialKind, TrialRecord, TrialStatus
+
+PREFIX = "dsat:"
+
+
+def format_elapsed(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes:02d}:{secs:02d}"
+
+
+class SearchProgress:
+    """A trial listener for the search driver (see ``dsat.runners.driver.TrialListener``)."""
+
+    def __init__(
+        self,
+        tracker: TrialTracker,
+        metric_name: str,
+        console: Console | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.tracker = tracker
+        self.metric_name = metric_name
+        self.console = console or Console(highlight=False, soft_wrap=True)
+        self.clock = clock
+        self.started_at = clock()
+        self.running: set[str] = set()
+        self._live: Live | None = None
+
+    # ------------------------------------------------------------------ listener hooks
+
+    def trial_started(self, request_id: str) -> None:
+        self.running.add(request_id)
+        self._refresh()
+
+    def trial_finished(self, request_id: str, outcome: TrialOutcome) -> None:
+        self.running.discard(request_id)
+        record = self.tracker.get(request_id)
+        line = f"{PREFIX} {self.trial_line(record)} | {self.status_line()}"
+        self.console.print(line, highlight=False, markup=False)
+        self._refresh()
+
+    # ------------------------------------------------------------------ text
+
+    def counts(self) -> collections.Counter[TrialStatus]:
+        return collections.Counter(record.status for record in self.tracker.finished)
+
+    def trial_line(self, record: TrialRecord) -> str:
+        what = "model profile" if record.kind is TrialKind.MODEL_PROFILE else record.name
+        text = f"trial {record.index} {what}: {record.status.value}"
+        value = self.tracker.metric_value(record)
+        if value is not None:
+            text += f", {self.metric_name} {value:.4g}"
+        return text
+
+    def status_line(self) -> str:
+        counts = self.counts()
+        done = counts[TrialStatus.COMPLETED]
+        failed = counts[TrialStatus.ERROR] + counts[TrialStatus.TIMEOUT]
+        parts = [
+            f"running {len(self.running)}",
+            f"done {done}",
+            f"oom {counts[TrialStatus.OOM]}",
+            f"error {failed}",
+        ]
+        best = self.tracker.best()
+        value = self.tracker.metric_value(best) if best is not None else None
+        if best is not None and value is not None:
+            parts.append(f"best {best.name} {self.metric_name} {value:.4g}")
+        parts.append(format_elapsed(self.clock() - self.started_at))
+        return ", ".join(parts)
+
+    def __rich__(self) -> Text:
+        # Live re-renders this on every refresh, so the elapsed time moves on between trials.
+        return Text(f"{PREFIX} {self.status_line()}", style="bold")
+
+    # ------------------------------------------------------------------ live display
+
+    def _refresh(self) -> None:
+        if self._live is not None:
+            self._live.refresh()
+
+    def __enter__(self) -> SearchProgress:
+        if self.console.is_terminal:
+            self._live = Live(self, console=self.console, refresh_per_second=2, transient=True)
+            self._live.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if self._live is not None:
+            self._live.stop()
+            self._live = None

@@ -1,0 +1,294 @@
+"""A search's report: its trials drawn (report.png) and a self-contained page (report.html).
+
+Everything comes from the results directory as any runner leaves it (``trials.jsonl``,
+``settings.json``, ``best_ds_metrics.json``), so a finished, an interrupted and a resumed search
+are reported alike. matplotlib is an optional extra (``dsat[report]``): a search never needs it.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import html
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+from dsat.atomic_file import write_bytes_atomic, write_text_atomic
+from dsat.errors import DsatError
+from dsat.experiment.metric import Metric
+from dsat.experiment.settings import DEFAULT_METRIC
+from dsat.paths import shown
+from dsat.results.directory import BEST_METRICS_FILE, SUMMARY_FILE, TRIALS_FILE, read_trial_rows
+from dsat.results.resume import saved_settings
+
+REPORT_PNG = "report.png"
+REPORT_HTML = "report.html"
+INSTALL_HINT = "pip install 'dsat[report]' (or: pip install matplotlib)"
+FAILED_MARKERS = {
+    "oom": ("x", "out of memory"),
+    "error": ("^", "error"),
+    "timeout": ("v", "timeout"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchResults:
+    """What a report shows: the rows of trials.jsonl, the metric, and the handed-over trial."""
+
+    rows: list[dict[str, Any]]
+    metric: Metric
+    picked: dict[str, Any] | None
+
+    @property
+    def search_rows(self) -> list[dict[str, Any]]:
+        return [row for row in self.rows if row.get("kind") == "search"]
+
+    @property
+    def confirm_rows(self) -> list[dict[str, Any]]:
+        return [row for row in self.rows if row.get("kind") == "confirm"]
+
+    def value(self, row: dict[str, Any]) -> float | None:
+        metrics = row.get("metrics") or {}
+        value = metrics.get(self.metric.file_key, metrics.get(self.metric.value))
+        return float(value) if row.get("status") == "completed" and value is not None else None
+
+    def best_run(self, rows: list[dict[str, Any]]) -> tuple[float, dict[str, Any]] | None:
+        """The best completed run among ``rows``, with its value; None if none completed."""
+        best: tuple[float, dict[str, Any]] | None = None
+        for row in rows:
+            value = self.value(row)
+            if value is not None and (best is None or self.metric.is_better(value, best[0])):
+                best = (value, row)
+        return best
+
+    @property
+    def stages(self) -> list[int]:
+        return sorted({int(row["zero_stage"]) for row in self.search_rows})
+
+    def best_so_far(self) -> list[tuple[int, float, float]]:
+        """(trial number, seconds since the first start, best value so far) per search trial."""
+        if not self.rows:
+            return []
+        origin = min(float(row.get("start", 0.0)) for row in self.rows)
+        best: float | None = None
+        points = []
+        for row in self.search_rows:
+            value = self.value(row)
+            if value is not None and (best is None or self.metric.is_better(value, best)):
+                best = value
+            if best is not None:
+                points.append((int(row["trial"]), float(row["end"]) - origin, best))
+        return points
+
+
+def load_results(results_dir: Path) -> SearchResults:
+    """The results in ``results_dir``, or one line saying what is missing or damaged."""
+    path = results_dir / TRIALS_FILE
+    if not path.is_file():
+        raise DsatError(
+            f"{shown(results_dir)}: no {TRIALS_FILE} there; pass a directory a dsat search wrote"
+        )
+    try:
+        rows = read_trial_rows(path)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise DsatError(f"{shown(path)}: damaged trial records ({err})") from None
+    try:
+        metric = saved_settings(results_dir).metric
+    except DsatError:  # no or damaged settings: the default metric still makes a useful picture
+        metric = DEFAULT_METRIC
+    return SearchResults(rows, metric, picked_row(rows, results_dir / BEST_METRICS_FILE))
+
+
+def picked_row(rows: list[dict[str, Any]], best_metrics: Path) -> dict[str, Any] | None:
+    """The trial whose metrics were handed over (best_ds_metrics.json), if any yet."""
+    try:
+        metrics = json.loads(best_metrics.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    matches = [row for row in rows if row.get("metrics") == metrics]
+    return matches[-1] if matches else None
+
+
+def stage_table(results: SearchResults) -> str:
+    """The per-stage summary the terminal gets: trials, failures and the best of each stage."""
+    lines = [
+        f"| stage | trials | oom / error / timeout | best {results.metric.value} | config |",
+        "| ---: | ---: | :---: | ---: | :--- |",
+    ]
+    for stage in results.stages:
+        rows = [row for row in results.search_rows if row["zero_stage"] == stage]
+        failed = "/".join(
+            str(sum(row["status"] == status for row in rows)) for status in FAILED_MARKERS
+        )
+        found = results.best_run(rows)
+        best, name = (f"{found[0]:.4g}", str(found[1]["name"])) if found else ("-", "-")
+        lines.append(f"| {stage} | {len(rows)} | {failed} | {best} | {name} |")
+    return "\n".join(lines)
+
+
+def import_pyplot() -> Any:
+    try:
+        import matplotlib
+    except ImportError:
+        raise DsatError(
+            f"the report needs matplotlib, which is not installed: {INSTALL_HINT}"
+        ) from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def draw(results: SearchResults) -> bytes:
+    """The four panels as PNG bytes."""
+    plt = import_pyplot()
+    figure, axes = plt.subplots(2, 2, figsize=(13, 9))
+    draw_throughput(axes[0][0], results)
+    draw_memory(axes[0][1], results)
+    draw_progress(axes[1][0], axes[1][1], results)
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=90)
+    plt.close(figure)
+    return buffer.getvalue()
+
+
+def draw_throughput(ax: Any, results: SearchResults) -> None:
+    metric = results.metric.value
+    floor = min((v for r in results.search_rows if (v := results.value(r)) is not None), default=0)
+    for stage in results.stages:
+        rows = [row for row in results.search_rows if row["zero_stage"] == stage]
+        done = sorted((row["mbs"], v) for row in rows if (v := results.value(row)) is not None)
+        # Every run a dot; the line joins each micro-batch's best (other knobs share an x).
+        best = {
+            mbs: found[0]
+            for mbs in sorted({m for m, _ in done})
+            if (found := results.best_run([r for r in rows if r["mbs"] == mbs]))
+        }
+        line = ax.plot(list(best), list(best.values()), "-", label=f"ZeRO-{stage}")
+        color = line[0].get_color()
+        ax.scatter([m for m, _ in done], [v for _, v in done], color=color, s=18)
+        for status, (marker, _) in FAILED_MARKERS.items():
+            failed = [row["mbs"] for row in rows if row["status"] == status]
+            ax.scatter(failed, [floor] * len(failed), marker=marker, color=color, s=60)
+    for marker, words in FAILED_MARKERS.values():
+        ax.scatter([], [], marker=marker, color="grey", label=words)
+    picked = results.picked
+    if picked is not None and (value := results.value(picked)) is not None:
+        ax.scatter([picked["mbs"]], [value], s=300, facecolors="none", edgecolors="red", lw=2)
+        ax.annotate(
+            f"picked: {picked['name']}",
+            (picked["mbs"], value),
+            color="red",
+            xytext=(-60, 12),
+            textcoords="offset points",
+        )
+        again = [
+            v
+            for r in results.confirm_rows
+            if r["name"] == picked["name"]
+            if (v := results.value(r)) is not None
+        ]
+        if again:
+            spread = [value, *again]
+            ax.vlines(
+                picked["mbs"],
+                min(spread),
+                max(spread),
+                color="red",
+                lw=3,
+                label="confirmation round spread",
+            )
+    ax.set_xlabel("micro-batch size per GPU")
+    ax.set_ylabel(metric)
+    ax.set_title(f"{metric} against micro-batch (failures drawn at the bottom)")
+    ax.legend(fontsize=8)
+
+
+def draw_memory(ax: Any, results: SearchResults) -> None:
+    device = None
+    for stage in results.stages:
+        points = []
+        for row in results.search_rows:
+            metrics = row.get("metrics") or {}
+            if row["zero_stage"] == stage and metrics.get("memory_peak_bytes"):
+                points.append((row["mbs"], metrics["memory_peak_bytes"] / 2**30))
+                device = metrics.get("memory_total_bytes") or device
+        if points:
+            ax.scatter(*zip(*points, strict=True), label=f"ZeRO-{stage}", s=18)
+    ax.set_xlabel("micro-batch size per GPU")
+    ax.set_ylabel("peak memory, GiB")
+    ax.set_title("peak memory against the device's")
+    if not device:  # the simulator measures none
+        ax.text(0.5, 0.5, "no peak memory measured", ha="center", transform=ax.transAxes)
+        return
+    ax.axhline(device / 2**30, color="black", ls="--", label="device memory")
+    ax.legend(fontsize=8)
+
+
+def draw_progress(by_trial: Any, by_time: Any, results: SearchResults) -> None:
+    points = results.best_so_far()
+    metric = results.metric.value
+    by_trial.step([t for t, _, _ in points], [b for _, _, b in points], where="post")
+    by_trial.set_xlabel("trial")
+    by_time.step([s for _, s, _ in points], [b for _, _, b in points], where="post")
+    by_time.set_xlabel("wall time, s")
+    for ax in (by_trial, by_time):
+        ax.set_ylabel(f"best {metric} so far")
+        ax.set_title("the search's progress")
+
+
+def page(results: SearchResults, results_dir: Path, png: bytes) -> str:
+    """A self-contained HTML page: the picture inline, the summary, every trial."""
+    summary = results_dir / SUMMARY_FILE
+    text = summary.read_text() if summary.is_file() else stage_table(results)
+    rows = []
+    for row in results.rows:
+        value = results.value(row)
+        peak = (row.get("metrics") or {}).get("memory_peak_bytes")
+        cells = [
+            row.get("trial"),
+            row.get("kind"),
+            row.get("name"),
+            row.get("status"),
+            "" if value is None else f"{value:.4g}",
+            "" if not peak else f"{peak / 2**30:.2f}",
+        ]
+        rows.append("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in cells) + "</tr>")
+    image = base64.b64encode(png).decode()
+    return f"""<!DOCTYPE html>
+<html><head><meta charset="utf-8"><title>dsat report: {html.escape(results_dir.name)}</title>
+<style>body{{font-family:sans-serif;margin:2em}}td,th{{padding:2px 8px;text-align:right}}
+tr:nth-child(even){{background:#f4f4f4}}</style></head><body>
+<h1>dsat report: {html.escape(results_dir.name)}</h1>
+<img alt="the search drawn" src="data:image/png;base64,{image}">
+<h2>Summary</h2><pre>{html.escape(text)}</pre>
+<h2>Trials</h2><table><tr><th>trial</th><th>kind</th><th>config</th><th>status</th>
+<th>{html.escape(results.metric.value)}</th><th>peak GiB</th></tr>
+{"".join(rows)}
+</table></body></html>
+"""
+
+
+def report_to_terminal(results_dir: Path) -> None:
+    """`dsat report DIR`: the files written, then the per-stage table and their paths."""
+    results = load_results(results_dir)
+    png, page_path = write_report(results_dir, results)
+    print(stage_table(results))
+    if results.picked is not None:
+        print(f"picked: {results.picked['name']}")
+    print(f"dsat: report: {shown(png)}, {shown(page_path)}")
+
+
+def write_report(results_dir: Path, results: SearchResults | None = None) -> tuple[Path, Path]:
+    """Write report.png and report.html into ``results_dir`` (from ``results`` when already
+    loaded from it); returns their paths."""
+    if results is None:
+        results = load_results(results_dir)
+    png = draw(results)
+    png_path, html_path = results_dir / REPORT_PNG, results_dir / REPORT_HTML
+    write_bytes_atomic(png_path, png)
+    write_text_atomic(html_path, page(results, results_dir, png))
+    return png_path, html_path

@@ -1,0 +1,157 @@
+"""Carrying on an interrupted search: the settings it ran with, its saved state, and the command
+that resumes it.
+
+A resumed search runs with the settings saved in its results directory, whatever defaults the
+command line would bring; a flag given again with another value is refused, except the few that
+change how much runs rather than what the search decides (``ADJUSTABLE_ON_RESUME``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+import shutil
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from dsat.atomic_file import write_text_atomic
+from dsat.constants import SETTINGS_FILE, STATE_FILE
+from dsat.errors import DsatError
+from dsat.experiment.settings import SearchSettings
+from dsat.paths import absolute, shown
+
+# Settings a resumed search may change: how many trials, how many at once, how long each may run,
+# how trial processes start, and whether a full run follows. Everything else decides which trials the search proposes.
+ADJUSTABLE_ON_RESUME = (
+    "max_trials",
+    "max_slots",
+    "max_concurrent_trials",
+    "trial_timeout",
+    "fresh_processes",
+    "run_full_experiment",
+)
+PATH_KEYS = ("config_path", "model_dir", "results_dir", "search_runner_config")
+
+
+def stored_settings(settings: SearchSettings, results_dir: Path) -> SearchSettings:
+    """What ``settings.json`` keeps: the settings the search runs with, naming its directory."""
+    return dataclasses.replace(settings, results_dir=str(results_dir), resume=None)
+
+
+def write_settings(settings: SearchSettings, results_dir: Path) -> None:
+    results_dir.mkdir(parents=True, exist_ok=True)
+    stored = stored_settings(settings, results_dir)
+    write_text_atomic(results_dir / SETTINGS_FILE, stored.to_json() + "\n")
+
+
+def saved_settings(results_dir: Path) -> SearchSettings:
+    """The settings an interrupted search ran with, or one line naming what is wrong."""
+    path = results_dir / SETTINGS_FILE
+    if not path.is_file():
+        raise DsatError(
+            f"--resume {shown(results_dir)}: no saved search there ({SETTINGS_FILE} is missing)"
+        )
+    try:
+        return SearchSettings.from_json(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, TypeError, AttributeError) as err:
+        raise DsatError(
+            f"{shown(path)}: damaged search settings ({err}); this search cannot be resumed, "
+            "start a new one"
+        ) from None
+    except DsatError as err:
+        raise DsatError(
+            f"{shown(path)}: damaged search settings ({err}); start a new search"
+        ) from None
+
+
+def _normalised(key: str, value: Any) -> Any:
+    if key in PATH_KEYS and value is not None:
+        return absolute(value)
+    if key == "include":
+        return tuple(absolute(p) for p in value)
+    if key == "zero_stages":
+        return tuple(sorted(set(value)))
+    return value
+
+
+def resumed_settings(
+    method: str, given: Mapping[str, Any], resume_dir: str, flag_names: Mapping[str, str]
+) -> SearchSettings:
+    """The saved settings of the search in ``resume_dir``, with the values ``given`` again on the
+    command line applied where that is safe; any other change is one line naming the flag."""
+    results_dir = Path(absolute(resume_dir))
+    if "results_dir" in given and absolute(given["results_dir"]) != str(results_dir):
+        raise DsatError("--resume DIR already names the results directory; drop --results-dir")
+    if not results_dir.is_dir():
+        raise DsatError(f"--resume {resume_dir}: no such results directory")
+    saved = saved_settings(results_dir)
+    if method != saved.method:
+        raise DsatError(
+            f"--resume {resume_dir}: that search ran `{saved.method}`, not `{method}`; resume it "
+            f"with `{resume_command(saved.method, results_dir)}`"
+        )
+    changes: dict[str, Any] = {}
+    for key, value in given.items():
+        if key in ("method", "resume", "results_dir"):  # checked above, or not a setting
+            continue
+        flag = flag_names.get(key, key)
+        now, before = _normalised(key, value), getattr(saved, key)
+        if key == "metric":
+            before = before.value
+        if now == before:
+            continue
+        if key not in ADJUSTABLE_ON_RESUME:
+            raise DsatError(
+                f"{flag} {_display(value)} differs from the interrupted search's "
+                f"{_display(before)} (its {SETTINGS_FILE}); a resumed search keeps its settings: "
+                f"drop {flag}, or start a new search"
+            )
+        changes[key] = now
+    resumed = dataclasses.replace(saved, resume=str(results_dir), results_dir=None, **changes)
+    return resumed.with_absolute_paths()
+
+
+def _display(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return " ".join(str(v) for v in value)
+    return str(value)
+
+
+def read_saved_state(results_dir: Path, method: str) -> dict[str, Any]:
+    """The search state saved in ``results_dir``, checked to be readable and this method's."""
+    path = results_dir / STATE_FILE
+    if not path.is_file():
+        raise DsatError(
+            f"--resume {shown(results_dir)}: no saved search there ({STATE_FILE} is missing)"
+        )
+    try:
+        state = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise DsatError(
+            f"{shown(path)}: damaged search state ({err}); this search cannot be resumed, start a "
+            "new one"
+        ) from None
+    if not isinstance(state, dict) or "tracker" not in state:
+        raise DsatError(f"{shown(path)}: not a dsat search state; start a new search")
+    if state.get("method") != method:
+        raise DsatError(
+            f"{shown(path)}: the saved search is {state.get('method')!r}, not {method!r} "
+            f"(its {SETTINGS_FILE} and state disagree); start a new search"
+        )
+    return state
+
+
+def python_command() -> str:
+    """How to start this interpreter again: ``python3`` when that is the one on PATH."""
+    on_path = shutil.which("python3")
+    if on_path is not None and Path(on_path).parent == Path(sys.executable).parent:
+        return "python3"
+    return shown(sys.executable)
+
+
+def resume_command(method: str, results_dir: Path) -> str:
+    """The complete command that resumes the search in ``results_dir``, as it can be pasted."""
+    return shlex.join([python_command(), "-m", "dsat", method, "--resume", shown(results_dir)])

@@ -1,0 +1,176 @@
+"""dsat's search on a Determined cluster: the entrypoint of the search-runner experiment.
+
+``python3 -m dsat.runners.determined.search_runner`` runs in the zero-slot experiment that
+``dsat ... --backend determined`` submits. It reads the uploaded settings (JSON), creates the
+trials' custom experiment from the user's YAML and drives dsat's search method through
+Determined's ``RemoteSearchRunner``. Every checkpoint holds JSON only: Determined's searcher state,
+the method's state, the last operations, and the results files (``trials.jsonl``,
+``best_ds_config.json``, ``best_ds_metrics.json``), so a restarted search runner resumes.
+
+It imports only what a Determined task image has (determined and its dependencies, numpy, pyyaml):
+no DeepSpeed, no torch, no terminal UI.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+from determined import searcher
+from determined.common.api import bindings
+
+from dsat.experiment.config import load_experiment
+from dsat.experiment.settings import SearchSettings
+from dsat.results.directory import (
+    BEST_CONFIG_FILE,
+    BEST_METRICS_FILE,
+    SUMMARY_FILE,
+    TRIALS_FILE,
+    ResultsWriter,
+    TrialTiming,
+)
+from dsat.runners.determined.configs import (
+    DSAT_PACKAGE,
+    SETTINGS_UPLOAD,
+    custom_experiment_config,
+    full_experiment_config,
+)
+from dsat.runners.determined.searcher_operations import operations_from_text, operations_to_text
+from dsat.search import MethodSettings, make_search_method
+from dsat.search.method import DsatSearchMethod
+from dsat.search.trial_builder import SearchSpec
+
+logger = logging.getLogger(__name__)
+
+OPERATIONS_FILE = "searcher_operations.json"
+FULL_EXPERIMENT_FILE = "full_experiment_id.txt"
+RESULT_FILES = (TRIALS_FILE, BEST_CONFIG_FILE, BEST_METRICS_FILE, SUMMARY_FILE)
+
+
+class CheckpointedSearchRunner(searcher.RemoteSearchRunner):  # type: ignore[misc]
+    """Determined's RemoteSearchRunner, checkpointing JSON instead of pickle, and keeping dsat's
+    results files current in the working directory and in every checkpoint."""
+
+    def __init__(self, method: DsatSearchMethod, context: Any, results_dir: Path) -> None:
+        with warnings.catch_warnings():  # Determined marks custom searchers deprecated in 0.37
+            warnings.simplefilter("ignore", FutureWarning)
+            super().__init__(method, context)
+        self.method = method
+        self.results_dir = results_dir
+        self.writer = ResultsWriter(results_dir)
+        self.started: dict[str, float] = {}
+        self.last_operations: list[searcher.Operation] = []
+        self.full_experiment_id: int | None = None
+
+    # ------------------------------------------------------------------ events
+
+    def _get_operations(self, event: bindings.v1SearcherEvent) -> list[searcher.Operation]:
+        ops: list[searcher.Operation] = super()._get_operations(event)
+        now = time.time()
+        finished = event.validationCompleted or event.trialExitedEarly
+        if finished:
+            record = self.method.tracker.get(finished.requestId)
+            start = self.started.pop(record.request_id, now)
+            if not any(line["request_id"] == record.request_id for line in self.writer.lines):
+                self.writer.trial_finished(record, TrialTiming(start, now), self.method.tracker)
+        for op in ops:
+            if isinstance(op, searcher.Create):
+                self.started[str(op.request_id)] = now
+            elif isinstance(op, searcher.Shutdown):
+                self.writer.write_summary(self.method.tracker)
+        self.last_operations = ops
+        return ops
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_state(self, experiment_id: int, operations: list[searcher.Operation]) -> None:
+        metadata = {"steps_completed": self.state.last_event_id}
+        with self.context.checkpoint.store_path(metadata) as (path, _storage_id):
+            self.method.save(self.state, path, experiment_id=experiment_id)
+            (path / OPERATIONS_FILE).write_text(operations_to_text(operations))
+            for name in RESULT_FILES:
+                if (self.results_dir / name).is_file():
+                    shutil.copyfile(self.results_dir / name, path / name)
+            if self.full_experiment_id is not None:
+                (path / FULL_EXPERIMENT_FILE).write_text(f"{self.full_experiment_id}\n")
+
+    def load_state(self, storage_id: str) -> tuple[int, list[searcher.Operation]]:
+        with self.context.checkpoint.restore_path(storage_id) as path:
+            self.state, experiment_id = self.method.load(path)
+            operations = operations_from_text((path / OPERATIONS_FILE).read_text())
+            for name in RESULT_FILES:
+                if (path / name).is_file():
+                    shutil.copyfile(path / name, self.results_dir / name)
+            if (path / FULL_EXPERIMENT_FILE).is_file():
+                self.full_experiment_id = int((path / FULL_EXPERIMENT_FILE).read_text())
+        self.writer = ResultsWriter(self.results_dir)
+        self.last_operations = operations
+        return int(experiment_id), operations
+
+
+def cluster_settings(workdir: Path) -> SearchSettings:
+    """The uploaded settings with every path made relative to the uploaded context."""
+    settings = SearchSettings.from_json((workdir / SETTINGS_UPLOAD).read_text())
+    return settings.on_cluster()
+
+
+def run(core_context: Any, workdir: Path, runner_experiment_id: int) -> DsatSearchMethod:
+    """The whole cluster-side search; returns the method (its tracker holds every trial)."""
+    from determined.experimental import client
+
+    settings = cluster_settings(workdir)
+    experiment = load_experiment(
+        workdir / settings.config_path,
+        workdir / settings.model_dir,
+        [workdir / p for p in settings.include],
+    )
+    exp_config = custom_experiment_config(experiment.config, settings, runner_experiment_id)
+    spec = SearchSpec(
+        exp_config["hyperparameters"], experiment.ds_config, experiment.slots_per_trial
+    )
+    method = make_search_method(MethodSettings.from_settings(settings), spec)
+    runner = CheckpointedSearchRunner(method, core_context, workdir / "dsat-results")
+    includes = [*experiment.includes, workdir / DSAT_PACKAGE]  # trials `import dsat` too
+    runner.run(exp_config, model_dir=str(experiment.model_dir), includes=includes)
+    summary = runner.results_dir / SUMMARY_FILE
+    if summary.is_file():
+        logger.info("dsat summary:\n%s", summary.read_text())
+    best = method.tracker.best()
+    if best is None:
+        logger.error("dsat: no trial succeeded; %s", method.shutdown_reason)
+        return method
+    logger.info("dsat: best trial %s, metrics %s", best.name, best.metrics)
+    if settings.run_full_experiment and runner.full_experiment_id is None:
+        config = full_experiment_config(experiment.config, best.hparams)
+        created = client.create_experiment(config, str(experiment.model_dir), includes)
+        runner.full_experiment_id = int(created.id)
+        runner.save_state(runner.state.experiment_id, runner.last_operations)
+        logger.info("dsat: created the full experiment %s with the best config", created.id)
+    return method
+
+
+def main() -> int:
+    import determined as det
+
+    logging.basicConfig(level=logging.INFO, format=det.LOG_FORMAT)
+    info = det.get_cluster_info()
+    if info is None or info.task_type != "TRIAL":
+        logger.error(
+            "dsat's search runner runs inside a Determined trial; submit it with "
+            "`python3 -m dsat <method> CONFIG MODEL_DIR --backend determined`"
+        )
+        return 2
+    with det.core.init() as core_context:
+        run(core_context, Path.cwd(), info.trial.experiment_id)
+    # Even a search with no working configuration ends with 0: a failing exit would only make
+    # Determined restart the search runner, which would find the same finished search. The
+    # trials' experiment itself ends in the ERROR state then (Shutdown with failure).
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,162 @@
+"""Submitting a search to a Determined cluster: the search-runner experiment and its upload.
+
+The uploaded context is what the search runner sees as its working directory:
+
+    dsat_settings.json   the parsed flags, as JSON
+    dsat/                dsat's own package (task images have determined, not dsat)
+    <MODEL_DIR name>/    the user's code
+    <config name>        the experiment YAML
+    <include names>      each --include
+
+Custom searchers exist in Determined up to 0.37; a client or master without them gets a one-line
+error naming the versions that work, not an AttributeError deep in a traceback.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from dsat.constants import ENV_DET_MASTER
+from dsat.errors import DsatError
+from dsat.experiment.config import Experiment, load_yaml_mapping
+from dsat.experiment.settings import SearchSettings
+from dsat.runners.determined.configs import (
+    DSAT_PACKAGE,
+    SEARCH_RUNNER_ENTRYPOINT,
+    SETTINGS_UPLOAD,
+    search_runner_config,
+)
+
+# determined 0.38 removed `determined.searcher` and the master's custom searcher.
+FIRST_VERSION_WITHOUT_CUSTOM_SEARCHER = (0, 38)
+WORKING_VERSIONS = "determined 0.37 or earlier (pip install 'determined>=0.37,<0.38')"
+DSAT_PACKAGE_DIR = Path(__file__).resolve().parents[2]
+
+
+def version_tuple(version: str) -> tuple[int, int]:
+    match = re.match(r"\s*v?(\d+)\.(\d+)", version)
+    if match is None:
+        raise ValueError(f"not a version: {version!r}")
+    return int(match.group(1)), int(match.group(2))
+
+
+def has_custom_searcher(version: str) -> bool:
+    try:
+        return version_tuple(version) < FIRST_VERSION_WITHOUT_CUSTOM_SEARCHER
+    except ValueError:
+        return True  # a development build: let the master itself say no
+
+
+def require_client_custom_searcher() -> None:
+    """The installed determined package must still ship ``determined.searcher``."""
+    import determined
+
+    version = str(getattr(determined, "__version__", "unknown"))
+    try:
+        from determined import searcher
+
+        searcher.RemoteSearchRunner  # noqa: B018  # the attribute 0.38 removed
+    except (ImportError, AttributeError):
+        raise DsatError(
+            f"the installed determined {version} has no custom searcher (0.38 removed it); "
+            f"--backend determined needs {WORKING_VERSIONS}, or use --backend local"
+        ) from None
+
+
+def require_master_custom_searcher(master_url: str, master_version: str) -> None:
+    if not has_custom_searcher(master_version):
+        raise DsatError(
+            f"the Determined master at {master_url} runs {master_version}, which has no custom "
+            f"searcher; --backend determined needs a master running {WORKING_VERSIONS.split(' (')[0]}"
+            ", or use --backend local"
+        )
+
+
+def upload_names(experiment: Experiment) -> dict[str, Path]:
+    """Name at the top of the uploaded context -> local path; names must not collide."""
+    names: dict[str, Path] = {
+        SETTINGS_UPLOAD: Path(SETTINGS_UPLOAD),
+        DSAT_PACKAGE: DSAT_PACKAGE_DIR,
+    }
+    for path in (experiment.model_dir, experiment.config_path, *experiment.includes):
+        name = path.resolve().name
+        if name in names and names[name] != path.resolve():
+            raise DsatError(
+                f"{path}: uploads as '{name}', which is already taken in the search runner's "
+                "context (by dsat or another path); rename it or move it into MODEL_DIR"
+            )
+        names[name] = path.resolve()
+    return names
+
+
+def stage_context(settings: SearchSettings, experiment: Experiment, staging: Path) -> list[Path]:
+    """Write the settings and dsat's package into ``staging``; returns the includes to upload."""
+    names = upload_names(experiment)
+    (staging / SETTINGS_UPLOAD).write_text(settings.to_json() + "\n")
+    shutil.copytree(
+        DSAT_PACKAGE_DIR,
+        staging / DSAT_PACKAGE,
+        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
+    )
+    return [path for name, path in names.items() if name not in (SETTINGS_UPLOAD, DSAT_PACKAGE)]
+
+
+def runner_config(settings: SearchSettings, experiment: Experiment) -> dict[str, Any]:
+    if settings.search_runner_config is not None:
+        config = load_yaml_mapping(Path(settings.search_runner_config))
+        config.setdefault("entrypoint", SEARCH_RUNNER_ENTRYPOINT)
+        return config
+    return search_runner_config(experiment.config, settings, experiment.config_path.stem)
+
+
+def experiment_url(master_url: str, experiment_id: int) -> str:
+    return f"{master_url.rstrip('/')}/det/experiments/{experiment_id}"
+
+
+def submit(settings: SearchSettings, experiment: Experiment, environ: Mapping[str, str]) -> int:
+    """Create the search-runner experiment; prints its id and URL, returns the id."""
+    require_client_custom_searcher()
+    from determined.common.api import bindings
+    from determined.common.api import errors as api_errors
+    from determined.experimental import client
+
+    master = environ.get(ENV_DET_MASTER) or None
+    try:
+        determined = client.Determined(master=master)
+        master_url = determined._session.master
+        info = bindings.get_GetMaster(determined._session)
+        require_master_custom_searcher(master_url, info.version)
+        config = runner_config(settings, experiment)
+        with tempfile.TemporaryDirectory(prefix="dsat-upload-") as staging:
+            includes = stage_context(settings, experiment, Path(staging))
+            try:
+                created = determined.create_experiment(config, staging, includes)
+            except ValueError as err:  # Determined's own check of the upload's size
+                if "maximum allowed size" not in str(err):
+                    raise
+                raise DsatError(
+                    f"{experiment.model_dir}: MODEL_DIR, the config and the includes come to more "
+                    "than Determined uploads; list what trials do not need (data, checkpoints) "
+                    "in a .detignore file in MODEL_DIR"
+                ) from None
+    except api_errors.MasterNotFoundException:
+        raise DsatError(
+            f"no Determined master answers at {master or 'the default address'}; check "
+            f"{ENV_DET_MASTER}, or use --backend local"
+        ) from None
+    except api_errors.UnauthenticatedException:
+        raise DsatError(
+            "the Determined master refused the login; run `det user login` or set DET_USER and "
+            "DET_PASS"
+        ) from None
+    except api_errors.APIException as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise DsatError(f"the Determined master rejected the search runner: {first_line}") from None
+    print(f"Created experiment {created.id}")
+    print(f"dsat: follow the search at {experiment_url(master_url, created.id)}")
+    return int(created.id)

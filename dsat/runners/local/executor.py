@@ -1,0 +1,414 @@
+"""The local runner: each trial a process group on this machine, in a copy of the model dir.
+
+A trial gets its own working directory (MODEL_DIR and the `--include`s copied; the user's files are
+never touched), its hyperparameters in a JSON file that `dsat.get_hparams()` reads, disjoint slots
+(GPUs through CUDA_VISIBLE_DEVICES, or CPU slots with DS_ACCELERATOR=cpu), and a log file in the
+results directory. What it leaves behind decides its outcome: DeepSpeed's metrics (through
+`dsat_reporting_context`'s outcome file, or DeepSpeed's own files) mean completed; an OOM
+signature, oom; the timeout, timeout; anything else, error with the log's last lines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from dsat.atomic_file import write_json_atomic
+from dsat.constants import (
+    ENV_HPARAMS_FILE,
+    ENV_RESULTS_DIR,
+    ENV_TRIAL_LENGTH,
+    RESULTS_ROOT,
+    TRIAL_OUTCOME_FILE,
+)
+from dsat.errors import DsatError
+from dsat.runners.driver import TrialOutcome
+from dsat.runners.local.deepspeed_ops import clear_stale_locks
+from dsat.runners.local.entrypoint import trial_command
+from dsat.runners.local.trial_processes import TrialProcess, guarded, kill_process_group
+from dsat.runners.local.trial_timeout import TrialTimeout
+from dsat.runners.local.warm_trials import WarmWorkers, warm_command
+from dsat.training.oom import text_shows_out_of_memory
+from dsat.training.reporting import read_autotuning_result
+from dsat.trial import TrialStatus
+
+HPARAMS_FILE = "dsat_hparams.json"
+LOG_TAIL_LINES = 20
+POLL_SECONDS = 0.1
+# After the command on a trial log's first line when the trial was forked from a warm worker.
+WARM_TRIAL_MARK = "# forked from a warm worker"
+COPY_IGNORE = shutil.ignore_patterns(".git", "__pycache__", "*.pyc", ".venv", RESULTS_ROOT)
+
+
+# Determined's DistributedContext broadcasts between a trial's processes on two TCP ports that
+# are fixed unless these variables say otherwise; concurrent trials on one machine need their own.
+DETERMINED_PORT_VARIABLES = ("INTER_TRAIN_PROCESS_COMM_PORT_1", "INTER_TRAIN_PROCESS_COMM_PORT_2")
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports free right now, all different (every socket stays open until all are bound)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def visible_gpus(environ: dict[str, str]) -> list[str]:
+    """The GPUs trials may use: CUDA_VISIBLE_DEVICES when set, else every one torch sees."""
+    listed = environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [d.strip() for d in listed.split(",") if d.strip() and d.strip() != "-1"]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+
+
+@dataclass
+class SlotPool:
+    """The machine's slots: GPU ids, or CPU slots named cpu0, cpu1, ..."""
+
+    slots: list[str]
+    on_gpu: bool
+
+    @classmethod
+    def for_machine(
+        cls, slots_per_trial: int, max_slots: int | None, environ: dict[str, str]
+    ) -> SlotPool:
+        gpus = visible_gpus(environ)
+        if gpus:
+            if slots_per_trial > len(gpus):
+                raise DsatError(
+                    f"resources.slots_per_trial is {slots_per_trial} but this machine has "
+                    f"{len(gpus)} visible GPU(s); lower it or free GPUs (CUDA_VISIBLE_DEVICES)"
+                )
+            count = min(len(gpus), max_slots) if max_slots else len(gpus)
+            return cls(gpus[:count], on_gpu=True)
+        cores = os.cpu_count() or 1
+        if slots_per_trial > cores:
+            raise DsatError(
+                f"resources.slots_per_trial is {slots_per_trial} but this machine has no GPU and "
+                f"{cores} CPU core(s); lower slots_per_trial"
+            )
+        # Without GPUs one trial runs at a time unless --max-slots allows more.
+        count = max(slots_per_trial, min(max_slots or slots_per_trial, cores))
+        return cls([f"cpu{i}" for i in range(count)], on_gpu=False)
+
+    def take(self, count: int) -> list[str]:
+        if count > len(self.slots):
+            raise RuntimeError("the search started more trials than there are free slots")
+        taken, self.slots = self.slots[:count], self.slots[count:]
+        return taken
+
+    def give_back(self, slots: list[str]) -> None:
+        self.slots.extend(slots)
+
+    @property
+    def size(self) -> int:
+        return len(self.slots)
+
+
+@dataclass
+class RunningTrial:
+    request_id: str
+    process: TrialProcess
+    directory: Path
+    log_path: Path
+    log: IO[bytes]
+    slots: list[str]
+    start: float
+
+
+def copy_ignore(results_dir: Path) -> Callable[[str, list[str]], set[str]]:
+    """What a trial's copy leaves out: caches, environments, and the search's own results (which
+    may lie inside MODEL_DIR, as with `--results-dir out` or the default from `.`)."""
+
+    def ignore(directory: str, names: list[str]) -> set[str]:
+        ignored = set(COPY_IGNORE(directory, names))
+        ignored.update(n for n in names if os.path.join(directory, n) == str(results_dir))
+        return ignored
+
+    return ignore
+
+
+def prepare_trial_directory(
+    directory: Path,
+    model_dir: Path,
+    includes: tuple[Path, ...],
+    hparams: dict[str, Any],
+    results_dir: Path,
+) -> None:
+    """A fresh copy of the model dir and the includes, with the hyperparameters beside them."""
+    if directory.exists():  # a resumed search re-runs an interrupted trial from scratch
+        shutil.rmtree(directory)
+    ignore = copy_ignore(results_dir)
+    shutil.copytree(model_dir, directory, ignore=ignore)
+    for include in includes:
+        target = directory / include.name
+        if include.is_dir():
+            shutil.copytree(include, target, ignore=ignore, dirs_exist_ok=True)
+        else:
+            shutil.copy2(include, target)
+    write_json_atomic(directory / HPARAMS_FILE, hparams)
+
+
+class LocalExecutor:
+    def __init__(
+        self,
+        entrypoint: list[str],
+        model_dir: Path,
+        includes: tuple[Path, ...],
+        results_dir: Path,
+        pool: SlotPool,
+        slots_per_trial: int,
+        timeout: TrialTimeout,
+        environ: dict[str, str] | None = None,
+        warm: bool = True,
+    ) -> None:
+        """``warm``: fork one-process trials from a warm worker per slot (``warm_trials``) when
+        the entrypoint allows it; otherwise every trial starts a fresh interpreter."""
+        self.entrypoint = entrypoint
+        self.model_dir = model_dir
+        self.includes = includes
+        self.results_dir = results_dir
+        self.pool = pool
+        self.slots_per_trial = slots_per_trial
+        self.timeout = timeout
+        self.environ = dict(os.environ if environ is None else environ)
+        self.cpu_threads = max(1, (os.cpu_count() or 1) // max(pool.size, 1))
+        self.running: dict[str, RunningTrial] = {}
+        self.started_at = time.monotonic()
+        self._count = 0
+        single = trial_command(entrypoint, 1, 0)  # one process: no port in the command
+        self.warm_workers = (
+            WarmWorkers(single, model_dir, includes, results_dir / "logs")
+            if warm and slots_per_trial == 1 and warm_command(single)
+            else None
+        )
+
+    def now(self) -> float:
+        return time.monotonic() - self.started_at
+
+    def _prepare_directory(self, request_id: str, hparams: dict[str, Any]) -> Path:
+        self._count += 1
+        directory = self.results_dir / "trials" / f"{self._count:03d}-{request_id[:8]}"
+        prepare_trial_directory(directory, self.model_dir, self.includes, hparams, self.results_dir)
+        return directory
+
+    def environment(
+        self, directory: Path, slots: list[str], ports: list[int], length: int | None = None
+    ) -> dict[str, str]:
+        """The trial's environment: where its hyperparameters are, its slots, its rank, and the
+        length of its searcher operation (which off-cluster Determined would make 1).
+
+        ``ports``: three free ports, torch.distributed's first, then Determined's two."""
+        env = self.slot_environment(slots)
+        env[ENV_HPARAMS_FILE] = str(directory / HPARAMS_FILE)
+        if length is not None:
+            env[ENV_TRIAL_LENGTH] = str(length)
+        if self.slots_per_trial > 1:
+            env.update(zip(DETERMINED_PORT_VARIABLES, map(str, ports[1:3]), strict=True))
+        else:
+            env.update(
+                {
+                    "RANK": "0",
+                    "LOCAL_RANK": "0",
+                    "WORLD_SIZE": "1",
+                    "LOCAL_WORLD_SIZE": "1",
+                    "GROUP_RANK": "0",
+                    "GROUP_WORLD_SIZE": "1",
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(ports[0]),
+                }
+            )
+        return env
+
+    def slot_environment(self, slots: list[str]) -> dict[str, str]:
+        """What every trial on ``slots`` sees, whichever trial it is: the devices or threads, and
+        the results directory (by which a resumed search finds processes left running)."""
+        env = dict(self.environ)
+        env[ENV_RESULTS_DIR] = str(self.results_dir)
+        if self.pool.on_gpu:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(slots)
+        else:
+            env["DS_ACCELERATOR"] = "cpu"
+            env["OMP_NUM_THREADS"] = str(self.cpu_threads)
+        return env
+
+    def op_build_environment(self) -> dict[str, str]:
+        """The environment in which DeepSpeed's ops are built for these trials."""
+        env = dict(self.environ)
+        if not self.pool.on_gpu:
+            env["DS_ACCELERATOR"] = "cpu"
+        return env
+
+    def spawn(
+        self,
+        directory: Path,
+        slots: list[str],
+        stdout: IO[bytes] | int,
+        log: IO[bytes],
+        length: int | None = None,
+    ) -> tuple[subprocess.Popen[bytes], list[str]]:
+        """The entrypoint in ``directory`` on ``slots``, in a process group of its own that dies
+        with dsat (``trial_guard``); returns the process and the command, which goes first into
+        ``log``."""
+        ports = free_ports(3)
+        command = trial_command(self.entrypoint, self.slots_per_trial, ports[0])
+        log.write(f"$ {' '.join(command)}\n".encode())
+        log.flush()
+        process = subprocess.Popen(
+            guarded(command),
+            cwd=directory,
+            env=self.environment(directory, slots, ports, length),
+            stdout=stdout,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        return process, command
+
+    def start(
+        self, request_id: str, hparams: dict[str, Any], ds_config: dict[str, Any], length: int
+    ) -> None:
+        directory = self._prepare_directory(request_id, hparams)
+        slots = self.pool.take(self.slots_per_trial)
+        log_path = self.results_dir / "logs" / f"{directory.name}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = log_path.open("wb")
+        # A build lock left by a killed trial would make this one wait on it until its timeout.
+        clear_stale_locks(self.environ)
+        process = self._fork_warm(directory, slots, log, log_path, length)
+        if process is None:
+            process, _ = self.spawn(directory, slots, log, log, length)
+        self.running[request_id] = RunningTrial(
+            request_id, process, directory, log_path, log, slots, self.now()
+        )
+
+    def _fork_warm(
+        self, directory: Path, slots: list[str], log: IO[bytes], log_path: Path, length: int
+    ) -> TrialProcess | None:
+        """The trial forked from its slot's warm worker, or None if it must start fresh."""
+        if self.warm_workers is None:
+            return None
+        log.write(f"$ {' '.join(self.warm_workers.command)}  {WARM_TRIAL_MARK}\n".encode())
+        log.flush()
+        worker_env = self.slot_environment(slots)
+        if self.pool.on_gpu:  # torch.cuda.is_available() without starting CUDA before a fork
+            worker_env["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+        env = self.environment(directory, slots, free_ports(3), length)
+        process = self.warm_workers.run(slots[0], worker_env, directory, env, log_path)
+        if process is None:
+            log.seek(0)
+            log.truncate()
+        return process
+
+    def wait(self) -> TrialOutcome:
+        while True:
+            for trial in list(self.running.values()):
+                code = trial.process.poll()
+                timed_out = code is None and self.now() - trial.start > self.timeout.seconds
+                if code is None and not timed_out:
+                    continue
+                if timed_out:
+                    self._kill(trial)
+                return self._finish(trial, timed_out)
+            time.sleep(POLL_SECONDS)
+
+    def _finish(self, trial: RunningTrial, timed_out: bool) -> TrialOutcome:
+        del self.running[trial.request_id]
+        trial.log.close()
+        self.pool.give_back(trial.slots)
+        status, metrics, error = classify(trial, timed_out, self.timeout.seconds)
+        end = self.now()
+        if status is TrialStatus.COMPLETED:  # the first to complete is the model-profile trial
+            self.timeout.profile_finished(end - trial.start)
+        return TrialOutcome(trial.request_id, status, metrics, error, trial.start, end)
+
+    def _kill(self, trial: RunningTrial) -> None:
+        kill_process_group(trial.process)
+
+    def stop_all(self) -> None:
+        for trial in list(self.running.values()):
+            self._kill(trial)
+            trial.log.close()
+            self.pool.give_back(trial.slots)
+        self.running.clear()
+        self.close()
+
+    def close(self) -> None:
+        """Stop the warm workers (a later trial starts them again)."""
+        if self.warm_workers is not None:
+            self.warm_workers.close()
+
+
+LOG_SCAN_BYTES = 256 * 1024
+
+
+def log_end(path: Path) -> str:
+    """The last part of a log: where a crash, an OOM report or torchrun's summary ends up."""
+    try:
+        with path.open("rb") as handle:
+            handle.seek(max(0, path.stat().st_size - LOG_SCAN_BYTES))
+            return handle.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def log_tail(text: str, lines: int = LOG_TAIL_LINES) -> str:
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def classify(
+    trial: RunningTrial, timed_out: bool, timeout: float
+) -> tuple[TrialStatus, dict[str, Any], str | None]:
+    """What a finished trial's exit code, outcome file and log say about it."""
+    outcome_path = trial.directory / TRIAL_OUTCOME_FILE
+    outcome: dict[str, Any] = {}
+    if outcome_path.is_file():
+        try:
+            outcome = json.loads(outcome_path.read_text())
+        except (OSError, json.JSONDecodeError):
+            outcome = {}
+    text = log_end(trial.log_path)
+    if timed_out:
+        return (
+            TrialStatus.TIMEOUT,
+            {},
+            f"stopped after the trial timeout of {timeout:g} s\n{log_tail(text)}",
+        )
+    code = trial.process.returncode
+    if outcome.get("status") == "completed" and code == 0:
+        return TrialStatus.COMPLETED, dict(outcome.get("values", {})), None
+    if code == 0:
+        result = read_autotuning_result(trial.directory)  # the script reported without dsat
+        if result is not None:
+            return TrialStatus.COMPLETED, result.values, None
+    tail = log_tail(text)
+    if code == 0 and outcome.get("status") == "incomplete":
+        needed = outcome.get("needed")
+        return (
+            TrialStatus.ERROR,
+            {},
+            f"DeepSpeed stopped after {outcome.get('steps')} steps; it needs {needed} to measure "
+            f"this configuration: let the training loop run at least {needed} steps (the "
+            f"searcher operation's length, op.length, is {needed})\n{tail}",
+        )
+    if outcome.get("status") == "oom" or text_shows_out_of_memory(text):
+        return TrialStatus.OOM, {}, tail
+    if code == -signal.SIGKILL:  # not dsat's doing (that is a timeout): the kernel's OOM killer
+        return TrialStatus.OOM, {}, f"killed by SIGKILL, most likely out of host memory\n{tail}"
+    reason = f"exit code {code}" if code else "exited without DeepSpeed's autotuning results"
+    return TrialStatus.ERROR, {}, f"{reason}\n{tail}"

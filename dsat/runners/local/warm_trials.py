@@ -1,0 +1,226 @@
+"""Trials forked from warm workers (``fork_server``), as the local runner sees them.
+
+One worker per slot, started at the slot's first trial with the slot's environment (accelerator,
+devices, threads), so a forked trial sees what a fresh one would have seen at import. A trial
+from a worker looks like any trial process: a pid that leads its own process group, a return
+code (a signal's negative, as from ``subprocess``), output in its log. When a worker cannot serve
+(its entrypoint is not ``python SCRIPT`` or ``python -m MODULE``, it went cold, or it died), the
+runner starts that trial fresh; a worker that went cold is not started again for the slot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import queue
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from dsat.runners.local.entrypoint import PYTHON_NAMES
+
+logger = logging.getLogger(__name__)
+
+# How long a worker may take to import the entrypoint's modules before its first trial starts.
+READY_TIMEOUT_S = 600.0
+WORKER_LOG = "warm-worker-{slot}.log"
+LOST_RETURNCODE = 1
+
+
+def warm_command(command: Sequence[str]) -> bool:
+    """Whether a one-process trial command can run in a warm worker: ``python SCRIPT [ARGS]`` or
+    ``python -m MODULE [ARGS]``, with no interpreter options that would change how it runs."""
+    if len(command) < 2 or command[0] not in PYTHON_NAMES:
+        return False
+    if command[1] == "-m":
+        return len(command) >= 3
+    return not command[1].startswith("-") and command[1].endswith(".py")
+
+
+class WarmProcess:
+    """A trial forked by a worker: enough of ``subprocess.Popen`` for the runner to poll it,
+    wait for it and stop its process group."""
+
+    def __init__(self, pid: int, log_path: Path) -> None:
+        self.pid = pid
+        self.log_path = log_path
+        self.returncode: int | None = None
+        self._done = threading.Event()
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._done.wait(timeout):
+            raise subprocess.TimeoutExpired(f"trial process {self.pid}", timeout or 0.0)
+        assert self.returncode is not None  # set before _done
+        return self.returncode
+
+    def exited(self, returncode: int) -> None:
+        self.returncode = returncode
+        self._done.set()
+
+
+class WarmWorker:
+    """One slot's worker process and the thread that reads its events."""
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        model_dir: Path,
+        env: dict[str, str],
+        log_path: Path,
+        includes: Sequence[Path] = (),
+    ) -> None:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_path
+        self._log: IO[bytes] = log_path.open("ab")
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "dsat.runners.local.fork_server",
+                str(os.getpid()),
+                str(model_dir),
+                *map(str, includes),
+                "--",
+                *command,
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            env=env,
+            cwd=log_path.parent,
+            start_new_session=True,
+        )
+        self.cold_reason: str | None = None
+        self._replies: queue.Queue[WarmProcess | str] = queue.Queue()
+        self._pending: dict[int, WarmProcess] = {}
+        self._log_paths: queue.Queue[Path] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    @property
+    def alive(self) -> bool:
+        return self.cold_reason is None and self.process.poll() is None
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None  # stdout=PIPE
+        for line in self.process.stdout:
+            try:
+                event: dict[str, Any] = json.loads(line)
+            except ValueError:
+                continue
+            kind = event.get("event")
+            if kind == "started":
+                trial = WarmProcess(int(event["pid"]), self._log_paths.get())
+                self._pending[trial.pid] = trial
+                self._replies.put(trial)
+            elif kind == "exited":
+                finished = self._pending.pop(int(event["pid"]), None)
+                if finished is not None:
+                    finished.exited(int(event["returncode"]))
+            elif kind == "cold":
+                self.cold_reason = str(event.get("reason"))
+                self._replies.put(self.cold_reason)
+        self._lost()
+
+    def _lost(self) -> None:
+        """The worker is gone: its trials (killed with it) end as errors that say why."""
+        self.cold_reason = self.cold_reason or "the warm worker exited"
+        for trial in list(self._pending.values()):
+            with contextlib.suppress(OSError), trial.log_path.open("ab") as log:
+                log.write(b"\ndsat: the warm worker that ran this trial exited; trial stopped\n")
+            trial.exited(LOST_RETURNCODE)
+        self._pending.clear()
+        self._replies.put(self.cold_reason)
+
+    def run(
+        self, command: Sequence[str], cwd: Path, env: dict[str, str], log_path: Path
+    ) -> WarmProcess | None:
+        """Fork a trial; None when this worker cannot (the caller starts it fresh)."""
+        if not self.alive:
+            return None
+        request = {"argv": list(command), "cwd": str(cwd), "env": env, "log": str(log_path)}
+        self._log_paths.put(log_path)
+        try:
+            assert self.process.stdin is not None  # stdin=PIPE
+            self.process.stdin.write((json.dumps(request) + "\n").encode())
+            self.process.stdin.flush()
+            reply = self._replies.get(timeout=READY_TIMEOUT_S)
+        except (OSError, queue.Empty):
+            self.close()
+            return None
+        return reply if isinstance(reply, WarmProcess) else None
+
+    def close(self) -> None:
+        """Stop the worker; trials it forked are stopped by the runner (or die with it)."""
+        with contextlib.suppress(OSError):
+            if self.process.stdin is not None:
+                self.process.stdin.close()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            self.process.terminate()
+        try:
+            self.process.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self._log.close()
+
+
+class WarmWorkers:
+    """The workers of a machine's slots, each started at its slot's first trial."""
+
+    def __init__(
+        self, command: Sequence[str], model_dir: Path, includes: Sequence[Path], logs_dir: Path
+    ) -> None:
+        self.command = list(command)
+        self.model_dir = model_dir
+        self.includes = list(includes)
+        self.logs_dir = logs_dir
+        self.workers: dict[str, WarmWorker] = {}
+        self.cold: dict[str, str] = {}
+
+    def run(
+        self,
+        slot: str,
+        worker_env: dict[str, str],
+        cwd: Path,
+        env: dict[str, str],
+        log_path: Path,
+    ) -> WarmProcess | None:
+        """The trial on ``slot`` forked from its worker, or None: start it fresh."""
+        if slot in self.cold:
+            return None
+        worker = self.workers.get(slot)
+        if worker is None or not worker.alive:
+            if worker is not None:
+                worker.close()
+            worker = WarmWorker(
+                self.command,
+                self.model_dir,
+                worker_env,
+                self.logs_dir / WORKER_LOG.format(slot=slot),
+                self.includes,
+            )
+            self.workers[slot] = worker
+        trial = worker.run(self.command, cwd, env, log_path)
+        if trial is None and worker.cold_reason is not None:
+            self.cold[slot] = worker.cold_reason
+            logger.info(
+                "slot %s: trials start in fresh processes from now on (%s; see %s)",
+                slot,
+                worker.cold_reason,
+                worker.log_path,
+            )
+        return trial
+
+    def close(self) -> None:
+        for worker in self.workers.values():
+            worker.close()
+        self.workers.clear()

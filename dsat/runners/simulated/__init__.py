@@ -1,0 +1,1 @@
+"""The simulated runner: a performance function instead of training (tests and benchmarks)."""

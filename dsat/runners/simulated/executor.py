@@ -1,0 +1,67 @@
+"""The simulated runner: a performance function instead of training, in virtual time.
+
+``FUNCTION(ds_config, slots)`` is called once per trial when it starts. Trials overlap up to the
+search's limits and each lasts the ``seconds`` its function reports, on a virtual clock, so a
+64-trial search takes well under a second. ``MemoryError`` means OOM; any other exception, a
+failed trial.
+"""
+
+from __future__ import annotations
+
+import copy
+import heapq
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+from dsat.runners.driver import TrialOutcome
+from dsat.trial import TrialStatus
+
+PerformanceFunction = Callable[[dict[str, Any], int], dict[str, Any]]
+# How long a trial lasts when its function does not say: start-up plus a few steps.
+DEFAULT_TRIAL_SECONDS = 120.0
+FAILED_TRIAL_SECONDS = 60.0
+
+
+class SimulatedExecutor:
+    def __init__(
+        self,
+        function: PerformanceFunction,
+        slots_per_trial: int,
+        default_seconds: float = DEFAULT_TRIAL_SECONDS,
+        failed_seconds: float = FAILED_TRIAL_SECONDS,
+    ) -> None:
+        self.function = function
+        self.slots = slots_per_trial
+        self.default_seconds = default_seconds
+        self.failed_seconds = failed_seconds
+        self.now = 0.0
+        self._events: list[tuple[float, int, TrialOutcome]] = []
+        self._order = itertools.count()
+
+    def start(
+        self, request_id: str, hparams: dict[str, Any], ds_config: dict[str, Any], length: int
+    ) -> None:
+        status, metrics, error = TrialStatus.COMPLETED, {}, None
+        seconds = self.default_seconds
+        try:
+            metrics = dict(self.function(copy.deepcopy(ds_config), self.slots))
+            seconds = float(metrics.pop("seconds", self.default_seconds))
+        except MemoryError as err:
+            status, error, seconds = TrialStatus.OOM, f"MemoryError: {err}", self.failed_seconds
+        except Exception as err:  # the user's function failing is a failed trial, not a crash
+            status, error, seconds = (
+                TrialStatus.ERROR,
+                f"{type(err).__name__}: {err}",
+                self.failed_seconds,
+            )
+        outcome = TrialOutcome(request_id, status, metrics, error, self.now, self.now + seconds)
+        heapq.heappush(self._events, (outcome.end, next(self._order), outcome))
+
+    def wait(self) -> TrialOutcome:
+        end, _, outcome = heapq.heappop(self._events)
+        self.now = end
+        return outcome
+
+    def stop_all(self) -> None:
+        self._events.clear()

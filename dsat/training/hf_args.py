@@ -1,0 +1,97 @@
+"""Make a HuggingFace Trainer's command line agree with the DeepSpeed config a trial tries.
+
+HF checks its ``--per_device_train_batch_size``/``--gradient_accumulation_steps`` against the
+``--deepspeed`` JSON and refuses a mismatch, so both have to carry dsat's overrides. The merged
+JSON is written next to the original (the user's file is never modified) and ``--deepspeed`` is
+pointed at it; a file lock keeps the ranks of a multi-process trial from racing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import filelock
+
+from dsat.atomic_file import write_json_atomic
+from dsat.constants import GRAD_ACCUM_STEPS, MICRO_BATCH_SIZE, OVERWRITE_KEY
+from dsat.errors import DsatError
+from dsat.experiment.batch_size import batch_value
+from dsat.experiment.config import deep_merge, load_ds_json
+from dsat.training.step_clock import start_clock
+
+logger = logging.getLogger(__name__)
+
+HF_DS_FLAG = "--deepspeed"
+# HF flag (underscore spelling; HfArgumentParser also accepts dashes) -> DeepSpeed key.
+HF_BATCH_FLAGS = {
+    "--per_device_train_batch_size": MICRO_BATCH_SIZE,
+    "--gradient_accumulation_steps": GRAD_ACCUM_STEPS,
+}
+MERGED_SUFFIX = ".dsat.json"
+
+
+def _flag_name(token: str) -> str:
+    name = token.partition("=")[0]
+    return "--" + name[2:].replace("-", "_") if name.startswith("--") else name
+
+
+def _find_flag(args: Sequence[str], flag: str) -> tuple[int, str | None]:
+    """Index of ``flag`` in ``args`` and its value (``--flag value`` or ``--flag=value``)."""
+    for i, token in enumerate(args):
+        if _flag_name(token) != flag:
+            continue
+        if "=" in token:
+            return i, token.partition("=")[2]
+        return i, args[i + 1] if i + 1 < len(args) else None
+    return -1, None
+
+
+def _set_flag(args: list[str], flag: str, value: str) -> list[str]:
+    index, old = _find_flag(args, flag)
+    if index < 0:
+        logger.info("adding %s %s to match the DeepSpeed config", flag, value)
+        return [*args, flag, value]
+    if old != value:
+        logger.info("changing %s from %s to %s to match the DeepSpeed config", flag, old, value)
+    updated = list(args)
+    if "=" in args[index]:
+        updated[index] = f"{flag}={value}"
+    elif index + 1 < len(updated):
+        updated[index + 1] = value
+    else:
+        updated.append(value)
+    return updated
+
+
+def merged_config_path(ds_config_path: Path) -> Path:
+    stem = ds_config_path.name.removesuffix(".json")
+    return ds_config_path.with_name(stem + MERGED_SUFFIX)
+
+
+def get_hf_args_with_overwrites(args: Sequence[str], hparams: Mapping[str, Any]) -> list[str]:
+    """HF Trainer arguments that carry this trial's DeepSpeed overrides."""
+    overwrites = hparams.get(OVERWRITE_KEY)
+    args = list(args)
+    if not overwrites:
+        return args
+    start_clock(overwrites)  # a search trial: dsat times the steps itself
+    index, value = _find_flag(args, HF_DS_FLAG)
+    if index < 0 or not value:
+        raise DsatError(
+            "get_hf_args_with_overwrites: the HF arguments have no --deepspeed PATH; pass your "
+            "DeepSpeed JSON with --deepspeed"
+        )
+    source = Path(value)
+    target = merged_config_path(source)
+    with filelock.FileLock(str(target) + ".lock"):
+        merged = deep_merge(load_ds_json(source, "--deepspeed"), overwrites)
+        write_json_atomic(target, merged)
+    args = _set_flag(args, HF_DS_FLAG, str(target))
+    for flag, key in HF_BATCH_FLAGS.items():
+        number = batch_value(merged, key, str(target))
+        if number is not None:  # "auto" is left for HF to fill in from its own arguments
+            args = _set_flag(args, flag, str(number))
+    return args

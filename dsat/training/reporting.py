@@ -1,0 +1,156 @@
+"""Turn DeepSpeed's autotuning exit into a reported trial result.
+
+With an ``autotuning`` block, DeepSpeed's engine writes its measurements to a JSON file and calls
+``exit()``. ``dsat_reporting_context`` catches that ``SystemExit``, reads the file, reports it
+through the Determined Core API context (rank 0 only), leaves a copy for dsat's local runner, and
+re-raises, so the trial ends exactly as DeepSpeed meant it to.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from dsat.atomic_file import write_json_atomic
+from dsat.constants import (
+    METRICS_FILE,
+    MODEL_INFO_FILE,
+    OOM_MARKER,
+    OOM_METRIC_KEY,
+    TRIAL_OUTCOME_FILE,
+)
+from dsat.training.oom import is_out_of_memory
+from dsat.training.step_clock import current_clock, peak_memory
+
+logger = logging.getLogger(__name__)
+
+MODEL_INFO = "model_info"
+METRICS = "metrics"
+
+
+@dataclasses.dataclass(frozen=True)
+class AutotuningResult:
+    """What DeepSpeed wrote when it exited: model info of a profile trial, or timing metrics."""
+
+    kind: str  # MODEL_INFO or METRICS
+    values: dict[str, Any]
+
+
+def device_memory_bytes() -> int:
+    """Memory of this rank's accelerator: the GPU's own, or the machine's RAM on the CPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    import psutil
+
+    return int(psutil.virtual_memory().total)
+
+
+def read_autotuning_result(directory: Path) -> AutotuningResult | None:
+    """The newest of DeepSpeed's model-info and metric files in ``directory``, if any."""
+    found = [
+        (path.stat().st_mtime, kind, path)
+        for kind, path in (
+            (MODEL_INFO, directory / MODEL_INFO_FILE),
+            (METRICS, directory / METRICS_FILE),
+        )
+        if path.is_file()
+    ]
+    if not found:
+        return None
+    _, kind, path = max(found)
+    try:
+        values = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None  # another rank may still be writing; only rank 0's copy is reported
+    if not isinstance(values, dict):
+        return None
+    if kind == MODEL_INFO:
+        values["gpu_mem"] = device_memory_bytes()
+    return AutotuningResult(kind, values)
+
+
+def oom_summary(err: BaseException) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def record_out_of_memory(err: BaseException, directory: Path) -> None:
+    """Make an OOM unmistakable to a local runner: a marker line on stderr and an outcome file."""
+    summary = oom_summary(err)
+    print(f"{OOM_MARKER}: {summary}", file=sys.stderr, flush=True)
+    with contextlib.suppress(OSError):
+        write_json_atomic(directory / TRIAL_OUTCOME_FILE, {"status": "oom", "error": summary})
+
+
+def oom_metric(err: BaseException) -> dict[str, str]:
+    """The searcher metric that tells dsat's search on a cluster this trial ran out of memory."""
+    return {OOM_METRIC_KEY: oom_summary(err)}
+
+
+def report_out_of_memory(core_context: Any, op: Any, err: BaseException) -> None:
+    """Tell the search (rank 0 only) that the trial ran out of memory, before the error ends it.
+    A report that fails must not hide the OOM itself, so its error is only logged."""
+    if op is None or core_context.distributed.get_rank() != 0:
+        return
+    try:
+        op.report_completed(oom_metric(err))
+    except Exception as report_error:  # the OOM is what the trial must raise
+        logger.warning("could not report the out-of-memory outcome: %s", report_error)
+
+
+def report_result(
+    core_context: Any,
+    op: Any,
+    steps_completed: int | None,
+    result: AutotuningResult,
+    directory: Path,
+) -> None:
+    """Report on rank 0 only; the other ranks' files are partial or absent."""
+    if core_context.distributed.get_rank() != 0:
+        return
+    clock = current_clock()
+    if result.kind == METRICS and clock is not None:
+        result = AutotuningResult(METRICS, {**clock.metrics(result.values), **peak_memory()})
+    write_json_atomic(
+        directory / TRIAL_OUTCOME_FILE,
+        {"status": "completed", "kind": result.kind, "values": result.values},
+    )
+    if steps_completed is None:
+        steps_completed = op.length if op is not None else 0
+    core_context.train.report_validation_metrics(
+        steps_completed=steps_completed, metrics=result.values
+    )
+    if op is not None:
+        op.report_completed(result.values)
+
+
+@contextlib.contextmanager
+def dsat_reporting_context(
+    core_context: Any, op: Any, steps_completed: int | None = None
+) -> Iterator[None]:
+    """Wrap the training steps of a trial so DeepSpeed's autotuning results get reported.
+
+    Any exception other than DeepSpeed's ``SystemExit`` passes through untouched; an OOM is also
+    recorded so the runner can tell it from other crashes.
+    """
+    try:
+        yield
+    except SystemExit:
+        directory = Path.cwd()
+        result = read_autotuning_result(directory)
+        if result is not None:
+            report_result(core_context, op, steps_completed, result, directory)
+        raise
+    except BaseException as err:
+        if is_out_of_memory(err):
+            record_out_of_memory(err, Path.cwd())
+            report_out_of_memory(core_context, op, err)
+        raise

@@ -1,0 +1,89 @@
+"""Trial-side access to the hyperparameters and the DeepSpeed config a trial should run with.
+
+One training script runs unchanged under dsat's local runner and on a Determined cluster: the
+hyperparameters come from the file a dsat runner names in the environment, or from Determined's
+cluster info.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from dsat.constants import DS_CONFIG_KEY, ENV_HPARAMS_FILE, ENV_TRIAL_LENGTH, OVERWRITE_KEY
+from dsat.errors import DsatError
+from dsat.experiment.config import deep_merge, load_ds_json
+from dsat.training.step_clock import start_clock
+
+
+def overwrite_deepspeed_config(
+    base: str | Path | Mapping[str, Any], overwrites: Mapping[str, Any]
+) -> dict[str, Any]:
+    """``base`` (a dict or a JSON path) with ``overwrites`` deep-merged on top."""
+    if not isinstance(base, Mapping):
+        base = load_ds_json(Path(base), "overwrite_deepspeed_config")
+    return deep_merge(base, overwrites)
+
+
+def get_ds_config_from_hparams(
+    hparams: Mapping[str, Any], base_dir: str | Path = "."
+) -> dict[str, Any]:
+    """The trial's DeepSpeed config: the JSON named by the hyperparameters plus dsat's overrides."""
+    relative = hparams.get(DS_CONFIG_KEY)
+    if not isinstance(relative, str) or not relative:
+        raise DsatError(
+            f"hyperparameters.{DS_CONFIG_KEY} is missing; set it to the path of your DeepSpeed "
+            "JSON in the experiment YAML"
+        )
+    base = load_ds_json(Path(base_dir) / relative, f"hyperparameters.{DS_CONFIG_KEY}")
+    overwrites = hparams.get(OVERWRITE_KEY) or {}
+    start_clock(overwrites)  # a search trial: dsat times the steps itself
+    return deep_merge(base, overwrites)
+
+
+def lengthen_offcluster_operations(length: int) -> None:
+    """Have off-cluster ``det.core.init()`` hand out operations of the trial's length.
+
+    Off a cluster Determined's searcher yields one operation of length 1, so the Core API idiom
+    ``for batch in range(op.length)`` would stop before DeepSpeed measures anything. Under dsat's
+    local runner the operation gets the length a cluster would give."""
+    from determined.core import _searcher
+
+    context = _searcher.DummySearcherContext
+    original = getattr(context.__init__, "_dsat_original", context.__init__)
+
+    def init(self: Any, dist: Any, length_: int = length) -> None:
+        original(self, dist, length_)
+
+    init._dsat_original = original  # type: ignore[attr-defined]
+    context.__init__ = init  # type: ignore[method-assign]
+
+
+def get_hparams() -> dict[str, Any]:
+    """The trial's hyperparameters, whether dsat's local runner or Determined launched it."""
+    path = os.environ.get(ENV_HPARAMS_FILE)
+    if path:
+        try:
+            hparams = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise DsatError(
+                f"{ENV_HPARAMS_FILE}={path}: cannot read hyperparameters ({err})"
+            ) from None
+        if not isinstance(hparams, dict):
+            raise DsatError(f"{ENV_HPARAMS_FILE}={path}: hyperparameters must be a JSON object")
+        length = os.environ.get(ENV_TRIAL_LENGTH)
+        if length and length.isdigit():
+            lengthen_offcluster_operations(int(length))
+        return hparams
+    import determined
+
+    info = determined.get_cluster_info()  # type: ignore[attr-defined]  # public, re-exported
+    if info is not None and info.task_type == "TRIAL":
+        return dict(info.trial.hparams)
+    raise DsatError(
+        "no trial hyperparameters: launch this script with `python3 -m dsat ...` or on a "
+        f"Determined cluster, or set {ENV_HPARAMS_FILE} to a JSON file of hyperparameters"
+    )

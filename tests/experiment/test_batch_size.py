@@ -1,0 +1,119 @@
+"""The batch triple: consistent for any micro-batch, accumulation and slots, by DeepSpeed's check."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dsat.errors import DsatError
+from dsat.experiment.batch_size import consistent_batch_sizes
+from dsat.experiment.ds_config_check import deepspeed_config_error
+from dsat.training.trial_config import get_ds_config_from_hparams
+
+
+@pytest.mark.parametrize(
+    ("config", "slots", "expected"),
+    [
+        ({"train_micro_batch_size_per_gpu": 4}, 2, (8, 4, 1)),
+        (
+            {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": "auto"},
+            1,
+            (4, 4, 1),
+        ),
+        ({"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto"}, 3, (3, 1, 1)),
+        ({"train_batch_size": 32, "gradient_accumulation_steps": 2}, 4, (32, 4, 2)),
+        ({"train_batch_size": 16}, 8, (16, 2, 1)),
+        ({}, 1, (1, 1, 1)),
+        (
+            {
+                "train_batch_size": 12,
+                "train_micro_batch_size_per_gpu": 3,
+                "gradient_accumulation_steps": 2,
+            },
+            2,
+            (12, 3, 2),
+        ),
+    ],
+)
+def test_consistent_batch_sizes(
+    config: dict[str, Any], slots: int, expected: tuple[int, int, int]
+) -> None:
+    result = consistent_batch_sizes(config, slots)
+    assert (
+        result["train_batch_size"],
+        result["train_micro_batch_size_per_gpu"],
+        result["gradient_accumulation_steps"],
+    ) == expected
+
+
+def test_tried_micro_batch_replaces_the_configs() -> None:
+    result = consistent_batch_sizes(
+        {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3}, 2, micro_batch=7
+    )
+    assert result == {
+        "train_batch_size": 42,
+        "train_micro_batch_size_per_gpu": 7,
+        "gradient_accumulation_steps": 3,
+    }
+
+
+@pytest.mark.parametrize(
+    ("config", "slots", "message"),
+    [
+        ({"train_batch_size": 10, "gradient_accumulation_steps": 3}, 1, "not divisible"),
+        ({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 3}, 1, "!="),
+        ({"gradient_accumulation_steps": 0}, 1, "positive integer"),
+        ({"train_micro_batch_size_per_gpu": 2.5}, 1, "positive integer"),
+        ({"train_micro_batch_size_per_gpu": True}, 1, "positive integer"),
+    ],
+)
+def test_inconsistent_configs_are_user_errors(
+    config: dict[str, Any], slots: int, message: str
+) -> None:
+    with pytest.raises(DsatError, match=message):
+        consistent_batch_sizes(config, slots, source="ds.json")
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    micro_batch=st.integers(1, 512),
+    gas=st.one_of(st.integers(1, 64), st.just("auto"), st.none()),
+    slots=st.integers(1, 64),
+    user_train_batch=st.one_of(st.none(), st.just("auto"), st.integers(1, 10_000)),
+)
+def test_trial_config_passes_deepspeeds_batch_check(
+    tmp_path: Path, micro_batch: int, gas: Any, slots: int, user_train_batch: Any
+) -> None:
+    """For any tried micro-batch, the config a trial gets from its hyperparameters satisfies
+    DeepSpeed's own train_batch == micro * gas * world_size check."""
+    base: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}}
+    if gas is not None:
+        base["gradient_accumulation_steps"] = gas
+    if user_train_batch is not None:
+        base["train_batch_size"] = user_train_batch  # any stale value the user left is replaced
+    (tmp_path / "ds.json").write_text(json.dumps(base))
+    overwrites = consistent_batch_sizes(base, slots, micro_batch=micro_batch)
+    hparams = {"deepspeed_config": "ds.json", "overwrite_deepspeed_args": overwrites}
+    config = get_ds_config_from_hparams(hparams, base_dir=tmp_path)
+    assert deepspeed_config_error(config, world_size=slots) is None
+    expected_gas = gas if isinstance(gas, int) else 1
+    assert config["train_batch_size"] == micro_batch * expected_gas * slots
+    assert config["train_micro_batch_size_per_gpu"] == micro_batch
+
+
+def test_deepspeed_check_catches_an_inconsistent_triple() -> None:
+    """The oracle of the property above can fail."""
+    config = {
+        "train_batch_size": 8,
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+    }
+    assert deepspeed_config_error(config, world_size=4) is None
+    assert "train_batch_size is not equal" in str(deepspeed_config_error(config, world_size=2))

@@ -1,0 +1,203 @@
+"""Experiment/DeepSpeed config loading, deep merge, entrypoint checks, DeepSpeed validation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dsat.errors import DsatError
+from dsat.experiment.config import (
+    deep_merge,
+    entrypoint_ds_config,
+    load_experiment,
+    trial_ready_config,
+    validate_with_deepspeed,
+)
+from tests.conftest import write_experiment
+
+json_leaf = st.one_of(st.integers(), st.booleans(), st.text(max_size=5), st.none())
+json_tree = st.recursive(
+    json_leaf,
+    lambda children: st.one_of(
+        st.lists(children, max_size=3), st.dictionaries(st.text(max_size=3), children, max_size=3)
+    ),
+    max_leaves=10,
+)
+json_object = st.dictionaries(st.text(max_size=3), json_tree, max_size=4)
+
+
+def test_deep_merge_merges_dicts_and_replaces_the_rest() -> None:
+    base = {
+        "zero_optimization": {"stage": 1, "overlap_comm": True},
+        "lr": [1, 2],
+        "fp16": {"enabled": True},
+    }
+    overrides = {"zero_optimization": {"stage": 3}, "lr": [3], "fp16": False}
+    merged = deep_merge(base, overrides)
+    assert merged == {
+        "zero_optimization": {"stage": 3, "overlap_comm": True},
+        "lr": [3],
+        "fp16": False,
+    }
+    assert base["zero_optimization"] == {"stage": 1, "overlap_comm": True}  # inputs untouched
+    merged["lr"].append(9)
+    assert overrides["lr"] == [3]
+
+
+def _leaves(tree: dict[str, Any], prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
+    out: dict[tuple[str, ...], Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(_leaves(value, (*prefix, key)))
+        else:
+            out[(*prefix, key)] = value
+    return out
+
+
+def _get(tree: dict[str, Any], path: tuple[str, ...]) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+@given(json_object, json_object)
+def test_deep_merge_properties(base: dict[str, Any], overrides: dict[str, Any]) -> None:
+    merged = deep_merge(base, overrides)
+    assert deep_merge(base, {}) == base
+    assert deep_merge(merged, overrides) == merged  # idempotent
+    for path, value in _leaves(overrides).items():
+        if isinstance(value, dict):  # an empty override dict keeps what base had there
+            assert isinstance(_get(merged, path), dict)
+        else:
+            assert _get(merged, path) == value
+    assert set(merged) == set(base) | set(overrides)
+
+
+@pytest.mark.parametrize(
+    ("entrypoint", "expected"),
+    [
+        ("python3 train.py", None),
+        ("python3 train.py --deepspeed ds.json", "ds.json"),
+        ("python3 train.py --deepspeed=./ds.json --x 1", "./ds.json"),
+        ("python3 train.py --deepspeed --deepspeed_config conf/ds.json", "conf/ds.json"),
+        (["python3", "train.py", "--deepspeed_config", "a.json"], "a.json"),
+        (
+            "python3 -m determined.launch.deepspeed python3 train.py --deepspeed-config b.json",
+            "b.json",
+        ),
+        (None, None),
+    ],
+)
+def test_entrypoint_ds_config(entrypoint: Any, expected: str | None) -> None:
+    assert entrypoint_ds_config(entrypoint) == expected
+
+
+def test_entrypoint_naming_the_same_file_differently_is_accepted(tmp_path: Path) -> None:
+    path = write_experiment(
+        tmp_path / "m", config={"entrypoint": "python3 train.py --deepspeed ./ds_config.json"}
+    )
+    assert load_experiment(path, path.parent).ds_config_path == path.parent / "ds_config.json"
+
+
+def test_load_experiment_reads_everything(tmp_path: Path) -> None:
+    path = write_experiment(tmp_path / "m", config={"resources": {"slots_per_trial": 2}})
+    experiment = load_experiment(path, path.parent)
+    assert experiment.name == "tiny"
+    assert experiment.slots_per_trial == 2
+    assert experiment.ds_config == {
+        "train_micro_batch_size_per_gpu": 2,
+        "zero_optimization": {"stage": 1},
+    }
+    assert experiment.hparams["deepspeed_config"] == "ds_config.json"
+
+
+def test_name_defaults_to_the_config_file_stem(tmp_path: Path) -> None:
+    path = write_experiment(tmp_path / "m", config={"name": ""})
+    assert load_experiment(path, path.parent).name == "deepspeed"
+
+
+def test_ds_config_found_through_an_included_file(tmp_path: Path) -> None:
+    path = write_experiment(
+        tmp_path / "m", config={"hyperparameters": {"deepspeed_config": "shared.json"}}
+    )
+    shared = tmp_path / "elsewhere" / "shared.json"
+    shared.parent.mkdir()
+    shared.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4}))
+    with pytest.raises(DsatError, match="shared.json"):
+        load_experiment(path, path.parent)
+    experiment = load_experiment(path, path.parent, [shared])
+    assert (
+        experiment.ds_config_path == shared
+        and experiment.ds_config["train_micro_batch_size_per_gpu"] == 4
+    )
+
+
+def test_ds_config_found_through_an_included_folder(tmp_path: Path) -> None:
+    path = write_experiment(
+        tmp_path / "m", config={"hyperparameters": {"deepspeed_config": "configs/ds.json"}}
+    )
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "ds.json").write_text("{}")
+    assert load_experiment(path, path.parent, [tmp_path / "configs"]).ds_config == {}
+
+
+def test_model_dir_wins_over_includes(tmp_path: Path) -> None:
+    path = write_experiment(tmp_path / "m")
+    other = tmp_path / "ds_config.json"
+    other.write_text("{}")
+    assert (
+        load_experiment(path, path.parent, [other]).ds_config_path == path.parent / "ds_config.json"
+    )
+
+
+@pytest.mark.parametrize("slots", [0, -1, "two", True])
+def test_bad_slots_per_trial(tmp_path: Path, slots: Any) -> None:
+    path = write_experiment(tmp_path / "m", config={"resources": {"slots_per_trial": slots}})
+    with pytest.raises(DsatError, match="resources.slots_per_trial"):
+        load_experiment(path, path.parent)
+
+
+def test_top_level_yaml_must_be_a_mapping(tmp_path: Path) -> None:
+    path = tmp_path / "list.yaml"
+    path.write_text("- a\n- b\n")
+    with pytest.raises(DsatError, match="mapping"):
+        load_experiment(path, tmp_path)
+
+
+def test_trial_ready_config_drops_autotuning_and_fixes_batch() -> None:
+    config = trial_ready_config(
+        {
+            "train_micro_batch_size_per_gpu": 3,
+            "gradient_accumulation_steps": 2,
+            "autotuning": {"enabled": True},
+        },
+        slots=4,
+        source="x",
+    )
+    assert "autotuning" not in config
+    assert config["train_batch_size"] == 24
+
+
+def test_validate_with_deepspeed_accepts_a_good_config() -> None:
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "zero_optimization": {"stage": 3},
+        "bf16": {"enabled": True},
+    }
+    assert validate_with_deepspeed(config, slots=4, source="ds.json") is True
+
+
+def test_validate_with_deepspeed_skips_hf_auto_values() -> None:
+    config = {"train_micro_batch_size_per_gpu": "auto", "optimizer": {"params": {"lr": "auto"}}}
+    assert validate_with_deepspeed(config, slots=1, source="ds.json") is False
+
+
+def test_validate_with_deepspeed_reports_deepspeeds_reason() -> None:
+    with pytest.raises(DsatError, match=r"ds.json: DeepSpeed rejects this config: .*stage"):
+        validate_with_deepspeed({"zero_optimization": {"stage": 9}}, slots=1, source="ds.json")

@@ -1,0 +1,31 @@
+"""Metric directions and the keys DeepSpeed writes them under."""
+
+from __future__ import annotations
+
+import pytest
+
+from dsat.experiment.metric import Metric
+
+
+@pytest.mark.parametrize(
+    ("metric", "smaller"),
+    [
+        (Metric.FLOPS_PER_GPU, False),
+        (Metric.THROUGHPUT, False),
+        (Metric.FORWARD, True),
+        (Metric.BACKWARD, True),
+        (Metric.LATENCY, True),
+    ],
+)
+def test_direction(metric: Metric, smaller: bool) -> None:
+    assert metric.smaller_is_better is smaller
+    assert metric.is_better(1.0, 2.0) is smaller
+    assert metric.is_better(2.0, 1.0) is not smaller
+
+
+def test_file_keys_match_deepspeeds_metric_file() -> None:
+    from deepspeed.utils.timer import BACKWARD_GLOBAL_TIMER, FORWARD_GLOBAL_TIMER
+
+    assert Metric.FORWARD.file_key == FORWARD_GLOBAL_TIMER
+    assert Metric.BACKWARD.file_key == BACKWARD_GLOBAL_TIMER
+    assert Metric.LATENCY.file_key == "latency" and Metric.FLOPS_PER_GPU.file_key == "FLOPS_per_gpu"

@@ -1,0 +1,118 @@
+"""The results directory of a search: trials.jsonl, best config and metrics, summary, resume."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from dsat.constants import SETTINGS_FILE, STATE_FILE
+from dsat.experiment.ds_config_check import deepspeed_config_error
+from dsat.results.directory import (
+    BEST_CONFIG_FILE,
+    BEST_METRICS_FILE,
+    SUMMARY_FILE,
+    TRIALS_FILE,
+    full_experiment_hparams,
+    summary_table,
+)
+from dsat.runners.simulated.executor import SimulatedExecutor
+from dsat.runners.simulated.performance_models import gpt2_large_16xv100
+from dsat.search.method import DsatSearchMethod
+from dsat.search.trial_builder import SearchSpec
+from dsat.search_run import run_search
+from tests.search.helpers import search_settings
+
+SPEC = SearchSpec(
+    hparams={"deepspeed_config": "ds.json", "lr": 0.1},
+    ds_config={
+        "train_micro_batch_size_per_gpu": 1,
+        "fp16": {"enabled": True},
+        "optimizer": {"type": "Adam"},
+    },
+    slots_per_trial=16,
+)
+
+
+def search(results: Path, max_events: int | None = None, method: str = "asha") -> DsatSearchMethod:
+    return run_search(
+        search_settings(method, max_trials=24, random_seed=3, search_range_factor=2.0),
+        SPEC,
+        SimulatedExecutor(gpt2_large_16xv100, 16),
+        results,
+        max_events=max_events,
+    )
+
+
+def lines(results: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in (results / TRIALS_FILE).read_text().splitlines()]
+
+
+def test_results_files(tmp_path: Path) -> None:
+    method = search(tmp_path)
+    rows = lines(tmp_path)
+    assert [row["trial"] for row in rows] == list(range(24))
+    assert rows[0]["kind"] == "model_profile" and rows[0]["status"] == "completed"
+    expected_keys = {
+        "trial",
+        "request_id",
+        "status",
+        "zero_stage",
+        "mbs",
+        "gas",
+        "overwrites",
+        "metrics",
+        "start",
+        "end",
+    }
+    for row in rows:
+        assert expected_keys <= set(row)
+        assert row["status"] in {"completed", "oom", "error", "timeout"}
+        assert isinstance(row["trial"], int) and row["end"] >= row["start"]
+    assert {row["status"] for row in rows} >= {"completed", "oom"}
+    best = method.tracker.best()  # type: ignore[attr-defined]
+    config = json.loads((tmp_path / BEST_CONFIG_FILE).read_text())
+    assert "autotuning" not in config
+    assert config["train_micro_batch_size_per_gpu"] == best.mbs and config["optimizer"] == {
+        "type": "Adam"
+    }
+    assert deepspeed_config_error(config, world_size=16) is None  # ready for deepspeed.initialize
+    assert json.loads((tmp_path / BEST_METRICS_FILE).read_text()) == best.metrics
+    assert (tmp_path / STATE_FILE).is_file() and (tmp_path / SETTINGS_FILE).is_file()
+    summary = (tmp_path / SUMMARY_FILE).read_text()
+    assert summary == summary_table(method.tracker)  # type: ignore[attr-defined]
+    assert summary.startswith("| tuning_space | num_experiments | best_metric_val | best_exp_name")
+    assert re.search(r"^\| global +\| +23 \|", summary, re.MULTILINE)  # the 23 search trials
+    assert best.name in summary.splitlines()[-1]
+
+
+def test_an_interrupted_search_resumes_from_its_results(tmp_path: Path) -> None:
+    search(tmp_path, max_events=9)
+    assert len(lines(tmp_path)) == 9 and not (tmp_path / SUMMARY_FILE).exists()
+    method = search(tmp_path)  # picks up the saved state
+    rows = lines(tmp_path)
+    assert len(rows) == 24 and [row["trial"] for row in rows] == list(range(24))
+    finished_ids = [row["request_id"] for row in rows]
+    assert len(set(finished_ids)) == 24  # nothing finished twice
+    assert (tmp_path / SUMMARY_FILE).is_file()
+    assert method.tracker.best() is not None  # type: ignore[attr-defined]
+
+
+def test_full_experiment_hparams_keep_the_overrides_but_not_the_tuning(tmp_path: Path) -> None:
+    method = search(tmp_path)
+    best = method.tracker.best()
+    assert best is not None and "autotuning" in best.hparams["overwrite_deepspeed_args"]
+    hparams = full_experiment_hparams(best)
+    overwrites = hparams["overwrite_deepspeed_args"]
+    assert "autotuning" not in overwrites and "_use_dsat_mode" not in overwrites
+    assert overwrites["train_micro_batch_size_per_gpu"] == best.mbs
+    assert (
+        overwrites["zero_optimization"]
+        == best.hparams["overwrite_deepspeed_args"]["zero_optimization"]
+    )
+    assert hparams["lr"] == 0.1
+    assert "autotuning" in best.hparams["overwrite_deepspeed_args"]  # the record is untouched
+    # A cluster trial's top-level dsat-mode switch does not follow into the real run.
+    on_cluster = best.replace(hparams={**best.hparams, "_use_dsat_mode": True})
+    assert "_use_dsat_mode" not in full_experiment_hparams(on_cluster)
+    assert on_cluster.hparams["_use_dsat_mode"] is True

@@ -1,0 +1,95 @@
+"""Progress lines and the live status line, on a terminal and off one."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+from dsat.experiment.metric import Metric
+from dsat.results.progress import SearchProgress, format_elapsed
+from dsat.runners.driver import TrialOutcome
+from dsat.trial import TrialKind, TrialStatus
+from tests.search.test_tracker import record, tracker
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def outcome(rid: str, status: TrialStatus) -> TrialOutcome:
+    return TrialOutcome(rid, status, {}, None, 0.0, 1.0)
+
+
+def finish(progress: SearchProgress, rid: str, status: TrialStatus, value: float | None) -> None:
+    t = progress.tracker
+    t.mark_running(t.dequeue(rid).request_id)
+    t.mark_finished(rid, status, {"throughput": value} if value is not None else {})
+    progress.trial_finished(rid, outcome(rid, status))
+
+
+def test_plain_lines_count_every_outcome_and_name_the_best() -> None:
+    out = io.StringIO()
+    clock = FakeClock()
+    t = tracker(Metric.THROUGHPUT)
+    for rid, mbs in [("p", 1), ("a", 2), ("b", 4), ("c", 8), ("d", 16)]:
+        kind = TrialKind.MODEL_PROFILE if rid == "p" else TrialKind.SEARCH
+        t.add(record(rid, mbs, kind=kind))
+    progress = SearchProgress(t, "throughput", Console(file=out, width=300), clock)
+    with progress:
+        assert progress._live is None  # a StringIO is not a terminal
+        for rid in "pabcd":
+            progress.trial_started(rid)
+        clock.now += 75
+        finish(progress, "p", TrialStatus.COMPLETED, None)
+        finish(progress, "a", TrialStatus.COMPLETED, 10.0)
+        finish(progress, "b", TrialStatus.COMPLETED, 30.0)
+        finish(progress, "c", TrialStatus.OOM, None)
+        finish(progress, "d", TrialStatus.TIMEOUT, None)
+    lines = out.getvalue().splitlines()
+    assert (
+        lines[0]
+        == "dsat: trial 0 model profile: completed | running 4, done 1, oom 0, error 0, 01:15"
+    )
+    assert lines[2].startswith("dsat: trial 0 z1_gas1_tmbspg4: completed, throughput 30 |")
+    assert lines[2].endswith("best z1_gas1_tmbspg4 throughput 30, 01:15")
+    assert lines[4].startswith("dsat: trial 0 z1_gas1_tmbspg16: timeout |")
+    assert "running 0, done 3, oom 1, error 1" in lines[4]
+    assert "\x1b[" not in out.getvalue()
+
+
+def test_smaller_is_better_best_so_far() -> None:
+    t = tracker(Metric.LATENCY)
+    t.add(record("a", 2))
+    t.add(record("b", 4))
+    progress = SearchProgress(t, "latency", Console(file=io.StringIO()), FakeClock())
+    for rid, value in [("a", 5.0), ("b", 9.0)]:
+        t.mark_running(t.dequeue(rid).request_id)
+        t.mark_finished(rid, TrialStatus.COMPLETED, {"latency": value})
+    assert "best z1_gas1_tmbspg2 latency 5" in progress.status_line()
+
+
+def test_terminal_gets_a_live_line_that_is_gone_at_the_end() -> None:
+    out = io.StringIO()
+    t = tracker()
+    t.add(record("a", 2))
+    console = Console(file=out, force_terminal=True, width=200)
+    progress = SearchProgress(t, "throughput", console, FakeClock())
+    with progress:
+        assert progress._live is not None
+        progress.trial_started("a")
+        finish(progress, "a", TrialStatus.COMPLETED, 3.0)
+    assert progress._live is None
+    text = out.getvalue()
+    assert "trial 0 z1_gas1_tmbspg2: completed, throughput 3" in text
+    assert "running 1, done 0" in text  # the live line as it was while the trial ran
+    assert "\x1b[" in text  # cursor control: the live line is redrawn in place
+
+
+def test_elapsed_format() -> None:
+    assert format_elapsed(5) == "00:05"
+    assert format_elapsed(3725) == "1:02:05"

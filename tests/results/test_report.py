@@ -1,0 +1,92 @@
+"""The report of a simulated search: drawn at the end, on demand, after an interruption; one line
+when matplotlib or the results are missing. (tests/runners/local/test_end_to_end.py checks the
+report of a real local search.)"""
+
+from __future__ import annotations
+
+import base64
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from dsat.cli import main
+from dsat.results.directory import SUMMARY_FILE, TRIALS_FILE
+from dsat.results.report import REPORT_HTML, REPORT_PNG, load_results
+from tests.conftest import REPO_ROOT
+from tests.results.test_resume import STOPPING_SIMULATOR
+from tests.test_cli import assert_one_line_error
+
+SIMULATED = REPO_ROOT / "examples" / "simulated"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def simulated_search(tmp_path: Path, *flags: str) -> tuple[int, Path]:
+    (tmp_path / "sim.py").write_text(STOPPING_SIMULATOR)
+    results = tmp_path / "out"
+    args = ["asha", str(SIMULATED / "gpt2_large.yaml"), str(SIMULATED), "--backend", "simulated"]
+    args += ["--simulator", f"{tmp_path / 'sim.py'}:perf", "--results-dir", str(results)]
+    code = main([*args, "--max-trials", "12", *flags])
+    return code, results
+
+
+def assert_report(results: Path) -> None:
+    png = (results / REPORT_PNG).read_bytes()
+    assert png.startswith(PNG_MAGIC)
+    page = (results / REPORT_HTML).read_text()
+    assert base64.b64encode(png).decode() in page  # self-contained: the picture inline
+    for row in load_results(results).rows:
+        assert f"<td>{row['name']}</td>" in page
+
+
+def test_a_finished_search_draws_its_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, results = simulated_search(tmp_path)
+    assert code == 0
+    assert f"dsat: report: {results / REPORT_PNG}" in capsys.readouterr().out
+    assert_report(results)
+    picked = load_results(results).picked
+    assert picked is not None and picked["status"] == "completed"
+    best = json.loads((results / "best_ds_config.json").read_text())
+    assert picked["mbs"] == best["train_micro_batch_size_per_gpu"]
+
+
+def test_an_interrupted_search_is_reported_then_resumed_and_reported_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("STOP_AT_CALL", "6")
+    code, results = simulated_search(tmp_path)
+    assert code == 130 and not (results / SUMMARY_FILE).exists()
+    capsys.readouterr()
+    assert main(["report", str(results)]) == 0
+    out = capsys.readouterr().out
+    assert "| stage | trials |" in out and f"{results / REPORT_HTML}" in out
+    assert_report(results)
+    first = (results / REPORT_PNG).read_bytes()
+    monkeypatch.delenv("STOP_AT_CALL")
+    assert main(["asha", "--resume", str(results)]) == 0
+    assert_report(results)
+    assert (results / REPORT_PNG).read_bytes() != first  # drawn again with every trial
+    ends = [row["end"] for row in load_results(results).rows]
+    assert ends == sorted(ends)  # the resumed run's clock carries on: progress runs forward
+
+
+def test_without_matplotlib_the_search_runs_and_report_says_how_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now fails
+    code, results = simulated_search(tmp_path)
+    assert code == 0 and (results / "best_ds_config.json").is_file()
+    assert "no report drawn: the report needs matplotlib" in capsys.readouterr().out
+    assert not (results / REPORT_PNG).exists()
+    assert_one_line_error(capsys, ["report", str(results)], "pip install 'dsat[report]'")
+
+
+def test_a_missing_or_damaged_results_dir_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert_one_line_error(capsys, ["report", str(tmp_path)], TRIALS_FILE, "no ")
+    (tmp_path / TRIALS_FILE).write_text('{"trial": 0}\n{not json\n')
+    assert_one_line_error(capsys, ["report", str(tmp_path)], "damaged trial records")

@@ -1,0 +1,168 @@
+"""--resume continues the same search: its saved settings, its budget, its printed command.
+
+An interrupted search is made by a simulator that raises KeyboardInterrupt at a chosen call, which
+is what Ctrl-C does to dsat mid-search.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from dsat.cli import main
+from dsat.constants import SETTINGS_FILE, STATE_FILE
+from dsat.results.directory import TRIALS_FILE
+from tests.conftest import REPO_ROOT
+from tests.test_cli import assert_one_line_error
+
+SIMULATED = REPO_ROOT / "examples" / "simulated"
+STOPPING_SIMULATOR = """
+import os
+from dsat.runners.simulated.performance_models import gpt2_large_16xv100
+
+calls = 0
+
+
+def perf(ds_config, slots):
+    global calls
+    calls += 1
+    if calls == int(os.environ.get("STOP_AT_CALL", "0")):
+        raise KeyboardInterrupt  # Ctrl-C while this trial runs
+    return gpt2_large_16xv100(ds_config, slots)
+"""
+ORIGINAL_FLAGS = [
+    "--max-trials",
+    "14",
+    "--zero-stages",
+    "0",
+    "1",
+    "2",
+    "3",
+    "--search-range-factor",
+    "0.5",
+    "--metric",
+    "throughput",
+    "--max-concurrent-trials",
+    "1",
+]
+
+
+def rows(results: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in (results / TRIALS_FILE).read_text().splitlines()]
+
+
+@pytest.fixture
+def interrupted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> tuple[Path, str]:
+    """A search interrupted a few trials in, started with relative paths from tmp_path; returns
+    its results dir and the resume command dsat printed."""
+    (tmp_path / "sim.py").write_text(STOPPING_SIMULATOR)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("STOP_AT_CALL", "6")
+    args = ["asha", str(SIMULATED / "gpt2_large.yaml"), str(SIMULATED), "--backend", "simulated"]
+    code = main([*args, "--simulator", "sim.py:perf", "--results-dir", "out", *ORIGINAL_FLAGS])
+    err = capsys.readouterr().err
+    assert code == 130 and 2 <= len(rows(tmp_path / "out")) < 14, err
+    monkeypatch.delenv("STOP_AT_CALL")
+    hint = err.strip().splitlines()[-1]
+    assert "Resume with: " in hint
+    return tmp_path / "out", hint.split("Resume with: ", 1)[1]
+
+
+def test_the_printed_resume_command_works_as_printed_and_keeps_the_settings(
+    interrupted: tuple[Path, str], tmp_path: Path
+) -> None:
+    results, command = interrupted
+    saved = (results / SETTINGS_FILE).read_text()
+    assert json.loads(saved)["max_trials"] == 14
+    assert shlex.split(command)[-2:] == ["--resume", "out"]  # as the user named it
+    env = {"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin"}
+    resumed = subprocess.run(
+        command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    finished = [row for row in rows(results) if row["kind"] != "confirm"]
+    assert len(finished) == 14  # the original budget, not the default 64
+    assert len({row["request_id"] for row in finished}) == 14
+    assert {row["zero_stage"] for row in finished[1:]} <= {0, 1, 2, 3}
+    assert "best_metric_val" in resumed.stdout
+    assert (results / SETTINGS_FILE).read_text() == saved  # what the search ran with, kept
+
+
+def test_a_changed_flag_is_refused_and_a_safe_one_applied(
+    interrupted: tuple[Path, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    results, _ = interrupted
+    error = assert_one_line_error(
+        capsys, ["asha", "--resume", str(results), "-z", "1"], "--zero-stages", SETTINGS_FILE
+    )
+    assert "0 1 2 3" in error
+    assert_one_line_error(capsys, ["binary", "--resume", str(results)], "`asha`", "--resume")
+    # Giving the original value again is no change.
+    assert (
+        main(["asha", "--resume", str(results), "--max-trials", "16", "--metric", "throughput"])
+        == 0
+    )
+    assert len([row for row in rows(results) if row["kind"] != "confirm"]) == 16
+    saved = json.loads((results / SETTINGS_FILE).read_text())
+    assert saved["max_trials"] == 16 and saved["fresh_processes"] is False
+
+
+def test_how_trials_start_may_change_on_resume(interrupted: tuple[Path, str]) -> None:
+    results, _ = interrupted
+    assert main(["asha", "--resume", str(results), "--fresh-processes"]) == 0
+    assert json.loads((results / SETTINGS_FILE).read_text())["fresh_processes"] is True
+
+
+@pytest.mark.parametrize(
+    ("name", "damage", "needle"),
+    [
+        (STATE_FILE, lambda text: text[: len(text) // 2], "damaged search state"),
+        (
+            STATE_FILE,
+            lambda text: json.dumps({**json.loads(text), "method": "random"}),
+            "'random', not 'asha'",
+        ),
+        (STATE_FILE, lambda text: json.dumps({**json.loads(text), "rng": 7}), "damaged"),
+        (SETTINGS_FILE, lambda text: "{", "damaged search settings"),
+        (TRIALS_FILE, lambda text: text + "{not json\n", "damaged trial records"),
+    ],
+)
+def test_a_damaged_or_foreign_results_dir_is_one_line(
+    interrupted: tuple[Path, str],
+    capsys: pytest.CaptureFixture[str],
+    name: str,
+    damage: object,
+    needle: str,
+) -> None:
+    results, _ = interrupted
+    path = results / name
+    path.write_text(damage(path.read_text()))  # type: ignore[operator]
+    assert_one_line_error(capsys, ["asha", "--resume", str(results)], name, needle)
+
+
+def test_a_search_stopped_during_its_first_trial_resumes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "sim.py").write_text(STOPPING_SIMULATOR)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("STOP_AT_CALL", "1")  # Ctrl-C during the model-profile trial
+    args = ["asha", str(SIMULATED / "gpt2_large.yaml"), str(SIMULATED), "--backend", "simulated"]
+    code = main([*args, "--simulator", "sim.py:perf", "--results-dir", "out", *ORIGINAL_FLAGS])
+    assert code == 130 and "Resume with: " in capsys.readouterr().err
+    assert not (tmp_path / "out" / TRIALS_FILE).exists()  # nothing finished
+    monkeypatch.delenv("STOP_AT_CALL")
+    assert main(["asha", "--resume", "out"]) == 0
+    finished = [row for row in rows(tmp_path / "out") if row["kind"] != "confirm"]
+    assert len(finished) == 14 and finished[0]["kind"] == "model_profile"
+
+
+def test_config_and_model_dir_are_required_without_resume(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert_one_line_error(capsys, ["asha"], "CONFIG_PATH", "--resume")

@@ -1,0 +1,189 @@
+"""Submitting to Determined, against a fake master (see fake_master.py: no real master runs here)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import responses
+
+from dsat.cli import main
+from dsat.errors import DsatError
+from dsat.experiment.config import load_experiment
+from dsat.experiment.settings import SearchSettings
+from dsat.runners.determined.configs import SEARCH_RUNNER_ENTRYPOINT, SETTINGS_UPLOAD
+from dsat.runners.determined.submit import (
+    experiment_url,
+    has_custom_searcher,
+    require_client_custom_searcher,
+    upload_names,
+)
+from tests.conftest import copy_example
+from tests.runners.fake_master import MASTER, FakeMaster, logged_in_environment
+
+
+@pytest.fixture
+def master(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[FakeMaster]:
+    """A fake 0.37 master, and the environment a logged-in user (or a task) has."""
+    logged_in_environment(monkeypatch, tmp_path / "home")
+    fake = FakeMaster()
+    with responses.RequestsMock(assert_all_requests_are_fired=False) as mock:
+        fake.install(mock)
+        yield fake
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    target = tmp_path / "work" / "mlp"
+    copy_example(target)
+    (target / "data").mkdir()
+    (target / "data" / "tokens.txt").write_text("1 2 3\n")
+    return target
+
+
+def test_submission_creates_the_search_runner_and_uploads_the_tree(
+    master: FakeMaster, model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    extra = tmp_path / "work" / "vocab.json"
+    extra.write_text("{}")
+    code = main(
+        [
+            "binary",
+            str(model_dir / "deepspeed.yaml"),
+            str(model_dir),
+            "--include",
+            str(extra),
+            "--max-trials",
+            "9",
+            "--zero-stages",
+            "2",
+            "3",
+            "--max-search-runner-restarts",
+            "3",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    assert len(master.experiments) == 1
+    created = master.experiments[0]
+    assert f"Created experiment {created.id}" in out
+    assert f"{MASTER}/det/experiments/{created.id}" in out
+    config = created.config
+    assert config["name"] == "(DSAT) core-api-mlp"
+    assert config["entrypoint"] == SEARCH_RUNNER_ENTRYPOINT
+    assert config["max_restarts"] == 3
+    assert config["resources"]["slots_per_trial"] == 0
+    assert config["searcher"]["name"] == "single"
+    files = created.files
+    # The user's tree under its own name, the YAML and the include at the top, dsat's package.
+    assert "mlp/train.py" in files and "mlp/data/tokens.txt" in files
+    assert "deepspeed.yaml" in files and "vocab.json" in files
+    assert "dsat/runners/determined/search_runner.py" in files
+    assert not any("__pycache__" in path for path in files)
+    settings = SearchSettings.from_json(files[SETTINGS_UPLOAD].decode())
+    assert settings.method == "binary" and settings.max_trials == 9
+    assert settings.zero_stages == (2, 3)
+    on_cluster = settings.on_cluster()
+    assert (on_cluster.config_path, on_cluster.model_dir, on_cluster.include) == (
+        "deepspeed.yaml",
+        "mlp",
+        ("vocab.json",),
+    )
+    assert not any(path.endswith(".pkl") for path in files)
+
+
+def test_a_search_runner_config_file_replaces_the_generated_one(
+    master: FakeMaster, model_dir: Path, tmp_path: Path
+) -> None:
+    runner_yaml = tmp_path / "runner.yaml"
+    runner_yaml.write_text("name: my-runner\nresources: {slots_per_trial: 0}\n")
+    code = main(
+        [
+            "asha",
+            str(model_dir / "deepspeed.yaml"),
+            str(model_dir),
+            "--search-runner-config",
+            str(runner_yaml),
+        ]
+    )
+    assert code == 0
+    config = master.experiments[0].config
+    assert config["name"] == "my-runner"
+    assert config["entrypoint"] == SEARCH_RUNNER_ENTRYPOINT  # filled in when the file has none
+
+
+def test_a_master_without_custom_searchers_gets_a_one_line_error(
+    master: FakeMaster, model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    master.version = "0.38.1"
+    code = main(["asha", str(model_dir / "deepspeed.yaml"), str(model_dir)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err[-1].startswith("dsat: error: the Determined master at http://fake-master:8080 ")
+    assert "runs 0.38.1, which has no custom searcher" in err[-1]
+    assert "determined 0.37 or earlier" in err[-1] and "--backend local" in err[-1]
+    assert master.experiments == []  # nothing was submitted
+
+
+def test_a_client_without_custom_searchers_gets_a_one_line_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import determined
+    from determined import searcher
+
+    monkeypatch.delattr(searcher, "RemoteSearchRunner")  # what determined 0.38 looks like
+    monkeypatch.setattr(determined, "__version__", "0.38.0")
+    with pytest.raises(DsatError) as caught:
+        require_client_custom_searcher()
+    message = str(caught.value)
+    assert "determined 0.38.0 has no custom searcher" in message
+    assert "pip install 'determined>=0.37,<0.38'" in message and "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("version", "ok"),
+    [("0.37.0", True), ("0.26.4", True), ("0.38.0", False), ("1.0.0", False), ("dev", True)],
+)
+def test_versions_with_a_custom_searcher(version: str, ok: bool) -> None:
+    assert has_custom_searcher(version) is ok
+
+
+def test_upload_names_must_not_collide(tmp_path: Path) -> None:
+    model = tmp_path / "dsat"  # would shadow dsat's own package in the context
+    copy_example(model)
+    experiment = load_experiment(model / "deepspeed.yaml", model)
+    with pytest.raises(DsatError, match="uploads as 'dsat'"):
+        upload_names(experiment)
+
+
+def test_resume_and_results_dir_do_not_apply_to_determined(
+    master: FakeMaster, model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["asha", str(model_dir / "deepspeed.yaml"), str(model_dir), "--results-dir", "r"])
+    assert code == 2
+    assert "--results-dir applies to the local and simulated runners" in capsys.readouterr().err
+    assert master.experiments == []
+
+
+def test_experiment_url() -> None:
+    assert experiment_url("http://m:8080/", 12) == "http://m:8080/det/experiments/12"
+    assert json.loads(json.dumps(experiment_url(MASTER, 1)))  # a plain string
+
+
+def test_an_upload_too_large_for_determined_is_a_one_line_error(
+    master: FakeMaster,
+    model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from determined.common import context
+
+    # Determined's limit is 95 MB; lower it rather than write that much.
+    includes_default, _limit = context.read_v1_context.__defaults__
+    monkeypatch.setattr(context.read_v1_context, "__defaults__", (includes_default, 10_000))
+    code = main(["asha", str(model_dir / "deepspeed.yaml"), str(model_dir)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and master.experiments == []
+    assert "more than Determined uploads" in err[-1] and ".detignore" in err[-1]

@@ -1,0 +1,321 @@
+"""The local runner end to end, through the CLI: real DeepSpeed trials on the CPU as processes."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import yaml
+
+from dsat.runners.local.executor import WARM_TRIAL_MARK as WARM_MARK
+from dsat.training.step_clock import MEASURED_STEPS
+from tests.conftest import copy_example
+from tests.dsat_process import dsat, env, trials
+
+pytestmark = pytest.mark.slow
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "behaviour_train.py"
+
+
+def model_dir(tmp_path: Path, **config: Any) -> tuple[Path, Path]:
+    """A copy of the CPU example plus the misbehaving entrypoint; returns (yaml, model dir)."""
+    directory = tmp_path / "model"
+    copy_example(directory)
+    shutil.copy(FIXTURE, directory / "behaviour_train.py")
+    experiment = yaml.safe_load((directory / "deepspeed.yaml").read_text())
+    experiment["entrypoint"] = "python3 behaviour_train.py"
+    experiment["hyperparameters"].update({"width": 32, "depth": 2})
+    experiment.update(config)
+    path = directory / "deepspeed.yaml"
+    path.write_text(yaml.safe_dump(experiment))
+    return path, directory
+
+
+def binary_search(
+    tmp_path: Path, max_trials: int, *flags: str, **extra: str
+) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """A small ZeRO-1 binary search of the test model; returns the run and its results dir."""
+    path, directory = model_dir(tmp_path)
+    results = tmp_path / "results"
+    run = dsat(
+        "binary",
+        str(path),
+        str(directory),
+        "-z",
+        "1",
+        "--max-trials",
+        str(max_trials),
+        "--search-range-factor",
+        "0.005",
+        "--results-dir",
+        str(results),
+        *flags,
+        **extra,
+    )
+    return run, results
+
+
+def test_small_search_writes_a_best_config_deepspeed_accepts(tmp_path: Path) -> None:
+    path, directory = model_dir(tmp_path)
+    user_files = {p.name: p.read_bytes() for p in directory.iterdir() if p.is_file()}
+    results = tmp_path / "results"
+    run = dsat(
+        "asha",
+        str(path),
+        str(directory),
+        "-z",
+        "0",
+        "1",
+        "2",
+        "3",
+        "--max-trials",
+        "7",
+        "--max-slots",
+        "2",
+        "--search-range-factor",
+        "0.01",
+        "--results-dir",
+        str(results),
+        "--run-full-experiment",
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = trials(results)
+    confirmations = trials(results, confirmations=True)
+    # Progress: one plain line per finished trial (stdout is a pipe here, so no live display).
+    assert "dsat: trial 0 model profile: completed | running" in run.stdout
+    finished_lines = re.findall(r"^dsat: trial \d+ ", run.stdout, re.MULTILINE)
+    assert len(finished_lines) == 7 + len(confirmations)
+    assert "\x1b[" not in run.stdout
+    assert len(rows) == 7 and all(row["status"] == "completed" for row in rows)
+    # The leaders ran again; the handed-over config is one of them, measured by dsat itself.
+    assert len(confirmations) >= 2 and "confirmation round" in run.stdout
+    assert all(row["metrics"]["measured_steps"] == MEASURED_STEPS for row in rows[1:])
+    assert rows[0]["kind"] == "model_profile" and rows[0]["metrics"]["num_params"] > 0
+    # Trials were forked from warm workers (one per slot); the full run started fresh.
+    trial_logs = sorted((results / "logs").glob("[0-9]*.log"))
+    assert len(trial_logs) == 7 + len(confirmations)
+    assert all(WARM_MARK in log.read_text().splitlines()[0] for log in trial_logs)
+    assert len(list((results / "logs").glob("warm-worker-cpu*.log"))) == 2
+    assert WARM_MARK not in (results / "logs" / "full-experiment.log").read_text()
+    # The report was drawn at the end, from real trials (peak memory measured), and on demand.
+    assert f"dsat: report: {results / 'report.png'}" in run.stdout
+    assert (results / "report.png").read_bytes().startswith(b"\x89PNG")
+    peak = rows[1]["metrics"]["memory_peak_bytes"] / 2**30
+    assert f"<td>{rows[1]['name']}</td><td>completed</td>" in (results / "report.html").read_text()
+    assert f"<td>{peak:.2f}</td>" in (results / "report.html").read_text()
+    again = dsat("report", str(results))
+    assert again.returncode == 0 and "| stage | trials |" in again.stdout
+    assert "| global" in run.stdout and str(results / "best_ds_config.json") in run.stdout
+    best = json.loads((results / "best_ds_config.json").read_text())
+    assert "autotuning" not in best
+    confirmed = {(row["zero_stage"], row["mbs"]) for row in confirmations}
+    assert (best["zero_optimization"]["stage"], best["train_micro_batch_size_per_gpu"]) in confirmed
+    check = (
+        "import json, sys, torch, deepspeed\n"
+        "sys.path.insert(0, sys.argv[2])\n"
+        "from model import TinyMLP\n"
+        "m = TinyMLP(32, 2)\n"
+        "engine, *_ = deepspeed.initialize(model=m, model_parameters=m.parameters(), "
+        "config=json.load(open(sys.argv[1])))\n"
+        "print('initialized', engine.train_micro_batch_size_per_gpu())\n"
+    )
+    initialized = subprocess.run(
+        [sys.executable, "-c", check, str(results / "best_ds_config.json"), str(directory)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env(
+            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517"
+        ),
+    )
+    assert initialized.returncode == 0, initialized.stderr[-3000:]
+    assert f"initialized {best['train_micro_batch_size_per_gpu']}" in initialized.stdout
+    # The user's model dir is never modified: trials ran in copies.
+    assert {p.name: p.read_bytes() for p in directory.iterdir() if p.is_file()} == user_files
+    assert len(list((results / "trials").iterdir())) == 7 + len(confirmations)
+    # --run-full-experiment trained once more with the best overrides and no autotuning block.
+    full_hparams = json.loads((results / "full-experiment" / "dsat_hparams.json").read_text())
+    overwrites = full_hparams["overwrite_deepspeed_args"]
+    assert "autotuning" not in overwrites
+    assert overwrites["train_micro_batch_size_per_gpu"] == best["train_micro_batch_size_per_gpu"]
+    assert "trained 20 steps, loss" in run.stdout
+    assert "trained 20 steps" in (results / "logs" / "full-experiment.log").read_text()
+    assert run.stdout.rstrip().endswith("full-experiment.log")
+
+
+def test_guided_search_runs_real_trials_and_hands_over_a_config(tmp_path: Path) -> None:
+    path, directory = model_dir(tmp_path)
+    results = tmp_path / "results"
+    run = dsat(
+        "guided",
+        str(path),
+        str(directory),
+        "-z",
+        "1",
+        "2",
+        "--max-trials",
+        "6",
+        "--max-slots",
+        "2",
+        "--confirm-top",
+        "0",
+        "--results-dir",
+        str(results),
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = trials(results)
+    assert rows[0]["kind"] == "model_profile"
+    search = rows[1:]
+    assert len(search) == 5 and {row["zero_stage"] for row in search} == {1, 2}
+    assert all(row["status"] == "completed" for row in search)
+    best = json.loads((results / "best_ds_config.json").read_text())
+    # The best measured trial is the one handed over (its knobs too: guided may measure one stage
+    # and micro-batch twice, with other bucket sizes).
+    fastest = max(search, key=lambda row: row["metrics"]["FLOPS_per_gpu"])
+    assert best["train_micro_batch_size_per_gpu"] == fastest["mbs"]
+    zero = fastest["overwrites"]["zero_optimization"]
+    assert {key: best["zero_optimization"].get(key) for key in zero} == zero
+    assert "-m dsat guided --resume" in run.stdout  # the resume hint names the method
+
+
+def test_two_process_trial(tmp_path: Path) -> None:
+    path, directory = model_dir(
+        tmp_path,
+        resources={"slots_per_trial": 2},
+        entrypoint="python3 -m determined.launch.torch_distributed python3 behaviour_train.py",
+    )
+    results = tmp_path / "results"
+    run = dsat(
+        "binary",
+        str(path),
+        str(directory),
+        "-z",
+        "2",
+        "--max-trials",
+        "2",
+        "--search-range-factor",
+        "0.001",
+        "--results-dir",
+        str(results),
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = trials(results)
+    assert [row["status"] for row in rows] == ["completed", "completed"]
+    assert (
+        rows[1]["overwrites"]["train_batch_size"] == 2 * rows[1]["mbs"]
+    )  # two data-parallel ranks
+    log = sorted((results / "logs").iterdir())[1].read_text()
+    assert "torch.distributed.run" in log and "--nproc_per_node 2" in log
+
+
+OOM_ABOVE = 4
+
+
+def test_oom_lowers_the_ceiling(tmp_path: Path) -> None:
+    run, results = binary_search(tmp_path, 6, DSAT_TEST_BEHAVIOUR=f"oom_above:{OOM_ABOVE}")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = trials(results)[1:]
+    # The first micro-batch comes from the memory model (CPU-measured activations, so it varies
+    # from run to run, 19-31 seen); any of them is above the test model's limit.
+    assert rows[0]["mbs"] > OOM_ABOVE and rows[0]["status"] == "oom"
+    assert "OutOfMemoryError" in rows[0]["error"]
+    for row in rows:
+        assert (row["status"] == "oom") == (row["mbs"] > OOM_ABOVE)
+    assert rows[1]["mbs"] < rows[0]["mbs"]  # the lineage's ceiling came down
+    assert any(row["status"] == "completed" for row in rows)
+
+
+def test_crashing_trial_is_an_error_not_a_crash_of_the_search(tmp_path: Path) -> None:
+    # In fresh processes, so that path runs real DeepSpeed too.
+    run, results = binary_search(tmp_path, 3, "--fresh-processes", DSAT_TEST_BEHAVIOUR="crash")
+    assert run.returncode == 1  # no search trial worked: a failed search, reported as such
+    assert "dsat: search failed" in run.stderr and "Traceback" not in run.stderr
+    rows = trials(results)
+    assert [row["status"] for row in rows] == ["completed", "error", "error"]
+    assert "ValueError: this trial crashes on purpose" in rows[1]["error"]
+    assert not any(WARM_MARK in log.read_text() for log in (results / "logs").glob("*.log"))
+
+
+def trial_processes(tmp_path: Path) -> list[psutil.Process]:
+    """Live processes working in this test's directories (other tests may run trials too)."""
+    found = []
+    for process in psutil.process_iter(["cwd", "status"]):
+        cwd = process.info["cwd"] or ""
+        if cwd.startswith(str(tmp_path)) and process.info["status"] != psutil.STATUS_ZOMBIE:
+            found.append(process)
+    return found
+
+
+def _descendants_alive(pids: list[int]) -> list[int]:
+    return [
+        pid
+        for pid in pids
+        if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    ]
+
+
+def test_hanging_trial_is_stopped_by_the_timeout(tmp_path: Path) -> None:
+    run, results = binary_search(tmp_path, 2, "--trial-timeout", "30", DSAT_TEST_BEHAVIOUR="hang")
+    rows = trials(results)
+    assert [row["status"] for row in rows] == ["completed", "timeout"]
+    assert "trial timeout of 30 s" in rows[1]["error"]
+    assert run.returncode == 1
+    assert trial_processes(tmp_path) == []
+
+
+def test_sigint_stops_every_trial_and_resume_finishes(tmp_path: Path) -> None:
+    path, directory = model_dir(tmp_path)
+    results = tmp_path / "results"
+    args = [
+        "binary",
+        str(path),
+        str(directory),
+        "-z",
+        "1",
+        "--max-trials",
+        "4",
+        "--max-slots",
+        "2",
+        "--search-range-factor",
+        "0.005",
+    ]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "dsat", *args, "--results-dir", str(results)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env(DSAT_TEST_BEHAVIOUR="hang"),
+    )
+    deadline = time.monotonic() + 240
+    children: list[int] = []
+    while time.monotonic() < deadline:  # wait until search trials (which hang) are running
+        if (results / "trials.jsonl").is_file():
+            children = [c.pid for c in psutil.Process(process.pid).children(recursive=True)]
+            if children:
+                break
+        time.sleep(0.5)
+    assert children, "no trial started"
+    time.sleep(2)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 130, out[-2000:] + err[-2000:]
+    assert f"--resume {results}" in err
+    time.sleep(1)
+    assert _descendants_alive(children) == []
+    assert trial_processes(tmp_path) == []
+    resumed = dsat(*args, "--resume", str(results))
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    rows = trials(results)
+    assert len(rows) == 4 and all(row["status"] == "completed" for row in rows)
+    assert len({row["request_id"] for row in rows}) == 4
+    # The resumed run's trials come after the first run's on the search's clock.
+    ends = [row["end"] for row in trials(results) + trials(results, confirmations=True)]
+    assert ends == sorted(ends) and rows[1]["start"] >= rows[0]["end"]

@@ -1,0 +1,86 @@
+"""Entrypoints to local commands: Determined's launch layers dropped, torchrun for several slots."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from dsat.errors import DsatError
+from dsat.runners.local.entrypoint import (
+    entrypoint_tokens,
+    strip_determined_launcher,
+    trial_class,
+    trial_command,
+)
+
+
+def test_entrypoint_as_string_or_list() -> None:
+    assert entrypoint_tokens("python3 train.py --lr 0.1", "x.yaml") == [
+        "python3",
+        "train.py",
+        "--lr",
+        "0.1",
+    ]
+    assert entrypoint_tokens(["python3", "train.py", 3], "x.yaml") == ["python3", "train.py", "3"]
+
+
+@pytest.mark.parametrize("bad", [None, "", "  ", [], "python3 'unclosed"])
+def test_missing_or_unparsable_entrypoint_names_the_file(bad: object) -> None:
+    with pytest.raises(DsatError, match="x.yaml"):
+        entrypoint_tokens(bad, "x.yaml")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "launcher",
+    [
+        "python3 -m determined.launch.deepspeed",
+        "python3 -m determined.launch.torch_distributed --trial",
+        "python -m determined.launch.deepspeed --autotuning",
+    ],
+)
+def test_determined_launch_layers_are_dropped(launcher: str) -> None:
+    tokens = entrypoint_tokens(f"{launcher} python3 train.py --x 1", "x.yaml")
+    assert strip_determined_launcher(tokens) == ["python3", "train.py", "--x", "1"]
+
+
+def test_other_modules_are_kept() -> None:
+    tokens = ["python3", "-m", "mypackage.train", "--x"]
+    assert strip_determined_launcher(tokens) == tokens
+
+
+def test_single_slot_runs_the_script_with_this_interpreter() -> None:
+    assert trial_command(["python3", "train.py"], 1, 1234) == [sys.executable, "train.py"]
+    assert trial_command(["bash", "run.sh"], 1, 1234) == ["bash", "run.sh"]
+
+
+def test_several_slots_run_under_torchrun_on_the_given_port() -> None:
+    command = trial_command(
+        ["python3", "-m", "determined.launch.deepspeed", "python3", "train.py"], 2, 4321
+    )
+    assert command[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert command[command.index("--nproc_per_node") + 1] == "2"
+    assert command[command.index("--master_port") + 1] == "4321"
+    assert command[-1] == "train.py" and "--no-python" not in command
+    shell = trial_command(["bash", "run.sh"], 2, 4321)
+    assert shell[-3:] == ["--no-python", "bash", "run.sh"]
+
+
+def test_launcher_without_a_command_is_a_user_error() -> None:
+    with pytest.raises(DsatError, match="no training command"):
+        trial_command(["python3", "-m", "determined.launch.deepspeed"], 1, 1)
+
+
+@pytest.mark.parametrize(
+    ("entrypoint", "expected"),
+    [
+        ("python3 -m determined.launch.deepspeed --trial model_def:MyTrial", "model_def:MyTrial"),
+        ("python3 -m determined.launch.torch_distributed --trial=a.b:T", "a.b:T"),
+        ("model_def:MyTrial", "model_def:MyTrial"),
+        ("python3 train.py --data s3://bucket/x", None),
+        ("python3 -m determined.launch.deepspeed python3 train.py", None),
+        ("./run.sh", None),
+    ],
+)
+def test_trial_class_entrypoints_are_recognised(entrypoint: str, expected: str | None) -> None:
+    assert trial_class(entrypoint_tokens(entrypoint, "x.yaml")) == expected

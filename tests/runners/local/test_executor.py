@@ -1,0 +1,190 @@
+"""The local runner's parts with cheap processes: slot pool, trial environment, outcomes."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from dsat.errors import DsatError
+from dsat.runners.local.executor import WARM_TRIAL_MARK, LocalExecutor, SlotPool, free_ports
+from dsat.runners.local.trial_timeout import TrialTimeout
+from dsat.trial import TrialStatus
+
+RID = "00000000-0000-0000-0000-00000000000{}"
+
+
+def test_gpu_pool_respects_cuda_visible_devices_and_max_slots() -> None:
+    pool = SlotPool.for_machine(2, None, {"CUDA_VISIBLE_DEVICES": "3,5,7"})
+    assert pool.on_gpu and pool.slots == ["3", "5", "7"]
+    assert SlotPool.for_machine(1, 2, {"CUDA_VISIBLE_DEVICES": "3,5,7"}).slots == ["3", "5"]
+    first, second = pool.take(2), pool.take(1)
+    assert set(first).isdisjoint(second) and pool.size == 0
+    pool.give_back(first)
+    assert sorted(pool.slots) == ["3", "5"]
+
+
+def test_trial_larger_than_the_machine_is_a_user_error() -> None:
+    with pytest.raises(DsatError, match="slots_per_trial is 4 but this machine has 3 visible"):
+        SlotPool.for_machine(4, None, {"CUDA_VISIBLE_DEVICES": "0,1,2"})
+    with pytest.raises(DsatError, match="no GPU"):
+        SlotPool.for_machine(10_000, None, {"CUDA_VISIBLE_DEVICES": ""})
+
+
+def test_cpu_pool_runs_one_trial_at_a_time_unless_max_slots_says_more() -> None:
+    no_gpu = {"CUDA_VISIBLE_DEVICES": ""}
+    assert SlotPool.for_machine(1, None, no_gpu).slots == ["cpu0"]
+    assert not SlotPool.for_machine(1, None, no_gpu).on_gpu
+    cores = os.cpu_count() or 1
+    assert SlotPool.for_machine(1, 2, no_gpu).size == min(2, cores)
+
+
+@pytest.fixture(params=[True, False], ids=["warm", "fresh"])
+def warm(request: pytest.FixtureRequest) -> bool:
+    """Each outcome is classified alike whether the trial was forked by a warm worker or not."""
+    return bool(request.param)
+
+
+def executor(
+    tmp_path: Path,
+    script: str,
+    timeout: float = 60.0,
+    warm: bool = True,
+    environ_extra: dict[str, str] | None = None,
+) -> LocalExecutor:
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "job.py").write_text(script)
+    environ = {"PATH": os.environ["PATH"], "CUDA_VISIBLE_DEVICES": "", **(environ_extra or {})}
+    pool = SlotPool.for_machine(1, 1, environ)
+    return LocalExecutor(
+        ["python3", "job.py"],
+        model,
+        (),
+        tmp_path / "results",
+        pool,
+        1,
+        TrialTimeout(timeout),
+        environ,
+        warm=warm,
+    )
+
+
+def run_one(ex: LocalExecutor, n: int = 1) -> tuple[TrialStatus, dict[str, object], str | None]:
+    """One trial, then the executor stops its warm worker."""
+    try:
+        ex.start(RID.format(n), {"lr": 0.5}, {}, 5)
+        outcome = ex.wait()
+    finally:
+        ex.close()
+    return outcome.status, outcome.metrics, outcome.error
+
+
+ENV_DUMP = """
+import json, os
+keys = ["DS_ACCELERATOR", "OMP_NUM_THREADS", "RANK", "WORLD_SIZE", "MASTER_PORT"]
+env = {k: os.environ.get(k) for k in keys}
+env["hparams"] = json.load(open(os.environ["DSAT_HPARAMS_FILE"]))
+json.dump(env, open("env.json", "w"))
+json.dump({"status": "completed", "values": {"throughput": 7.0}},
+          open("dsat_trial_outcome.json", "w"))
+"""
+
+
+def test_trial_runs_in_a_copy_with_its_hparams_and_cpu_environment(
+    tmp_path: Path, warm: bool
+) -> None:
+    ex = executor(tmp_path, ENV_DUMP, warm=warm)
+    status, metrics, error = run_one(ex)
+    assert (status, metrics, error) == (TrialStatus.COMPLETED, {"throughput": 7.0}, None)
+    [trial_dir] = (tmp_path / "results" / "trials").iterdir()
+    env = json.loads((trial_dir / "env.json").read_text())
+    assert env["hparams"] == {"lr": 0.5}
+    assert env["DS_ACCELERATOR"] == "cpu" and int(env["OMP_NUM_THREADS"]) >= 1
+    assert (env["RANK"], env["WORLD_SIZE"]) == ("0", "1") and int(env["MASTER_PORT"]) > 0
+    assert not (tmp_path / "model" / "env.json").exists()  # the user's dir is untouched
+    log = (tmp_path / "results" / "logs" / f"{trial_dir.name}.log").read_text()
+    assert log.startswith(f"$ {sys.executable} job.py")
+    assert (WARM_TRIAL_MARK in log.splitlines()[0]) is warm
+    assert ex.pool.size == 1  # the slot came back
+
+
+@pytest.mark.parametrize(
+    ("script", "status", "needle"),
+    [
+        ("print('hello')", TrialStatus.ERROR, "exited without DeepSpeed's autotuning results"),
+        ("raise SystemExit(3)", TrialStatus.ERROR, "exit code 3"),
+        ("raise RuntimeError('CUDA out of memory. Tried')", TrialStatus.OOM, "out of memory"),
+        (
+            "import os, signal; os.kill(os.getpid(), signal.SIGKILL)",
+            TrialStatus.OOM,
+            "killed by SIGKILL",
+        ),
+    ],
+)
+def test_outcomes(
+    tmp_path: Path, script: str, status: TrialStatus, needle: str, warm: bool
+) -> None:
+    got_status, metrics, error = run_one(executor(tmp_path, script, warm=warm))
+    assert got_status is status and metrics == {}
+    assert error is not None and needle in error
+
+
+def test_deepspeed_metric_file_without_dsat_counts(tmp_path: Path, warm: bool) -> None:
+    script = "import json; json.dump({'throughput': 3.5}, open('autotuning_metric.json', 'w'))"
+    status, metrics, _ = run_one(executor(tmp_path, script, warm=warm))
+    assert status is TrialStatus.COMPLETED and metrics["throughput"] == 3.5
+
+
+def test_timeout_kills_the_trial(tmp_path: Path, warm: bool) -> None:
+    ex = executor(
+        tmp_path, "import os, time; print(os.getpid(), flush=True); time.sleep(60)", 2.0, warm
+    )
+    status, _, error = run_one(ex)
+    assert status is TrialStatus.TIMEOUT and error is not None and "trial timeout of 2 s" in error
+    pid = int(error.splitlines()[-1])
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_multi_process_trials_get_their_own_determined_broadcast_ports(tmp_path: Path) -> None:
+    # Determined's DistributedContext uses two fixed TCP ports unless these variables are set;
+    # two 2-process trials at once on one machine would otherwise fight over them.
+    model = tmp_path / "model"
+    model.mkdir()
+    environ = {"PATH": os.environ["PATH"], "CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+    pool = SlotPool.for_machine(2, None, environ)
+    ex = LocalExecutor(
+        ["python3", "t.py"], model, (), tmp_path / "r", pool, 2, TrialTimeout(60.0), environ
+    )
+    first = ex.environment(tmp_path, pool.take(2), free_ports(3))
+    second = ex.environment(tmp_path, pool.take(2), free_ports(3))
+    names = ("INTER_TRAIN_PROCESS_COMM_PORT_1", "INTER_TRAIN_PROCESS_COMM_PORT_2")
+    ports = [int(env[name]) for env in (first, second) for name in names]
+    assert len(set(ports)) == 4
+    assert (first["CUDA_VISIBLE_DEVICES"], second["CUDA_VISIBLE_DEVICES"]) == ("0,1", "2,3")
+    assert "RANK" not in first  # torchrun sets the ranks of a multi-process trial
+
+
+def test_free_ports_are_distinct() -> None:
+    ports = free_ports(5)
+    assert len(set(ports)) == 5 and all(p > 0 for p in ports)
+
+
+def test_a_results_dir_inside_the_model_dir_is_not_copied_into_trials(tmp_path: Path) -> None:
+    # `python3 -m dsat asha deepspeed.yaml . --results-dir out` puts the results in MODEL_DIR.
+    model = tmp_path / "model"
+    (model / "out" / "trials").mkdir(parents=True)
+    (model / "out" / "big.log").write_text("x")
+    (model / "job.py").write_text(ENV_DUMP)
+    environ = {"PATH": os.environ["PATH"], "CUDA_VISIBLE_DEVICES": ""}
+    pool = SlotPool.for_machine(1, 1, environ)
+    ex = LocalExecutor(
+        ["python3", "job.py"], model, (), model / "out", pool, 1, TrialTimeout(60.0), environ
+    )
+    assert run_one(ex)[0] is TrialStatus.COMPLETED
+    [trial] = (model / "out" / "trials").iterdir()
+    assert (trial / "job.py").is_file() and not (trial / "out").exists()

@@ -1,0 +1,184 @@
+"""The warm worker with cheap scripts: each trial a process of its own, imports shared, never
+the user's modules, cold when a fork would no longer be safe."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import psutil
+
+from dsat.runners.local.fork_server import is_local, local_names, script_imports
+from dsat.runners.local.warm_trials import LOST_RETURNCODE, WarmProcess, WarmWorker
+
+# Appends the pid of whichever process imports it, so a test sees who imported what.
+RECORDS_IMPORT = "import os\nwith open(os.environ['IMPORTS_FILE'], 'a') as f:\n    f.write(f'{os.getpid()}\\n')\n"
+
+
+def test_script_imports_are_absolute_names_in_order() -> None:
+    source = (
+        "import os, json as j\nfrom a.b import c\nfrom . import local\n"
+        "def f():\n    import torch.nn\n"
+    )
+    assert script_imports(source) == ["os", "json", "a.b", "torch.nn"]
+
+
+def test_the_model_dirs_modules_and_the_includes_are_local(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    (model / "pkg").mkdir(parents=True)
+    (model / "model.py").write_text("")
+    (model / "fast.cpython-311-x86_64-linux-gnu.so").write_text("")
+    (tmp_path / "extra").mkdir()
+    (tmp_path / "helpers.py").write_text("")
+    local = local_names(model, [tmp_path / "extra", tmp_path / "helpers.py"])
+    assert local == {"pkg", "model", "fast", "extra", "helpers"}
+    assert is_local("pkg.sub", local) and is_local("helpers", local)
+    assert not is_local("json", local)
+
+
+def setup(tmp_path: Path, script: str) -> tuple[Path, Path, dict[str, str]]:
+    """A model dir with ``job.py``, a site dir on PYTHONPATH, and the environment for both."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "job.py").write_text(script)
+    site = tmp_path / "site"
+    site.mkdir()
+    env = {
+        "PATH": os.environ["PATH"],
+        "PYTHONPATH": os.pathsep.join([str(site), *sys.path[1:]]),
+        "IMPORTS_FILE": str(tmp_path / "imports.txt"),
+    }
+    return model, site, env
+
+
+@contextlib.contextmanager
+def warm_worker(
+    tmp_path: Path, model: Path, env: dict[str, str], includes: Sequence[Path] = ()
+) -> Iterator[WarmWorker]:
+    worker = WarmWorker([sys.executable, "job.py"], model, env, tmp_path / "worker.log", includes)
+    try:
+        yield worker
+    finally:
+        worker.close()
+
+
+def run_trial(
+    worker: WarmWorker, model: Path, env: dict[str, str], n: int, **extra: str
+) -> WarmProcess:
+    trial = worker.run(
+        [sys.executable, "job.py", str(n)], model, {**env, **extra}, model / f"trial{n}.log"
+    )
+    assert trial is not None, (worker.cold_reason, worker.process.poll())
+    return trial
+
+
+def imports_seen(tmp_path: Path) -> list[int]:
+    path = tmp_path / "imports.txt"
+    return [int(line) for line in path.read_text().split()] if path.exists() else []
+
+
+def test_a_trial_is_a_process_group_of_its_own_with_its_env_dir_and_log(tmp_path: Path) -> None:
+    script = (
+        "import os, sys\nprint(os.getpid(), os.getpgrp(), os.getcwd(), os.environ['TRIAL_NAME'], "
+        "sys.argv[1:])\nraise SystemExit(int(sys.argv[1]))\n"
+    )
+    model, _, env = setup(tmp_path, script)
+    with warm_worker(tmp_path, model, env) as worker:
+        trial = run_trial(worker, model, env, 3, TRIAL_NAME="third")
+        assert trial.wait(30) == 3
+        pid, group, cwd, name, argv = (model / "trial3.log").read_text().split(maxsplit=4)
+        assert int(pid) == int(group) == trial.pid  # its own group: stopped as a whole
+        assert (cwd, name, argv.strip()) == (str(model), "third", "['3']")
+        assert run_trial(worker, model, env, 0, TRIAL_NAME="next").wait(30) == 0
+
+
+def test_a_trial_that_raises_or_is_killed_exits_as_a_fresh_interpreter_would(
+    tmp_path: Path,
+) -> None:
+    script = (
+        "import os, signal, sys\nif sys.argv[1] == '1':\n    raise RuntimeError('boom')\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    model, _, env = setup(tmp_path, script)
+    with warm_worker(tmp_path, model, env) as worker:
+        assert run_trial(worker, model, env, 1).wait(30) == 1
+        assert "RuntimeError: boom" in (model / "trial1.log").read_text()
+        assert run_trial(worker, model, env, 2).wait(30) == -signal.SIGKILL
+
+
+def test_the_worker_learns_third_party_imports_but_never_the_users_modules(
+    tmp_path: Path,
+) -> None:
+    # Imported by name at run time, so only the first trial's imports can tell the worker.
+    script = "import importlib, os\nimportlib.import_module(os.environ['LIBRARY'])\nimport helper\n"
+    model, site, env = setup(tmp_path, script)
+    (site / "library_x.py").write_text(RECORDS_IMPORT)
+    (model / "helper.py").write_text(RECORDS_IMPORT.replace("IMPORTS_FILE", "HELPER_FILE"))
+    env.update({"LIBRARY": "library_x", "HELPER_FILE": str(tmp_path / "helper.txt")})
+    with warm_worker(tmp_path, model, env) as worker:
+        first = run_trial(worker, model, env, 1)
+        assert first.wait(30) == 0
+        second = run_trial(worker, model, env, 2)
+        assert second.wait(30) == 0
+        worker_pid = worker.process.pid
+        # The library: imported by the first trial, then by the worker, not by the second.
+        assert imports_seen(tmp_path) == [first.pid, worker_pid]
+        helper = [int(x) for x in (tmp_path / "helper.txt").read_text().split()]
+        assert helper == [first.pid, second.pid]  # each trial imports its own copy
+
+
+def test_an_import_that_starts_a_thread_makes_the_worker_cold(tmp_path: Path) -> None:
+    model, site, env = setup(tmp_path, "import threaded_lib\n")
+    (site / "threaded_lib.py").write_text(
+        "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+    )
+    with warm_worker(tmp_path, model, env) as worker:
+        assert worker.run([sys.executable, "job.py"], model, env, model / "t.log") is None
+        assert worker.cold_reason is not None and "started threads" in worker.cold_reason
+        assert not worker.alive
+
+
+def test_a_worker_that_dies_takes_its_trial_down_and_says_so(tmp_path: Path) -> None:
+    model, _, env = setup(tmp_path, "import time\ntime.sleep(60)\n")
+    with warm_worker(tmp_path, model, env) as worker:
+        trial = run_trial(worker, model, env, 1)
+        os.kill(worker.process.pid, signal.SIGKILL)
+        assert trial.wait(30) == LOST_RETURNCODE
+        assert "warm worker that ran this trial exited" in (model / "trial1.log").read_text()
+        deadline = time.monotonic() + 15
+        while psutil.pid_exists(trial.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        gone = not psutil.pid_exists(trial.pid)
+        assert gone or psutil.Process(trial.pid).status() == psutil.STATUS_ZOMBIE
+        assert not worker.alive
+
+
+def test_a_name_an_include_provides_is_left_to_the_trial(tmp_path: Path) -> None:
+    # The script imports `shadowed` at its top; an include of that name is copied into every
+    # trial, so the worker must not import site-packages' `shadowed` in its place.
+    model, site, env = setup(tmp_path, "import shadowed\n")
+    (site / "shadowed.py").write_text(RECORDS_IMPORT)
+    include = tmp_path / "include" / "shadowed.py"
+    include.parent.mkdir()
+    include.write_text("")
+    with warm_worker(tmp_path, model, env, [include]) as worker:
+        trial = run_trial(worker, model, env, 1)
+        assert trial.wait(30) == 0
+        assert imports_seen(tmp_path) == [trial.pid]  # the trial's own import, not the worker's
+
+
+def test_what_a_trial_changes_in_a_shared_module_stays_in_that_trial(tmp_path: Path) -> None:
+    script = (
+        "import json, os\nprint(getattr(json, 'changed_by', None), os.environ.get('LEFT'))\n"
+        "json.changed_by = 'a trial'\nos.environ['LEFT'] = 'behind'\n"
+    )
+    model, _, env = setup(tmp_path, script)
+    with warm_worker(tmp_path, model, env) as worker:
+        for n in (1, 2):
+            assert run_trial(worker, model, env, n).wait(30) == 0
+            assert (model / f"trial{n}.log").read_text() == "None None\n"

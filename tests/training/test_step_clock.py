@@ -1,0 +1,60 @@
+"""dsat's own measurement: the window, the metrics from it, DeepSpeed's figures kept beside."""
+
+from __future__ import annotations
+
+import pytest
+
+from dsat.training.step_clock import (
+    MEASURED_STEPS,
+    WARMUP_STEPS,
+    StepClock,
+    flops_per_step,
+    measured_window,
+    spread,
+)
+
+DEEPSPEED = {"throughput": 900.0, "latency": 10.0, "FLOPS_per_gpu": 4e12, "fwd": 3.0}
+
+
+def test_the_window_opens_after_the_warm_up_and_is_long_enough() -> None:
+    assert measured_window(3, 5) == (WARMUP_STEPS, WARMUP_STEPS + MEASURED_STEPS - 1)
+    assert measured_window(8, 40) == (8, 40)  # a longer window asked for is kept
+
+
+def clock_with(step_seconds: list[float], first: int = 5, batch: int = 8) -> StepClock:
+    clock = StepClock(first)
+    now = 100.0
+    clock.marks.append((first, now))
+    for number, seconds in enumerate(step_seconds, start=first + 1):
+        now += seconds
+        clock.marks.append((number, now))
+    clock.train_batch_size = batch
+    return clock
+
+
+def test_metrics_come_from_the_wall_clock_and_deepspeeds_are_kept() -> None:
+    values = clock_with([0.5] * 10).metrics(DEEPSPEED)
+    assert values["throughput"] == pytest.approx(8 / 0.5)
+    assert values["latency"] == pytest.approx(500.0)
+    flops = 4e12 * 10.0 / 1e6  # DeepSpeed's FLOPs per iteration
+    assert values["FLOPS_per_gpu"] == pytest.approx(flops / 0.5)
+    assert values["deepspeed_throughput"] == 900.0 and values["deepspeed_latency"] == 10.0
+    assert values["fwd"] == 3.0 and values["measured_steps"] == 10
+    assert values["step_time_spread"] == pytest.approx(0.0)
+
+
+def test_steps_before_the_window_do_not_count() -> None:
+    clock = StepClock(first_step=5)
+    for step in range(1, 8):
+        clock.mark(step, train_batch_size=4)
+    assert [number for number, _ in clock.marks] == [5, 6, 7]
+
+
+def test_a_window_still_warming_up_shows_as_spread() -> None:
+    assert spread([2.0, 2.0, 0.5, 0.5]) == pytest.approx(1.5 / 1.25)
+    assert spread([0.5]) == 0.0
+
+
+def test_without_a_window_deepspeeds_figures_stand() -> None:
+    assert StepClock(5).metrics(DEEPSPEED) == {**DEEPSPEED, "measured_steps": 0}
+    assert flops_per_step({"throughput": 1.0}) is None
