@@ -6,7 +6,7 @@ import dataclasses
 import enum
 from typing import Any
 
-from dsat.search.space import explicit_zero_config
+from dsat.zero_space import explicit_zero_config
 
 
 class TrialStatus(str, enum.Enum):

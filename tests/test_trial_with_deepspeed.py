@@ -17,10 +17,10 @@ import pytest
 from dsat.constants import ENV_HPARAMS_FILE, OVERWRITE_KEY, TRIAL_OUTCOME_FILE
 from dsat.memory import ModelProfile
 from dsat.search import MethodSettings, make_search_method
-from dsat.search.space import random_zero_config
 from dsat.search.trial_builder import SearchSpec
 from dsat.training.step_clock import MEASURED_STEPS
 from dsat.trial import TrialKind
+from dsat.zero_space import random_zero_config
 from tests.conftest import EXAMPLE_DIR, REPO_ROOT, copy_example
 
 pytestmark = pytest.mark.slow

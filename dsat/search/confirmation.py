@@ -12,7 +12,7 @@ handed over. The round is kept to a share of the search's trials.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from dsat.search.tracker import TrialTracker, config_key
 from dsat.trial import TrialKind, TrialRecord
@@ -33,11 +33,18 @@ def memory_fraction(record: TrialRecord) -> float | None:
     return None
 
 
-def leaders(tracker: TrialTracker, count: int, memory_margin: float) -> list[TrialRecord]:
-    """The best ``count`` distinct configurations that leave ``memory_margin`` of the device."""
+# A method's estimate of a search trial's metric, in the metric's own units and direction.
+Score = Callable[[TrialRecord], float]
+
+
+def leaders(
+    tracker: TrialTracker, count: int, memory_margin: float, score: Score | None = None
+) -> list[TrialRecord]:
+    """The best ``count`` distinct configurations that leave ``memory_margin`` of the device:
+    by their measured metric, or by ``score``, a method's estimate that pools other trials."""
     ranked = sorted(
         (r for r in tracker.records if tracker.metric_value(r) is not None),
-        key=lambda r: tracker.metric_value(r) or 0.0,
+        key=score or (lambda r: tracker.metric_value(r) or 0.0),
         reverse=not tracker.metric.smaller_is_better,
     )
     chosen: list[TrialRecord] = []
@@ -65,8 +72,12 @@ def planned_runs(candidates: Sequence[TrialRecord], search_trials: int) -> list[
     return [candidate for _ in range(rounds) for candidate in candidates]
 
 
-def winner(tracker: TrialTracker, candidates: Sequence[TrialRecord]) -> TrialRecord | None:
-    """The confirmed best of ``candidates``, from their confirmation runs."""
+def winner(
+    tracker: TrialTracker, candidates: Sequence[TrialRecord], score: Score | None = None
+) -> TrialRecord | None:
+    """The confirmed best of ``candidates``, from their confirmation runs: by the mean of the
+    runs, or by ``score``, a method's estimate that counts them with its other trials (a
+    candidate that failed when run again is not handed over either way)."""
     means: dict[str, float] = {}
     noise = MIN_NOISE
     for candidate in candidates:
@@ -79,7 +90,7 @@ def winner(tracker: TrialTracker, candidates: Sequence[TrialRecord]) -> TrialRec
         if not values:
             continue  # it failed when run again: not handed over
         mean = statistics.fmean(values)
-        means[candidate.request_id] = mean
+        means[candidate.request_id] = mean if score is None else score(candidate)
         if len(values) > 1 and mean:
             noise = max(noise, (max(values) - min(values)) / abs(mean))
         spreads = [r.metrics.get("step_time_spread") for r in runs]

@@ -75,7 +75,9 @@ class SearchEnding:
     def _start_confirmation(self, method: DsatSearchMethod, reason: str) -> bool:
         """Queue the runs of the confirmation round; False when there is nothing to confirm."""
         tracker, settings = method.tracker, method.settings
-        candidates = leaders(tracker, settings.confirm_top, settings.memory_margin)
+        candidates = leaders(
+            tracker, settings.confirm_top, settings.memory_margin, method.leader_score()
+        )
         searched = sum(1 for r in tracker.finished if r.kind is TrialKind.SEARCH)
         runs = planned_runs(candidates, searched) if settings.confirm_top > 1 else []
         if not runs:
@@ -111,7 +113,7 @@ class SearchEnding:
 
     def _end_confirmation(self, method: DsatSearchMethod) -> None:
         candidates = [method.tracker.get(i) for i in self.confirmation_candidates]
-        chosen = winner(method.tracker, candidates)
+        chosen = winner(method.tracker, candidates, method.leader_score())
         if chosen is None:  # every leader failed when run again: the search's best stands
             chosen = candidates[0]
             logger.info("confirmation round: no leader ran again; keeping %s", chosen.name)

@@ -21,18 +21,21 @@ import dataclasses
 import itertools
 import json
 import math
+from collections.abc import Callable
 from typing import Any
 
 from dsat.memory import bucket_buffer_bytes
 from dsat.search.concave_curve import CurveEvidence, Gap, best_possible, next_gap
+from dsat.search.confirmation import Score, leaders
 from dsat.search.method import DsatSearchMethod
-from dsat.search.space import (
+from dsat.search.throughput_model import Observation, estimate
+from dsat.trial import SearchRange, TrialKind, TrialRecord, TrialStatus
+from dsat.zero_space import (
     BUCKET_SIZES,
     explicit_zero_config,
     knob_steps,
     needs_no_less_memory,
 )
-from dsat.trial import SearchRange, TrialKind, TrialRecord, TrialStatus
 
 # Stop once nothing untried can beat the best by more than this (relative).
 TOLERANCE = 0.01
@@ -51,6 +54,9 @@ TYPICAL_UNDER_REPORT = 1.25
 PAIRED_STEP = "overlap_comm+reduce_bucket_size"
 # Trials in flight at once: each result changes what is worth trying next.
 PARALLEL_TRIALS = 4
+# Only trials measured within this of the best (about four times one measurement's noise) are
+# estimated: pooling moves a trial by a fraction of its noise, never past this.
+CANDIDATE_SPAN = 0.06
 
 
 def _key(section: dict[str, Any]) -> str:
@@ -141,15 +147,43 @@ class GuidedSearch(DsatSearchMethod):
                 continue
             section = record.zero_section
             state = states.setdefault(_key(section), ConfigState(section, first_index=record.index))
-            value = self.tracker.metric_value(record)
-            oriented = None if value is None else self._oriented(float(value))
-            if oriented is not None and 0 < oriented < math.inf:
-                state.values[record.mbs] = oriented
+            value = self.measured(record)
+            if value is not None:
+                state.values[record.mbs] = value
             elif record.status.failed:
                 state.failed[record.mbs] = record.status
             elif not record.status.finished:
                 state.pending = True
         return states
+
+    def measured(self, record: TrialRecord) -> float | None:
+        """A search trial's metric (larger is better), averaged with its confirmation runs: one
+        observation either way, since part of what makes a configuration measure well can be its
+        own (the same kernels, the same placement) and would not average out."""
+        tracker = self.tracker
+        runs = [tracker.metric_value(record)] + [
+            tracker.confirmed_value(r)
+            for r in tracker.records
+            if r.kind is TrialKind.CONFIRM and r.parent_id == record.request_id
+        ]
+        oriented = [self._oriented(v) for v in runs if v is not None]
+        oriented = [v for v in oriented if 0 < v < math.inf]
+        return sum(oriented) / len(oriented) if oriented else None
+
+    def estimates(self, states: dict[str, ConfigState]) -> dict[tuple[str, int], float]:
+        """The denoised metric (larger is better) of every trial measured near the best, each
+        pooled with its stage's other trials (dsat.search.throughput_model)."""
+        observations = [
+            Observation(key, state.stage, mbs, value)
+            for key, state in states.items()
+            for mbs, value in state.values.items()
+        ]
+        best = max((o.value for o in observations), default=0.0)
+        result: dict[tuple[str, int], float] = {}
+        for o in observations:
+            if o.value >= best * (1 - CANDIDATE_SPAN):
+                result[(str(o.config), o.mbs)] = estimate(observations, o.config, o.mbs) or o.value
+        return result
 
     def ceiling(self, section: dict[str, Any], states: dict[str, ConfigState]) -> int | None:
         """The largest micro-batch not ruled out: below this configuration's smallest failure,
@@ -291,7 +325,8 @@ class GuidedSearch(DsatSearchMethod):
     def best_action(self) -> Action | None:
         states = self.configs()
         incumbents = self.incumbents(states)
-        top = max((s.best for s in incumbents.values() if s.best is not None), default=0.0)
+        # The best there is, denoised: the luckiest single measurement would end the search early.
+        top = max(self.estimates(states).values(), default=0.0)
         actions: list[Action] = []
 
         for stage in self.settings.zero_stages:
@@ -363,6 +398,33 @@ class GuidedSearch(DsatSearchMethod):
         if not worth:
             return None
         return max(worth, key=lambda a: a.value)
+
+    # ------------------------------------------------------------------ handing over
+
+    def scorer(self) -> Callable[[TrialRecord], float]:
+        """Each search trial's denoised metric, in the metric's own direction (its measurement
+        when it is too far from the best to be estimated), from the records as they are now."""
+        estimated = self.estimates(self.configs())
+
+        def score(record: TrialRecord) -> float:
+            value = estimated.get((_key(record.zero_section), record.mbs), self.measured(record))
+            if not value:
+                return -math.inf if self.settings.metric.smaller_is_better else 0.0
+            return 1.0 / value if self.settings.metric.smaller_is_better else value
+
+        return score
+
+    def pick(self) -> TrialRecord | None:
+        """What the search would hand over now: the confirmed trial once there is one, else the
+        leader by the denoised estimate."""
+        if self.tracker.confirmed_id is not None:
+            return self.tracker.best()
+        ranked = leaders(self.tracker, 1, self.settings.memory_margin, self.scorer())
+        return ranked[0] if ranked else None
+
+    def leader_score(self) -> Score:
+        """Leaders and the confirmation round's winner are ranked by the denoised estimate."""
+        return self.scorer()
 
     def _user_zero_section(self) -> dict[str, Any]:
         section = self.spec.ds_config.get("zero_optimization")

@@ -18,13 +18,14 @@ from typing import Any
 import numpy as np
 
 from dsat.memory import ModelProfile, ModelProfileError, Precision, approx_max_micro_batch
+from dsat.search.confirmation import Score
 from dsat.search.ending import SearchEnding
 from dsat.search.events import DeterminedEvents
 from dsat.search.method_settings import MethodSettings
-from dsat.search.space import neighbour_zero_config, random_zero_config
 from dsat.search.tracker import TrialTracker, config_key
 from dsat.search.trial_builder import SearchSpec, TrialBuilder
 from dsat.trial import SearchRange, TrialKind, TrialRecord, TrialStatus
+from dsat.zero_space import neighbour_zero_config, random_zero_config
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +127,12 @@ class DsatSearchMethod(DeterminedEvents):
 
     def first_micro_batch(self, search_range: SearchRange) -> int:
         return search_range.midpoint
+
+    def leader_score(self) -> Score | None:
+        """How the confirmation round ranks its leaders and picks its winner: None for by what
+        was measured (the mean of the confirmation runs); a method with a model of the metric
+        may rank by its estimate instead."""
+        return None
 
     # ------------------------------------------------------------------ building trials
 

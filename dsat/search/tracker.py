@@ -11,8 +11,8 @@ from typing import Any
 
 from dsat.constants import OVERWRITE_KEY
 from dsat.experiment.metric import Metric
-from dsat.search.space import explicit_zero_config, needs_no_less_memory
 from dsat.trial import TrialKind, TrialRecord, TrialStatus
+from dsat.zero_space import explicit_zero_config, needs_no_less_memory
 
 
 def config_key(record: TrialRecord) -> str:

@@ -16,8 +16,8 @@ from dsat.runners.simulated.performance_models import (
 )
 from dsat.search import make_search_method
 from dsat.search.method import DsatSearchMethod
-from dsat.search.space import needs_no_less_memory
 from dsat.trial import TrialKind, TrialStatus
+from dsat.zero_space import needs_no_less_memory
 from tests.search.helpers import cliff_function, history, method, run, settings, spec
 
 
@@ -71,19 +71,21 @@ def test_no_trial_above_an_oom_that_already_decides_it(name: str) -> None:
 
 # Seeds, of 20, where the configuration the search hands over is within 2% of the optimum; each
 # seed draws the surface's noise afresh (as benchmarks/search_efficiency.py does). Measured; the
-# searches are deterministic, so these are exact. Most misses are noise in the pick: a trial
-# within 2% ran, but a luckier-measured one handed over (see benchmarks/README.md).
+# searches are deterministic, so these are exact. The hand-over is the leader by the denoised
+# estimate (dsat/search/throughput_model.py); by the best single measurement it was 169 of 200
+# (see benchmarks/README.md). Most misses left are still noise in the pick: a trial within 2%
+# ran, but a lucky measurement, often of a configuration tried at one micro-batch only, led.
 REACHED = {
-    "bert_base_16xv100": 19,
-    "bert_large_fp32_2xv100": 15,
+    "bert_base_16xv100": 20,
+    "bert_large_fp32_2xv100": 17,
     "gpt2_large_16xv100": 20,
-    "gpt_1b_knobs_16xethernet": 18,
+    "gpt_1b_knobs_16xethernet": 20,
     "gpt_1b_underreported_4xa10": 15,
-    "gpt_2b_bucket_memory_8xa100": 18,
-    "gpt_350m_pressure_2x4090": 19,
+    "gpt_2b_bucket_memory_8xa100": 19,
+    "gpt_350m_pressure_2x4090": 20,
     "gpt_6b_zero3_wins_16xa100": 16,
-    "llama_14b_no_low_stages_8xa100": 14,
-    "llama_7b_8xa100": 15,
+    "llama_14b_no_low_stages_8xa100": 17,
+    "llama_7b_8xa100": 19,
 }
 
 
@@ -106,3 +108,25 @@ def test_what_it_hands_over_is_within_2_percent_of_the_optimum(name: str) -> Non
         assert found <= best_value * (1 + 1e-9)  # nothing beats the exhaustive optimum
         reached += found >= 0.98 * best_value
     assert reached >= REACHED[name]
+
+
+def test_the_confirmation_round_confirms_by_the_denoised_estimate() -> None:
+    """On the 14B surface's seed 0, ZeRO-3 at micro-batch 11 measures 1.1% above the optimum (its
+    true value is 2.4% below): its neighbours say otherwise, so it neither leads the round nor is
+    handed over; micro-batch 13, truly better, is."""
+    base = BUILTIN_MODELS["llama_14b_no_low_stages_8xa100"]
+    model = dataclasses.replace(base, noise_seed=base.noise_seed * 1000)
+    ds_config = {"train_micro_batch_size_per_gpu": 1, **model.base_ds_config}
+    m = make_search_method(settings("guided", confirm_top=3), spec(model.gpus, ds_config))
+    run(m, model, slots=model.gpus)
+    luckiest = m.tracker.best_of(m.tracker.records)
+    handed_over = m.tracker.best()
+    assert luckiest is not None and handed_over is not None
+    assert m.ending.confirmation_candidates[0] == handed_over.request_id != luckiest.request_id
+    assert any(r.kind is TrialKind.CONFIRM for r in m.tracker.records)
+
+    def true(record: Any) -> float:
+        return model.metrics(record.ds_config, model.gpus, noisy=False)["FLOPS_per_gpu"]
+
+    assert (luckiest.mbs, handed_over.mbs) == (11, 13)
+    assert true(handed_over) > true(luckiest)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from dsat.search.space import explicit_zero_config
 from dsat.trial import SearchRange, TrialKind, TrialStatus
+from dsat.zero_space import explicit_zero_config
 from tests.search.helpers import cliff_function, created_ids, finish, method, run, start_profile
 
 

@@ -439,7 +439,7 @@ def configurations(stages: tuple[int, ...]) -> list[dict[str, Any]]:
     """Every ``zero_optimization`` section the search space holds for ``stages``."""
     import itertools
 
-    from dsat.search.space import zero_knobs
+    from dsat.zero_space import zero_knobs
 
     sections: list[dict[str, Any]] = []
     for stage in stages:

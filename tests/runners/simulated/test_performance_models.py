@@ -16,7 +16,7 @@ from dsat.runners.simulated.performance_models import (
     configurations,
     optimum,
 )
-from dsat.search.space import random_zero_config
+from dsat.zero_space import random_zero_config
 
 SLOTS = {name: model.gpus for name, model in BUILTIN_MODELS.items()}
 WITHOUT_PRESSURE = sorted(n for n, m in BUILTIN_MODELS.items() if not m.pressure_slowdown)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dsat.search.space import (
+from dsat.zero_space import (
     explicit_zero_config,
     knob_steps,
     needs_no_less_memory,

@@ -1,0 +1,51 @@
+"""The denoised estimate: neighbouring trials of a stage pull a lucky measurement back."""
+
+from __future__ import annotations
+
+import pytest
+
+from dsat.search.throughput_model import Observation, estimate
+
+
+def throughput(mbs: int, overhead: float = 4.0) -> float:
+    """A step's time grows linearly with the micro-batch: throughput = mbs / (overhead + mbs)."""
+    return mbs / (overhead + mbs)
+
+
+def curve(config: str, sizes: range, factor: float = 1.0) -> list[Observation]:
+    return [Observation(config, 2, m, factor * throughput(m)) for m in sizes]
+
+
+def test_a_noise_free_curve_is_reproduced() -> None:
+    observations = curve("a", range(4, 21, 2))
+    for m in (4, 10, 20):
+        assert estimate(observations, "a", m) == pytest.approx(throughput(m), rel=0.002)
+
+
+def test_a_lucky_measurement_is_pulled_towards_its_neighbours() -> None:
+    observations = curve("a", range(4, 21, 2))
+    lucky = Observation("a", 2, 15, throughput(15) * 1.03)
+    found = estimate([*observations, lucky], "a", 15)
+    assert found is not None and found < throughput(15) * 1.012
+
+
+def test_a_configuration_seen_at_many_micro_batches_keeps_its_own_level() -> None:
+    observations = curve("a", range(4, 21, 2)) + curve("b", range(6, 21, 4), factor=1.06)
+    found = estimate(observations, "b", 14)
+    assert found is not None and found > throughput(14) * 1.05
+
+
+def test_a_configuration_tried_once_is_pulled_towards_its_stage() -> None:
+    observations = [*curve("a", range(4, 21, 2)), Observation("b", 2, 16, throughput(16) * 1.03)]
+    found = estimate(observations, "b", 16)
+    assert found is not None and throughput(16) < found < throughput(16) * 1.03
+
+
+def test_other_stages_do_not_count() -> None:
+    observations = [*curve("a", range(4, 21, 2)), Observation("z3", 3, 16, 5.0)]
+    assert estimate(observations, "z3", 16) == pytest.approx(5.0)
+    assert estimate(observations, "a", 16) == pytest.approx(throughput(16), rel=0.002)
+
+
+def test_nothing_to_say_of_an_untried_configuration() -> None:
+    assert estimate(curve("a", range(4, 21, 2)), "b", 8) is None
