@@ -15,7 +15,7 @@ import statistics
 from collections.abc import Callable, Sequence
 
 from dsat.search.tracker import TrialTracker, config_key
-from dsat.trial import TrialKind, TrialRecord
+from dsat.trial import TrialRecord
 
 # The round's runs, as a share of the search trials that finished (at least one per leader).
 SHARE_OF_SEARCH = 0.15
@@ -81,11 +81,7 @@ def winner(
     means: dict[str, float] = {}
     noise = MIN_NOISE
     for candidate in candidates:
-        runs = [
-            r
-            for r in tracker.records
-            if r.kind is TrialKind.CONFIRM and r.parent_id == candidate.request_id
-        ]
+        runs = tracker.confirmation_runs(candidate.request_id)
         values = [v for v in (tracker.confirmed_value(r) for r in runs) if v is not None]
         if not values:
             continue  # it failed when run again: not handed over

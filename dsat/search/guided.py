@@ -21,7 +21,6 @@ import dataclasses
 import itertools
 import json
 import math
-from collections.abc import Callable
 from typing import Any
 
 from dsat.memory import bucket_buffer_bytes
@@ -162,9 +161,7 @@ class GuidedSearch(DsatSearchMethod):
         own (the same kernels, the same placement) and would not average out."""
         tracker = self.tracker
         runs = [tracker.metric_value(record)] + [
-            tracker.confirmed_value(r)
-            for r in tracker.records
-            if r.kind is TrialKind.CONFIRM and r.parent_id == record.request_id
+            tracker.confirmed_value(r) for r in tracker.confirmation_runs(record.request_id)
         ]
         oriented = [self._oriented(v) for v in runs if v is not None]
         oriented = [v for v in oriented if 0 < v < math.inf]
@@ -401,9 +398,10 @@ class GuidedSearch(DsatSearchMethod):
 
     # ------------------------------------------------------------------ handing over
 
-    def scorer(self) -> Callable[[TrialRecord], float]:
+    def leader_score(self) -> Score:
         """Each search trial's denoised metric, in the metric's own direction (its measurement
-        when it is too far from the best to be estimated), from the records as they are now."""
+        when it is too far from the best to be estimated), from the records as they are now:
+        the confirmation round's leaders and winner, and ``pick``, are ranked by it."""
         estimated = self.estimates(self.configs())
 
         def score(record: TrialRecord) -> float:
@@ -419,12 +417,8 @@ class GuidedSearch(DsatSearchMethod):
         leader by the denoised estimate."""
         if self.tracker.confirmed_id is not None:
             return self.tracker.best()
-        ranked = leaders(self.tracker, 1, self.settings.memory_margin, self.scorer())
+        ranked = leaders(self.tracker, 1, self.settings.memory_margin, self.leader_score())
         return ranked[0] if ranked else None
-
-    def leader_score(self) -> Score:
-        """Leaders and the confirmation round's winner are ranked by the denoised estimate."""
-        return self.scorer()
 
     def _user_zero_section(self) -> dict[str, Any]:
         section = self.spec.ds_config.get("zero_optimization")

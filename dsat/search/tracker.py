@@ -113,6 +113,14 @@ class TrialTracker:
     def records(self) -> list[TrialRecord]:
         return list(self._records.values())
 
+    def confirmation_runs(self, request_id: str) -> list[TrialRecord]:
+        """The confirmation round's runs of the search trial ``request_id``."""
+        return [
+            r
+            for r in self._records.values()
+            if r.kind is TrialKind.CONFIRM and r.parent_id == request_id
+        ]
+
     @property
     def model_profile(self) -> TrialRecord | None:
         return next((r for r in self._records.values() if r.kind is TrialKind.MODEL_PROFILE), None)
