@@ -41,7 +41,7 @@ demo: $(STAMP)
 
 demo-simulated: $(STAMP)
 	$(PY) -m dsat asha examples/simulated/gpt2_large.yaml examples/simulated \
-		--backend simulated --simulator dsat.runners.simulated.performance_models:gpt2_large_16xv100
+		--runner simulated --simulator dsat.runners.simulated.performance_models:gpt2_large_16xv100
 
 bench: $(STAMP)
 	$(PY) benchmarks/search_efficiency.py

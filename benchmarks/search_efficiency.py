@@ -35,15 +35,15 @@ from dsat.runners.driver import (
     FinishedTrial,
     SearchDriver,
     SearchEvents,
-    TrialOutcome,
 )
-from dsat.runners.simulated.executor import SimulatedExecutor
 from dsat.runners.simulated.performance_models import (
     BUILTIN_MODELS,
     PerformanceModel,
     is_model_profile,
     optimum,
 )
+from dsat.runners.simulated.runner import SimulatedRunner
+from dsat.runners.trial_runner import TrialOutcome
 from dsat.search import MethodSettings, make_search_method
 from dsat.search.trial_builder import SearchSpec
 from dsat.trial import TrialStatus
@@ -201,7 +201,7 @@ def run_one(
     with tempfile.TemporaryDirectory() as tmp:
         search = factory(method, seed, slots, ds_config, Path(tmp))
         picks = Picks(search)
-        driver = SearchDriver(search, SimulatedExecutor(model, slots), ds_config, [picks])
+        driver = SearchDriver(search, SimulatedRunner(model, slots), ds_config, [picks])
         picks.history = driver.history
         driver.run()
     tracker = getattr(search, "tracker", None)

@@ -1,6 +1,6 @@
 """What a trial costs: warm vs fresh trials through the local runner, a bare run, and `make demo`.
 
-A search's trials, as the local runner starts them: one executor forking trials from its warm
+A search's trials, as the local runner starts them: one local runner forking trials from its warm
 worker, one starting every trial in a fresh interpreter (``--fresh-processes``), both running the
 CPU example with the same search-trial hyperparameters (a ZeRO-1 trial with DeepSpeed's autotuning
 block, as the search makes them), one trial each in turn (the order swapped every round) so
@@ -30,7 +30,7 @@ from typing import Any
 from dsat.atomic_file import write_json_atomic
 from dsat.constants import AUTOTUNING_KEY, ENV_HPARAMS_FILE
 from dsat.experiment.config import load_experiment
-from dsat.runners.local.executor import HPARAMS_FILE, LocalExecutor, SlotPool
+from dsat.runners.local.runner import HPARAMS_FILE, LocalRunner, SlotPool
 from dsat.runners.local.trial_timeout import TrialTimeout
 from dsat.search import MethodSettings, make_search_method
 from dsat.search.trial_builder import SearchSpec
@@ -57,11 +57,11 @@ def trial_environment() -> dict[str, str]:
     return env
 
 
-def executor(work: Path, name: str, warm: bool) -> LocalExecutor:
+def local_runner(work: Path, name: str, warm: bool) -> LocalRunner:
     results = work / name
     shutil.rmtree(results, ignore_errors=True)
     pool = SlotPool.for_machine(1, 1, trial_environment())
-    return LocalExecutor(
+    return LocalRunner(
         ["python3", "train.py"],
         EXAMPLE,
         (),
@@ -75,7 +75,7 @@ def executor(work: Path, name: str, warm: bool) -> LocalExecutor:
 
 
 def through_runner(
-    runner: LocalExecutor, n: int, hparams: dict[str, Any], ds_config: dict[str, Any]
+    runner: LocalRunner, n: int, hparams: dict[str, Any], ds_config: dict[str, Any]
 ) -> tuple[float, float]:
     """One trial's wall time and measured throughput."""
     start = time.perf_counter()
@@ -173,7 +173,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="dsat-overhead-") as tmp:
         work = Path(tmp)
         bare(work, hparams)  # warm-up: DeepSpeed's JIT builds and the page cache, for all
-        runners = {"warm": executor(work, "warm", True), "fresh": executor(work, "fresh", False)}
+        runners = {
+            "warm": local_runner(work, "warm", True),
+            "fresh": local_runner(work, "fresh", False),
+        }
         try:
             for n in range(args.repeats):
                 order = list(runners.items())

@@ -21,7 +21,7 @@ from dsat.experiment import settings as defaults
 from dsat.experiment.metric import Metric
 from dsat.experiment.settings import SearchSettings
 from dsat.results.resume import resumed_settings
-from dsat.runners import Backend
+from dsat.runners import RunnerKind
 from dsat.runners.local.trial_timeout import FLOOR_S, PROFILE_MULTIPLE, PROFILE_TRIAL_LIMIT_S
 from dsat.training.step_clock import MEASURED_STEPS, WARMUP_STEPS
 
@@ -170,20 +170,23 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
         "--search-runner-config",
         default=None,
         metavar="PATH",
-        help="alternative config for the search-runner experiment (determined backend)",
+        help="alternative config for the search-runner experiment (--runner determined)",
     )
     parser.add_argument(
         "--max-search-runner-restarts",
         type=non_negative_int,
         default=defaults.DEFAULT_MAX_SEARCH_RUNNER_RESTARTS,
-        help="how often a crashed search runner is restarted (determined backend)",
+        help="how often a crashed search runner is restarted (--runner determined)",
     )
+    runners = ["auto", *(kind.value for kind in RunnerKind)]
     parser.add_argument(
-        "--backend",
+        "--runner",
         default="auto",
-        choices=["auto", *(backend.value for backend in Backend)],
+        choices=runners,
         help="where trials run; auto = determined when DET_MASTER is set, else local",
     )
+    # The flag's earlier name, still accepted.
+    parser.add_argument("--backend", dest="runner", choices=runners, help=argparse.SUPPRESS)
     parser.add_argument(
         "--results-dir",
         default=None,
@@ -218,7 +221,7 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
         "--simulator",
         default=None,
         metavar="MODULE_OR_FILE:FUNCTION",
-        help="performance function for --backend simulated",
+        help="performance function for --runner simulated",
     )
 
 

@@ -12,7 +12,8 @@ from dsat.paths import shown
 from dsat.results.directory import BEST_CONFIG_FILE, ResultsWriter, TrialTiming
 from dsat.results.progress import SearchProgress
 from dsat.results.resume import write_settings
-from dsat.runners.driver import SearchDriver, TrialExecutor, TrialListener, TrialOutcome
+from dsat.runners.driver import SearchDriver, TrialListener
+from dsat.runners.trial_runner import TrialOutcome, TrialRunner
 from dsat.search import MethodSettings, make_search_method
 from dsat.search.method import DsatSearchMethod
 from dsat.search.trial_builder import SearchSpec
@@ -41,26 +42,26 @@ class ResultsRecorder:
 def run_search(
     settings: SearchSettings,
     spec: SearchSpec,
-    executor: TrialExecutor,
+    runner: TrialRunner,
     results_dir: Path,
     max_events: int | None = None,
-    show_progress: bool = False,
-    slot_limit: int | None = None,
 ) -> DsatSearchMethod:
     """Drive the search to its end (or ``max_events``); resumes when ``results_dir`` has state.
 
-    ``show_progress`` prints a line per finished trial (and live counts on a terminal); it is for
-    runners whose trials take real time. ``slot_limit`` caps the slots trials use at once (the
-    machine's), without changing the settings saved for a resume.
+    A runner whose trials take real time gets a line per finished trial (and live counts on a
+    terminal). The runner's slot limit (the machine's) caps the slots trials use at once, without
+    changing the settings saved for a resume.
     """
     write_settings(settings, results_dir)
-    method = make_search_method(MethodSettings.from_settings(settings, slot_limit), spec)
+    method = make_search_method(MethodSettings.from_settings(settings, runner.slot_limit), spec)
     writer = ResultsWriter(results_dir)
     listeners: list[TrialListener] = [ResultsRecorder(method, writer)]
-    progress = SearchProgress(method.tracker, settings.metric.value) if show_progress else None
+    progress = (
+        SearchProgress(method.tracker, settings.metric.value) if runner.takes_real_time else None
+    )
     if progress is not None:
         listeners.append(progress)
-    driver = SearchDriver(method, executor, spec.ds_config, listeners, max_events)
+    driver = SearchDriver(method, runner, spec.ds_config, listeners, max_events)
     resuming = (results_dir / STATE_FILE).is_file()
     if resuming:
         try:
@@ -72,7 +73,7 @@ def run_search(
             ) from None
     with progress or contextlib.nullcontext():
         driver.run(initial_ops=method.resume_operations() if resuming else None)
-    if driver.shutdown is not None or not driver.running:
+    if driver.shutdown is not None or not runner.running_count():
         writer.write_summary(method.tracker)
         method.save_method_state(results_dir)
     return method

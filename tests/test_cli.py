@@ -1,4 +1,4 @@
-"""The CLI surface: flags, defaults, backend choice, and one-line errors with exit status 2."""
+"""The CLI surface: flags, defaults, runner choice, and one-line errors with exit status 2."""
 
 from __future__ import annotations
 
@@ -46,7 +46,13 @@ def test_defaults_match_the_reference(experiment_yaml: Path) -> None:
     random = parse_settings(["random", *common])
     assert (random.trials_per_random_config, random.early_stopping) == (5, None)
     assert parse_settings(["binary", *common]).search_range_factor == 1.0
-    assert asha.backend == "auto"
+    assert asha.runner == "auto"
+
+
+def test_the_runner_flag_keeps_its_earlier_name(experiment_yaml: Path) -> None:
+    common = [str(experiment_yaml), str(experiment_yaml.parent)]
+    assert parse_settings(["asha", *common, "--backend", "simulated"]).runner == "simulated"
+    assert parse_settings(["asha", *common, "--runner", "local"]).runner == "local"
 
 
 def test_asha_flags_are_integers(experiment_yaml: Path) -> None:
@@ -133,10 +139,10 @@ def test_help_shows_defaults() -> None:
         assert "(default: FLOPS_per_gpu)" in result.stdout
 
 
-# ---------------------------------------------------------------- backend choice
+# ---------------------------------------------------------------- runner choice
 
 
-def test_auto_backend_is_local_without_det_master(experiment_yaml: Path, tmp_path: Path) -> None:
+def test_auto_runner_is_local_without_det_master(experiment_yaml: Path, tmp_path: Path) -> None:
     # The fixture's train.py prints and exits without writing DeepSpeed's model-info file, so the
     # local runner really runs the profile trial, which then counts as failed.
     results = tmp_path / "results"
@@ -147,14 +153,14 @@ def test_auto_backend_is_local_without_det_master(experiment_yaml: Path, tmp_pat
         "--results-dir",
         str(results),
     )
-    assert "dsat: backend local (DET_MASTER is not set)" in result.stdout
+    assert "dsat: runner local (DET_MASTER is not set)" in result.stdout
     assert result.returncode == 1
     assert "must run at micro-batch 1" in result.stderr
     logs = list((results / "logs").glob("0*.log"))
     assert len(logs) == 1 and "training" in logs[0].read_text()
 
 
-def test_auto_backend_is_determined_with_det_master(experiment_yaml: Path, tmp_path: Path) -> None:
+def test_auto_runner_is_determined_with_det_master(experiment_yaml: Path, tmp_path: Path) -> None:
     # Nothing listens on the discard port: the submission fails with one line, no traceback.
     result = run_cli(
         "asha",
@@ -162,21 +168,21 @@ def test_auto_backend_is_determined_with_det_master(experiment_yaml: Path, tmp_p
         str(experiment_yaml.parent),
         env={"DET_MASTER": "http://127.0.0.1:9", "HOME": str(tmp_path)},
     )
-    assert "dsat: backend determined (DET_MASTER is set)" in result.stdout
+    assert "dsat: runner determined (DET_MASTER is set)" in result.stdout
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (
         "dsat: error: no Determined master answers at http://127.0.0.1:9; check DET_MASTER, or "
-        "use --backend local"
+        "use --runner local"
     )
     assert "Traceback" not in result.stderr
 
 
-def test_simulated_backend_needs_a_simulator(
+def test_simulated_runner_needs_a_simulator(
     experiment_yaml: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert_one_line_error(
         capsys,
-        ["asha", str(experiment_yaml), str(experiment_yaml.parent), "--backend", "simulated"],
+        ["asha", str(experiment_yaml), str(experiment_yaml.parent), "--runner", "simulated"],
         "--simulator",
     )
 
@@ -190,7 +196,7 @@ def test_full_experiment_needs_a_real_runner(
             "asha",
             str(experiment_yaml),
             str(experiment_yaml.parent),
-            "--backend",
+            "--runner",
             "simulated",
             "--simulator",
             "dsat.runners.simulated.performance_models:gpt2_large_16xv100",
@@ -200,13 +206,13 @@ def test_full_experiment_needs_a_real_runner(
     )
 
 
-def test_simulator_without_simulated_backend(
+def test_simulator_without_simulated_runner(
     experiment_yaml: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert_one_line_error(
         capsys,
         ["asha", str(experiment_yaml), str(experiment_yaml.parent), "--simulator", "json:dumps"],
-        "--simulator only applies to --backend simulated",
+        "--simulator only applies to --runner simulated",
     )
 
 
@@ -263,7 +269,7 @@ def test_cli_unimportable_simulator(experiment_yaml: Path) -> None:
         "asha",
         str(experiment_yaml),
         str(experiment_yaml.parent),
-        "--backend",
+        "--runner",
         "simulated",
         "--simulator",
         "no_such_module_xyz:perf",
@@ -388,9 +394,9 @@ def test_flag_of_another_method(experiment_yaml: Path, capsys: pytest.CaptureFix
     )
 
 
-def test_unknown_backend(experiment_yaml: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_unknown_runner(experiment_yaml: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert_one_line_error(
-        capsys, ["asha", str(experiment_yaml), ".", "--backend", "k8s"], "--backend", "k8s"
+        capsys, ["asha", str(experiment_yaml), ".", "--runner", "k8s"], "--runner", "k8s"
     )
 
 
@@ -478,7 +484,7 @@ def test_resume_and_results_dir_conflict(
     assert_one_line_error(capsys, argv, "--resume", "--results-dir")
 
 
-# ---------------------------------------------------------------- the simulated backend end to end
+# ---------------------------------------------------------------- the simulated runner end to end
 
 SIMULATED = Path(__file__).resolve().parents[1] / "examples" / "simulated"
 GPT2 = "dsat.runners.simulated.performance_models:gpt2_large_16xv100"
@@ -490,7 +496,7 @@ def test_simulated_search_prints_the_summary_and_leaves_results(tmp_path: Path) 
         "asha",
         str(SIMULATED / "gpt2_large.yaml"),
         str(SIMULATED),
-        "--backend",
+        "--runner",
         "simulated",
         "--simulator",
         GPT2,
@@ -530,7 +536,7 @@ def test_search_with_no_working_config_exits_1(tmp_path: Path) -> None:
         "binary",
         str(SIMULATED / "bert_base.yaml"),
         str(SIMULATED),
-        "--backend",
+        "--runner",
         "simulated",
         "--simulator",
         f"{sim}:perf",

@@ -70,7 +70,7 @@ class SearchSettings:
     # dsat's own
     confirm_top: int = DEFAULT_CONFIRM_TOP
     memory_margin: float = DEFAULT_MEMORY_MARGIN
-    backend: str = "auto"
+    runner: str = "auto"
     results_dir: str | None = None
     resume: str | None = None
     trial_timeout: float | None = None  # None: derived from the model-profile trial
@@ -171,7 +171,7 @@ class SearchSettings:
             config_path=Path(self.config_path).name,
             model_dir=Path(self.model_dir).resolve().name,
             include=tuple(Path(p).resolve().name for p in self.include),
-            backend="determined",
+            runner="determined",
             results_dir=None,
             resume=None,
         )
@@ -184,6 +184,8 @@ class SearchSettings:
     @classmethod
     def from_json(cls, text: str) -> SearchSettings:
         data: dict[str, Any] = json.loads(text)
+        if "backend" in data and "runner" not in data:  # saved before --backend became --runner
+            data["runner"] = data.pop("backend")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:

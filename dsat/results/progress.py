@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.text import Text
 
-from dsat.runners.driver import TrialOutcome
+from dsat.runners.trial_runner import TrialOutcome
 from dsat.search.tracker import TrialTracker
 from dsat.trial import TrialKind, TrialRecord, TrialStatus
 
@@ -44,17 +44,14 @@ class SearchProgress:
         self.console = console or Console(highlight=False, soft_wrap=True)
         self.clock = clock
         self.started_at = clock()
-        self.running: set[str] = set()
         self._live: Live | None = None
 
     # ------------------------------------------------------------------ listener hooks
 
     def trial_started(self, request_id: str) -> None:
-        self.running.add(request_id)
         self._refresh()
 
     def trial_finished(self, request_id: str, outcome: TrialOutcome) -> None:
-        self.running.discard(request_id)
         record = self.tracker.get(request_id)
         line = f"{PREFIX} {self.trial_line(record)} | {self.status_line()}"
         self.console.print(line, highlight=False, markup=False)
@@ -78,7 +75,7 @@ class SearchProgress:
         done = counts[TrialStatus.COMPLETED]
         failed = counts[TrialStatus.ERROR] + counts[TrialStatus.TIMEOUT]
         parts = [
-            f"running {len(self.running)}",
+            f"running {len(self.tracker.running)}",
             f"done {done}",
             f"oom {counts[TrialStatus.OOM]}",
             f"error {failed}",

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dsat.constants import ENV_DET_MASTER
 
 
-class Backend(str, enum.Enum):
+class RunnerKind(str, enum.Enum):
     """Where trials run."""
 
     LOCAL = "local"  # processes on this machine; the embedded default
@@ -16,10 +16,10 @@ class Backend(str, enum.Enum):
     SIMULATED = "simulated"  # a performance function instead of training
 
 
-def resolve_backend(requested: str, environ: Mapping[str, str]) -> tuple[Backend, str]:
+def resolve_runner(requested: str, environ: Mapping[str, str]) -> tuple[RunnerKind, str]:
     """The backend to use and why: ``auto`` follows DET_MASTER, like Determined's own CLI."""
     if requested != "auto":
-        return Backend(requested), "chosen with --backend"
+        return RunnerKind(requested), "chosen with --runner"
     if environ.get(ENV_DET_MASTER):
-        return Backend.DETERMINED, f"{ENV_DET_MASTER} is set"
-    return Backend.LOCAL, f"{ENV_DET_MASTER} is not set"
+        return RunnerKind.DETERMINED, f"{ENV_DET_MASTER} is set"
+    return RunnerKind.LOCAL, f"{ENV_DET_MASTER} is not set"

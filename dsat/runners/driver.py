@@ -1,11 +1,11 @@
-"""The event loop every dsat runner shares: operations out to an executor, outcomes back as events.
+"""The event loop of a search run here: operations out to a trial runner, outcomes back as events.
 
 It plays the part of Determined's master for a ``determined.searcher.SearchMethod``: Create and
 ValidateAfter start a trial, a finished trial becomes ``on_validation_completed`` or
 ``on_trial_exited_early`` followed by ``on_trial_closed``, and Shutdown ends the loop. A failed
 trial's event carries what the runner knows of it (OOM, timeout) as a ``TrialFailure``; a method
 that speaks only Determined's protocol (the reference's) is wrapped in ``DeterminedOnlyMethod``.
-What runs a trial is the executor's business.
+How a trial runs is the trial runner's business (``trial_runner.TrialRunner``).
 """
 
 from __future__ import annotations
@@ -20,17 +20,8 @@ from determined import searcher
 
 from dsat.constants import OVERWRITE_KEY
 from dsat.experiment.config import deep_merge
+from dsat.runners.trial_runner import TrialOutcome, TrialRunner
 from dsat.trial import TrialFailure, TrialStatus
-
-
-@dataclasses.dataclass(frozen=True)
-class TrialOutcome:
-    request_id: str
-    status: TrialStatus
-    metrics: dict[str, Any]
-    error: str | None
-    start: float
-    end: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,16 +108,6 @@ class DeterminedOnlyMethod:
         return list(self.method.on_trial_closed(searcher_state, request_id))
 
 
-class TrialExecutor(Protocol):
-    def start(
-        self, request_id: str, hparams: dict[str, Any], ds_config: dict[str, Any], length: int
-    ) -> None: ...
-
-    def wait(self) -> TrialOutcome: ...
-
-    def stop_all(self) -> None: ...
-
-
 class TrialListener(Protocol):
     """Told about every trial the driver starts (just before) and finishes (results files,
     progress display)."""
@@ -140,20 +121,19 @@ class SearchDriver:
     def __init__(
         self,
         method: SearchEvents,
-        executor: TrialExecutor,
+        runner: TrialRunner,
         base_ds_config: dict[str, Any],
         listeners: Sequence[TrialListener] = (),
         max_events: int | None = None,
     ) -> None:
         self.method = method
-        self.executor = executor
+        self.runner = runner
         self.base_ds_config = base_ds_config
         self.listeners = list(listeners)
         self.max_events = max_events  # stop early, as an interruption would (for tests)
         self.state = searcher.SearcherState()
         self.hparams: dict[str, dict[str, Any]] = {}
         self.lengths: dict[str, int] = {}
-        self.running: set[str] = set()
         self.history: list[FinishedTrial] = []
         self.shutdown: searcher.Shutdown | None = None
         self.events = 0
@@ -171,10 +151,9 @@ class SearchDriver:
             elif isinstance(op, searcher.ValidateAfter):
                 request_id = str(op.request_id)
                 self.lengths[request_id] = op.length
-                self.running.add(request_id)
                 for listener in self.listeners:  # first, so the state on disk includes the trial
                     listener.trial_started(request_id)
-                self.executor.start(
+                self.runner.start(
                     request_id, self.hparams[request_id], self.ds_config(request_id), op.length
                 )
             elif isinstance(op, searcher.Close):
@@ -190,7 +169,6 @@ class SearchDriver:
         The listeners (the results files, the saved state) hear of the outcome before any trial
         the method starts next, so an interruption while that one starts loses nothing."""
         request_id = uuid.UUID(outcome.request_id)
-        self.running.discard(outcome.request_id)
         self.state.trial_progress[request_id] = 1.0
         if outcome.status is TrialStatus.COMPLETED:
             ops = self.method.on_validation_completed(
@@ -226,11 +204,10 @@ class SearchDriver:
 
     def loop(self) -> None:
         """Feed outcomes back until the method shuts down, nothing runs, or max_events."""
-        while self.shutdown is None and self.running:
+        while self.shutdown is None and self.runner.running_count():
             if self.max_events is not None and self.events >= self.max_events:
                 return
-            self.finish(self.executor.wait())
+            self.finish(self.runner.wait())
             self.events += 1
-        if self.running:  # a shutdown with trials still out: they are not needed any more
-            self.executor.stop_all()
-            self.running.clear()
+        if self.runner.running_count():  # a shutdown with trials out: they are not needed any more
+            self.runner.stop_all()

@@ -28,6 +28,16 @@ from dsat.trial import SearchRange, TrialKind, TrialRecord
 _REQUEST_NAMESPACE = uuid.UUID("6c1f7e1a-3f5e-4a52-9a3c-2f0d5c8e9b41")
 
 
+def search_trial_autotuning(start_profile_step: int, end_profile_step: int) -> dict[str, Any]:
+    """The autotuning block that makes DeepSpeed profile a search trial's steps and then stop;
+    the trials' hyperparameters and the Determined custom experiment's both come from here."""
+    return {
+        "enabled": True,
+        "start_profile_step": start_profile_step,
+        "end_profile_step": end_profile_step,
+    }
+
+
 @dataclasses.dataclass(frozen=True)
 class SearchSpec:
     """What a method needs to know of the experiment: no paths, only data."""
@@ -56,12 +66,8 @@ class TrialBuilder:
                 "model_info_path": MODEL_INFO_FILE,
                 "model_info": {"profile": True},
             }
-        return {
-            "enabled": True,
-            "start_profile_step": self.start_profile_step,
-            "end_profile_step": self.last_measured_step,
-            "metric_path": METRICS_FILE,
-        }
+        block = search_trial_autotuning(self.start_profile_step, self.last_measured_step)
+        return {**block, "metric_path": METRICS_FILE}
 
     def request_id(self, index: int) -> str:
         """The request id of the trial created ``index``-th."""

@@ -19,7 +19,7 @@ from dsat.errors import DsatError
 from dsat.experiment.config import load_experiment, validate_with_deepspeed
 from dsat.experiment.settings import SearchSettings
 from dsat.runners.determined.configs import custom_experiment_config
-from dsat.runners.local.executor import free_ports
+from dsat.runners.local.runner import free_ports
 from dsat.search import MethodSettings, make_search_method
 from dsat.search.trial_builder import SearchSpec
 from tests.conftest import REPO_ROOT
@@ -144,14 +144,14 @@ def test_the_local_runner_refuses_a_trial_class_with_the_way_out(
 ) -> None:
     from dsat.cli import main
 
-    code = main(["binary", str(EXAMPLE / "deepspeed.yaml"), str(EXAMPLE), "--backend", "local"])
+    code = main(["binary", str(EXAMPLE / "deepspeed.yaml"), str(EXAMPLE), "--runner", "local"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
     assert "runs the Trial class model_def:RegressorTrial" in err[-1]
-    assert "--backend determined" in err[-1]
+    assert "--runner determined" in err[-1]
 
 
-def test_trial_class_message_names_the_class_and_the_backend() -> None:
+def test_trial_class_message_names_the_class_and_the_runner() -> None:
     from dsat.runners.local.entrypoint import require_command
 
     with pytest.raises(DsatError) as caught:
@@ -160,4 +160,4 @@ def test_trial_class_message_names_the_class_and_the_backend() -> None:
             "deepspeed.yaml",
         )
     assert "Trial class model_def:RegressorTrial" in str(caught.value)
-    assert "--backend determined" in str(caught.value)
+    assert "--runner determined" in str(caught.value)

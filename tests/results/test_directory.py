@@ -16,8 +16,8 @@ from dsat.results.directory import (
     full_experiment_hparams,
     summary_table,
 )
-from dsat.runners.simulated.executor import SimulatedExecutor
 from dsat.runners.simulated.performance_models import gpt2_large_16xv100
+from dsat.runners.simulated.runner import SimulatedRunner
 from dsat.search.method import DsatSearchMethod
 from dsat.search.trial_builder import SearchSpec
 from dsat.search_run import run_search
@@ -38,7 +38,7 @@ def search(results: Path, max_events: int | None = None, method: str = "asha") -
     return run_search(
         search_settings(method, max_trials=24, random_seed=3, search_range_factor=2.0),
         SPEC,
-        SimulatedExecutor(gpt2_large_16xv100, 16),
+        SimulatedRunner(gpt2_large_16xv100, 16),
         results,
         max_events=max_events,
     )

@@ -8,7 +8,7 @@ from rich.console import Console
 
 from dsat.experiment.metric import Metric
 from dsat.results.progress import SearchProgress, format_elapsed
-from dsat.runners.driver import TrialOutcome
+from dsat.runners.trial_runner import TrialOutcome
 from dsat.trial import TrialKind, TrialStatus
 from tests.search.test_tracker import record, tracker
 
@@ -25,9 +25,15 @@ def outcome(rid: str, status: TrialStatus) -> TrialOutcome:
     return TrialOutcome(rid, status, {}, None, 0.0, 1.0)
 
 
-def finish(progress: SearchProgress, rid: str, status: TrialStatus, value: float | None) -> None:
+def start(progress: SearchProgress, rid: str) -> None:
+    """As the driver does: the method marks the trial running, then the listener hears of it."""
     t = progress.tracker
     t.mark_running(t.dequeue(rid).request_id)
+    progress.trial_started(rid)
+
+
+def finish(progress: SearchProgress, rid: str, status: TrialStatus, value: float | None) -> None:
+    t = progress.tracker
     t.mark_finished(rid, status, {"throughput": value} if value is not None else {})
     progress.trial_finished(rid, outcome(rid, status))
 
@@ -43,7 +49,7 @@ def test_plain_lines_count_every_outcome_and_name_the_best() -> None:
     with progress:
         assert progress._live is None  # a StringIO is not a terminal
         for rid in "pabcd":
-            progress.trial_started(rid)
+            start(progress, rid)
         clock.now += 75
         finish(progress, "p", TrialStatus.COMPLETED, None)
         finish(progress, "a", TrialStatus.COMPLETED, 10.0)
@@ -81,7 +87,7 @@ def test_terminal_gets_a_live_line_that_is_gone_at_the_end() -> None:
     progress = SearchProgress(t, "throughput", console, FakeClock())
     with progress:
         assert progress._live is not None
-        progress.trial_started("a")
+        start(progress, "a")
         finish(progress, "a", TrialStatus.COMPLETED, 3.0)
     assert progress._live is None
     text = out.getvalue()

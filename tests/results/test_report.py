@@ -25,7 +25,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def simulated_search(tmp_path: Path, *flags: str) -> tuple[int, Path]:
     (tmp_path / "sim.py").write_text(STOPPING_SIMULATOR)
     results = tmp_path / "out"
-    args = ["asha", str(SIMULATED / "gpt2_large.yaml"), str(SIMULATED), "--backend", "simulated"]
+    args = ["asha", str(SIMULATED / "gpt2_large.yaml"), str(SIMULATED), "--runner", "simulated"]
     args += ["--simulator", f"{tmp_path / 'sim.py'}:perf", "--results-dir", str(results)]
     code = main([*args, "--max-trials", "12", *flags])
     return code, results

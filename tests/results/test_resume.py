@@ -64,7 +64,7 @@ def interrupted(
     (tmp_path / "sim.py").write_text(STOPPING_SIMULATOR)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("STOP_AT_CALL", "6")
-    args = ["asha", str(SIMULATED / "gpt2_large.yaml"), str(SIMULATED), "--backend", "simulated"]
+    args = ["asha", str(SIMULATED / "gpt2_large.yaml"), str(SIMULATED), "--runner", "simulated"]
     code = main([*args, "--simulator", "sim.py:perf", "--results-dir", "out", *ORIGINAL_FLAGS])
     err = capsys.readouterr().err
     assert code == 130 and 2 <= len(rows(tmp_path / "out")) < 14, err
@@ -113,6 +113,19 @@ def test_a_changed_flag_is_refused_and_a_safe_one_applied(
     assert saved["max_trials"] == 16 and saved["fresh_processes"] is False
 
 
+def test_settings_saved_under_the_flags_earlier_name_resume(
+    interrupted: tuple[Path, str],
+) -> None:
+    """A results dir from before --backend became --runner keeps its runner."""
+    results, _ = interrupted
+    saved = json.loads((results / SETTINGS_FILE).read_text())
+    saved["backend"] = saved.pop("runner")
+    (results / SETTINGS_FILE).write_text(json.dumps(saved))
+    assert main(["asha", "--resume", str(results)]) == 0
+    assert json.loads((results / SETTINGS_FILE).read_text())["runner"] == "simulated"
+    assert len([row for row in rows(results) if row["kind"] != "confirm"]) == 14
+
+
 def test_how_trials_start_may_change_on_resume(interrupted: tuple[Path, str]) -> None:
     results, _ = interrupted
     assert main(["asha", "--resume", str(results), "--fresh-processes"]) == 0
@@ -152,7 +165,7 @@ def test_a_search_stopped_during_its_first_trial_resumes(
     (tmp_path / "sim.py").write_text(STOPPING_SIMULATOR)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("STOP_AT_CALL", "1")  # Ctrl-C during the model-profile trial
-    args = ["asha", str(SIMULATED / "gpt2_large.yaml"), str(SIMULATED), "--backend", "simulated"]
+    args = ["asha", str(SIMULATED / "gpt2_large.yaml"), str(SIMULATED), "--runner", "simulated"]
     code = main([*args, "--simulator", "sim.py:perf", "--results-dir", "out", *ORIGINAL_FLAGS])
     assert code == 130 and "Resume with: " in capsys.readouterr().err
     assert not (tmp_path / "out" / TRIALS_FILE).exists()  # nothing finished

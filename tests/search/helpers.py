@@ -10,7 +10,7 @@ from determined import searcher
 
 from dsat.experiment.settings import SearchSettings
 from dsat.runners.driver import SearchDriver
-from dsat.runners.simulated.executor import SimulatedExecutor
+from dsat.runners.simulated.runner import SimulatedRunner
 from dsat.search import MethodSettings, make_search_method
 from dsat.search.method import DsatSearchMethod
 from dsat.search.trial_builder import SearchSpec
@@ -77,7 +77,7 @@ def cliff_function(
 def run(
     m: DsatSearchMethod, function: Callable[..., dict[str, Any]], slots: int = 1
 ) -> SearchDriver:
-    driver = SearchDriver(m, SimulatedExecutor(function, slots), m.spec.ds_config)
+    driver = SearchDriver(m, SimulatedRunner(function, slots), m.spec.ds_config)
     driver.run()
     return driver
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from dsat.runners.simulated.executor import SimulatedExecutor
+from dsat.runners.simulated.runner import SimulatedRunner
 from dsat.search.confirmation import planned_runs, winner
 from dsat.search_run import run_search
 from dsat.trial import TrialKind, TrialStatus
@@ -138,11 +138,11 @@ def test_a_search_interrupted_in_its_confirmation_round_resumes_to_the_same_winn
         "binary", zero_stages=(1,), max_concurrent_trials=1, max_trials=12, confirm_top=3
     )
     # Measurements that do not change between runs: a resumed round sees what a whole one does.
-    whole = run_search(chosen, spec(), SimulatedExecutor(performance(), 1), tmp_path / "a")
+    whole = run_search(chosen, spec(), SimulatedRunner(performance(), 1), tmp_path / "a")
     run_search(
-        chosen, spec(), SimulatedExecutor(performance(), 1), tmp_path / "b", max_events=stop_after
+        chosen, spec(), SimulatedRunner(performance(), 1), tmp_path / "b", max_events=stop_after
     )
-    resumed = run_search(chosen, spec(), SimulatedExecutor(performance(), 1), tmp_path / "b")
+    resumed = run_search(chosen, spec(), SimulatedRunner(performance(), 1), tmp_path / "b")
     assert whole.tracker.best() is not None and resumed.tracker.best() is not None
     assert resumed.tracker.best().request_id == whole.tracker.best().request_id
     assert (tmp_path / "a" / "best_ds_config.json").read_text() == (

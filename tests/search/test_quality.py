@@ -10,8 +10,8 @@ import pytest
 
 from dsat.experiment.metric import Metric
 from dsat.runners.driver import SearchDriver
-from dsat.runners.simulated.executor import SimulatedExecutor
 from dsat.runners.simulated.performance_models import BUILTIN_MODELS, optimum
+from dsat.runners.simulated.runner import SimulatedRunner
 from dsat.search import MethodSettings, make_search_method
 from dsat.search.trial_builder import SearchSpec
 
@@ -37,7 +37,7 @@ def regret(name: str, method: str, seed: int) -> float:
         {"deepspeed_config": "ds.json"}, {"train_micro_batch_size_per_gpu": 1, **base}, slots
     )
     search = make_search_method(settings, spec)
-    SearchDriver(search, SimulatedExecutor(model, slots), spec.ds_config).run()
+    SearchDriver(search, SimulatedRunner(model, slots), spec.ds_config).run()
     best = search.tracker.best()
     assert best is not None
     best_value, _ = optimum(model, slots, metric.file_key, False, settings.zero_stages, base)

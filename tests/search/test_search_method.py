@@ -10,7 +10,7 @@ from determined import searcher
 
 from dsat.experiment.settings import SEARCH_METHODS
 from dsat.runners.driver import SearchDriver
-from dsat.runners.simulated.executor import SimulatedExecutor
+from dsat.runners.simulated.runner import SimulatedRunner
 from dsat.search import METHODS as REGISTERED
 from dsat.training.step_clock import MEASURED_STEPS, WARMUP_STEPS, measured_window
 from dsat.trial import TrialKind, TrialStatus
@@ -152,7 +152,7 @@ def test_resumed_search_proposes_the_same_trials(name: str) -> None:
     for k in range(1, 30, 3):
         first = method(name, **overrides)
         driver = SearchDriver(
-            first, SimulatedExecutor(function, 1), first.spec.ds_config, max_events=k
+            first, SimulatedRunner(function, 1), first.spec.ds_config, max_events=k
         )
         driver.run()
         saved = json.loads(json.dumps(first.state_json()))  # only JSON survives the crash

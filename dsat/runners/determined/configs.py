@@ -18,6 +18,7 @@ from dsat.constants import AUTOTUNING_KEY, DSAT_MODE_KEY, OVERWRITE_KEY
 from dsat.experiment.config import deep_merge
 from dsat.experiment.settings import SearchSettings
 from dsat.results.directory import without_tuning
+from dsat.search.trial_builder import search_trial_autotuning
 
 # What the search runner's entrypoint runs on the cluster (dsat's package travels with it).
 SEARCH_RUNNER_ENTRYPOINT = "python3 -m dsat.runners.determined.search_runner"
@@ -70,13 +71,10 @@ def search_runner_config(
 
 
 def autotuning_overwrites(settings: SearchSettings) -> dict[str, Any]:
-    return {
-        AUTOTUNING_KEY: {
-            "enabled": True,
-            "start_profile_step": settings.start_profile_step,
-            "end_profile_step": settings.end_profile_step,
-        }
-    }
+    """The experiment-wide block, as the reference sets it; each trial's own replaces it (its end
+    step is the end of dsat's measured window)."""
+    block = search_trial_autotuning(settings.start_profile_step, settings.end_profile_step)
+    return {AUTOTUNING_KEY: block}
 
 
 def custom_experiment_config(

@@ -1,7 +1,7 @@
 """dsat's search on a Determined cluster: the entrypoint of the search-runner experiment.
 
 ``python3 -m dsat.runners.determined.search_runner`` runs in the zero-slot experiment that
-``dsat ... --backend determined`` submits. It reads the uploaded settings (JSON), creates the
+``dsat ... --runner determined`` submits. It reads the uploaded settings (JSON), creates the
 trials' custom experiment from the user's YAML and drives dsat's search method through
 Determined's ``RemoteSearchRunner``. Every checkpoint holds JSON only: Determined's searcher state,
 the method's state, the last operations, and the results files (``trials.jsonl``,
@@ -161,7 +161,7 @@ def main() -> int:
     if info is None or info.task_type != "TRIAL":
         logger.error(
             "dsat's search runner runs inside a Determined trial; submit it with "
-            "`python3 -m dsat <method> CONFIG MODEL_DIR --backend determined`"
+            "`python3 -m dsat <method> CONFIG MODEL_DIR --runner determined`"
         )
         return 2
     with det.core.init() as core_context:

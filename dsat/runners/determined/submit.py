@@ -14,6 +14,7 @@ error naming the versions that work, not an AttributeError deep in a traceback.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import shutil
 import tempfile
@@ -64,7 +65,7 @@ def require_client_custom_searcher() -> None:
     except (ImportError, AttributeError):
         raise DsatError(
             f"the installed determined {version} has no custom searcher (0.38 removed it); "
-            f"--backend determined needs {WORKING_VERSIONS}, or use --backend local"
+            f"--runner determined needs {WORKING_VERSIONS}, or use --runner local"
         ) from None
 
 
@@ -72,8 +73,8 @@ def require_master_custom_searcher(master_url: str, master_version: str) -> None
     if not has_custom_searcher(master_version):
         raise DsatError(
             f"the Determined master at {master_url} runs {master_version}, which has no custom "
-            f"searcher; --backend determined needs a master running {WORKING_VERSIONS.split(' (')[0]}"
-            ", or use --backend local"
+            f"searcher; --runner determined needs a master running {WORKING_VERSIONS.split(' (')[0]}"
+            ", or use --runner local"
         )
 
 
@@ -147,7 +148,7 @@ def submit(settings: SearchSettings, experiment: Experiment, environ: Mapping[st
     except api_errors.MasterNotFoundException:
         raise DsatError(
             f"no Determined master answers at {master or 'the default address'}; check "
-            f"{ENV_DET_MASTER}, or use --backend local"
+            f"{ENV_DET_MASTER}, or use --runner local"
         ) from None
     except api_errors.UnauthenticatedException:
         raise DsatError(
@@ -160,3 +161,28 @@ def submit(settings: SearchSettings, experiment: Experiment, environ: Mapping[st
     print(f"Created experiment {created.id}")
     print(f"dsat: follow the search at {experiment_url(master_url, created.id)}")
     return int(created.id)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeterminedSetup:
+    """The whole search runs on the cluster, so there is no trial runner here: only the submit."""
+
+    settings: SearchSettings
+    experiment: Experiment
+    environ: Mapping[str, str]
+
+    @classmethod
+    def prepare(
+        cls, settings: SearchSettings, experiment: Experiment, environ: Mapping[str, str]
+    ) -> DeterminedSetup:
+        if settings.resume or settings.results_dir:
+            flag = "--resume" if settings.resume else "--results-dir"
+            raise DsatError(
+                f"{flag} applies to the local and simulated runners; on Determined the results "
+                "live in the search runner's checkpoints and a restarted search runner resumes by "
+                "itself"
+            )
+        return cls(settings, experiment, environ)
+
+    def submit(self) -> int:
+        return submit(self.settings, self.experiment, self.environ)

@@ -57,7 +57,7 @@ def require_command(tokens: Sequence[str], source: str) -> None:
     if name is not None:
         raise DsatError(
             f"{source}: the entrypoint runs the Trial class {name}, which Determined runs only on "
-            "a cluster; use --backend determined, or port it to a script (docs/porting-core-api.md)"
+            "a cluster; use --runner determined, or port it to a script (docs/porting-core-api.md)"
         )
 
 

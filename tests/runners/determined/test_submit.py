@@ -123,7 +123,7 @@ def test_a_master_without_custom_searchers_gets_a_one_line_error(
     assert code == 2
     assert err[-1].startswith("dsat: error: the Determined master at http://fake-master:8080 ")
     assert "runs 0.38.1, which has no custom searcher" in err[-1]
-    assert "determined 0.37 or earlier" in err[-1] and "--backend local" in err[-1]
+    assert "determined 0.37 or earlier" in err[-1] and "--runner local" in err[-1]
     assert master.experiments == []  # nothing was submitted
 
 

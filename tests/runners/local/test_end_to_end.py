@@ -16,7 +16,7 @@ import psutil
 import pytest
 import yaml
 
-from dsat.runners.local.executor import WARM_TRIAL_MARK as WARM_MARK
+from dsat.runners.local.runner import WARM_TRIAL_MARK as WARM_MARK
 from dsat.training.step_clock import MEASURED_STEPS
 from tests.conftest import copy_example
 from tests.dsat_process import dsat, env, trials

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from dsat.runners.local.executor import LocalExecutor, SlotPool
+from dsat.runners.local.runner import LocalRunner, SlotPool
 from dsat.runners.local.trial_processes import leftover_trials
 from dsat.runners.local.trial_timeout import TrialTimeout
 from dsat.runners.local.warm_trials import warm_command
 from dsat.trial import TrialStatus
-from tests.runners.local.test_executor import executor as local_executor
+from tests.runners.local.test_runner import local_runner as plain_local_runner
 
 COMPLETES = (
     "import json, os\njson.dump({'status': 'completed', 'values': {'pid': os.getpid(), "
@@ -37,17 +37,17 @@ def test_which_commands_run_warm(command: list[str], warm: bool) -> None:
     assert warm_command(command) is warm
 
 
-def executor(tmp_path: Path, script: str, site_module: str | None = None) -> LocalExecutor:
-    """test_local's executor, with a site dir on PYTHONPATH holding ``site_module``."""
+def local_runner(tmp_path: Path, script: str, site_module: str | None = None) -> LocalRunner:
+    """test_runner's local runner, with a site dir on PYTHONPATH holding ``site_module``."""
     site = tmp_path / "site"
     site.mkdir()
     if site_module is not None:
         (site / "site_module.py").write_text(site_module)
     path = os.pathsep.join([str(site), *sys.path[1:]])
-    return local_executor(tmp_path, script, environ_extra={"PYTHONPATH": path})
+    return plain_local_runner(tmp_path, script, environ_extra={"PYTHONPATH": path})
 
 
-def run(ex: LocalExecutor, n: int) -> dict[str, int]:
+def run(ex: LocalRunner, n: int) -> dict[str, int]:
     ex.start(f"{n:08d}-0000-0000-0000-000000000000", {}, {}, 5)
     outcome = ex.wait()
     assert outcome.status is TrialStatus.COMPLETED, outcome.error
@@ -55,7 +55,7 @@ def run(ex: LocalExecutor, n: int) -> dict[str, int]:
 
 
 def test_trials_fork_from_one_worker_which_a_resumed_search_would_find(tmp_path: Path) -> None:
-    ex = executor(tmp_path, COMPLETES)
+    ex = local_runner(tmp_path, COMPLETES)
     try:
         first, second = run(ex, 1), run(ex, 2)
         assert ex.warm_workers is not None
@@ -68,7 +68,7 @@ def test_trials_fork_from_one_worker_which_a_resumed_search_would_find(tmp_path:
 
 
 def test_a_worker_lost_between_trials_is_started_again(tmp_path: Path) -> None:
-    ex = executor(tmp_path, COMPLETES)
+    ex = local_runner(tmp_path, COMPLETES)
     try:
         first = run(ex, 1)
         assert ex.warm_workers is not None
@@ -86,7 +86,7 @@ def test_a_cold_slot_runs_its_trials_fresh(
 ) -> None:
     caplog.set_level(logging.INFO, logger="dsat")
     starts_a_thread = "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
-    ex = executor(tmp_path, "import site_module\n" + COMPLETES, site_module=starts_a_thread)
+    ex = local_runner(tmp_path, "import site_module\n" + COMPLETES, site_module=starts_a_thread)
     try:
         first, second = run(ex, 1), run(ex, 2)
         assert ex.warm_workers is not None and "started threads" in ex.warm_workers.cold["cpu0"]
@@ -107,10 +107,10 @@ def test_fresh_processes_start_no_worker(tmp_path: Path) -> None:
     environ = {"PATH": os.environ["PATH"], "CUDA_VISIBLE_DEVICES": ""}
     pool = SlotPool.for_machine(1, 1, environ)
     args = (["python3", "job.py"], model, (), tmp_path / "r", pool, 1, TrialTimeout(60.0), environ)
-    assert LocalExecutor(*args, warm=False).warm_workers is None
-    assert LocalExecutor(*args).warm_workers is not None
+    assert LocalRunner(*args, warm=False).warm_workers is None
+    assert LocalRunner(*args).warm_workers is not None
     two_slots = SlotPool.for_machine(2, 2, environ)
-    multi = LocalExecutor(
+    multi = LocalRunner(
         ["python3", "job.py"], model, (), tmp_path / "r", two_slots, 2, TrialTimeout(60.0), environ
     )
     assert multi.warm_workers is None  # torchrun starts multi-process trials

@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from dsat.errors import DsatError
-from dsat.runners.local.executor import WARM_TRIAL_MARK, LocalExecutor, SlotPool, free_ports
+from dsat.runners.local.runner import WARM_TRIAL_MARK, LocalRunner, SlotPool, free_ports
 from dsat.runners.local.trial_timeout import TrialTimeout
 from dsat.trial import TrialStatus
 
@@ -49,19 +49,19 @@ def warm(request: pytest.FixtureRequest) -> bool:
     return bool(request.param)
 
 
-def executor(
+def local_runner(
     tmp_path: Path,
     script: str,
     timeout: float = 60.0,
     warm: bool = True,
     environ_extra: dict[str, str] | None = None,
-) -> LocalExecutor:
+) -> LocalRunner:
     model = tmp_path / "model"
     model.mkdir(exist_ok=True)
     (model / "job.py").write_text(script)
     environ = {"PATH": os.environ["PATH"], "CUDA_VISIBLE_DEVICES": "", **(environ_extra or {})}
     pool = SlotPool.for_machine(1, 1, environ)
-    return LocalExecutor(
+    return LocalRunner(
         ["python3", "job.py"],
         model,
         (),
@@ -74,8 +74,8 @@ def executor(
     )
 
 
-def run_one(ex: LocalExecutor, n: int = 1) -> tuple[TrialStatus, dict[str, object], str | None]:
-    """One trial, then the executor stops its warm worker."""
+def run_one(ex: LocalRunner, n: int = 1) -> tuple[TrialStatus, dict[str, object], str | None]:
+    """One trial, then the runner stops its warm worker."""
     try:
         ex.start(RID.format(n), {"lr": 0.5}, {}, 5)
         outcome = ex.wait()
@@ -98,7 +98,7 @@ json.dump({"status": "completed", "values": {"throughput": 7.0}},
 def test_trial_runs_in_a_copy_with_its_hparams_and_cpu_environment(
     tmp_path: Path, warm: bool
 ) -> None:
-    ex = executor(tmp_path, ENV_DUMP, warm=warm)
+    ex = local_runner(tmp_path, ENV_DUMP, warm=warm)
     status, metrics, error = run_one(ex)
     assert (status, metrics, error) == (TrialStatus.COMPLETED, {"throughput": 7.0}, None)
     [trial_dir] = (tmp_path / "results" / "trials").iterdir()
@@ -129,19 +129,19 @@ def test_trial_runs_in_a_copy_with_its_hparams_and_cpu_environment(
 def test_outcomes(
     tmp_path: Path, script: str, status: TrialStatus, needle: str, warm: bool
 ) -> None:
-    got_status, metrics, error = run_one(executor(tmp_path, script, warm=warm))
+    got_status, metrics, error = run_one(local_runner(tmp_path, script, warm=warm))
     assert got_status is status and metrics == {}
     assert error is not None and needle in error
 
 
 def test_deepspeed_metric_file_without_dsat_counts(tmp_path: Path, warm: bool) -> None:
     script = "import json; json.dump({'throughput': 3.5}, open('autotuning_metric.json', 'w'))"
-    status, metrics, _ = run_one(executor(tmp_path, script, warm=warm))
+    status, metrics, _ = run_one(local_runner(tmp_path, script, warm=warm))
     assert status is TrialStatus.COMPLETED and metrics["throughput"] == 3.5
 
 
 def test_timeout_kills_the_trial(tmp_path: Path, warm: bool) -> None:
-    ex = executor(
+    ex = local_runner(
         tmp_path, "import os, time; print(os.getpid(), flush=True); time.sleep(60)", 2.0, warm
     )
     status, _, error = run_one(ex)
@@ -157,7 +157,7 @@ def test_multi_process_trials_get_their_own_determined_broadcast_ports(tmp_path:
     model.mkdir()
     environ = {"PATH": os.environ["PATH"], "CUDA_VISIBLE_DEVICES": "0,1,2,3"}
     pool = SlotPool.for_machine(2, None, environ)
-    ex = LocalExecutor(
+    ex = LocalRunner(
         ["python3", "t.py"], model, (), tmp_path / "r", pool, 2, TrialTimeout(60.0), environ
     )
     first = ex.environment(tmp_path, pool.take(2), free_ports(3))
@@ -182,7 +182,7 @@ def test_a_results_dir_inside_the_model_dir_is_not_copied_into_trials(tmp_path: 
     (model / "job.py").write_text(ENV_DUMP)
     environ = {"PATH": os.environ["PATH"], "CUDA_VISIBLE_DEVICES": ""}
     pool = SlotPool.for_machine(1, 1, environ)
-    ex = LocalExecutor(
+    ex = LocalRunner(
         ["python3", "job.py"], model, (), model / "out", pool, 1, TrialTimeout(60.0), environ
     )
     assert run_one(ex)[0] is TrialStatus.COMPLETED

@@ -14,16 +14,25 @@ import itertools
 from collections.abc import Callable
 from typing import Any
 
-from dsat.runners.driver import TrialOutcome
+from dsat.errors import DsatError
+from dsat.runners.trial_runner import TrialOutcome
 from dsat.trial import TrialStatus
 
 PerformanceFunction = Callable[[dict[str, Any], int], dict[str, Any]]
 # How long a trial lasts when its function does not say: start-up plus a few steps.
 DEFAULT_TRIAL_SECONDS = 120.0
 FAILED_TRIAL_SECONDS = 60.0
+NO_FULL_RUN = (
+    "--run-full-experiment needs a runner that trains for real; drop it with --runner simulated"
+)
 
 
-class SimulatedExecutor:
+class SimulatedRunner:
+    """Trials as calls to a performance function, on a virtual clock (see the module's docstring)."""
+
+    slot_limit = None  # only the method's limits: the simulated cluster has the slots it needs
+    takes_real_time = False
+
     def __init__(
         self,
         function: PerformanceFunction,
@@ -63,5 +72,14 @@ class SimulatedExecutor:
         self.now = end
         return outcome
 
+    def running_count(self) -> int:
+        return len(self._events)
+
     def stop_all(self) -> None:
         self._events.clear()
+
+    def close(self) -> None:
+        """Nothing is held between trials."""
+
+    def run_full_experiment(self, hparams: dict[str, Any]) -> None:
+        raise DsatError(NO_FULL_RUN)

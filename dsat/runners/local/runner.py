@@ -31,12 +31,14 @@ from dsat.constants import (
     TRIAL_OUTCOME_FILE,
 )
 from dsat.errors import DsatError
-from dsat.runners.driver import TrialOutcome
+from dsat.paths import shown
 from dsat.runners.local.deepspeed_ops import clear_stale_locks
 from dsat.runners.local.entrypoint import trial_command
+from dsat.runners.local.full_run import FULL_RUN_DIR, run_to_the_end
 from dsat.runners.local.trial_processes import TrialProcess, guarded, kill_process_group
 from dsat.runners.local.trial_timeout import TrialTimeout
 from dsat.runners.local.warm_trials import WarmWorkers, warm_command
+from dsat.runners.trial_runner import TrialOutcome
 from dsat.training.oom import text_shows_out_of_memory
 from dsat.training.reporting import read_autotuning_result
 from dsat.trial import TrialStatus
@@ -164,7 +166,11 @@ def prepare_trial_directory(
     write_json_atomic(directory / HPARAMS_FILE, hparams)
 
 
-class LocalExecutor:
+class LocalRunner:
+    """Trials as process groups on this machine's slots (see the module's docstring)."""
+
+    takes_real_time = True
+
     def __init__(
         self,
         entrypoint: list[str],
@@ -200,6 +206,13 @@ class LocalExecutor:
 
     def now(self) -> float:
         return time.monotonic() - self.started_at
+
+    @property
+    def slot_limit(self) -> int:
+        return self.pool.size + sum(len(trial.slots) for trial in self.running.values())
+
+    def running_count(self) -> int:
+        return len(self.running)
 
     def _prepare_directory(self, request_id: str, hparams: dict[str, Any]) -> Path:
         self._count += 1
@@ -352,6 +365,21 @@ class LocalExecutor:
         """Stop the warm workers (a later trial starts them again)."""
         if self.warm_workers is not None:
             self.warm_workers.close()
+
+    def run_full_experiment(self, hparams: dict[str, Any]) -> None:
+        directory = self.results_dir / FULL_RUN_DIR
+        prepare_trial_directory(directory, self.model_dir, self.includes, hparams, self.results_dir)
+        print(
+            f"dsat: full experiment in {shown(directory)} ({HPARAMS_FILE} holds the best overrides)"
+        )
+        slots = self.pool.take(self.slots_per_trial)
+        try:
+            run_to_the_end(
+                self.results_dir / "logs" / f"{FULL_RUN_DIR}.log",
+                lambda log: self.spawn(directory, slots, subprocess.PIPE, log),
+            )
+        finally:
+            self.pool.give_back(slots)
 
 
 LOG_SCAN_BYTES = 256 * 1024

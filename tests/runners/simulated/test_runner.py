@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from dsat.runners.simulated.executor import (
+from dsat.runners.simulated.runner import (
     DEFAULT_TRIAL_SECONDS,
     FAILED_TRIAL_SECONDS,
-    SimulatedExecutor,
+    SimulatedRunner,
 )
 from dsat.trial import TrialStatus
 
@@ -24,7 +24,7 @@ def function(ds_config: dict[str, Any], slots: int) -> dict[str, Any]:
 
 
 def test_trials_overlap_and_finish_in_virtual_time_order() -> None:
-    executor = SimulatedExecutor(function, slots_per_trial=2)
+    executor = SimulatedRunner(function, slots_per_trial=2)
     executor.start("a", {}, {"train_micro_batch_size_per_gpu": 30}, 6)
     executor.start("b", {}, {"train_micro_batch_size_per_gpu": 10}, 6)
     first = executor.wait()
@@ -35,7 +35,7 @@ def test_trials_overlap_and_finish_in_virtual_time_order() -> None:
 
 
 def test_outcomes() -> None:
-    executor = SimulatedExecutor(function, slots_per_trial=4)
+    executor = SimulatedRunner(function, slots_per_trial=4)
     for rid, mbs in [("oom", 99), ("err", 13), ("ok", 2), ("default", 7)]:
         executor.start(rid, {}, {"train_micro_batch_size_per_gpu": mbs}, 6)
     outcomes = {o.request_id: o for o in (executor.wait() for _ in range(4))}
@@ -63,5 +63,5 @@ def test_function_gets_a_copy() -> None:
         return {"throughput": 1.0}
 
     config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1}}
-    SimulatedExecutor(mutating, 1).start("x", {}, config, 6)
+    SimulatedRunner(mutating, 1).start("x", {}, config, 6)
     assert config["zero_optimization"]["stage"] == 1 and seen

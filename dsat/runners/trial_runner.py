@@ -1,0 +1,67 @@
+"""The contract between a search run here and the runner its trials run on.
+
+A ``RunnerSetup`` is a runner checked against the experiment before anything starts (the
+entrypoint exists, the slots are there, the simulator loads), so every user mistake is found
+before the first trial. Opening it gives a ``TrialRunner``: the driver starts trials on it and
+waits for their outcomes, the launch stops and closes it, and asks it for the full run with the
+winner. How each of those is done is the runner's own business (processes on slots, a performance
+function on a virtual clock), as with Syne Tune's ``TrialBackend``.
+
+Determined's runner has no ``TrialRunner``: there the whole search runs on the cluster, and the
+master starts the trials (``runners/determined``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Protocol
+
+from dsat.trial import TrialStatus
+
+
+@dataclasses.dataclass(frozen=True)
+class TrialOutcome:
+    request_id: str
+    status: TrialStatus
+    metrics: dict[str, Any]
+    error: str | None
+    start: float  # seconds on the runner's clock
+    end: float
+
+
+class TrialRunner(Protocol):
+    @property
+    def slot_limit(self) -> int | None:
+        """The slots trials may use at once here; None: only the method's own limits."""
+
+    @property
+    def takes_real_time(self) -> bool:
+        """Trials take real time: a line per finished trial, and how to resume, are worth
+        printing."""
+
+    def start(
+        self, request_id: str, hparams: dict[str, Any], ds_config: dict[str, Any], length: int
+    ) -> None:
+        """Start the trial; it runs until ``wait`` returns its outcome or ``stop_all``."""
+
+    def wait(self) -> TrialOutcome:
+        """The next trial to finish, whichever it is (only called while one is running)."""
+
+    def running_count(self) -> int:
+        """Trials started and not yet returned by ``wait``."""
+
+    def stop_all(self) -> None:
+        """Stop every running trial; their outcomes are never returned."""
+
+    def close(self) -> None:
+        """Let go of what the runner holds between trials (warm workers); a later ``start``
+        takes it up again."""
+
+    def run_full_experiment(self, hparams: dict[str, Any]) -> None:
+        """Train once with ``hparams`` for the script's full length (``--run-full-experiment``)."""
+
+
+class RunnerSetup(Protocol):
+    def open(self, results_dir: Path) -> TrialRunner:
+        """The runner, ready for trials whose files go under ``results_dir``."""

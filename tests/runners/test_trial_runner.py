@@ -1,0 +1,158 @@
+"""The runner contract (``dsat.runners.trial_runner``): every runner that runs trials for a search
+here passes the same tests. The local runner runs real processes; the simulated one a function.
+
+A trial's micro-batch says how it behaves, so both runners are told the same thing: 1 completes
+with throughput 10, 2 runs out of memory, 3 crashes, 4 runs until it is stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dsat.constants import OVERWRITE_KEY
+from dsat.errors import DsatError
+from dsat.runners.local.runner import HPARAMS_FILE, LocalRunner, SlotPool
+from dsat.runners.local.trial_timeout import TrialTimeout
+from dsat.runners.simulated.runner import SimulatedRunner
+from dsat.runners.trial_runner import TrialRunner
+from dsat.trial import TrialStatus
+
+COMPLETES, RUNS_OUT_OF_MEMORY, CRASHES, RUNS_UNTIL_STOPPED = 1, 2, 3, 4
+
+BEHAVIOUR_SCRIPT = """
+import json, os, sys, time
+hparams = json.load(open(os.environ["DSAT_HPARAMS_FILE"]))
+mbs = hparams["overwrite_deepspeed_args"]["train_micro_batch_size_per_gpu"]
+open("ran", "w").write(str(mbs))
+if mbs == 1:
+    json.dump({"status": "completed", "values": {"throughput": 10.0}},
+              open("dsat_trial_outcome.json", "w"))
+elif mbs == 2:
+    json.dump({"status": "oom"}, open("dsat_trial_outcome.json", "w"))
+    sys.exit(1)
+elif mbs == 3:
+    sys.exit(3)
+else:
+    time.sleep(120)
+"""
+
+
+def simulated_performance(ds_config: dict[str, Any], slots: int) -> dict[str, Any]:
+    mbs = ds_config["train_micro_batch_size_per_gpu"]
+    if mbs == RUNS_OUT_OF_MEMORY:
+        raise MemoryError("needs more than the device has")
+    if mbs == CRASHES:
+        raise RuntimeError("the script crashed")
+    seconds = 1e6 if mbs == RUNS_UNTIL_STOPPED else 5.0
+    return {"throughput": 10.0, "seconds": seconds}
+
+
+def make_local(tmp_path: Path) -> LocalRunner:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "job.py").write_text(BEHAVIOUR_SCRIPT)
+    environ = {"PATH": os.environ["PATH"], "CUDA_VISIBLE_DEVICES": ""}
+    pool = SlotPool(["cpu0", "cpu1"], on_gpu=False)
+    return LocalRunner(
+        ["python3", "job.py"], model, (), tmp_path / "results", pool, 1, TrialTimeout(60), environ
+    )
+
+
+def make_simulated(tmp_path: Path) -> SimulatedRunner:
+    return SimulatedRunner(simulated_performance, slots_per_trial=1)
+
+
+RUNNERS: dict[str, Callable[[Path], TrialRunner]] = {
+    "local": make_local,
+    "simulated": make_simulated,
+}
+
+
+@pytest.fixture(params=sorted(RUNNERS))
+def runner(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TrialRunner]:
+    made = RUNNERS[request.param](tmp_path)
+    try:
+        yield made
+    finally:
+        made.stop_all()
+        made.close()
+
+
+def start(runner: TrialRunner, number: int, mbs: int) -> str:
+    """Start a trial as the driver would: the overrides in its hyperparameters, merged config."""
+    request_id = f"00000000-0000-0000-0000-{number:012d}"
+    ds_config = {"train_micro_batch_size_per_gpu": mbs}
+    runner.start(request_id, {OVERWRITE_KEY: ds_config}, ds_config, 6)
+    return request_id
+
+
+def test_every_outcome_comes_back_once_with_its_kind(runner: TrialRunner) -> None:
+    started = {
+        start(runner, 1, COMPLETES): TrialStatus.COMPLETED,
+        start(runner, 2, RUNS_OUT_OF_MEMORY): TrialStatus.OOM,
+    }
+    assert runner.running_count() == 2
+    outcomes = [runner.wait(), runner.wait()]
+    assert runner.running_count() == 0
+    started[start(runner, 3, CRASHES)] = TrialStatus.ERROR
+    outcomes.append(runner.wait())
+    assert {o.request_id: o.status for o in outcomes} == started
+    for outcome in outcomes:
+        assert outcome.start <= outcome.end
+        if outcome.status is TrialStatus.COMPLETED:
+            assert outcome.metrics["throughput"] == 10.0 and outcome.error is None
+        else:
+            assert outcome.metrics == {} and outcome.error
+
+
+def test_stop_all_stops_every_trial_and_the_runner_goes_on(runner: TrialRunner) -> None:
+    start(runner, 1, RUNS_UNTIL_STOPPED)
+    start(runner, 2, RUNS_UNTIL_STOPPED)
+    assert runner.running_count() == 2
+    runner.stop_all()
+    assert runner.running_count() == 0
+    request_id = start(runner, 3, COMPLETES)  # the stopped trials gave their slots back
+    outcome = runner.wait()
+    assert (outcome.request_id, outcome.status) == (request_id, TrialStatus.COMPLETED)
+
+
+def test_close_between_trials_loses_nothing(runner: TrialRunner) -> None:
+    start(runner, 1, COMPLETES)
+    runner.wait()
+    runner.close()
+    start(runner, 2, COMPLETES)
+    assert runner.wait().status is TrialStatus.COMPLETED
+
+
+def test_limits_are_what_the_search_may_rely_on(runner: TrialRunner) -> None:
+    assert runner.slot_limit is None or runner.slot_limit >= 1
+    assert isinstance(runner.takes_real_time, bool)
+
+
+def test_the_full_run_trains_or_is_refused_in_one_line(runner: TrialRunner) -> None:
+    hparams = {OVERWRITE_KEY: {"train_micro_batch_size_per_gpu": COMPLETES}}
+    if not isinstance(runner, LocalRunner):
+        with pytest.raises(DsatError, match="--run-full-experiment"):
+            runner.run_full_experiment(hparams)
+        return
+    runner.run_full_experiment(hparams)
+    directory = runner.results_dir / "full-experiment"
+    assert (directory / "ran").read_text() == "1"
+    assert json.loads((directory / HPARAMS_FILE).read_text()) == hparams
+    assert runner.slot_limit == 2  # the slots came back
+
+
+def test_a_local_trial_stopped_is_gone(tmp_path: Path) -> None:
+    """The local runner's stop is real: the trial's process is no longer there."""
+    runner = make_local(tmp_path)
+    start(runner, 1, RUNS_UNTIL_STOPPED)
+    process = next(iter(runner.running.values())).process
+    runner.stop_all()
+    assert process.poll() is not None
+    assert runner.pool.size == 2
