@@ -30,7 +30,8 @@ from typing import Any
 from dsat.atomic_file import write_json_atomic
 from dsat.constants import AUTOTUNING_KEY, ENV_HPARAMS_FILE
 from dsat.experiment.config import load_experiment
-from dsat.runners.local.runner import HPARAMS_FILE, LocalRunner, SlotPool
+from dsat.runners.local.runner import COPY_IGNORE, HPARAMS_FILE, LocalRunner
+from dsat.runners.local.slots import SlotPool
 from dsat.runners.local.trial_timeout import TrialTimeout
 from dsat.search import MethodSettings, make_search_method
 from dsat.search.trial_builder import SearchSpec
@@ -91,7 +92,7 @@ def bare(work: Path, hparams: dict[str, Any]) -> float:
     """The user's script by hand: same directory contents, same variables, same threads."""
     directory = work / "bare"
     shutil.rmtree(directory, ignore_errors=True)
-    shutil.copytree(EXAMPLE, directory)
+    shutil.copytree(EXAMPLE, directory, ignore=COPY_IGNORE)  # not a dsat-results/ left there
     write_json_atomic(directory / HPARAMS_FILE, hparams)
     env = trial_environment()
     env.update(

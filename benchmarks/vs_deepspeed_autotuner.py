@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from dsat.atomic_file import write_json_atomic
+from dsat.runners.local.runner import COPY_IGNORE
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "core_api_mlp"
@@ -113,7 +114,7 @@ def run_deepspeed_autotuner(work: Path) -> dict[str, Any]:
 
 def run_dsat(work: Path, max_trials: int, max_slots: int) -> dict[str, Any]:
     model_dir = work / "dsat_model"
-    shutil.copytree(EXAMPLE, model_dir)
+    shutil.copytree(EXAMPLE, model_dir, ignore=COPY_IGNORE)  # not a dsat-results/ left there
     results = work / "dsat_results"
     command = [
         sys.executable,

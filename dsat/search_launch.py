@@ -113,23 +113,22 @@ def plan_search(
 
 def launch(settings: SearchSettings, environ: Mapping[str, str]) -> None:
     plan = plan_search(settings, environ)
-    experiment = plan.experiment
     print(f"dsat: runner {plan.runner.value} ({plan.runner_reason})")
-    on_cluster = isinstance(plan.setup, DeterminedSetup)
-    where = (
-        "results in the search runner's checkpoints"
-        if on_cluster
-        else f"results in {shown(plan.results_dir)}"
-    )
+    if isinstance(plan.setup, DeterminedSetup):  # the search itself runs on the cluster
+        print_experiment(plan, "results in the search runner's checkpoints")
+        plan.setup.submit()
+        return
+    print_experiment(plan, f"results in {shown(plan.results_dir)}")
+    search_here(plan, plan.setup.open(plan.results_dir))
+
+
+def print_experiment(plan: LaunchPlan, where_results_go: str) -> None:
+    experiment = plan.experiment
     print(
         f"dsat: experiment {experiment.name!r}: DeepSpeed config "
         f"{shown(experiment.ds_config_path)}, {experiment.slots_per_trial} slot(s) per trial, "
-        f"{where}"
+        f"{where_results_go}"
     )
-    if isinstance(plan.setup, DeterminedSetup):  # the search itself runs on the cluster
-        plan.setup.submit()
-        return
-    search_here(plan, plan.setup.open(plan.results_dir))
 
 
 def search_here(plan: LaunchPlan, runner: TrialRunner) -> None:

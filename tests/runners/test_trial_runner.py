@@ -17,7 +17,8 @@ import pytest
 
 from dsat.constants import OVERWRITE_KEY
 from dsat.errors import DsatError
-from dsat.runners.local.runner import HPARAMS_FILE, LocalRunner, SlotPool
+from dsat.runners.local.runner import HPARAMS_FILE, LocalRunner
+from dsat.runners.local.slots import SlotPool
 from dsat.runners.local.trial_timeout import TrialTimeout
 from dsat.runners.simulated.runner import SimulatedRunner
 from dsat.runners.trial_runner import TrialRunner

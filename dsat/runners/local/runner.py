@@ -3,17 +3,13 @@
 A trial gets its own working directory (MODEL_DIR and the `--include`s copied; the user's files are
 never touched), its hyperparameters in a JSON file that `dsat.get_hparams()` reads, disjoint slots
 (GPUs through CUDA_VISIBLE_DEVICES, or CPU slots with DS_ACCELERATOR=cpu), and a log file in the
-results directory. What it leaves behind decides its outcome: DeepSpeed's metrics (through
-`dsat_reporting_context`'s outcome file, or DeepSpeed's own files) mean completed; an OOM
-signature, oom; the timeout, timeout; anything else, error with the log's last lines.
+results directory. What it leaves behind decides its outcome (``trial_outcome``).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import time
@@ -28,23 +24,20 @@ from dsat.constants import (
     ENV_RESULTS_DIR,
     ENV_TRIAL_LENGTH,
     RESULTS_ROOT,
-    TRIAL_OUTCOME_FILE,
 )
-from dsat.errors import DsatError
 from dsat.paths import shown
 from dsat.runners.local.deepspeed_ops import clear_stale_locks
 from dsat.runners.local.entrypoint import trial_command
 from dsat.runners.local.full_run import FULL_RUN_DIR, run_to_the_end
+from dsat.runners.local.slots import SlotPool
+from dsat.runners.local.trial_outcome import classify
 from dsat.runners.local.trial_processes import TrialProcess, guarded, kill_process_group
 from dsat.runners.local.trial_timeout import TrialTimeout
 from dsat.runners.local.warm_trials import WarmWorkers, warm_command
 from dsat.runners.trial_runner import TrialOutcome
-from dsat.training.oom import text_shows_out_of_memory
-from dsat.training.reporting import read_autotuning_result
 from dsat.trial import TrialStatus
 
 HPARAMS_FILE = "dsat_hparams.json"
-LOG_TAIL_LINES = 20
 POLL_SECONDS = 0.1
 # After the command on a trial log's first line when the trial was forked from a warm worker.
 WARM_TRIAL_MARK = "# forked from a warm worker"
@@ -66,60 +59,6 @@ def free_ports(count: int) -> list[int]:
     finally:
         for sock in sockets:
             sock.close()
-
-
-def visible_gpus(environ: dict[str, str]) -> list[str]:
-    """The GPUs trials may use: CUDA_VISIBLE_DEVICES when set, else every one torch sees."""
-    listed = environ.get("CUDA_VISIBLE_DEVICES")
-    if listed is not None:
-        return [d.strip() for d in listed.split(",") if d.strip() and d.strip() != "-1"]
-    import torch
-
-    return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
-
-
-@dataclass
-class SlotPool:
-    """The machine's slots: GPU ids, or CPU slots named cpu0, cpu1, ..."""
-
-    slots: list[str]
-    on_gpu: bool
-
-    @classmethod
-    def for_machine(
-        cls, slots_per_trial: int, max_slots: int | None, environ: dict[str, str]
-    ) -> SlotPool:
-        gpus = visible_gpus(environ)
-        if gpus:
-            if slots_per_trial > len(gpus):
-                raise DsatError(
-                    f"resources.slots_per_trial is {slots_per_trial} but this machine has "
-                    f"{len(gpus)} visible GPU(s); lower it or free GPUs (CUDA_VISIBLE_DEVICES)"
-                )
-            count = min(len(gpus), max_slots) if max_slots else len(gpus)
-            return cls(gpus[:count], on_gpu=True)
-        cores = os.cpu_count() or 1
-        if slots_per_trial > cores:
-            raise DsatError(
-                f"resources.slots_per_trial is {slots_per_trial} but this machine has no GPU and "
-                f"{cores} CPU core(s); lower slots_per_trial"
-            )
-        # Without GPUs one trial runs at a time unless --max-slots allows more.
-        count = max(slots_per_trial, min(max_slots or slots_per_trial, cores))
-        return cls([f"cpu{i}" for i in range(count)], on_gpu=False)
-
-    def take(self, count: int) -> list[str]:
-        if count > len(self.slots):
-            raise RuntimeError("the search started more trials than there are free slots")
-        taken, self.slots = self.slots[:count], self.slots[count:]
-        return taken
-
-    def give_back(self, slots: list[str]) -> None:
-        self.slots.extend(slots)
-
-    @property
-    def size(self) -> int:
-        return len(self.slots)
 
 
 @dataclass
@@ -344,7 +283,13 @@ class LocalRunner:
         del self.running[trial.request_id]
         trial.log.close()
         self.pool.give_back(trial.slots)
-        status, metrics, error = classify(trial, timed_out, self.timeout.seconds)
+        status, metrics, error = classify(
+            trial.directory,
+            trial.log_path,
+            trial.process.returncode,
+            timed_out,
+            self.timeout.seconds,
+        )
         end = self.now()
         if status is TrialStatus.COMPLETED:  # the first to complete is the model-profile trial
             self.timeout.profile_finished(end - trial.start)
@@ -380,63 +325,3 @@ class LocalRunner:
             )
         finally:
             self.pool.give_back(slots)
-
-
-LOG_SCAN_BYTES = 256 * 1024
-
-
-def log_end(path: Path) -> str:
-    """The last part of a log: where a crash, an OOM report or torchrun's summary ends up."""
-    try:
-        with path.open("rb") as handle:
-            handle.seek(max(0, path.stat().st_size - LOG_SCAN_BYTES))
-            return handle.read().decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def log_tail(text: str, lines: int = LOG_TAIL_LINES) -> str:
-    return "\n".join(text.splitlines()[-lines:])
-
-
-def classify(
-    trial: RunningTrial, timed_out: bool, timeout: float
-) -> tuple[TrialStatus, dict[str, Any], str | None]:
-    """What a finished trial's exit code, outcome file and log say about it."""
-    outcome_path = trial.directory / TRIAL_OUTCOME_FILE
-    outcome: dict[str, Any] = {}
-    if outcome_path.is_file():
-        try:
-            outcome = json.loads(outcome_path.read_text())
-        except (OSError, json.JSONDecodeError):
-            outcome = {}
-    text = log_end(trial.log_path)
-    if timed_out:
-        return (
-            TrialStatus.TIMEOUT,
-            {},
-            f"stopped after the trial timeout of {timeout:g} s\n{log_tail(text)}",
-        )
-    code = trial.process.returncode
-    if outcome.get("status") == "completed" and code == 0:
-        return TrialStatus.COMPLETED, dict(outcome.get("values", {})), None
-    if code == 0:
-        result = read_autotuning_result(trial.directory)  # the script reported without dsat
-        if result is not None:
-            return TrialStatus.COMPLETED, result.values, None
-    tail = log_tail(text)
-    if code == 0 and outcome.get("status") == "incomplete":
-        needed = outcome.get("needed")
-        return (
-            TrialStatus.ERROR,
-            {},
-            f"DeepSpeed stopped after {outcome.get('steps')} steps; it needs {needed} to measure "
-            f"this configuration: let the training loop run at least {needed} steps (the "
-            f"searcher operation's length, op.length, is {needed})\n{tail}",
-        )
-    if outcome.get("status") == "oom" or text_shows_out_of_memory(text):
-        return TrialStatus.OOM, {}, tail
-    if code == -signal.SIGKILL:  # not dsat's doing (that is a timeout): the kernel's OOM killer
-        return TrialStatus.OOM, {}, f"killed by SIGKILL, most likely out of host memory\n{tail}"
-    reason = f"exit code {code}" if code else "exited without DeepSpeed's autotuning results"
-    return TrialStatus.ERROR, {}, f"{reason}\n{tail}"

@@ -10,7 +10,8 @@ from dsat.experiment.config import Experiment
 from dsat.experiment.settings import SearchSettings
 from dsat.runners.local.deepspeed_ops import build_ops, ops_for_trials
 from dsat.runners.local.entrypoint import entrypoint_tokens, require_command
-from dsat.runners.local.runner import LocalRunner, SlotPool
+from dsat.runners.local.runner import LocalRunner
+from dsat.runners.local.slots import SlotPool
 from dsat.runners.local.trial_processes import stop_leftover_trials
 from dsat.runners.local.trial_timeout import TrialTimeout
 

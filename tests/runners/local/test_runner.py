@@ -10,37 +10,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from dsat.errors import DsatError
-from dsat.runners.local.runner import WARM_TRIAL_MARK, LocalRunner, SlotPool, free_ports
+from dsat.runners.local.runner import WARM_TRIAL_MARK, LocalRunner, free_ports
+from dsat.runners.local.slots import SlotPool
 from dsat.runners.local.trial_timeout import TrialTimeout
 from dsat.trial import TrialStatus
 
 RID = "00000000-0000-0000-0000-00000000000{}"
-
-
-def test_gpu_pool_respects_cuda_visible_devices_and_max_slots() -> None:
-    pool = SlotPool.for_machine(2, None, {"CUDA_VISIBLE_DEVICES": "3,5,7"})
-    assert pool.on_gpu and pool.slots == ["3", "5", "7"]
-    assert SlotPool.for_machine(1, 2, {"CUDA_VISIBLE_DEVICES": "3,5,7"}).slots == ["3", "5"]
-    first, second = pool.take(2), pool.take(1)
-    assert set(first).isdisjoint(second) and pool.size == 0
-    pool.give_back(first)
-    assert sorted(pool.slots) == ["3", "5"]
-
-
-def test_trial_larger_than_the_machine_is_a_user_error() -> None:
-    with pytest.raises(DsatError, match="slots_per_trial is 4 but this machine has 3 visible"):
-        SlotPool.for_machine(4, None, {"CUDA_VISIBLE_DEVICES": "0,1,2"})
-    with pytest.raises(DsatError, match="no GPU"):
-        SlotPool.for_machine(10_000, None, {"CUDA_VISIBLE_DEVICES": ""})
-
-
-def test_cpu_pool_runs_one_trial_at_a_time_unless_max_slots_says_more() -> None:
-    no_gpu = {"CUDA_VISIBLE_DEVICES": ""}
-    assert SlotPool.for_machine(1, None, no_gpu).slots == ["cpu0"]
-    assert not SlotPool.for_machine(1, None, no_gpu).on_gpu
-    cores = os.cpu_count() or 1
-    assert SlotPool.for_machine(1, 2, no_gpu).size == min(2, cores)
 
 
 @pytest.fixture(params=[True, False], ids=["warm", "fresh"])

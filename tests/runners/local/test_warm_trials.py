@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dsat.runners.local.runner import LocalRunner, SlotPool
+from dsat.runners.local.runner import LocalRunner
+from dsat.runners.local.slots import SlotPool
 from dsat.runners.local.trial_processes import leftover_trials
 from dsat.runners.local.trial_timeout import TrialTimeout
 from dsat.runners.local.warm_trials import warm_command
