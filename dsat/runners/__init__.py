@@ -17,7 +17,7 @@ class RunnerKind(str, enum.Enum):
 
 
 def resolve_runner(requested: str, environ: Mapping[str, str]) -> tuple[RunnerKind, str]:
-    """The backend to use and why: ``auto`` follows DET_MASTER, like Determined's own CLI."""
+    """The runner to use and why: ``auto`` follows DET_MASTER, like Determined's own CLI."""
     if requested != "auto":
         return RunnerKind(requested), "chosen with --runner"
     if environ.get(ENV_DET_MASTER):
