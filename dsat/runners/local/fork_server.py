@@ -10,7 +10,9 @@ trial what that trial imported from outside its own directory.
 
 It stays fork-safe or goes away: a fork must not copy a started CUDA context or a running thread,
 so when an import leaves either behind, the worker says it is cold and exits, and the runner
-starts later trials fresh.
+starts later trials fresh. Threads a library stops for a fork and starts again when the child
+needs them (OpenBLAS's, which numpy starts on import when more than one thread is allowed, as on
+any GPU machine or a CPU with cores to spare) are no reason to go cold.
 
 Protocol, one JSON object per line (never pickle): requests on stdin
 ``{"argv": [...], "cwd": ..., "env": {...}, "log": ...}``; on the original stdout the events
@@ -93,13 +95,23 @@ def thread_count() -> int:
         return threading.active_count()
 
 
+def threads_left_by_a_fork() -> int:
+    """This process's threads once a fork has run its handlers: a library that stops its threads
+    for a fork (``pthread_atfork``) and starts them again when next needed leaves none behind."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return thread_count()
+
+
 def unsafe_to_fork() -> str | None:
     """Why forking now could hand a trial a broken process, or None."""
     torch = sys.modules.get("torch")
     cuda = getattr(torch, "cuda", None)
     if cuda is not None and getattr(cuda, "is_initialized", lambda: False)():
         return "an import started CUDA, which a forked process cannot use"
-    if thread_count() > 1:
+    if thread_count() > 1 and threads_left_by_a_fork() > 1:
         names = ", ".join(t.name for t in threading.enumerate() if t is not threading.main_thread())
         return f"an import started threads ({names or 'native'}), which a fork would not copy"
     return None

@@ -143,6 +143,29 @@ def test_an_import_that_starts_a_thread_makes_the_worker_cold(tmp_path: Path) ->
         assert not worker.alive
 
 
+def test_threads_a_library_stops_for_a_fork_keep_the_worker_warm(tmp_path: Path) -> None:
+    """numpy's OpenBLAS starts a thread on import when more than one is allowed, and stops it for
+    a fork; a plain thread that stops for a fork (``os.register_at_fork``) is the same case."""
+    model, site, env = setup(
+        tmp_path, "import numpy, stops_for_fork\nassert numpy.ones(3).sum() == 3\n"
+    )
+    (site / "stops_for_fork.py").write_text(
+        "import os, threading\n"
+        "stop = threading.Event()\n"
+        "thread = threading.Thread(target=stop.wait, daemon=True)\n"
+        "thread.start()\n"
+        "def before_fork():\n"
+        "    stop.set()\n"
+        "    thread.join()\n"
+        "os.register_at_fork(before=before_fork)\n"
+    )
+    env["OMP_NUM_THREADS"] = env["OPENBLAS_NUM_THREADS"] = "2"
+    with warm_worker(tmp_path, model, env) as worker:
+        assert run_trial(worker, model, env, 1).wait(30) == 0
+        assert worker.cold_reason is None and worker.alive
+        assert run_trial(worker, model, env, 2).wait(30) == 0
+
+
 def test_a_worker_that_dies_takes_its_trial_down_and_says_so(tmp_path: Path) -> None:
     model, _, env = setup(tmp_path, "import time\ntime.sleep(60)\n")
     with warm_worker(tmp_path, model, env) as worker:
