@@ -56,6 +56,23 @@ PARALLEL_TRIALS = 4
 # Only trials measured within this of the best (about four times one measurement's noise) are
 # estimated: pooling moves a trial by a fraction of its noise, never past this.
 CANDIDATE_SPAN = 0.06
+# The leaders' neighbours: the estimate decides between the top configurations, and one lucky
+# measurement of a configuration tried at a single micro-batch can lead it. So each of the top
+# LEADERS distinct configurations by the estimate (within LEADER_SPAN of the best) gets trials of
+# its own next to its best micro-batch (NEIGHBOURS, in this order, within its reach) until SUPPORT
+# of its trials lie within 2 of it: the curve then averages its noise away. They compete with
+# exploring at the value of the best estimate, so they run once nothing promises more. Ranked
+# below a leader that has its neighbours, a configuration cannot displace it without rising above
+# it first, so only the leaders above the first supported one are checked.
+LEADERS = 3
+LEADER_SPAN = 0.02
+SUPPORT = 3
+# Only a leader ahead of the best supported one by more than this is checked: level with it,
+# either is as good to hand over (and a plateau of equal configurations is not checked forever).
+LEADER_MARGIN = 0.005
+# Estimates this close are equal (the fit's rounding): the first found stays the stage's best.
+TIE = 1e-4
+NEIGHBOURS = (-1, 1, -2, 2)
 
 
 def _key(section: dict[str, Any]) -> str:
@@ -70,19 +87,25 @@ class ConfigState:
     values: dict[int, float] = dataclasses.field(default_factory=dict)  # larger is better
     failed: dict[int, TrialStatus] = dataclasses.field(default_factory=dict)
     pending: bool = False
+    pending_mbs: set[int] = dataclasses.field(default_factory=set)
     first_index: int = 0  # when the search first tried it
+    # The denoised estimate of its trials near the best (guided.estimates), where there is one.
+    estimated: dict[int, float] = dataclasses.field(default_factory=dict)
 
     @property
     def stage(self) -> int:
         return int(self.section["stage"])
 
+    def _ranked(self, mbs: int) -> float:
+        return self.estimated.get(mbs, self.values[mbs])
+
     @property
     def best(self) -> float | None:
-        return max(self.values.values()) if self.values else None
+        return max(self._ranked(m) for m in self.values) if self.values else None
 
     @property
     def best_micro_batch(self) -> int | None:
-        return max(self.values, key=lambda m: self.values[m]) if self.values else None
+        return max(self.values, key=self._ranked) if self.values else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +176,7 @@ class GuidedSearch(DsatSearchMethod):
                 state.failed[record.mbs] = record.status
             elif not record.status.finished:
                 state.pending = True
+                state.pending_mbs.add(record.mbs)
         return states
 
     def measured(self, record: TrialRecord) -> float | None:
@@ -249,7 +273,7 @@ class GuidedSearch(DsatSearchMethod):
             if state.best is None:
                 continue
             current = best.get(state.stage)
-            if current is None or state.best > (current.best or 0.0):
+            if current is None or state.best > (current.best or 0.0) * (1 + TIE):
                 best[state.stage] = state
         return best
 
@@ -321,9 +345,12 @@ class GuidedSearch(DsatSearchMethod):
 
     def best_action(self) -> Action | None:
         states = self.configs()
-        incumbents = self.incumbents(states)
         # The best there is, denoised: the luckiest single measurement would end the search early.
-        top = max(self.estimates(states).values(), default=0.0)
+        estimated = self.estimates(states)
+        for (key, mbs), value in estimated.items():
+            states[key].estimated[mbs] = value  # each stage's best, and its best micro-batch
+        incumbents = self.incumbents(states)
+        top = max(estimated.values(), default=0.0)
         actions: list[Action] = []
 
         for stage in self.settings.zero_stages:
@@ -391,10 +418,51 @@ class GuidedSearch(DsatSearchMethod):
                 step_reach = ceiling if ceiling is not None else reach
                 actions.append(Action(best_value * gain, section, mbs, max(step_reach, mbs)))
 
+        actions.extend(self.neighbour_actions(states, estimated, top))
+
         worth = [a for a in actions if a.value > top * (1 + min(TOLERANCE, CURVE_TOLERANCE))]
         if not worth:
             return None
         return max(worth, key=lambda a: a.value)
+
+    def neighbour_actions(
+        self, states: dict[str, ConfigState], estimated: dict[tuple[str, int], float], top: float
+    ) -> list[Action]:
+        """Trials next to the leaders' best micro-batches, so that the estimate that ranks them
+        (and hands one over) rests on more than one possibly lucky measurement of each."""
+        ranked: list[tuple[float, str, int]] = sorted(
+            ((value, key, mbs) for (key, mbs), value in estimated.items()), reverse=True
+        )
+        unsupported: list[tuple[float, ConfigState, int]] = []
+        seen: set[str] = set()
+        anchor = 0.0  # the best estimate of a configuration that already has its neighbours
+        for value, key, mbs in ranked:
+            if key in seen:
+                continue
+            seen.add(key)
+            if value < top * (1 - LEADER_SPAN):
+                break
+            state = states[key]
+            near = [m for m in (*state.values, *state.pending_mbs) if abs(m - mbs) <= 2]
+            if len(near) >= SUPPORT:
+                anchor = value
+                break  # those below it cannot displace it without rising above it first
+            if len(unsupported) < LEADERS:
+                unsupported.append((value, state, mbs))
+        actions: list[Action] = []
+        for value, state, mbs in unsupported:
+            if value <= anchor * (1 + LEADER_MARGIN):
+                continue  # level with a supported leader: either is as good to hand over
+            reach = self.reach(state, states)
+            for offset in NEIGHBOURS:
+                probe = mbs + offset
+                if probe < 1 or probe > reach or probe in state.values:
+                    continue
+                if probe in state.failed or probe in state.pending_mbs:
+                    continue
+                actions.append(Action(top, state.section, probe, reach))
+                break
+        return actions
 
     # ------------------------------------------------------------------ handing over
 

@@ -15,6 +15,7 @@ from dsat.runners.simulated.performance_models import (
     optimum,
 )
 from dsat.search import make_search_method
+from dsat.search.guided import ConfigState
 from dsat.search.method import DsatSearchMethod
 from dsat.trial import TrialKind, TrialStatus
 from dsat.zero_space import needs_no_less_memory
@@ -72,20 +73,21 @@ def test_no_trial_above_an_oom_that_already_decides_it(name: str) -> None:
 # Seeds, of 20, where the configuration the search hands over is within 2% of the optimum; each
 # seed draws the surface's noise afresh (as benchmarks/search_efficiency.py does). Measured; the
 # searches are deterministic, so these are exact. The hand-over is the leader by the denoised
-# estimate (dsat/search/throughput_model.py); by the best single measurement it was 169 of 200
-# (see benchmarks/README.md). Most misses left are still noise in the pick: a trial within 2%
-# ran, but a lucky measurement, often of a configuration tried at one micro-batch only, led.
+# estimate (dsat/search/throughput_model.py); by the best single measurement it was 169 of 200,
+# by the estimate alone 183, and with the leaders' neighbours tried and each stage's best taken by
+# the estimate 190 (see benchmarks/README.md). The misses left: the optimum's micro-batch (above
+# the cliff of the configurations tried) never ran, or a leader within 2.5% stayed ahead.
 REACHED = {
     "bert_base_16xv100": 20,
-    "bert_large_fp32_2xv100": 17,
+    "bert_large_fp32_2xv100": 20,
     "gpt2_large_16xv100": 20,
-    "gpt_1b_knobs_16xethernet": 20,
-    "gpt_1b_underreported_4xa10": 15,
-    "gpt_2b_bucket_memory_8xa100": 19,
-    "gpt_350m_pressure_2x4090": 20,
-    "gpt_6b_zero3_wins_16xa100": 16,
-    "llama_14b_no_low_stages_8xa100": 17,
-    "llama_7b_8xa100": 19,
+    "gpt_1b_knobs_16xethernet": 19,
+    "gpt_1b_underreported_4xa10": 16,
+    "gpt_2b_bucket_memory_8xa100": 18,
+    "gpt_350m_pressure_2x4090": 19,
+    "gpt_6b_zero3_wins_16xa100": 18,
+    "llama_14b_no_low_stages_8xa100": 20,
+    "llama_7b_8xa100": 20,
 }
 
 
@@ -111,10 +113,12 @@ def test_what_it_hands_over_is_within_2_percent_of_the_optimum(name: str) -> Non
 
 
 def test_the_confirmation_round_confirms_by_the_denoised_estimate() -> None:
-    """On the 14B surface's seed 0, ZeRO-3 at micro-batch 11 measures 1.1% above the optimum (its
-    true value is 2.4% below): its neighbours say otherwise, so it neither leads the round nor is
-    handed over; micro-batch 13, truly better, is."""
-    base = BUILTIN_MODELS["llama_14b_no_low_stages_8xa100"]
+    """On the under-reported surface's seed 0, the luckiest measurement is a ZeRO-2 configuration
+    at micro-batch 17: its neighbours say otherwise, so it neither leads the round nor is handed
+    over; one at micro-batch 18 (the optimum's), truly better, is. (On the 14B surface's seed 0,
+    where this test used to look, the luckiest is now also the best estimated once the leaders'
+    neighbours ran, and it is within 2%.)"""
+    base = BUILTIN_MODELS["gpt_1b_underreported_4xa10"]
     model = dataclasses.replace(base, noise_seed=base.noise_seed * 1000)
     ds_config = {"train_micro_batch_size_per_gpu": 1, **model.base_ds_config}
     m = make_search_method(settings("guided", confirm_top=3), spec(model.gpus, ds_config))
@@ -128,5 +132,28 @@ def test_the_confirmation_round_confirms_by_the_denoised_estimate() -> None:
     def true(record: Any) -> float:
         return model.metrics(record.ds_config, model.gpus, noisy=False)["FLOPS_per_gpu"]
 
-    assert (luckiest.mbs, handed_over.mbs) == (11, 13)
+    assert (luckiest.mbs, handed_over.mbs) == (17, 18)
     assert true(handed_over) > true(luckiest)
+
+
+def test_a_leader_tried_at_one_micro_batch_gets_its_neighbours() -> None:
+    """The leading configuration gets trials of its own next to its best micro-batch (below the
+    cliff at 40: 39 and 38, which the curve alone never asks for), so the estimate that ranks
+    it does not rest on one measurement; knob steps level with it are not checked again."""
+    m = method("guided", zero_stages=(1, 2, 3), max_trials=64)
+    run(m, cliff_function(40, {2: 0.2}))
+    ran: dict[str, set[int]] = {}
+    for r in m.tracker.records:
+        if r.zero_stage == 2 and r.status is TrialStatus.COMPLETED:
+            ran.setdefault(repr(sorted(r.zero_section.items())), set()).add(r.mbs)
+    assert sum({38, 39, 40} <= mbs for mbs in ran.values()) == 1
+    assert len(m.tracker.records) < 40
+
+
+def test_a_stage_best_micro_batch_is_the_estimate_s_not_the_luckiest() -> None:
+    """A lucky measurement at 30 does not make 30 the configuration's best micro-batch when the
+    estimate puts 32 above it (knob steps then run where memory holds it back)."""
+    state = ConfigState({"stage": 1}, values={30: 0.978, 32: 0.959}, estimated={30: 0.962})
+    assert state.best_micro_batch == 30  # 32 not estimated: its measurement counts
+    state.estimated[32] = 0.971
+    assert (state.best_micro_batch, state.best) == (32, 0.971)
