@@ -55,6 +55,10 @@ PAIRED_STEP = "overlap_comm+reduce_bucket_size"
 # back by memory: one bucket alone often frees less than a sample, so each single step runs at
 # the best's micro-batch (or out of memory above it) and the larger micro-batch is never tried.
 MEMORY_STEP = "reduce_bucket_size+allgather_bucket_size"
+# With overlap on, the reduce bucket is kept 4.5 times, so that step frees several samples and
+# comes first among untried steps; with overlap off, the paired step above (memory kept level)
+# comes first, and shrinking both buckets is an ordinary bucket step.
+OVERLAPPED_MEMORY_STEP_OPTIMISM = 0.06
 # Trials in flight at once: each result changes what is worth trying next.
 PARALLEL_TRIALS = 4
 # Only trials measured within this of the best (about four times one measurement's noise) are
@@ -343,6 +347,8 @@ class GuidedSearch(DsatSearchMethod):
         gains = scores.get(kind, [])
         mean = sum(gains) / len(gains) if gains else 0.0
         prior = STEP_OPTIMISM if kind[1] in ("True", "False") else BUCKET_STEP_OPTIMISM
+        if kind == (MEMORY_STEP, "overlapped"):
+            prior = OVERLAPPED_MEMORY_STEP_OPTIMISM
         return mean + prior / math.sqrt(1 + len(gains))
 
     # ------------------------------------------------------------------ choosing
@@ -404,7 +410,10 @@ class GuidedSearch(DsatSearchMethod):
                 if knob == PAIRED_STEP:
                     kind: tuple[str, str] = (PAIRED_STEP, "True")
                 elif knob == MEMORY_STEP:
-                    kind = (MEMORY_STEP, "down")
+                    kind = (
+                        MEMORY_STEP,
+                        "down" if incumbent.section.get("overlap_comm") is False else "overlapped",
+                    )
                 else:
                     kind = _step_kind(knob, incumbent.section[knob], value)
                 if _key(section) in states:

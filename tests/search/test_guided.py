@@ -77,15 +77,16 @@ def test_no_trial_above_an_oom_that_already_decides_it(name: str) -> None:
 # by the estimate alone 183, with the leaders' neighbours tried and each stage's best taken by
 # the estimate 190 (see benchmarks/README.md), and with both buckets shrunk at once when the best
 # is held back by memory 197 (under-reported 16->19, bucket memory 18->20, ZeRO-3 wins 18->20,
-# knobs 19->20).
+# knobs 19->20); with that step tried first when overlap is on, still 197 (under-reported 20,
+# bucket memory 19: seed 8 hands over a lucky ZeRO-1 configuration 2.06% off).
 # The misses left: a leader within 2.5%, measured lucky, stayed ahead.
 REACHED = {
     "bert_base_16xv100": 20,
     "bert_large_fp32_2xv100": 20,
     "gpt2_large_16xv100": 20,
     "gpt_1b_knobs_16xethernet": 20,
-    "gpt_1b_underreported_4xa10": 19,
-    "gpt_2b_bucket_memory_8xa100": 20,
+    "gpt_1b_underreported_4xa10": 20,
+    "gpt_2b_bucket_memory_8xa100": 19,
     "gpt_350m_pressure_2x4090": 19,
     "gpt_6b_zero3_wins_16xa100": 20,
     "llama_14b_no_low_stages_8xa100": 20,
@@ -115,13 +116,13 @@ def test_what_it_hands_over_is_within_2_percent_of_the_optimum(name: str) -> Non
 
 
 def test_the_confirmation_round_confirms_by_the_denoised_estimate() -> None:
-    """On the under-reported surface's seed 0, the luckiest measurement is a ZeRO-2 configuration
+    """On the under-reported surface's seed 1, the luckiest measurement is a ZeRO-2 configuration
     at micro-batch 17: its neighbours say otherwise, so it neither leads the round nor is handed
-    over; one at micro-batch 18 (the optimum's), truly better, is. (On the 14B surface's seed 0,
-    where this test used to look, the luckiest is now also the best estimated once the leaders'
-    neighbours ran, and it is within 2%.)"""
+    over; one at micro-batch 18 (the optimum's), truly better, is. (On seed 0, where this test
+    used to look, the luckiest is now also the best estimated once both buckets were shrunk
+    first; on the 14B surface's seed 0 once the leaders' neighbours ran.)"""
     base = BUILTIN_MODELS["gpt_1b_underreported_4xa10"]
-    model = dataclasses.replace(base, noise_seed=base.noise_seed * 1000)
+    model = dataclasses.replace(base, noise_seed=base.noise_seed * 1000 + 1)
     ds_config = {"train_micro_batch_size_per_gpu": 1, **model.base_ds_config}
     m = make_search_method(settings("guided", confirm_top=3), spec(model.gpus, ds_config))
     run(m, model, slots=model.gpus)
