@@ -51,6 +51,14 @@ BUCKET_STEP_OPTIMISM = 0.04
 TYPICAL_UNDER_REPORT = 1.25
 # The step that switches overlap on and shrinks the reduce bucket to keep memory level.
 PAIRED_STEP = "overlap_comm+reduce_bucket_size"
+# The step that shrinks both buckets two rungs at once, offered when the stage's best is held
+# back by memory: one bucket alone often frees less than a sample, so each single step runs at
+# the best's micro-batch (or out of memory above it) and the larger micro-batch is never tried.
+MEMORY_STEP = "reduce_bucket_size+allgather_bucket_size"
+# With overlap on, the reduce bucket is kept 4.5 times, so that step frees several samples and
+# comes first among untried steps; with overlap off, the paired step above (memory kept level)
+# comes first, and shrinking both buckets is an ordinary bucket step.
+OVERLAPPED_MEMORY_STEP_OPTIMISM = 0.06
 # Trials in flight at once: each result changes what is worth trying next.
 PARALLEL_TRIALS = 4
 # Only trials measured within this of the best (about four times one measurement's noise) are
@@ -339,6 +347,8 @@ class GuidedSearch(DsatSearchMethod):
         gains = scores.get(kind, [])
         mean = sum(gains) / len(gains) if gains else 0.0
         prior = STEP_OPTIMISM if kind[1] in ("True", "False") else BUCKET_STEP_OPTIMISM
+        if kind == (MEMORY_STEP, "overlapped"):
+            prior = OVERLAPPED_MEMORY_STEP_OPTIMISM
         return mean + prior / math.sqrt(1 + len(gains))
 
     # ------------------------------------------------------------------ choosing
@@ -395,16 +405,22 @@ class GuidedSearch(DsatSearchMethod):
             if gap is not None:
                 continue  # steps are compared at its best micro-batch: settle that first
             potential = best_possible(evidence)
-            for knob, value, section in memory_aware_steps(incumbent.section):
+            held_back = best_mbs >= reach - 1
+            for knob, value, section in memory_aware_steps(incumbent.section, held_back):
                 if knob == PAIRED_STEP:
                     kind: tuple[str, str] = (PAIRED_STEP, "True")
+                elif knob == MEMORY_STEP:
+                    kind = (
+                        MEMORY_STEP,
+                        "down" if incumbent.section.get("overlap_comm") is False else "overlapped",
+                    )
                 else:
                     kind = _step_kind(knob, incumbent.section[knob], value)
                 if _key(section) in states:
                     continue
                 ceiling = self.ceiling(section, states)
                 mbs = best_mbs
-                if best_mbs >= reach - 1:
+                if held_back:
                     # The stage's best is held back by memory: run the step where the memory it
                     # frees (or costs) puts its own cliff.
                     mbs += self.samples_freed(incumbent.section, section, TYPICAL_UNDER_REPORT)
@@ -493,16 +509,28 @@ class GuidedSearch(DsatSearchMethod):
         return dict(section) if isinstance(section, dict) else {}
 
 
-def memory_aware_steps(config: dict[str, Any]) -> list[tuple[str, Any, dict[str, Any]]]:
+def memory_aware_steps(
+    config: dict[str, Any], held_back: bool = False
+) -> list[tuple[str, Any, dict[str, Any]]]:
     """Every single-knob step, plus overlap switched on with a reduce bucket small enough that
     the bucket memory stays the same: overlap keeps 4.5 copies of the reduce bucket, so alone
-    it often runs out of memory where it would help."""
+    it often runs out of memory where it would help. When ``held_back`` (the configuration's
+    best micro-batch is at its memory limit), also both buckets two rungs down at once, so that
+    enough memory is freed for a larger micro-batch."""
     steps = [(knob, value, {**config, knob: value}) for knob, value in knob_steps(config)]
     if config.get("overlap_comm") is False and "reduce_bucket_size" in config:
         smaller = [b for b in BUCKET_SIZES if b <= config["reduce_bucket_size"] / 4.5]
         if smaller:
             paired = {**config, "overlap_comm": True, "reduce_bucket_size": max(smaller)}
             steps.append((PAIRED_STEP, True, paired))
+    buckets = ("reduce_bucket_size", "allgather_bucket_size")
+    if held_back and all(b in config for b in buckets):
+        shrunk = {**config}
+        for bucket in buckets:
+            below = sorted((b for b in BUCKET_SIZES if b < config[bucket]), reverse=True)
+            shrunk[bucket] = below[min(1, len(below) - 1)] if below else config[bucket]
+        if all(shrunk[b] < config[b] for b in buckets):
+            steps.append((MEMORY_STEP, "down", shrunk))
     return steps
 
 
