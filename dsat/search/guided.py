@@ -59,6 +59,11 @@ MEMORY_STEP = "reduce_bucket_size+allgather_bucket_size"
 # comes first among untried steps; with overlap off, the paired step above (memory kept level)
 # comes first, and shrinking both buckets is an ordinary bucket step.
 OVERLAPPED_MEMORY_STEP_OPTIMISM = 0.06
+# Overlap switched on with a smaller reduce bucket comes before the plain switches: overlap alone
+# keeps 4.5 reduce buckets and often runs out of memory (or runs at a smaller micro-batch) where
+# the paired step keeps memory level, and once overlap alone became the stage's best the paired
+# step was never offered again.
+PAIRED_STEP_OPTIMISM = 0.05
 # Trials in flight at once: each result changes what is worth trying next.
 PARALLEL_TRIALS = 4
 # Only trials measured within this of the best (about four times one measurement's noise) are
@@ -349,6 +354,8 @@ class GuidedSearch(DsatSearchMethod):
         prior = STEP_OPTIMISM if kind[1] in ("True", "False") else BUCKET_STEP_OPTIMISM
         if kind == (MEMORY_STEP, "overlapped"):
             prior = OVERLAPPED_MEMORY_STEP_OPTIMISM
+        if kind == (PAIRED_STEP, "True"):
+            prior = PAIRED_STEP_OPTIMISM
         return mean + prior / math.sqrt(1 + len(gains))
 
     # ------------------------------------------------------------------ choosing
