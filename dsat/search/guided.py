@@ -99,8 +99,7 @@ class ConfigState:
     section: dict[str, Any]
     values: dict[int, float] = dataclasses.field(default_factory=dict)  # larger is better
     failed: dict[int, TrialStatus] = dataclasses.field(default_factory=dict)
-    pending: bool = False
-    pending_mbs: set[int] = dataclasses.field(default_factory=set)
+    pending_mbs: set[int] = dataclasses.field(default_factory=set)  # trials not yet finished
     first_index: int = 0  # when the search first tried it
     # The denoised estimate of its trials near the best (guided.estimates), where there is one.
     estimated: dict[int, float] = dataclasses.field(default_factory=dict)
@@ -108,6 +107,10 @@ class ConfigState:
     @property
     def stage(self) -> int:
         return int(self.section["stage"])
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.pending_mbs)
 
     def _ranked(self, mbs: int) -> float:
         return self.estimated.get(mbs, self.values[mbs])
@@ -188,7 +191,6 @@ class GuidedSearch(DsatSearchMethod):
             elif record.status.failed:
                 state.failed[record.mbs] = record.status
             elif not record.status.finished:
-                state.pending = True
                 state.pending_mbs.add(record.mbs)
         return states
 
