@@ -126,3 +126,30 @@ def log_estimates(profile: ModelProfile, precision: Precision, slots: int) -> No
             memory[stage] / gib,
             ceilings[stage],
         )
+
+
+def determined_max_micro_batch(
+    profile: ModelProfile, precision: Precision, slots: int
+) -> dict[int, int]:
+    """Determined DSAT's own estimate of the largest micro-batch per stage, for the methods kept
+    as it defines them (asha, binary): their binary searches then start at its midpoints, and
+    where a midpoint lands against the memory cliff decides much of what they find. It counts
+    fp16 as 2 + 4 + 12 bytes a parameter and anything else, bf16 included, as 4 + 4 + 8, and
+    keeps one sample of activations free. At least 1."""
+    activation = max(profile.activation_mem_per_gpu, 1)
+    fp16 = precision is Precision.FP16
+    params = profile.num_params * (2 if fp16 else 4)
+    grads = profile.trainable_num_params * 4
+    optim = profile.trainable_num_params * ((4 if fp16 else 0) + 8)
+    model_states = {
+        0: params + grads + optim,
+        1: params + grads + optim // slots,
+        2: params + (grads + optim) // slots,
+        3: (params + grads + optim) // slots,
+    }
+    return {
+        stage: int(
+            min(max((profile.gpu_mem - states - activation) // activation, 1), MAX_MICRO_BATCH)
+        )
+        for stage, states in model_states.items()
+    }

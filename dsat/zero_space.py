@@ -48,19 +48,6 @@ def space_size(stage: int) -> int:
     return size
 
 
-def neighbour_zero_config(config: dict[str, Any], rng: np.random.Generator) -> dict[str, Any]:
-    """``config`` with one of its stage's knobs redrawn to a different value."""
-    stage = int(config.get("stage", 0))
-    knobs = zero_knobs(stage)
-    if not knobs:
-        return dict(config)
-    names = list(knobs)
-    knob = names[int(rng.integers(len(names)))]
-    others = [v for v in knobs[knob] if v != config.get(knob)] or list(knobs[knob])
-    value = others[int(rng.integers(len(others)))]
-    return {**config, knob: value.item() if isinstance(value, np.generic) else value}
-
-
 # DeepSpeed's values for knobs a config leaves out (overlap_comm is on by default at stage 3).
 DEEPSPEED_DEFAULTS: dict[str, Any] = {
     "reduce_bucket_size": 500_000_000,

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
 import pytest
 
 from dsat.memory import (
@@ -10,6 +15,7 @@ from dsat.memory import (
     ModelProfileError,
     Precision,
     approx_max_micro_batch,
+    determined_max_micro_batch,
     memory_per_gpu_per_stage,
 )
 
@@ -80,3 +86,45 @@ def test_profile_from_metrics() -> None:
         ModelProfile.from_metrics(
             {"num_params": 5, "trainable_num_params": 4, "activation_mem_per_gpu": 3}
         )
+
+
+@pytest.mark.parametrize(
+    ("section", "precision"),
+    [
+        ({"fp16": {"enabled": True}}, Precision.FP16),
+        ({"bf16": {"enabled": True}}, Precision.BF16),
+        ({}, Precision.FP32),
+    ],
+)
+def test_determined_estimate_matches_the_reference(
+    tmp_path: Path, section: dict[str, Any], precision: Precision
+) -> None:
+    """asha and binary start where the reference does: its own tracker computes the ceilings."""
+    from determined.pytorch.dsat import _dsat_search_method as reference
+    from determined.pytorch.dsat import defaults
+
+    profile = {
+        "num_params": 700_000_000,
+        "trainable_num_params": 600_000_000,
+        "activation_mem_per_gpu": 400 * 2**20,
+        "gpu_mem": 24 * 2**30,
+    }
+    (tmp_path / "ds.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, **section}))
+    args = argparse.Namespace(
+        **{k.replace("-", "_"): v for k, v in defaults.AUTOTUNING_ARG_DEFAULTS.items()},
+        max_slots=None,
+        model_dir=str(tmp_path),
+        early_stopping=None,
+        include=None,
+    )
+    exp_config = {
+        "resources": {"slots_per_trial": 8},
+        "hyperparameters": {"deepspeed_config": "ds.json"},
+    }
+    tracker = reference.ASHADSATSearchMethod(args, exp_config).trial_tracker
+    tracker.create_model_profile_info_trial()
+    assert tracker.model_profile_info_trial is not None
+    tracker.model_profile_info_trial.metric = dict(profile)
+    ours = determined_max_micro_batch(ModelProfile(**profile), precision, 8)
+    assert ours == dict(tracker.approx_max_mbs_per_stage)
+    assert ours != approx_max_micro_batch(ModelProfile(**profile), precision, 8)

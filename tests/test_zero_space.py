@@ -8,7 +8,6 @@ from dsat.zero_space import (
     explicit_zero_config,
     knob_steps,
     needs_no_less_memory,
-    neighbour_zero_config,
     random_zero_config,
     space_size,
     zero_knobs,
@@ -36,15 +35,6 @@ def test_random_config_is_seeded_and_in_space() -> None:
         for knob, choices in zero_knobs(2).items():
             assert config[knob] in choices
             assert type(config[knob]) in (int, bool)  # JSON-friendly, never numpy scalars
-
-
-def test_neighbour_changes_exactly_one_knob() -> None:
-    rng = np.random.default_rng(0)
-    base = random_zero_config(3, rng)
-    for _ in range(30):
-        near = neighbour_zero_config(base, rng)
-        assert sum(near[k] != base[k] for k in base) == 1
-    assert neighbour_zero_config({"stage": 0}, rng) == {"stage": 0}
 
 
 def test_explicit_config_spells_out_deepspeeds_defaults() -> None:

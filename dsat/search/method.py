@@ -17,7 +17,13 @@ from typing import Any
 
 import numpy as np
 
-from dsat.memory import ModelProfile, ModelProfileError, Precision, approx_max_micro_batch
+from dsat.memory import (
+    ModelProfile,
+    ModelProfileError,
+    Precision,
+    approx_max_micro_batch,
+    determined_max_micro_batch,
+)
 from dsat.search.confirmation import Score
 from dsat.search.ending import SearchEnding
 from dsat.search.events import DeterminedEvents
@@ -25,19 +31,16 @@ from dsat.search.method_settings import MethodSettings
 from dsat.search.tracker import TrialTracker, config_key
 from dsat.search.trial_builder import SearchSpec, TrialBuilder
 from dsat.trial import SearchRange, TrialKind, TrialRecord, TrialStatus
-from dsat.zero_space import neighbour_zero_config, random_zero_config
+from dsat.zero_space import random_zero_config
 
 logger = logging.getLogger(__name__)
 
-# Chance that a new lineage varies the best configuration of its stage instead of a random one.
-EXPLOIT_PROBABILITY = 0.5
 # Bounds the draws for a configuration that was not tried yet, once the space runs dry.
 MAX_DRAWS = 50
 
 
 class DsatSearchMethod(DeterminedEvents):
     name = "base"
-    exploit_probability = EXPLOIT_PROBABILITY
 
     def __init__(self, settings: MethodSettings, spec: SearchSpec) -> None:
         super().__init__()
@@ -110,20 +113,22 @@ class DsatSearchMethod(DeterminedEvents):
         )
 
     def untried_stage(self) -> int | None:
-        """A stage of ``--zero-stages`` that has no trial yet: each gets one before any gets a
-        second configuration."""
-        untried = sorted(set(self.settings.zero_stages) - self.tracker.tried_stages())
-        return int(untried[int(self.rng.integers(len(untried)))]) if untried else None
+        """A stage a new configuration must take before any other is chosen; None for any."""
+        return None
 
     def initial_range(self, stage: int, section: dict[str, Any] | None = None) -> SearchRange:
-        """The memory model's range for a stage's first configuration; a later one starts from
-        what the stage proved for it: the largest micro-batch that ran with a configuration
-        needing no less memory, below the smallest OOM of one needing no more."""
-        estimate = max(int(self.micro_batch_ceiling(stage) * self.settings.search_range_factor), 1)
-        ran, out_of_memory = self.tracker.proven_micro_batches(stage, section)
-        lo = ran or 1
-        hi = out_of_memory - 1 if out_of_memory is not None else max(estimate, lo)
-        return SearchRange(lo, max(hi, lo))
+        """The whole range of Determined DSAT's own memory estimate, as the reference starts every
+        configuration: where the binary searches' midpoints land against the memory cliff decides
+        much of what asha and binary find (benchmarks/README.md)."""
+        profile = self.profile
+        ceiling = (
+            1
+            if profile is None
+            else determined_max_micro_batch(profile, self.precision, self.spec.slots_per_trial)[
+                stage
+            ]
+        )
+        return SearchRange(1, max(int(ceiling * self.settings.search_range_factor), 1))
 
     def first_micro_batch(self, search_range: SearchRange) -> int:
         return search_range.midpoint
@@ -186,16 +191,8 @@ class DsatSearchMethod(DeterminedEvents):
         return self.ending.search_failed(self)
 
     def draw_zero_config(self, stage: int) -> dict[str, Any]:
-        """A ZeRO section for a new lineage: at random, or, half of the time once the stage has a
-        best trial, that trial's section with one knob changed (a local step that exploits it)."""
-        best = self.tracker.best(stage)
-        explore = self.exploit_probability == 0 or self.rng.random() >= self.exploit_probability
-        if best is None or explore:
-            return random_zero_config(stage, self.rng)
-        section = best.ds_config.get("zero_optimization")
-        return neighbour_zero_config(
-            dict(section) if isinstance(section, dict) else {"stage": stage}, self.rng
-        )
+        """A ZeRO section for a new lineage, every knob drawn at random as the reference does."""
+        return random_zero_config(stage, self.rng)
 
     def new_lineage(self, stage: int | None = None) -> TrialRecord | None:
         """A new configuration, not tried before, at its first micro-batch."""

@@ -21,7 +21,11 @@ LOWER_STAGES = {1, 2}
 
 class RandomSearch(DsatSearchMethod):
     name = "random"
-    exploit_probability = 0.0  # new configurations stay random; lineages start above the best
+
+    def untried_stage(self) -> int | None:
+        """Each stage of ``--zero-stages`` gets one configuration before any gets a second."""
+        untried = sorted(set(self.settings.zero_stages) - self.tracker.tried_stages())
+        return int(untried[int(self.rng.integers(len(untried)))]) if untried else None
 
     def draw_micro_batch(self, search_range: SearchRange) -> int:
         return search_range.lo + int(self.rng.binomial(search_range.hi - search_range.lo, 0.5))

@@ -12,7 +12,6 @@ from typing import Any
 from dsat.constants import OVERWRITE_KEY
 from dsat.experiment.metric import Metric
 from dsat.trial import TrialKind, TrialRecord, TrialStatus
-from dsat.zero_space import explicit_zero_config, needs_no_less_memory
 
 
 def config_key(record: TrialRecord) -> str:
@@ -144,28 +143,6 @@ class TrialTracker:
     def tried_stages(self) -> set[int]:
         """ZeRO stages with a search trial, queued or further along."""
         return {r.zero_stage for r in self._records.values() if r.kind is TrialKind.SEARCH}
-
-    def proven_micro_batches(
-        self, stage: int, section: dict[str, Any] | None = None
-    ) -> tuple[int | None, int | None]:
-        """What ``stage`` has shown so far for a configuration: the largest micro-batch that ran
-        with one needing no less memory, and the smallest that ran out of memory with one needing
-        no more (None where there is none). Without ``section``, any configuration of the stage
-        counts; with it, buckets that move the memory cliff are allowed for."""
-        in_stage = [
-            r
-            for r in self._records.values()
-            if r.kind is TrialKind.SEARCH and r.zero_stage == stage
-        ]
-        if section is None:
-            fits, fails = in_stage, in_stage
-        else:
-            target = explicit_zero_config(section, stage)
-            fits = [r for r in in_stage if needs_no_less_memory(r.zero_section, target)]
-            fails = [r for r in in_stage if needs_no_less_memory(target, r.zero_section)]
-        ran = [r.mbs for r in fits if self.metric_value(r) is not None]
-        out_of_memory = [r.mbs for r in fails if r.status is TrialStatus.OOM]
-        return (max(ran) if ran else None, min(out_of_memory) if out_of_memory else None)
 
     def can_start_more(self) -> bool:
         if not self.queue or self.num_started >= self.max_trials:
