@@ -65,16 +65,24 @@ def memory_per_gpu_per_stage(
 ) -> dict[int, int]:
     """Bytes per GPU at micro-batch 1 for each ZeRO stage."""
     param_bytes, grad_bytes, optim_bytes = precision.bytes_per_param
-    params = profile.num_params * param_bytes
-    grads = profile.trainable_num_params * grad_bytes
-    optim = profile.trainable_num_params * optim_bytes
-    model_states = {
+    model_states = partitioned_states(
+        profile.num_params * param_bytes,
+        profile.trainable_num_params * grad_bytes,
+        profile.trainable_num_params * optim_bytes,
+        slots,
+    )
+    return {stage: mem + profile.activation_mem_per_gpu for stage, mem in model_states.items()}
+
+
+def partitioned_states(params: int, grads: int, optim: int, slots: int) -> dict[int, int]:
+    """Model-state bytes per GPU for each ZeRO stage: 1 partitions the optimizer states across
+    the slots, 2 the gradients too, 3 the parameters too."""
+    return {
         0: params + grads + optim,
         1: params + grads + optim // slots,
         2: params + (grads + optim) // slots,
         3: (params + grads + optim) // slots,
     }
-    return {stage: mem + profile.activation_mem_per_gpu for stage, mem in model_states.items()}
 
 
 def bucket_buffer_bytes(
@@ -138,15 +146,12 @@ def determined_max_micro_batch(
     keeps one sample of activations free. At least 1."""
     activation = max(profile.activation_mem_per_gpu, 1)
     fp16 = precision is Precision.FP16
-    params = profile.num_params * (2 if fp16 else 4)
-    grads = profile.trainable_num_params * 4
-    optim = profile.trainable_num_params * ((4 if fp16 else 0) + 8)
-    model_states = {
-        0: params + grads + optim,
-        1: params + grads + optim // slots,
-        2: params + (grads + optim) // slots,
-        3: (params + grads + optim) // slots,
-    }
+    model_states = partitioned_states(
+        profile.num_params * (2 if fp16 else 4),
+        profile.trainable_num_params * 4,
+        profile.trainable_num_params * ((4 if fp16 else 0) + 8),
+        slots,
+    )
     return {
         stage: int(
             min(max((profile.gpu_mem - states - activation) // activation, 1), MAX_MICRO_BATCH)
