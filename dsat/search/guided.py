@@ -90,8 +90,11 @@ NEIGHBOURS = (-1, 1, -2, 2)
 # noisy surfaces that took ten trials and more, while a step worth 5-10% (overlap on) waited. Now
 # a step runs once the best rests on EARLY_STEP_SUPPORT trials within 2 micro-batches of its best
 # one (not one lucky measurement), one step of the stage at a time while the curve is open, and
-# only steps that free no bucket memory: one that does is worth most at the memory limit, where
-# the settled best puts it (run below it, it shows nothing and is never tried again).
+# only steps that keep bucket memory as it is (and the paired step, level by design): what a
+# bucket step shows depends on where the memory limit lies, which the settled best tells. One
+# that frees memory is worth most at that limit (run below it, it shows nothing and is never
+# tried again); one that costs memory runs below it as well as it ever will, and a lucky
+# measurement there leads until its own curve runs into the limit.
 EARLY_STEP_SUPPORT = 2
 # The best of many single measurements is the luckiest: a configuration with only one trial
 # within 2 micro-batches of a trial ranks this much lower there when the search picks what to
@@ -281,13 +284,13 @@ class GuidedSearch(DsatSearchMethod):
         samples = saved / (profile.activation_mem_per_gpu * per_sample)
         return round(samples)  # to the nearest: half a sample moves the cliff as often as not
 
-    def frees_memory(self, state: ConfigState, section: dict[str, Any]) -> bool:
-        """Whether ``section`` keeps less bucket memory than ``state``'s configuration."""
+    def moves_memory(self, state: ConfigState, section: dict[str, Any]) -> bool:
+        """Whether ``section`` keeps more or less bucket memory than ``state``'s configuration."""
         profile = self.profile
         if profile is None:
             return False
         params = profile.num_params
-        return self._bucket_bytes(section, params) < self._bucket_bytes(state.section, params)
+        return self._bucket_bytes(section, params) != self._bucket_bytes(state.section, params)
 
     def _bucket_bytes(self, section: dict[str, Any], num_params: int) -> int:
         if int(section.get("stage", 0)) < 1:
@@ -451,8 +454,8 @@ class GuidedSearch(DsatSearchMethod):
                     kind = _step_kind(knob, incumbent.section[knob], value)
                 if _key(section) in states:
                     continue
-                if unsettled and knob != PAIRED_STEP and self.frees_memory(incumbent, section):
-                    continue  # worth most at the settled best's memory limit: wait for it
+                if unsettled and knob != PAIRED_STEP and self.moves_memory(incumbent, section):
+                    continue  # shown for what it is only at the settled best's memory limit
                 ceiling = self.ceiling(section, states)
                 mbs = best_mbs
                 if held_back:
