@@ -86,6 +86,21 @@ LEADER_MARGIN = 0.005
 # Estimates this close are equal (the fit's rounding): the first found stays the stage's best.
 TIE = 1e-4
 NEIGHBOURS = (-1, 1, -2, 2)
+# A stage's steps used to wait until its best configuration's micro-batch curve was settled: on
+# noisy surfaces that took ten trials and more, while a step worth 5-10% (overlap on) waited. Now
+# a step runs once the best rests on EARLY_STEP_SUPPORT trials within 2 micro-batches of its best
+# one (not one lucky measurement), one step of the stage at a time while the curve is open, and
+# only steps that keep bucket memory as it is (and the paired step, level by design): what a
+# bucket step shows depends on where the memory limit lies, which the settled best tells. One
+# that frees memory is worth most at that limit (run below it, it shows nothing and is never
+# tried again); one that costs memory runs below it as well as it ever will, and a lucky
+# measurement there leads until its own curve runs into the limit.
+EARLY_STEP_SUPPORT = 2
+# The best of many single measurements is the luckiest: a configuration with only one trial
+# within 2 micro-batches of a trial ranks this much lower there when the search picks what to
+# hand over (about two thirds of one measurement's noise), so a rival as good by the estimate
+# whose level rests on several trials is handed over instead.
+SINGLE_TRIAL_DISCOUNT = 0.01
 
 
 def _key(section: dict[str, Any]) -> str:
@@ -269,6 +284,14 @@ class GuidedSearch(DsatSearchMethod):
         samples = saved / (profile.activation_mem_per_gpu * per_sample)
         return round(samples)  # to the nearest: half a sample moves the cliff as often as not
 
+    def moves_memory(self, state: ConfigState, section: dict[str, Any]) -> bool:
+        """Whether ``section`` keeps more or less bucket memory than ``state``'s configuration."""
+        profile = self.profile
+        if profile is None:
+            return False
+        params = profile.num_params
+        return self._bucket_bytes(section, params) != self._bucket_bytes(state.section, params)
+
     def _bucket_bytes(self, section: dict[str, Any], num_params: int) -> int:
         if int(section.get("stage", 0)) < 1:
             return 0
@@ -411,8 +434,12 @@ class GuidedSearch(DsatSearchMethod):
             if incumbent.pending:
                 continue
             reach, evidence, gap = curve(incumbent)
-            if gap is not None:
-                continue  # steps are compared at its best micro-batch: settle that first
+            # Steps are compared at its best micro-batch: while that may still move, only a
+            # well-supported best gets steps, and only those that keep bucket memory level.
+            unsettled = gap is not None
+            if unsettled and _support(incumbent, best_mbs) < EARLY_STEP_SUPPORT:
+                continue
+            stage_steps: list[Action] = []
             potential = best_possible(evidence)
             held_back = best_mbs >= reach - 1
             for knob, value, section in memory_aware_steps(incumbent.section, held_back):
@@ -427,6 +454,8 @@ class GuidedSearch(DsatSearchMethod):
                     kind = _step_kind(knob, incumbent.section[knob], value)
                 if _key(section) in states:
                     continue
+                if unsettled and knob != PAIRED_STEP and self.moves_memory(incumbent, section):
+                    continue  # shown for what it is only at the settled best's memory limit
                 ceiling = self.ceiling(section, states)
                 mbs = best_mbs
                 if held_back:
@@ -441,7 +470,12 @@ class GuidedSearch(DsatSearchMethod):
                     continue
                 # Ranked by what the step can show where it runs: the stage's best micro-batch.
                 step_reach = ceiling if ceiling is not None else reach
-                actions.append(Action(best_value * gain, section, mbs, max(step_reach, mbs)))
+                stage_steps.append(Action(best_value * gain, section, mbs, max(step_reach, mbs)))
+            if unsettled and stage_steps:
+                # One at a time: each is a bet on a best micro-batch that may still move.
+                busy = any(s.pending for s in states.values() if s.stage == stage)
+                stage_steps = [] if busy else [max(stage_steps, key=lambda a: a.value)]
+            actions.extend(stage_steps)
 
         actions.extend(self.neighbour_actions(states, estimated, top))
 
@@ -495,12 +529,16 @@ class GuidedSearch(DsatSearchMethod):
         """Each search trial's denoised metric, in the metric's own direction (its measurement
         when it is too far from the best to be estimated), from the records as they are now:
         the confirmation round's leaders and winner, and ``pick``, are ranked by it."""
-        estimated = self.estimates(self.configs())
+        states = self.configs()
+        estimated = self.estimates(states)
 
         def score(record: TrialRecord) -> float:
-            value = estimated.get((_key(record.zero_section), record.mbs), self.measured(record))
+            key = _key(record.zero_section)
+            value = estimated.get((key, record.mbs), self.measured(record))
             if not value:
                 return -math.inf if self.settings.metric.smaller_is_better else 0.0
+            if key in states and _support(states[key], record.mbs) < 2:
+                value *= 1 - SINGLE_TRIAL_DISCOUNT  # one measurement: likely the lucky one
             return 1.0 / value if self.settings.metric.smaller_is_better else value
 
         return score
@@ -548,6 +586,11 @@ def _step_kind(knob: str, before: Any, after: Any) -> tuple[str, str]:
     if isinstance(after, bool):
         return knob, str(after)
     return knob, "up" if after > before else "down"
+
+
+def _support(state: ConfigState, mbs: int) -> int:
+    """How many of the configuration's trials ran within 2 micro-batches of ``mbs``."""
+    return sum(1 for m in state.values if abs(m - mbs) <= 2)
 
 
 def _value_at(state: ConfigState, mbs: int) -> float:

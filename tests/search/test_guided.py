@@ -8,12 +8,14 @@ from typing import Any
 import pytest
 
 from dsat.experiment.metric import Metric
+from dsat.runners.driver import SearchDriver
 from dsat.runners.simulated.performance_models import (
     BUILTIN_MODELS,
     STRESS_MODELS,
     PerformanceModel,
     optimum,
 )
+from dsat.runners.simulated.runner import SimulatedRunner
 from dsat.search import make_search_method
 from dsat.search.guided import ConfigState
 from dsat.search.method import DsatSearchMethod
@@ -79,8 +81,9 @@ def test_no_trial_above_an_oom_that_already_decides_it(name: str) -> None:
 # is held back by memory 197 (under-reported 16->19, bucket memory 18->20, ZeRO-3 wins 18->20,
 # knobs 19->20); with that step tried first when overlap is on, still 197 (under-reported 20,
 # bucket memory 19: seed 8 hands over a lucky ZeRO-1 configuration 2.06% off); with overlap on
-# plus a smaller reduce bucket ranked above the plain switches, 198 (bucket memory 20).
-# The misses left: a leader within 2.5%, measured lucky, stayed ahead.
+# plus a smaller reduce bucket ranked above the plain switches, 198 (bucket memory 20); with
+# steps before a stage's best micro-batch settles and single trials discounted at the hand-over,
+# 200 (pressure 20).
 REACHED = {
     "bert_base_16xv100": 20,
     "bert_large_fp32_2xv100": 20,
@@ -88,7 +91,7 @@ REACHED = {
     "gpt_1b_knobs_16xethernet": 20,
     "gpt_1b_underreported_4xa10": 20,
     "gpt_2b_bucket_memory_8xa100": 20,
-    "gpt_350m_pressure_2x4090": 19,
+    "gpt_350m_pressure_2x4090": 20,
     "gpt_6b_zero3_wins_16xa100": 20,
     "llama_14b_no_low_stages_8xa100": 20,
     "llama_7b_8xa100": 20,
@@ -212,3 +215,79 @@ def test_overlap_with_a_smaller_reduce_bucket_comes_before_the_plain_switches() 
         and r.zero_section["reduce_bucket_size"] == 100_000_000
     ]
     assert paired and paired[0] < 24
+
+
+def test_steps_start_before_the_best_micro_batch_settles() -> None:
+    """On the knobs surface's seed 0, ZeRO-2 with overlap on is 15% faster than without. Its
+    steps used to wait until ZeRO-2's (and ZeRO-3's) micro-batch curves were settled, and
+    overlap ran as search trial 45. Once the stage's best rests on two trials near its best
+    micro-batch, its steps that keep bucket memory level run one at a time: overlap (with a
+    smaller reduce bucket) runs among the first 16."""
+    base = BUILTIN_MODELS["gpt_1b_knobs_16xethernet"]
+    model = dataclasses.replace(base, noise_seed=base.noise_seed * 1000)
+    m = surface_search(model, seed=0)
+    run(m, model, slots=model.gpus)
+    search = [r for r in m.tracker.records if r.kind is TrialKind.SEARCH]
+    overlap = [
+        i for i, r in enumerate(search) if r.zero_stage == 2 and r.zero_section["overlap_comm"]
+    ]
+    assert overlap and overlap[0] < 16
+
+
+def test_a_configuration_tried_once_is_not_handed_over_on_its_luck() -> None:
+    """On the Llama 7B surface's seed 31, ZeRO-2 with overlap on and reduce-scatter off, tried at
+    micro-batch 16 only, measures 0.8% above the optimum (truly 2.2% below) and leads the
+    estimate at the end (its confirmation runs measure the same); handed over, it is 2.2% off.
+    Ranked 1% lower for resting on one trial, ZeRO-1 at 15, whose level rests on several trials,
+    is handed over instead (1.5% off)."""
+    base = BUILTIN_MODELS["llama_7b_8xa100"]
+    model = dataclasses.replace(base, noise_seed=base.noise_seed * 1000 + 31)
+    m = surface_search(model, seed=31)
+    run(m, model, slots=model.gpus)
+    best_value, _ = optimum(
+        model, model.gpus, "FLOPS_per_gpu", False, (1, 2, 3), model.base_ds_config
+    )
+    handed_over = m.tracker.best()
+    assert handed_over is not None
+    found = model.metrics(handed_over.ds_config, model.gpus, noisy=False)["FLOPS_per_gpu"]
+    assert found >= 0.98 * best_value
+
+
+class _Picks:
+    """What the search would hand over after each finished trial."""
+
+    def __init__(self, m: DsatSearchMethod) -> None:
+        self.m = m
+        self.picks: list[dict[str, Any] | None] = []
+
+    def trial_started(self, request_id: str) -> None:
+        pass
+
+    def trial_finished(self, request_id: str, outcome: Any) -> None:
+        record = self.m.pick()
+        self.picks.append(None if record is None else dict(record.ds_config))
+
+
+def test_a_step_that_costs_memory_waits_for_the_best_micro_batch() -> None:
+    """On the bucket-memory surface's seed 17, ZeRO-1's best was at 21, 1.6% off the optimum,
+    from trial 7 on. Its step to a larger reduce bucket (more memory) ran at 20 while ZeRO-1's
+    curve was still open, measured 1.6% above its true level and took the pick, just over 2% off,
+    until ZeRO-2 with overlap ran. A step that keeps more or less bucket memory now waits until the
+    best micro-batch, and with it the memory limit, is settled: the pick stays within 2%."""
+    base = BUILTIN_MODELS["gpt_2b_bucket_memory_8xa100"]
+    model = dataclasses.replace(base, noise_seed=base.noise_seed * 1000 + 17)
+    m = surface_search(model, seed=17)
+    picks = _Picks(m)
+    ds_config = {"train_micro_batch_size_per_gpu": 1, **model.base_ds_config}
+    SearchDriver(m, SimulatedRunner(model, model.gpus), ds_config, [picks]).run()
+    best_value, _ = optimum(
+        model, model.gpus, "FLOPS_per_gpu", False, (1, 2, 3), model.base_ds_config
+    )
+
+    def within(config: dict[str, Any] | None) -> bool:
+        if config is None:
+            return False
+        found = model.metrics(config, model.gpus, noisy=False)["FLOPS_per_gpu"]
+        return bool(found >= 0.98 * best_value)
+
+    assert all(within(config) for config in picks.picks[6:])  # from trial 7 on
