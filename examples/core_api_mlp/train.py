@@ -51,6 +51,11 @@ def main() -> None:
                 core_context.train.report_validation_metrics(steps_completed=steps, metrics=metrics)
                 op.report_completed(metrics["loss"])
 
+    # Join the process group's threads here rather than at interpreter exit, where they can abort
+    # a run that has already finished (exit -6, "terminate called without an active exception").
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
 
 if __name__ == "__main__":
     main()

@@ -13,6 +13,7 @@ import os
 import sys
 
 import determined as det
+import torch
 from model import SyntheticTokens, tiny_gpt2
 from transformers import HfArgumentParser, Trainer, TrainingArguments
 
@@ -61,6 +62,11 @@ def main() -> None:
             )
             if not callbacks:
                 op.report_completed(result.training_loss)
+
+    # Join the process group's threads here rather than at interpreter exit, where they can abort
+    # a run that has already finished (exit -6, "terminate called without an active exception").
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
