@@ -51,6 +51,16 @@ def surface_search(model: PerformanceModel, seed: int) -> DsatSearchMethod:
     return make_search_method(settings("guided", random_seed=seed), spec(model.gpus, ds_config))
 
 
+def assert_handed_over_within_2_percent(m: DsatSearchMethod, model: PerformanceModel) -> None:
+    best_value, _ = optimum(
+        model, model.gpus, "FLOPS_per_gpu", False, (1, 2, 3), model.base_ds_config
+    )
+    handed_over = m.tracker.best()
+    assert handed_over is not None
+    found = model.metrics(handed_over.ds_config, model.gpus, noisy=False)["FLOPS_per_gpu"]
+    assert found >= 0.98 * best_value
+
+
 @pytest.mark.parametrize("name", sorted(STRESS_MODELS))
 def test_no_trial_above_an_oom_that_already_decides_it(name: str) -> None:
     """A micro-batch at or above one that ran out of memory with a configuration needing no more
@@ -186,13 +196,7 @@ def test_a_best_held_back_by_memory_gets_both_buckets_smaller() -> None:
         and r.zero_section["allgather_bucket_size"] < default
         for r in m.tracker.records
     )
-    best_value, _ = optimum(
-        model, model.gpus, "FLOPS_per_gpu", False, (1, 2, 3), model.base_ds_config
-    )
-    handed_over = m.tracker.best()
-    assert handed_over is not None
-    found = model.metrics(handed_over.ds_config, model.gpus, noisy=False)["FLOPS_per_gpu"]
-    assert found >= 0.98 * best_value
+    assert_handed_over_within_2_percent(m, model)
 
 
 def test_overlap_with_a_smaller_reduce_bucket_comes_before_the_plain_switches() -> None:
@@ -244,13 +248,7 @@ def test_a_configuration_tried_once_is_not_handed_over_on_its_luck() -> None:
     model = dataclasses.replace(base, noise_seed=base.noise_seed * 1000 + 31)
     m = surface_search(model, seed=31)
     run(m, model, slots=model.gpus)
-    best_value, _ = optimum(
-        model, model.gpus, "FLOPS_per_gpu", False, (1, 2, 3), model.base_ds_config
-    )
-    handed_over = m.tracker.best()
-    assert handed_over is not None
-    found = model.metrics(handed_over.ds_config, model.gpus, noisy=False)["FLOPS_per_gpu"]
-    assert found >= 0.98 * best_value
+    assert_handed_over_within_2_percent(m, model)
 
 
 class _Picks:
