@@ -106,12 +106,17 @@ def approx_max_micro_batch(
     profile: ModelProfile, precision: Precision, slots: int
 ) -> dict[int, int]:
     """The largest micro-batch per stage that fits by this model; at least 1."""
+    return {
+        stage: micro_batches_in(profile.gpu_mem - (mem - profile.activation_mem_per_gpu), profile)
+        for stage, mem in memory_per_gpu_per_stage(profile, precision, slots).items()
+    }
+
+
+def micro_batches_in(spare: int, profile: ModelProfile) -> int:
+    """How many samples of the profile's activations ``spare`` bytes hold: at least 1, at most
+    MAX_MICRO_BATCH."""
     activation = max(profile.activation_mem_per_gpu, 1)
-    result = {}
-    for stage, mem in memory_per_gpu_per_stage(profile, precision, slots).items():
-        spare = profile.gpu_mem - (mem - profile.activation_mem_per_gpu)
-        result[stage] = int(min(max(spare // activation, 1), MAX_MICRO_BATCH))
-    return result
+    return int(min(max(spare // activation, 1), MAX_MICRO_BATCH))
 
 
 def log_estimates(profile: ModelProfile, precision: Precision, slots: int) -> None:
@@ -144,7 +149,6 @@ def determined_max_micro_batch(
     where a midpoint lands against the memory cliff decides much of what they find. It counts
     fp16 as 2 + 4 + 12 bytes a parameter and anything else, bf16 included, as 4 + 4 + 8, and
     keeps one sample of activations free. At least 1."""
-    activation = max(profile.activation_mem_per_gpu, 1)
     fp16 = precision is Precision.FP16
     model_states = partitioned_states(
         profile.num_params * (2 if fp16 else 4),
@@ -152,9 +156,8 @@ def determined_max_micro_batch(
         profile.trainable_num_params * ((4 if fp16 else 0) + 8),
         slots,
     )
+    activation = max(profile.activation_mem_per_gpu, 1)  # as the reference divides by it
     return {
-        stage: int(
-            min(max((profile.gpu_mem - states - activation) // activation, 1), MAX_MICRO_BATCH)
-        )
+        stage: micro_batches_in(profile.gpu_mem - states - activation, profile)
         for stage, states in model_states.items()
     }

@@ -502,8 +502,7 @@ class GuidedSearch(DsatSearchMethod):
             if value < top * (1 - LEADER_SPAN):
                 break
             state = states[key]
-            near = [m for m in (*state.values, *state.pending_mbs) if abs(m - mbs) <= 2]
-            if len(near) >= SUPPORT:
+            if _support(state, mbs, with_pending=True) >= SUPPORT:
                 anchor = value
                 break  # those below it cannot displace it without rising above it first
             if len(unsupported) < LEADERS:
@@ -588,9 +587,11 @@ def _step_kind(knob: str, before: Any, after: Any) -> tuple[str, str]:
     return knob, "up" if after > before else "down"
 
 
-def _support(state: ConfigState, mbs: int) -> int:
-    """How many of the configuration's trials ran within 2 micro-batches of ``mbs``."""
-    return sum(1 for m in state.values if abs(m - mbs) <= 2)
+def _support(state: ConfigState, mbs: int, with_pending: bool = False) -> int:
+    """How many of the configuration's trials ran (or, ``with_pending``, are running) within 2
+    micro-batches of ``mbs``."""
+    tried = [*state.values, *state.pending_mbs] if with_pending else list(state.values)
+    return sum(1 for m in tried if abs(m - mbs) <= 2)
 
 
 def _value_at(state: ConfigState, mbs: int) -> float:

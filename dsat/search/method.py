@@ -13,6 +13,7 @@ built by trial_builder.py; ending.py decides when the search is over and what is
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,8 @@ from dsat.zero_space import random_zero_config
 
 logger = logging.getLogger(__name__)
 
+# A memory model's largest micro-batch per stage, from the profile (dsat.memory).
+CeilingEstimate = Callable[[ModelProfile, Precision, int], dict[int, int]]
 # Bounds the draws for a configuration that was not tried yet, once the space runs dry.
 MAX_DRAWS = 50
 
@@ -116,18 +119,11 @@ class DsatSearchMethod(DeterminedEvents):
         """A stage a new configuration must take before any other is chosen; None for any."""
         return None
 
-    def initial_range(self, stage: int, section: dict[str, Any] | None = None) -> SearchRange:
+    def initial_range(self, stage: int) -> SearchRange:
         """The whole range of Determined DSAT's own memory estimate, as the reference starts every
         configuration: where the binary searches' midpoints land against the memory cliff decides
         much of what asha and binary find (benchmarks/README.md)."""
-        profile = self.profile
-        ceiling = (
-            1
-            if profile is None
-            else determined_max_micro_batch(profile, self.precision, self.spec.slots_per_trial)[
-                stage
-            ]
-        )
+        ceiling = self.micro_batch_ceiling(stage, determined_max_micro_batch)
         return SearchRange(1, max(int(ceiling * self.settings.search_range_factor), 1))
 
     def first_micro_batch(self, search_range: SearchRange) -> int:
@@ -151,11 +147,15 @@ class DsatSearchMethod(DeterminedEvents):
         except ModelProfileError:
             return None
 
-    def micro_batch_ceiling(self, stage: int) -> int:
+    def micro_batch_ceiling(
+        self, stage: int, estimate: CeilingEstimate = approx_max_micro_batch
+    ) -> int:
+        """The largest micro-batch ``estimate`` (dsat's memory model unless told) allows at
+        ``stage``; 1 before the model profile is known."""
         profile = self.profile
         if profile is None:
             return 1
-        return approx_max_micro_batch(profile, self.precision, self.spec.slots_per_trial)[stage]
+        return estimate(profile, self.precision, self.spec.slots_per_trial)[stage]
 
     def make_trial(
         self,
@@ -201,7 +201,7 @@ class DsatSearchMethod(DeterminedEvents):
             if chosen is None:
                 chosen = self.choose_stage()
             zero_config = self.draw_zero_config(chosen)
-            search_range = self.initial_range(chosen, zero_config)
+            search_range = self.initial_range(chosen)
             record = self.make_trial(
                 TrialKind.SEARCH,
                 zero_config,

@@ -10,8 +10,6 @@ saves memory), or a failed lineage whose ceiling is below what a same-stage tria
 
 from __future__ import annotations
 
-from typing import Any
-
 from dsat.search.method import MAX_DRAWS, DsatSearchMethod
 from dsat.trial import SearchRange, TrialRecord
 
@@ -40,7 +38,7 @@ class RandomSearch(DsatSearchMethod):
         stages = preferred or self.live_stages()
         return int(stages[int(self.rng.integers(len(stages)))])
 
-    def initial_range(self, stage: int, section: dict[str, Any] | None = None) -> SearchRange:
+    def initial_range(self, stage: int) -> SearchRange:
         """Below the memory model's estimate until the stage has a best trial; then from that trial's
         micro-batch (other knobs may be faster there) up to the smallest micro-batch that ran
         out of memory in this stage, or, with none yet, twice as high."""
