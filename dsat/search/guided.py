@@ -91,11 +91,19 @@ NEIGHBOURS = (-1, 1, -2, 2)
 # a step runs once the best rests on EARLY_STEP_SUPPORT trials within 2 micro-batches of its best
 # one (not one lucky measurement), one step of the stage at a time while the curve is open, and
 # only steps that keep bucket memory as it is (and the paired step, level by design): what a
-# bucket step shows depends on where the memory limit lies, which the settled best tells. One
+# bucket step shows depends on where the memory limit lies, which the settled best tells (or a
+# failure seen at it, see HELD_BACK_WITHIN). One
 # that frees memory is worth most at that limit (run below it, it shows nothing and is never
 # tried again); one that costs memory runs below it as well as it ever will, and a lucky
 # measurement there leads until its own curve runs into the limit.
 EARLY_STEP_SUPPORT = 2
+# A stage's best is held back by memory when its best micro-batch lies within this many of the
+# largest that may fit: near the limit the curve rises by less than one measurement's noise per
+# micro-batch, so a lucky measurement two below the limit often leads (fp32 surface, seed 1: a
+# lucky 30 against a limit at 32), and the step that frees memory was never offered. Where the
+# limit is a failure already seen (not the memory model's estimate), that step may run while the
+# curve below is still open: what it shows depends only on where the limit lies, which is known.
+HELD_BACK_WITHIN = 2
 # The best of many single measurements is the luckiest: a configuration with only one trial
 # within 2 micro-batches of a trial ranks this much lower there when the search picks what to
 # hand over (about two thirds of one measurement's noise), so a rival as good by the estimate
@@ -435,13 +443,15 @@ class GuidedSearch(DsatSearchMethod):
                 continue
             reach, evidence, gap = curve(incumbent)
             # Steps are compared at its best micro-batch: while that may still move, only a
-            # well-supported best gets steps, and only those that keep bucket memory level.
+            # well-supported best gets steps, and only those that keep bucket memory level (or
+            # any, once a failure has shown where the memory holding it back runs out).
             unsettled = gap is not None
             if unsettled and _support(incumbent, best_mbs) < EARLY_STEP_SUPPORT:
                 continue
             stage_steps: list[Action] = []
             potential = best_possible(evidence)
-            held_back = best_mbs >= reach - 1
+            held_back = best_mbs >= reach - HELD_BACK_WITHIN
+            limit_seen = held_back and self.ceiling(incumbent.section, states) is not None
             for knob, value, section in memory_aware_steps(incumbent.section, held_back):
                 if knob == PAIRED_STEP:
                     kind: tuple[str, str] = (PAIRED_STEP, "True")
@@ -454,7 +464,8 @@ class GuidedSearch(DsatSearchMethod):
                     kind = _step_kind(knob, incumbent.section[knob], value)
                 if _key(section) in states:
                     continue
-                if unsettled and knob != PAIRED_STEP and self.moves_memory(incumbent, section):
+                moves_memory = knob != PAIRED_STEP and self.moves_memory(incumbent, section)
+                if unsettled and moves_memory and not limit_seen:
                     continue  # shown for what it is only at the settled best's memory limit
                 ceiling = self.ceiling(section, states)
                 mbs = best_mbs
@@ -561,7 +572,7 @@ def memory_aware_steps(
     """Every single-knob step, plus overlap switched on with a reduce bucket small enough that
     the bucket memory stays the same: overlap keeps 4.5 copies of the reduce bucket, so alone
     it often runs out of memory where it would help. When ``held_back`` (the configuration's
-    best micro-batch is at its memory limit), also both buckets two rungs down at once, so that
+    best micro-batch is at or just below its memory limit), also both buckets two rungs down at once, so that
     enough memory is freed for a larger micro-batch."""
     steps = [(knob, value, {**config, knob: value}) for knob, value in knob_steps(config)]
     if config.get("overlap_comm") is False and "reduce_bucket_size" in config:

@@ -114,18 +114,22 @@ def test_no_trial_above_an_oom_that_already_decides_it(name: str) -> None:
 # bucket memory 19: seed 8 hands over a lucky ZeRO-1 configuration 2.06% off); with overlap on
 # plus a smaller reduce bucket ranked above the plain switches, 198 (bucket memory 20); with
 # steps before a stage's best micro-batch settles and single trials discounted at the hand-over,
-# 200 (pressure 20).
+# 200 (pressure 20); with the step that frees memory offered to a best within two of a limit
+# where a trial ran out of memory, 198 (bucket memory 19: seed 5 hands over the lucky ZeRO-1
+# configuration 2.06% off that led the pick from trial 47 before too, until one more trial moved
+# it; 7B 19: seed 7 hands over one 2.01% off); on 100 seeds of all 13 surfaces it hands over
+# 1284 of 1300, up from 1281 (fp32 93 -> 100).
 REACHED = {
     "bert_base_16xv100": 20,
     "bert_large_fp32_2xv100": 20,
     "gpt2_large_16xv100": 20,
     "gpt_1b_knobs_16xethernet": 20,
     "gpt_1b_underreported_4xa10": 20,
-    "gpt_2b_bucket_memory_8xa100": 20,
+    "gpt_2b_bucket_memory_8xa100": 19,
     "gpt_350m_pressure_2x4090": 20,
     "gpt_6b_zero3_wins_16xa100": 20,
     "llama_14b_no_low_stages_8xa100": 20,
-    "llama_7b_8xa100": 20,
+    "llama_7b_8xa100": 19,
 }
 
 
@@ -218,6 +222,32 @@ def test_a_best_held_back_by_memory_gets_both_buckets_smaller() -> None:
         for r in m.tracker.records
     )
     assert_handed_over_within_2_percent(m, model)
+
+
+def test_a_best_two_below_a_seen_memory_limit_gets_both_buckets_smaller_early() -> None:
+    """On the fp32 surface's seed 1, ZeRO-1's default buckets run out of memory at 33 and its best
+    measurement is a lucky 30 (truly 3.6% off; the limit's 32 is 2.8% off), so its best was not
+    taken to be held back by memory and its curve stayed open below 30: the step that shrinks
+    both buckets, which reaches the optimum's 40 micro-batches, waited for small micro-batches to
+    be probed and ran as search trial 34, and the pick got within 2% at trial 50. A best within
+    two of a limit where a trial ran out of memory now gets that step at once."""
+    base = BUILTIN_MODELS["bert_large_fp32_2xv100"]
+    model = dataclasses.replace(base, noise_seed=base.noise_seed * 1000 + 1)
+    m = surface_search(model, seed=1)
+    picks = _Picks(m)
+    ds_config = {"train_micro_batch_size_per_gpu": 1, **model.base_ds_config}
+    SearchDriver(m, SimulatedRunner(model, model.gpus), ds_config, [picks]).run()
+    default = 500_000_000
+    shrunk = search_indices(
+        m,
+        lambda r: (
+            r.zero_stage == 1
+            and r.zero_section["reduce_bucket_size"] < default
+            and r.zero_section["allgather_bucket_size"] < default
+        ),
+    )
+    assert shrunk and shrunk[0] < 24
+    assert all(within_2_percent(model, config) for config in picks.picks[24:])
 
 
 def test_overlap_with_a_smaller_reduce_bucket_comes_before_the_plain_switches() -> None:
