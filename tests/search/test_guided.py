@@ -82,6 +82,35 @@ def search_indices(m: DsatSearchMethod, matches: Callable[[TrialRecord], bool]) 
     return [i for i, r in enumerate(search) if matches(r)]
 
 
+class _Picks:
+    """What the search would hand over after each finished trial."""
+
+    def __init__(self, m: DsatSearchMethod) -> None:
+        self.m = m
+        self.picks: list[dict[str, Any] | None] = []
+
+    def trial_started(self, request_id: str) -> None:
+        pass
+
+    def trial_finished(self, request_id: str, outcome: Any) -> None:
+        record = self.m.pick()
+        self.picks.append(None if record is None else dict(record.ds_config))
+
+
+def search_with_picks(
+    name: str, seed: int
+) -> tuple[DsatSearchMethod, PerformanceModel, list[dict[str, Any] | None]]:
+    """A search of the built-in surface ``name`` with the noise of ``seed``, run to its end, and
+    what it would have handed over after each finished trial."""
+    base = BUILTIN_MODELS[name]
+    model = dataclasses.replace(base, noise_seed=base.noise_seed * 1000 + seed)
+    m = surface_search(model, seed=seed)
+    picks = _Picks(m)
+    ds_config = {"train_micro_batch_size_per_gpu": 1, **model.base_ds_config}
+    SearchDriver(m, SimulatedRunner(model, model.gpus), ds_config, [picks]).run()
+    return m, model, picks.picks
+
+
 @pytest.mark.parametrize("name", sorted(STRESS_MODELS))
 def test_no_trial_above_an_oom_that_already_decides_it(name: str) -> None:
     """A micro-batch at or above one that ran out of memory with a configuration needing no more
@@ -231,12 +260,7 @@ def test_a_best_two_below_a_seen_memory_limit_gets_both_buckets_smaller_early() 
     both buckets, which reaches the optimum's 40 micro-batches, waited for small micro-batches to
     be probed and ran as search trial 34, and the pick got within 2% at trial 50. A best within
     two of a limit where a trial ran out of memory now gets that step at once."""
-    base = BUILTIN_MODELS["bert_large_fp32_2xv100"]
-    model = dataclasses.replace(base, noise_seed=base.noise_seed * 1000 + 1)
-    m = surface_search(model, seed=1)
-    picks = _Picks(m)
-    ds_config = {"train_micro_batch_size_per_gpu": 1, **model.base_ds_config}
-    SearchDriver(m, SimulatedRunner(model, model.gpus), ds_config, [picks]).run()
+    m, model, picks = search_with_picks("bert_large_fp32_2xv100", seed=1)
     default = 500_000_000
     shrunk = search_indices(
         m,
@@ -247,7 +271,7 @@ def test_a_best_two_below_a_seen_memory_limit_gets_both_buckets_smaller_early() 
         ),
     )
     assert shrunk and shrunk[0] < 24
-    assert all(within_2_percent(model, config) for config in picks.picks[24:])
+    assert all(within_2_percent(model, config) for config in picks[24:])
 
 
 def test_overlap_with_a_smaller_reduce_bucket_comes_before_the_plain_switches() -> None:
@@ -299,31 +323,11 @@ def test_a_configuration_tried_once_is_not_handed_over_on_its_luck() -> None:
     assert_handed_over_within_2_percent(m, model)
 
 
-class _Picks:
-    """What the search would hand over after each finished trial."""
-
-    def __init__(self, m: DsatSearchMethod) -> None:
-        self.m = m
-        self.picks: list[dict[str, Any] | None] = []
-
-    def trial_started(self, request_id: str) -> None:
-        pass
-
-    def trial_finished(self, request_id: str, outcome: Any) -> None:
-        record = self.m.pick()
-        self.picks.append(None if record is None else dict(record.ds_config))
-
-
 def test_a_step_that_costs_memory_waits_for_the_best_micro_batch() -> None:
     """On the bucket-memory surface's seed 17, ZeRO-1's best was at 21, 1.6% off the optimum,
     from trial 7 on. Its step to a larger reduce bucket (more memory) ran at 20 while ZeRO-1's
     curve was still open, measured 1.6% above its true level and took the pick, just over 2% off,
     until ZeRO-2 with overlap ran. A step that keeps more or less bucket memory now waits until the
     best micro-batch, and with it the memory limit, is settled: the pick stays within 2%."""
-    base = BUILTIN_MODELS["gpt_2b_bucket_memory_8xa100"]
-    model = dataclasses.replace(base, noise_seed=base.noise_seed * 1000 + 17)
-    m = surface_search(model, seed=17)
-    picks = _Picks(m)
-    ds_config = {"train_micro_batch_size_per_gpu": 1, **model.base_ds_config}
-    SearchDriver(m, SimulatedRunner(model, model.gpus), ds_config, [picks]).run()
-    assert all(within_2_percent(model, config) for config in picks.picks[6:])  # from trial 7 on
+    _, model, picks = search_with_picks("gpt_2b_bucket_memory_8xa100", seed=17)
+    assert all(within_2_percent(model, config) for config in picks[6:])  # from trial 7 on
