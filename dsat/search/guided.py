@@ -92,10 +92,10 @@ NEIGHBOURS = (-1, 1, -2, 2)
 # one (not one lucky measurement), one step of the stage at a time while the curve is open, and
 # only steps that keep bucket memory as it is (and the paired step, level by design): what a
 # bucket step shows depends on where the memory limit lies, which the settled best tells (or a
-# failure seen at it, see HELD_BACK_WITHIN). One
-# that frees memory is worth most at that limit (run below it, it shows nothing and is never
-# tried again); one that costs memory runs below it as well as it ever will, and a lucky
-# measurement there leads until its own curve runs into the limit.
+# failure seen at it, see HELD_BACK_WITHIN). One that frees memory is worth most at that limit
+# (run below it, it shows nothing and is never tried again); one that costs memory runs below it
+# as well as it ever will, and a lucky measurement there leads until its own curve runs into the
+# limit.
 EARLY_STEP_SUPPORT = 2
 # A stage's best is held back by memory when its best micro-batch lies within this many of the
 # largest that may fit: near the limit the curve rises by less than one measurement's noise per
@@ -572,8 +572,8 @@ def memory_aware_steps(
     """Every single-knob step, plus overlap switched on with a reduce bucket small enough that
     the bucket memory stays the same: overlap keeps 4.5 copies of the reduce bucket, so alone
     it often runs out of memory where it would help. When ``held_back`` (the configuration's
-    best micro-batch is at or just below its memory limit), also both buckets two rungs down at once, so that
-    enough memory is freed for a larger micro-batch."""
+    best micro-batch is at or just below its memory limit), also both buckets two rungs down at
+    once, so that enough memory is freed for a larger micro-batch."""
     steps = [(knob, value, {**config, knob: value}) for knob, value in knob_steps(config)]
     if config.get("overlap_comm") is False and "reduce_bucket_size" in config:
         smaller = [b for b in BUCKET_SIZES if b <= config["reduce_bucket_size"] / 4.5]

@@ -257,9 +257,10 @@ def test_a_best_two_below_a_seen_memory_limit_gets_both_buckets_smaller_early() 
     """On the fp32 surface's seed 1, ZeRO-1's default buckets run out of memory at 33 and its best
     measurement is a lucky 30 (truly 3.6% off; the limit's 32 is 2.8% off), so its best was not
     taken to be held back by memory and its curve stayed open below 30: the step that shrinks
-    both buckets, which reaches the optimum's 40 micro-batches, waited for small micro-batches to
-    be probed and ran as search trial 34, and the pick got within 2% at trial 50. A best within
-    two of a limit where a trial ran out of memory now gets that step at once."""
+    both buckets, which fits 40 micro-batches (the optimum runs 41, 0.2% better), waited for small
+    micro-batches to be probed and ran as the 34th search trial, and the pick got within 2% at
+    trial 50. A best within two of a limit where a trial ran out of memory now gets that step
+    among the first 24 search trials, and the pick stays within 2% from trial 24 on."""
     m, model, picks = search_with_picks("bert_large_fp32_2xv100", seed=1)
     default = 500_000_000
     shrunk = search_indices(
