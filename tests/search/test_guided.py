@@ -260,7 +260,7 @@ def test_a_best_two_below_a_seen_memory_limit_gets_both_buckets_smaller_early() 
     both buckets, which fits 40 micro-batches (the optimum runs 41, 0.2% better), waited for small
     micro-batches to be probed and ran as the 34th search trial, and the pick got within 2% at
     trial 50. A best within two of a limit where a trial ran out of memory now gets that step
-    among the first 24 search trials, and the pick stays within 2% from trial 24 on."""
+    among the first 24 search trials, and the pick stays within 2% from the 25th trial on."""
     m, model, picks = search_with_picks("bert_large_fp32_2xv100", seed=1)
     default = 500_000_000
     shrunk = search_indices(
