@@ -104,6 +104,18 @@ EARLY_STEP_SUPPORT = 2
 # limit is a failure already seen (not the memory model's estimate), that step may run while the
 # curve below is still open: what it shows depends only on where the limit lies, which is known.
 HELD_BACK_WITHIN = 2
+# The paired step runs while a probe of its configuration is still pending (memory stays level,
+# so what it shows does not wait on that probe) once the configuration ran at this many
+# micro-batches. Waiting for every probe held it back by ten trials on the memory-pressure
+# surface (overlap is worth 8% there); running it sooner, with the stage's curve pinned by fewer
+# trials, let more first measurements of later steps lead by luck (hand-over 59 -> 53 of 60
+# at 3; 57 at 4 alone, 59 with the runner-up's steps below).
+PAIRED_STEP_TRIALS = 4
+# Knob steps start from each stage's best configuration and from its runner-up when that is
+# within this of it: one lucky measurement of a step (contiguous gradients off, 3% high) made it
+# the stage's best, every later step started from it, and the bucket steps that lead to the
+# optimum from the configuration it displaced were never tried (pressure surface, seeds 1 and 14).
+RUNNER_UP_SPAN = 0.02
 # The best of many single measurements is the luckiest: a configuration with only one trial
 # within 2 micro-batches of a trial ranks this much lower there when the search picks what to
 # hand over (about two thirds of one measurement's noise), so a rival as good by the estimate
@@ -323,6 +335,26 @@ class GuidedSearch(DsatSearchMethod):
                 best[state.stage] = state
         return best
 
+    @staticmethod
+    def step_bases(
+        incumbents: dict[int, ConfigState], states: dict[str, ConfigState]
+    ) -> list[ConfigState]:
+        """The configurations knob steps start from: each stage's best, and its runner-up when
+        that is within RUNNER_UP_SPAN of it (the first found among equals)."""
+        bases: list[ConfigState] = []
+        for stage in sorted(incumbents):
+            best = incumbents[stage]
+            bases.append(best)
+            floor = (best.best or 0.0) * (1 - RUNNER_UP_SPAN)
+            rivals = [
+                s
+                for s in states.values()
+                if s.stage == stage and s is not best and s.best is not None and s.best >= floor
+            ]
+            if rivals:
+                bases.append(max(rivals, key=lambda s: (s.best or 0.0, -s.first_index)))
+        return bases
+
     def evidence(
         self, state: ConfigState, reach: int, states: dict[str, ConfigState], incumbent: ConfigState
     ) -> CurveEvidence:
@@ -435,36 +467,39 @@ class GuidedSearch(DsatSearchMethod):
             actions.append(Action(gap.bound, state.section, gap.probe, reach))
 
         scores = self.step_scores(states)
-        for stage in sorted(incumbents):
-            incumbent = incumbents[stage]
-            best_mbs, best_value = incumbent.best_micro_batch, incumbent.best
+        for base in self.step_bases(incumbents, states):
+            stage = base.stage
+            best_mbs, best_value = base.best_micro_batch, base.best
             assert best_mbs is not None and best_value is not None
-            if incumbent.pending:
+            if base.pending and len(base.values) < PAIRED_STEP_TRIALS:
                 continue
-            reach, evidence, gap = curve(incumbent)
+            # While a probe of it is pending only the paired step runs: memory stays level, so
+            # what it shows does not wait on the probe.
+            paired_only = base.pending
+            reach, evidence, gap = curve(base)
             # Steps are compared at its best micro-batch: while that may still move, only a
             # well-supported best gets steps, and only those that keep bucket memory level (or
             # any, once a failure has shown where the memory holding it back runs out).
             unsettled = gap is not None
-            if unsettled and _support(incumbent, best_mbs) < EARLY_STEP_SUPPORT:
+            if unsettled and _support(base, best_mbs) < EARLY_STEP_SUPPORT:
                 continue
             stage_steps: list[Action] = []
             potential = best_possible(evidence)
             held_back = best_mbs >= reach - HELD_BACK_WITHIN
-            limit_seen = held_back and self.ceiling(incumbent.section, states) is not None
-            for knob, value, section in memory_aware_steps(incumbent.section, held_back):
+            limit_seen = held_back and self.ceiling(base.section, states) is not None
+            for knob, value, section in memory_aware_steps(base.section, held_back):
                 if knob == PAIRED_STEP:
                     kind: tuple[str, str] = (PAIRED_STEP, "True")
                 elif knob == MEMORY_STEP:
                     kind = (
                         MEMORY_STEP,
-                        "down" if incumbent.section.get("overlap_comm") is False else "overlapped",
+                        "down" if base.section.get("overlap_comm") is False else "overlapped",
                     )
                 else:
-                    kind = _step_kind(knob, incumbent.section[knob], value)
-                if _key(section) in states:
+                    kind = _step_kind(knob, base.section[knob], value)
+                if _key(section) in states or (paired_only and knob != PAIRED_STEP):
                     continue
-                moves_memory = knob != PAIRED_STEP and self.moves_memory(incumbent, section)
+                moves_memory = knob != PAIRED_STEP and self.moves_memory(base, section)
                 if unsettled and moves_memory and not limit_seen:
                     continue  # shown for what it is only at the settled best's memory limit
                 ceiling = self.ceiling(section, states)
@@ -472,7 +507,7 @@ class GuidedSearch(DsatSearchMethod):
                 if held_back:
                     # The stage's best is held back by memory: run the step where the memory it
                     # frees (or costs) puts its own cliff.
-                    mbs += self.samples_freed(incumbent.section, section, TYPICAL_UNDER_REPORT)
+                    mbs += self.samples_freed(base.section, section, TYPICAL_UNDER_REPORT)
                 mbs = max(1, mbs if ceiling is None else min(mbs, ceiling))
                 if ceiling is not None and ceiling < 1:
                     continue
@@ -482,9 +517,10 @@ class GuidedSearch(DsatSearchMethod):
                 # Ranked by what the step can show where it runs: the stage's best micro-batch.
                 step_reach = ceiling if ceiling is not None else reach
                 stage_steps.append(Action(best_value * gain, section, mbs, max(step_reach, mbs)))
-            if unsettled and stage_steps:
-                # One at a time: each is a bet on a best micro-batch that may still move.
-                busy = any(s.pending for s in states.values() if s.stage == stage)
+            if (unsettled or paired_only) and stage_steps:
+                # One at a time: each is a bet on a best micro-batch that may still move (the
+                # base's own probe aside, which the paired step does not depend on).
+                busy = any(s.pending for s in states.values() if s.stage == stage and s is not base)
                 stage_steps = [] if busy else [max(stage_steps, key=lambda a: a.value)]
             actions.extend(stage_steps)
 
