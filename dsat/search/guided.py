@@ -106,16 +106,19 @@ EARLY_STEP_SUPPORT = 2
 HELD_BACK_WITHIN = 2
 # The paired step runs while a probe of its configuration is still pending (memory stays level,
 # so what it shows does not wait on that probe) once the configuration ran at this many
-# micro-batches. Waiting for every probe held it back by ten trials on the memory-pressure
-# surface (overlap is worth 8% there); running it sooner, with the stage's curve pinned by fewer
-# trials, let more first measurements of later steps lead by luck (hand-over 59 -> 53 of 60
-# at 3; 57 at 4 alone, 59 with the runner-up's steps below).
+# micro-batches. With four trials in flight a probe was nearly always pending, so the step waited
+# until the curve was explored (pressure surface, seed 1: search trial 18, now 15; 100 seeds:
+# median trials to 2% 25 -> 21). Run sooner, with the stage's curve pinned by fewer trials, later
+# steps' lucky first measurements led more often (pressure, seeds 20-79: handed over within 2%
+# 59 of 60 before, 53 at 3, 57 at 4 without the runner-up's steps below).
 PAIRED_STEP_TRIALS = 4
 # Knob steps start from each stage's best configuration and from its runner-up when that is
-# within this of it: one lucky measurement of a step (contiguous gradients off, 3% high) made it
-# the stage's best, every later step started from it, and the bucket steps that lead to the
-# optimum from the configuration it displaced were never tried (pressure surface, seeds 1 and 14).
-RUNNER_UP_SPAN = 0.02
+# within this of it: one lucky measurement of a step (contiguous gradients off, 3.4% high) made
+# it the stage's best, every later step started from it, and the bucket steps that lead to the
+# optimum from the configuration it displaced never ran (pressure surface, seed 1). At 2% the
+# extra steps exposed more lucky single measurements (noisy 3B, seeds 100-199: 87 of 100 handed
+# over within 2%, 91 at 1%, 93 before either change).
+RUNNER_UP_SPAN = 0.01
 # The best of many single measurements is the luckiest: a configuration with only one trial
 # within 2 micro-batches of a trial ranks this much lower there when the search picks what to
 # hand over (about two thirds of one measurement's noise), so a rival as good by the estimate
