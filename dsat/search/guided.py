@@ -113,7 +113,7 @@ HELD_BACK_WITHIN = 2
 # 59 of 60 before, 53 at 3, 57 at 4 without the runner-up's steps below).
 PAIRED_STEP_TRIALS = 4
 # Knob steps start from each stage's best configuration and from its runner-up when that is
-# within this of it: one lucky measurement of a step (contiguous gradients off, 3.4% high) made
+# within this of it: one lucky measurement of a step (contiguous gradients off, 3.5% high) made
 # it the stage's best, every later step started from it, and the bucket steps that lead to the
 # optimum from the configuration it displaced never ran (pressure surface, seed 1). At 2% the
 # extra steps exposed more lucky single measurements (noisy 3B, seeds 100-199: 87 of 100 handed
