@@ -502,8 +502,8 @@ class GuidedSearch(DsatSearchMethod):
                     kind = _step_kind(knob, base.section[knob], value)
                 if _key(section) in states or (paired_only and knob != PAIRED_STEP):
                     continue
-                moves_memory = knob != PAIRED_STEP and self.moves_memory(base, section)
-                if unsettled and moves_memory and not limit_seen:
+                changes_memory = knob != PAIRED_STEP and self.moves_memory(base, section)
+                if unsettled and changes_memory and not limit_seen:
                     continue  # shown for what it is only at the settled best's memory limit
                 ceiling = self.ceiling(section, states)
                 mbs = best_mbs
