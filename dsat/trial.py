@@ -89,6 +89,14 @@ class TrialRecord:
         return explicit_zero_config(dict(zero) if isinstance(zero, dict) else {}, self.zero_stage)
 
     @property
+    def memory_fraction(self) -> float | None:
+        """Its peak memory over the device's total, where the trial measured both."""
+        peak, total = self.metrics.get("memory_peak_bytes"), self.metrics.get("memory_total_bytes")
+        if isinstance(peak, (int, float)) and isinstance(total, (int, float)) and total > 0:
+            return float(peak) / float(total)
+        return None
+
+    @property
     def name(self) -> str:
         """Like DeepSpeed's autotuner names its experiments."""
         return f"z{self.zero_stage}_gas{self.gas}_tmbspg{self.mbs}"

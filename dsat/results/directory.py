@@ -19,7 +19,6 @@ from typing import Any
 from dsat.atomic_file import write_json_atomic, write_text_atomic
 from dsat.constants import AUTOTUNING_KEY, DSAT_MODE_KEY, OVERWRITE_KEY
 from dsat.errors import DsatError
-from dsat.search.confirmation import memory_fraction
 from dsat.search.tracker import TrialTracker
 from dsat.trial import TrialKind, TrialRecord
 
@@ -179,7 +178,7 @@ def confirmation_table(tracker: TrialTracker) -> str:
         values = [tracker.confirmed_value(r) for r in runs if r.parent_id == parent_id]
         again = " / ".join(f"{v:.6g}" if v is not None else "failed" for v in values)
         searched = tracker.metric_value(leader)
-        fraction = memory_fraction(leader)
+        fraction = leader.memory_fraction
         memory = f"{fraction:.1%}" if fraction else "-"
         chosen = " (handed over)" if leader.request_id == tracker.confirmed_id else ""
         lines.append(

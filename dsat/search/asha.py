@@ -21,7 +21,7 @@ class AshaSearch(DsatSearchMethod):
         return int(s.min_binary_search_trials * s.divisor ** (s.asha_early_stopping + rung))
 
     def search_used_up(self, latest: TrialRecord) -> bool:
-        return latest.status.finished and range_after(latest).empty
+        return latest.status.finished and range_after(latest, self.tracker.too_large(latest)).empty
 
     def completed_rung(self, lineage_id: str, rung: int) -> bool:
         latest = self.tracker.latest_in_lineage(lineage_id)
@@ -35,7 +35,7 @@ class AshaSearch(DsatSearchMethod):
         latest = self.tracker.latest_in_lineage(lineage_id)
         if not latest.status.finished:
             return None
-        remaining = range_after(latest)
+        remaining = range_after(latest, self.tracker.too_large(latest))
         return self.continue_lineage(latest, remaining, remaining.midpoint, rung=rung)
 
     def best_value_in_rung(self, lineage_id: str, rung: int) -> float | None:

@@ -25,22 +25,12 @@ MIN_NOISE = 0.01  # relative; below this two measurements count as different
 HEADROOM_STEP = 0.05
 
 
-def memory_fraction(record: TrialRecord) -> float | None:
-    """Peak memory over the device's total, where the trial measured both."""
-    peak, total = record.metrics.get("memory_peak_bytes"), record.metrics.get("memory_total_bytes")
-    if isinstance(peak, (int, float)) and isinstance(total, (int, float)) and total > 0:
-        return float(peak) / float(total)
-    return None
-
-
 # A method's estimate of a search trial's metric, in the metric's own units and direction.
 Score = Callable[[TrialRecord], float]
 
 
-def leaders(
-    tracker: TrialTracker, count: int, memory_margin: float, score: Score | None = None
-) -> list[TrialRecord]:
-    """The best ``count`` distinct configurations that leave ``memory_margin`` of the device:
+def leaders(tracker: TrialTracker, count: int, score: Score | None = None) -> list[TrialRecord]:
+    """The best ``count`` distinct configurations that leave ``--memory-margin`` of the device:
     by their measured metric, or by ``score``, a method's estimate that pools other trials."""
     ranked = sorted(
         (r for r in tracker.records if tracker.metric_value(r) is not None),
@@ -50,8 +40,7 @@ def leaders(
     chosen: list[TrialRecord] = []
     seen: set[str] = set()
     for record in ranked:
-        fraction = memory_fraction(record)
-        if fraction is not None and fraction > 1.0 - memory_margin:
+        if not tracker.leaves_margin(record):
             continue
         key = config_key(record)
         if key not in seen:
@@ -106,6 +95,6 @@ def winner(
         and abs(means[c.request_id] - best_value) <= noise * abs(best_value)
     ]
     best = next(c for c in candidates if c.request_id == best_id)
-    roomiest = min(equals, key=lambda c: memory_fraction(c) or 0.0)
-    freed = (memory_fraction(best) or 0.0) - (memory_fraction(roomiest) or 0.0)
+    roomiest = min(equals, key=lambda c: c.memory_fraction or 0.0)
+    freed = (best.memory_fraction or 0.0) - (roomiest.memory_fraction or 0.0)
     return roomiest if freed >= HEADROOM_STEP else best

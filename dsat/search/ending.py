@@ -52,7 +52,8 @@ class SearchEnding:
             if not tracker.queue or tracker.num_started >= tracker.max_trials:
                 reason = "no configuration left to try"
         unconfirmed = tracker.confirmed_id is None and not self.unsafe_memory
-        if reason is not None and unconfirmed and tracker.best() is not None:
+        ran = any(tracker.metric_value(r) is not None for r in tracker.records)
+        if reason is not None and unconfirmed and ran:
             for request_id in list(tracker.queue):  # the search is over: nothing more of it runs
                 tracker.discard(request_id)
             if tracker.running:
@@ -75,9 +76,7 @@ class SearchEnding:
     def _start_confirmation(self, method: DsatSearchMethod, reason: str) -> bool:
         """Queue the runs of the confirmation round; False when there is nothing to confirm."""
         tracker, settings = method.tracker, method.settings
-        candidates = leaders(
-            tracker, settings.confirm_top, settings.memory_margin, method.leader_score()
-        )
+        candidates = leaders(tracker, settings.confirm_top, method.leader_score())
         searched = sum(1 for r in tracker.finished if r.kind is TrialKind.SEARCH)
         runs = planned_runs(candidates, searched) if settings.confirm_top > 1 else []
         if not runs:

@@ -85,6 +85,9 @@ class DeterminedEvents(searcher.SearchMethod):  # type: ignore[misc]
             if profile is not None:
                 log_estimates(profile, m.precision, m.spec.slots_per_trial)
                 self._follow_up(m.initial_lineages)
+        elif record.kind is TrialKind.SEARCH and m.tracker.too_large(record):
+            # It ran, but leaves less than --memory-margin free: to the search, too large.
+            self._follow_up(lambda: m.after_failure(record))
         elif record.kind is TrialKind.SEARCH:
             self._follow_up(lambda: m.after_success(record))
         return [searcher.Close(request_id)]

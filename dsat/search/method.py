@@ -55,6 +55,7 @@ class DsatSearchMethod(DeterminedEvents):
             max_concurrent_trials=settings.max_concurrent_trials,
             max_slots=settings.max_slots,
             slots_per_trial=spec.slots_per_trial,
+            memory_margin=settings.memory_margin,
         )
         self.rng = np.random.default_rng(settings.random_seed)
         self.precision = Precision.of(spec.ds_config)

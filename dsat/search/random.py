@@ -52,7 +52,7 @@ class RandomSearch(DsatSearchMethod):
         failed_above = [
             r.mbs
             for r in self.tracker.records
-            if r.zero_stage == stage and r.status.failed and r.mbs > lo
+            if r.zero_stage == stage and self.tracker.too_large(r) and r.mbs > lo
         ]
         if failed_above:
             return SearchRange(lo, min(failed_above))
@@ -68,7 +68,7 @@ class RandomSearch(DsatSearchMethod):
         search_range = record.search_range
         if search_range is None:
             return True
-        if record.status.failed and record.mbs <= search_range.lo:
+        if tracker.too_large(record) and record.mbs <= search_range.lo:
             return True
         if tracker.finished_in_lineage(record.lineage_id) >= self.settings.trials_per_random_config:
             return True

@@ -30,12 +30,14 @@ class TrialTracker:
         max_concurrent_trials: int,
         max_slots: int | None,
         slots_per_trial: int,
+        memory_margin: float = 0.0,
     ) -> None:
         self.metric = metric
         self.max_trials = max_trials
         self.max_concurrent_trials = max_concurrent_trials
         self.max_slots = max_slots
         self.slots_per_trial = slots_per_trial
+        self.memory_margin = memory_margin
         self._records: dict[str, TrialRecord] = {}
         self._keys: set[str] = set()
         self.queue: list[str] = []
@@ -173,11 +175,29 @@ class TrialTracker:
                 return float(value)
         return None
 
+    def leaves_margin(self, record: TrialRecord) -> bool:
+        """Whether its peak memory leaves ``--memory-margin`` of the device free (yes where it
+        was not measured): one that barely fits a short trial can run out of memory hours into a
+        real run, so one that does not is never handed over."""
+        fraction = record.memory_fraction
+        return fraction is None or fraction <= 1.0 - self.memory_margin
+
+    def too_large(self, record: TrialRecord) -> bool:
+        """Whether its micro-batch is above what its configuration may use: it failed, or it ran
+        but left less than the margin free. Searches treat both alike (a binary search goes
+        below it), so that they look for the best configuration that can be handed over."""
+        if record.status.failed:
+            return True
+        return record.status is TrialStatus.COMPLETED and not self.leaves_margin(record)
+
     def best_of(self, records: list[TrialRecord]) -> TrialRecord | None:
+        """The best of ``records`` that may be handed over (it leaves the memory margin)."""
         best: TrialRecord | None = None
         best_value = 0.0
         for record in records:
             value = self.metric_value(record)
+            if value is not None and not self.leaves_margin(record):
+                continue
             if value is not None and (best is None or self.metric.is_better(value, best_value)):
                 best, best_value = record, value
         return best

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 
@@ -41,6 +42,31 @@ def test_success_raises_the_floor_and_failure_lowers_the_ceiling() -> None:
     assert m.tracker.get(third).lineage_id == first and m.tracker.get(third).parent_id == second
 
 
+def test_a_success_over_the_memory_margin_lowers_the_ceiling() -> None:
+    """A trial that ran but left less than --memory-margin free cannot be handed over: the
+    binary search goes below it, as after an OOM, and ends on the largest micro-batch that
+    leaves the margin."""
+    m = method("binary", zero_stages=(1,), max_concurrent_trials=1, memory_margin=0.05)
+    (first,) = created_ids(start_profile(m))
+    memory = {"memory_total_bytes": 100}
+    (second,) = created_ids(
+        finish(m, first, metrics={"FLOPS_per_gpu": 32.0, "memory_peak_bytes": 96, **memory})
+    )
+    assert m.tracker.get(second).search_range == SearchRange(1, 31)  # as after an OOM
+    m = method("binary", zero_stages=(1,), max_concurrent_trials=1, memory_margin=0.05)
+
+    def tight_above_40(ds_config: dict[str, Any], slots: int) -> dict[str, Any]:
+        result = cliff_function(60)(ds_config, slots)
+        mbs = ds_config["train_micro_batch_size_per_gpu"]
+        return {**result, "memory_peak_bytes": 96 if mbs > 40 else 80, **memory}
+
+    run(m, tight_above_40)
+    lineage = m.tracker.lineage(m.tracker.lineage_ids()[0])
+    assert {r.mbs for r in lineage} >= {40, 41}
+    best = m.tracker.best_of(lineage)
+    assert best is not None and best.mbs == 40
+
+
 def test_range_too_small_to_search() -> None:
     """With a ceiling of 1 there is nothing to search: one trial, then the lineage is done."""
     m = method("binary", zero_stages=(0,), search_range_factor=1 / 64)
@@ -48,7 +74,8 @@ def test_range_too_small_to_search() -> None:
     searched = [r for r in m.tracker.records if r.kind.value == "search"]
     assert [r.mbs for r in searched] == [1]
     assert searched[0].search_range == SearchRange(1, 1)
-    assert range_after(m.tracker.get(searched[0].request_id)).empty
+    record = m.tracker.get(searched[0].request_id)
+    assert range_after(record, m.tracker.too_large(record)).empty
     assert driver.shutdown is not None and m.shutdown_reason == "no configuration left to try"
 
 

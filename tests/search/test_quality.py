@@ -40,7 +40,9 @@ def regret(name: str, method: str, seed: int) -> float:
     SearchDriver(search, SimulatedRunner(model, slots), spec.ds_config).run()
     best = search.tracker.best()
     assert best is not None
-    best_value, _ = optimum(model, slots, metric.file_key, False, settings.zero_stages, base)
+    best_value, _ = optimum(
+        model, slots, metric.file_key, False, settings.zero_stages, base, settings.memory_margin
+    )
     found = model.metrics(best.ds_config, slots, noisy=False)[metric.file_key]
     return (best_value - found) / best_value
 

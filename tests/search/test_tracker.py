@@ -144,3 +144,26 @@ def test_state_round_trip() -> None:
     again.load_json(t.to_json())
     assert again.records == t.records and again.queue == ["b"]
     assert not again.add(record("z", 8))  # repeat detection survives the round trip
+
+
+def test_a_trial_over_the_memory_margin_is_too_large_and_never_the_best() -> None:
+    """One that ran but left less than --memory-margin free counts, for the search, as a
+    micro-batch too large (as an OOM does), and is never the best there is."""
+    t = TrialTracker(Metric.THROUGHPUT, 10, 4, None, 1, memory_margin=0.05)
+    for rid, mbs, used in (("roomy", 4, 0.80), ("tight", 8, 0.96), ("unmeasured", 2, None)):
+        t.add(record(rid, mbs), queue=False)
+        memory = (
+            {} if used is None else {"memory_peak_bytes": used * 100, "memory_total_bytes": 100}
+        )
+        t.mark_finished(rid, TrialStatus.COMPLETED, {"throughput": float(mbs), **memory})
+    t.add(record("oom", 9), queue=False)
+    t.mark_finished("oom", TrialStatus.OOM)
+    tight, roomy, unmeasured = t.get("tight"), t.get("roomy"), t.get("unmeasured")
+    assert tight.memory_fraction == 0.96 and unmeasured.memory_fraction is None
+    assert not t.leaves_margin(tight) and t.leaves_margin(roomy) and t.leaves_margin(unmeasured)
+    assert t.too_large(tight) and t.too_large(t.get("oom"))
+    assert not t.too_large(roomy) and not t.too_large(unmeasured)
+    assert t.metric_value(tight) == 8.0  # what it measured stays in the record
+    best = t.best()
+    assert best is not None and best.request_id == "roomy"  # 8.0 is faster, but too tight
+    assert TrialTracker(Metric.THROUGHPUT, 10, 4, None, 1).leaves_margin(tight)  # no margin

@@ -1,8 +1,8 @@
 """Built-in performance functions for the simulated runner, shaped like real DeepSpeed training.
 
 Each is called as ``model(ds_config, slots)``. A model-profile trial gets model info back; any other
-trial gets DeepSpeed-style metrics (times in ms, throughput in samples/s), or ``MemoryError`` when
-its memory exceeds the GPU's. What shapes them:
+trial gets DeepSpeed-style metrics (times in ms, throughput in samples/s) and its peak memory, as
+a real trial reports them, or ``MemoryError`` when its memory exceeds the GPU's. What shapes them:
 
 - a memory cliff per stage: ZeRO model states (see dsat.memory) plus activations that grow with
   the micro-batch, plus bucket buffers; the profile under-reports activations a little, as real
@@ -108,10 +108,14 @@ class PerformanceModel:
             buffers += self.num_params * grad_bytes // (4 * slots)  # fragmentation
         return states + (mbs - 1) * self.activation_per_sample + buffers
 
-    def max_micro_batch(self, ds_config: Mapping[str, Any], slots: int) -> int:
-        """The largest micro-batch that fits with this config's ZeRO settings (0 if none)."""
+    def max_micro_batch(
+        self, ds_config: Mapping[str, Any], slots: int, memory_margin: float = 0.0
+    ) -> int:
+        """The largest micro-batch that fits with this config's ZeRO settings (0 if none), and
+        leaves ``memory_margin`` of the device free."""
         at_one = self.memory_bytes({**ds_config, "train_micro_batch_size_per_gpu": 1}, slots)
-        spare = self.usable_memory_fraction * self.gpu_mem - at_one
+        usable = min(self.usable_memory_fraction, 1.0 - memory_margin)
+        spare = usable * self.gpu_mem - at_one
         return 0 if spare < 0 else 1 + int(spare // self.activation_per_sample)
 
     # ---------------------------------------------------------------- time
@@ -211,9 +215,14 @@ class PerformanceModel:
         if is_model_profile(ds_config):
             profile = self.profile()
             return {**dataclasses.asdict(profile), "seconds": self.startup_seconds}
-        if self.memory_bytes(ds_config, slots) > self.usable_memory_fraction * self.gpu_mem:
+        peak = self.memory_bytes(ds_config, slots)
+        if peak > self.usable_memory_fraction * self.gpu_mem:
             raise MemoryError(f"{self.name}: out of memory")
         result: dict[str, Any] = self.metrics(ds_config, slots)
+        # A real trial reports its peak and its device's memory (dsat.training.step_clock); the
+        # hand-over reads them (--memory-margin, the confirmation round's headroom preference).
+        result["memory_peak_bytes"] = peak
+        result["memory_total_bytes"] = self.gpu_mem
         result["seconds"] = self.startup_seconds + self.profiled_steps * result["latency"] / 1000
         return result
 
@@ -456,19 +465,21 @@ def optimum(
     smaller_is_better: bool,
     stages: tuple[int, ...] = (0, 1, 2, 3),
     base: Mapping[str, Any] | None = None,
+    memory_margin: float = 0.0,
 ) -> tuple[float, dict[str, Any]]:
     """The best noise-free metric over the whole search space, and the config that reaches it.
 
     Without memory pressure, throughput and FLOPS only grow with the micro-batch in these models
     and times only shrink as it falls, so each ZeRO configuration is evaluated at its largest
     fitting micro-batch and at 1 (tests check that property on sampled configurations); with
-    pressure, at every micro-batch that fits.
+    pressure, at every micro-batch that fits. With ``memory_margin``, only configurations that
+    leave that fraction of the device free count: the best a search could hand over.
     """
     best_value: float | None = None
     best_config: dict[str, Any] = {}
     for section in configurations(stages):
         config = {**(base or {}), "zero_optimization": section, "train_micro_batch_size_per_gpu": 1}
-        largest = model.max_micro_batch(config, slots)
+        largest = model.max_micro_batch(config, slots, memory_margin)
         if largest == 0:
             continue
         sizes = range(1, largest + 1) if model.pressure_slowdown else (1, largest)

@@ -180,3 +180,30 @@ def test_a_surfaces_noise_is_a_function_of_its_seed() -> None:
     other = dataclasses.replace(model, noise_seed=model.noise_seed + 1)
     assert model.metrics(cfg, 16) == again.metrics(cfg, 16)
     assert model.metrics(cfg, 16) != other.metrics(cfg, 16)
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_MODELS))
+def test_a_trial_reports_its_memory_as_a_real_one_does(name: str) -> None:
+    """The hand-over reads it (--memory-margin): a surface that did not report it let a search
+    hand over configurations a real run never would."""
+    model, slots = BUILTIN_MODELS[name], SLOTS[name]
+    section = {"stage": 2}
+    largest = model.max_micro_batch(config(section, 1), slots)
+    small, large = model(config(section, 1), slots), model(config(section, largest), slots)
+    assert small["memory_total_bytes"] == large["memory_total_bytes"] == model.gpu_mem
+    assert 0 < small["memory_peak_bytes"] < large["memory_peak_bytes"] <= model.gpu_mem
+    assert large["memory_peak_bytes"] > model.usable_memory_fraction * model.gpu_mem - (
+        model.activation_per_sample
+    )  # the largest that fits leaves less than one sample's activations
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_MODELS))
+def test_the_optimum_within_a_memory_margin_leaves_it_free(name: str) -> None:
+    model, slots = BUILTIN_MODELS[name], SLOTS[name]
+    base = model.base_ds_config
+    unbounded, _ = optimum(model, slots, "FLOPS_per_gpu", False, (1, 2, 3), base)
+    value, best = optimum(model, slots, "FLOPS_per_gpu", False, (1, 2, 3), base, 0.05)
+    assert value <= unbounded
+    assert model.memory_bytes(best, slots) <= 0.95 * model.gpu_mem
+    larger = {**best, "train_micro_batch_size_per_gpu": best["train_micro_batch_size_per_gpu"] + 1}
+    assert model.memory_bytes(larger, slots) > 0.95 * model.gpu_mem or model.pressure_slowdown
