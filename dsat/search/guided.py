@@ -27,7 +27,6 @@ from dsat.memory import bucket_buffer_bytes
 from dsat.search.concave_curve import CurveEvidence, Gap, best_possible, next_gap
 from dsat.search.confirmation import Score, leaders
 from dsat.search.method import DsatSearchMethod
-from dsat.search.peak_memory import bytes_per_sample, largest_within
 from dsat.search.throughput_model import Observation, estimate
 from dsat.trial import SearchRange, TrialKind, TrialRecord, TrialStatus
 from dsat.zero_space import (
@@ -138,10 +137,6 @@ class ConfigState:
     section: dict[str, Any]
     values: dict[int, float] = dataclasses.field(default_factory=dict)  # larger is better
     failed: dict[int, TrialStatus] = dataclasses.field(default_factory=dict)
-    # Micro-batches that ran but left less than --memory-margin of the device free, and what
-    # they measured: never handed over, but what a step that frees memory can reach.
-    over_margin: dict[int, float] = dataclasses.field(default_factory=dict)
-    peaks: dict[int, float] = dataclasses.field(default_factory=dict)  # measured peak bytes
     pending_mbs: set[int] = dataclasses.field(default_factory=set)  # trials not yet finished
     first_index: int = 0  # when the search first tried it
     # The denoised estimate of its trials near the best (guided.estimates), where there is one.
@@ -229,15 +224,10 @@ class GuidedSearch(DsatSearchMethod):
             section = record.zero_section
             state = states.setdefault(_key(section), ConfigState(section, first_index=record.index))
             value = self.measured(record)
-            peak = record.metrics.get("memory_peak_bytes")
-            if value is not None and record.memory_fraction is not None:
-                state.peaks[record.mbs] = float(peak)  # type: ignore[arg-type]
-            if record.status.failed:
-                state.failed[record.mbs] = record.status
-            elif value is not None and self.tracker.too_large(record):
-                state.over_margin[record.mbs] = value  # it ran, but cannot be handed over
-            elif value is not None:
+            if value is not None:
                 state.values[record.mbs] = value
+            elif record.status.failed:
+                state.failed[record.mbs] = record.status
             elif not record.status.finished:
                 state.pending_mbs.add(record.mbs)
         return states
@@ -271,8 +261,7 @@ class GuidedSearch(DsatSearchMethod):
 
     def ceiling(self, section: dict[str, Any], states: dict[str, ConfigState]) -> int | None:
         """The largest micro-batch not ruled out: below this configuration's smallest failure,
-        and below any OOM (or trial over the memory margin) of a configuration that needs no
-        more memory."""
+        and below any OOM of a configuration that needs no more memory."""
         bounds = []
         for state in states.values():
             own = state.section == section
@@ -281,22 +270,14 @@ class GuidedSearch(DsatSearchMethod):
             for mbs, status in state.failed.items():
                 if own or status is TrialStatus.OOM:
                     bounds.append(mbs - 1)
-            bounds.extend(mbs - 1 for mbs in state.over_margin)
         return min(bounds) if bounds else None
 
     def reach(self, state: ConfigState, states: dict[str, ConfigState]) -> int:
         """The largest micro-batch worth trying: below a known failure; else where the stage's
         other configurations ran out of memory, moved by the bucket memory this one saves; else
-        the memory model's estimate (or twice the largest success, once past it). Where the
-        stage's trials measured their peaks, never above where this one's is predicted to leave
-        less than --memory-margin free."""
+        the memory model's estimate (or twice the largest success, once past it)."""
         ceiling = self.ceiling(state.section, states)
-        within = self.margin_reach(state.section, states)
-        if within is not None:
-            within = max(within, max(state.values, default=1))  # those ran within the margin
-            if ceiling is not None:
-                return min(ceiling, within)
-        elif ceiling is not None:
+        if ceiling is not None:
             return ceiling
         largest = max(state.values, default=0)
         learned = [
@@ -307,66 +288,9 @@ class GuidedSearch(DsatSearchMethod):
             if status is TrialStatus.OOM
         ]
         if learned:
-            guess = max(min(learned), largest, 1)
-            return guess if within is None else max(min(guess, within), 1)
-        if within is not None:
-            return max(within, 1)
+            return max(min(learned), largest, 1)
         estimate = self.micro_batch_ceiling(state.stage)
         return max(estimate if largest < estimate else 2 * largest, 1)
-
-    def margin_reach(self, section: dict[str, Any], states: dict[str, ConfigState]) -> int | None:
-        """The largest micro-batch of ``section`` whose peak memory, predicted from the peaks its
-        stage's trials measured (dsat.search.peak_memory), leaves --memory-margin of the device
-        free and stays below the predicted peak of any trial of the stage that ran out of
-        memory; None where no trial of the stage measured one."""
-        total = self.device_bytes()
-        stage = int(section.get("stage", 0))
-        measured = [s for s in states.values() if s.stage == stage and s.peaks]
-        if total is None or not measured:
-            return None
-        per_sample = bytes_per_sample(s.peaks for s in measured)
-        profile = self.profile
-        if per_sample is None:
-            if profile is None or profile.activation_mem_per_gpu <= 0:
-                return None
-            per_sample = float(profile.activation_mem_per_gpu)  # under-reported: errs higher
-
-        def predicted(config: dict[str, Any]) -> tuple[int, float]:
-            """A micro-batch and the peak predicted there: this configuration's own largest
-            measured one, or the stage's best-measured configuration's, moved by the bucket
-            memory the two keep."""
-            own = states.get(_key(config))
-            if own is not None and own.peaks:
-                mbs = max(own.peaks)
-                return mbs, own.peaks[mbs]
-            source = max(measured, key=lambda s: (len(s.peaks), max(s.peaks), -s.first_index))
-            mbs = max(source.peaks)
-            peak = source.peaks[mbs]
-            if profile is not None:
-                params = profile.num_params
-                peak += self._bucket_bytes(config, params) - self._bucket_bytes(
-                    source.section, params
-                )
-            return mbs, peak
-
-        limit = total * (1.0 - self.settings.memory_margin)
-        for other in states.values():
-            if other.stage != stage:
-                continue
-            for mbs, status in other.failed.items():
-                if status is TrialStatus.OOM:
-                    known, peak = predicted(other.section)
-                    limit = min(limit, peak + (mbs - known) * per_sample - 1.0)
-        known, peak = predicted(section)
-        return largest_within(known, peak, per_sample, limit)
-
-    def device_bytes(self) -> float | None:
-        """The device's memory, as the trials measured it (None before any did)."""
-        for record in self.tracker.records:
-            total = record.metrics.get("memory_total_bytes")
-            if record.memory_fraction is not None and isinstance(total, (int, float)):
-                return float(total)
-        return None
 
     def samples_freed(
         self, before: dict[str, Any], after: dict[str, Any], per_sample: float = 1.0
@@ -585,26 +509,17 @@ class GuidedSearch(DsatSearchMethod):
                 mbs = best_mbs
                 if held_back:
                     # The stage's best is held back by memory: run the step where the memory it
-                    # frees (or costs) puts its own limit: from the measured peaks where there
-                    # are some, else from the profile's activations.
-                    own_limit = self.margin_reach(section, states)
-                    if own_limit is not None:
-                        mbs = max(own_limit, 1)
-                    else:
-                        mbs += self.samples_freed(base.section, section, TYPICAL_UNDER_REPORT)
+                    # frees (or costs) puts its own cliff.
+                    mbs += self.samples_freed(base.section, section, TYPICAL_UNDER_REPORT)
                 mbs = max(1, mbs if ceiling is None else min(mbs, ceiling))
                 if ceiling is not None and ceiling < 1:
                     continue
                 gain = math.exp(self.step_value(scores, kind))
-                # Where the step runs above the best's micro-batch, the base measured what it
-                # could do there, over the memory margin (the step may free what it needs).
-                ahead = max((v for m, v in base.over_margin.items() if m <= mbs), default=0.0)
-                if max(potential, ahead) * gain <= top * (1 + TOLERANCE):
+                if potential * gain <= top * (1 + TOLERANCE):
                     continue
                 # Ranked by what the step can show where it runs: the stage's best micro-batch.
                 step_reach = ceiling if ceiling is not None else reach
-                level = max(best_value, ahead)
-                stage_steps.append(Action(level * gain, section, mbs, max(step_reach, mbs)))
+                stage_steps.append(Action(best_value * gain, section, mbs, max(step_reach, mbs)))
             if (unsettled or paired_only) and stage_steps:
                 # One at a time: each is a bet on a best micro-batch that may still move (the
                 # base's own probe aside, which the paired step does not depend on).

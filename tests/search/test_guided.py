@@ -167,22 +167,20 @@ def test_no_trial_above_an_oom_that_already_decides_it(name: str) -> None:
 # 1284 of 1300, up from 1281 (fp32 93 -> 100); with the paired step run beside a pending probe
 # and steps from the stage's runner-up, 199 (7B 20; the floor left at 19). Since the simulated
 # trials report their peak memory, the default 5% memory margin applies, and the optimum is the
-# best configuration that leaves it free: 196 (fp32 19, bucket memory 18, 7B 19). With the
-# search steering by the measured peaks (a trial over the margin bounds the micro-batch as an
-# OOM does; limits predicted from the peaks), 199: fp32, bucket memory and 7B back to 20;
-# bert_base 19 (seed 17 never probes above micro-batch 198 of a curve that rises by 1% to the
-# optimum's 244, after a lucky 145).
+# best configuration that leaves it free: 196 (fp32 19, bucket memory 18, 7B 19). Steering the
+# search itself by the margin (a trial over it bounding the micro-batch as an OOM does, limits
+# predicted from the measured peaks) was measured and not kept: see benchmarks/README.md.
 REACHED = {
-    "bert_base_16xv100": 19,
-    "bert_large_fp32_2xv100": 20,
+    "bert_base_16xv100": 20,
+    "bert_large_fp32_2xv100": 19,
     "gpt2_large_16xv100": 20,
     "gpt_1b_knobs_16xethernet": 20,
     "gpt_1b_underreported_4xa10": 20,
-    "gpt_2b_bucket_memory_8xa100": 20,
+    "gpt_2b_bucket_memory_8xa100": 18,
     "gpt_350m_pressure_2x4090": 20,
     "gpt_6b_zero3_wins_16xa100": 20,
     "llama_14b_no_low_stages_8xa100": 20,
-    "llama_7b_8xa100": 20,
+    "llama_7b_8xa100": 19,
 }
 
 
@@ -210,15 +208,16 @@ def test_what_it_hands_over_is_within_2_percent_of_the_optimum(name: str) -> Non
 
 
 def test_the_confirmation_round_confirms_by_the_denoised_estimate() -> None:
-    """On the under-reported surface's seed 1, with the default memory margin, the luckiest
-    measurement is a ZeRO-2 configuration at micro-batch 17: its neighbours say otherwise, so it
-    neither leads the round nor is handed over; another at 17, truly 1% better, is. (Without a
-    margin the two were at 17 and 18; on seed 0 the luckiest is also the best estimated, and
-    on the 14B surface's seed 0 once the leaders' neighbours ran.)"""
+    """On the under-reported surface's seed 1, the luckiest measurement is a ZeRO-2 configuration
+    at micro-batch 17: its neighbours say otherwise, so it neither leads the round nor is handed
+    over; one at micro-batch 18 (the optimum's), truly better, is. (On seed 0, where this test
+    used to look, the luckiest is now also the best estimated once both buckets were shrunk
+    first; on the 14B surface's seed 0 once the leaders' neighbours ran.) Without a memory
+    margin: micro-batch 18 uses 96.8% of the device, which the default 5% margin refuses."""
     base = BUILTIN_MODELS["gpt_1b_underreported_4xa10"]
     model = dataclasses.replace(base, noise_seed=base.noise_seed * 1000 + 1)
     ds_config = {"train_micro_batch_size_per_gpu": 1, **model.base_ds_config}
-    chosen = settings("guided", confirm_top=3)
+    chosen = settings("guided", confirm_top=3, memory_margin=0.0)
     m = make_search_method(chosen, spec(model.gpus, ds_config))
     run(m, model, slots=model.gpus)
     luckiest = m.tracker.best_of(m.tracker.records)
@@ -230,8 +229,7 @@ def test_the_confirmation_round_confirms_by_the_denoised_estimate() -> None:
     def true(record: Any) -> float:
         return model.metrics(record.ds_config, model.gpus, noisy=False)["FLOPS_per_gpu"]
 
-    assert (luckiest.mbs, handed_over.mbs) == (17, 17)
-    assert luckiest.zero_section != handed_over.zero_section
+    assert (luckiest.mbs, handed_over.mbs) == (17, 18)
     assert true(handed_over) > true(luckiest)
 
 
@@ -374,34 +372,7 @@ def test_a_step_that_costs_memory_waits_for_the_best_micro_batch() -> None:
     from trial 7 on. Its step to a larger reduce bucket (more memory) ran at 20 while ZeRO-1's
     curve was still open, measured 1.6% above its true level and took the pick, just over 2% off,
     until ZeRO-2 with overlap ran. A step that keeps more or less bucket memory now waits until the
-    best micro-batch, and with it the memory limit, is settled: once the pick is within 2% it
-    stays there. (Found without a memory margin, where the pick was within 2% from trial 7 on;
-    since the search steers by measured peak memory the pick gets there at trial 14 without a
-    margin and 18 with the default one, and stays either way.)"""
-    for margin in (0.0, MARGIN):
-        _, model, picks = search_with_picks("gpt_2b_bucket_memory_8xa100", 17, margin)
-        reached = [within_2_percent(model, config) for config in picks]
-        first = reached.index(True)
-        assert first < len(picks) // 2 and all(reached[first:])
-
-
-def test_a_step_that_frees_memory_runs_where_the_measured_peaks_say_it_fits() -> None:
-    """GPT2-large, seed 3: ZeRO-2's default buckets run micro-batch 4 at 96.7% of the device,
-    over the 5% margin, so 4 counts as too large for any configuration needing no less memory.
-    A sample of activations is 6 GB there, so smaller buckets free a fraction of a sample: by
-    the profile's activations rounded to samples, every bucket step ran at 3 and the search
-    handed over ZeRO-1 11% off. The peaks the trials measured say where each step's own limit
-    lies: steps with smaller buckets run at 4 within the margin, and one is handed over."""
-    m, model, picks = search_with_picks("gpt2_large_16xv100", seed=3)
-    tight = [
-        r
-        for r in m.tracker.records
-        if r.kind is TrialKind.SEARCH and r.zero_stage == 2 and r.mbs == 4
-    ]
-    over = [r for r in tight if not m.tracker.leaves_margin(r)]
-    assert over and all(r.zero_section["reduce_bucket_size"] >= 5 * 10**8 for r in over)
-    assert any(m.tracker.leaves_margin(r) for r in tight)
-    handed_over = m.tracker.best()
-    assert handed_over is not None and m.tracker.leaves_margin(handed_over)
-    assert (handed_over.zero_stage, handed_over.mbs) == (2, 4)
-    assert within_2_percent(model, picks[-1])
+    best micro-batch, and with it the memory limit, is settled: the pick stays within 2%. Without
+    a memory margin, as when this was found (the margin moves the limit the test is about)."""
+    _, model, picks = search_with_picks("gpt_2b_bucket_memory_8xa100", seed=17, memory_margin=0.0)
+    assert all(within_2_percent(model, config) for config in picks[6:])  # from trial 7 on
