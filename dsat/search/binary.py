@@ -2,7 +2,8 @@
 
 Each lineage halves its range [lo, hi] around the midpoint: a success raises the floor, an OOM or
 error lowers the ceiling, and so does a success that leaves less than --memory-margin of the
-device free (it could not be handed over). When a range is used up, a fresh random configuration takes its place.
+device free (it could not be handed over). When a range is used up, a fresh random
+configuration takes its place.
 """
 
 from __future__ import annotations
