@@ -43,14 +43,22 @@ def kill_process_group(process: TrialProcess) -> None:
         try:
             os.killpg(process.pid, sig)
         except ProcessLookupError:
-            return
+            break  # nothing left in the group
         try:
             process.wait(timeout=KILL_GRACE_SECONDS)
             if sig == signal.SIGKILL:
                 return
         except subprocess.TimeoutExpired:
             continue
-    process.wait()
+    else:
+        process.wait()
+        return
+    # The group is gone, but its leader's exit may not be known yet: a warm trial's is reported
+    # by its worker's reader thread, which on a loaded machine can lag the process itself.
+    try:
+        process.wait(timeout=KILL_GRACE_SECONDS)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def leftover_trials(results_dir: Path) -> list[psutil.Process]:
