@@ -4,10 +4,10 @@ Both run side by side on the same simulated runner, the same built-in performanc
 same seeds. For every search: whether the configuration it hands over at the end is within 2% of
 the model's true optimum (exhaustive, noise-free, among the configurations that leave dsat's
 default --memory-margin of the device free: the best dsat may hand over; the simulated trials
-report their peak memory as real ones do, so the margin applies); how many trials, and how many simulated
-GPU-hours, until what it would hand over (a method's current pick: guided's denoised leader, the
-best measured for the others) is within 2% and stays there; and the final regret. Prints a
-markdown table and writes benchmarks/results/search_efficiency.json. `--surfaces heldout` runs
+report their peak memory as real ones do, so the margin applies), and of the best that fits at
+all; how many trials, and how many simulated GPU-hours, until what it would hand over (a
+method's current pick: guided's denoised leader, the best measured for the others) is within 2%
+and stays there; and the final regret. Prints a markdown table and writes benchmarks/results/search_efficiency.json. `--surfaces heldout` runs
 the surfaces of benchmarks/heldout_surfaces.py instead, which no search was tuned on.
 
     python3 benchmarks/search_efficiency.py [--seeds 20] [--first-seed 0] [--surfaces builtin|heldout|all]
