@@ -7,8 +7,9 @@ default --memory-margin of the device free: the best dsat may hand over; the sim
 report their peak memory as real ones do, so the margin applies), and of the best that fits at
 all; how many trials, and how many simulated GPU-hours, until what it would hand over (a
 method's current pick: guided's denoised leader, the best measured for the others) is within 2%
-and stays there; and the final regret. Prints a markdown table and writes benchmarks/results/search_efficiency.json. `--surfaces heldout` runs
-the surfaces of benchmarks/heldout_surfaces.py instead, which no search was tuned on.
+and stays there; and the final regret. Prints a markdown table and writes
+benchmarks/results/search_efficiency.json. `--surfaces heldout` runs the surfaces of
+benchmarks/heldout_surfaces.py instead, which no search was tuned on.
 
     python3 benchmarks/search_efficiency.py [--seeds 20] [--first-seed 0] [--surfaces builtin|heldout|all]
 """

@@ -52,8 +52,8 @@ class SearchEnding:
             if not tracker.queue or tracker.num_started >= tracker.max_trials:
                 reason = "no configuration left to try"
         unconfirmed = tracker.confirmed_id is None and not self.unsafe_memory
-        ran = any(tracker.metric_value(r) is not None for r in tracker.records)
-        if reason is not None and unconfirmed and ran:
+        # Something ran (tracker.best() skips trials over the memory margin, so it cannot tell).
+        if reason is not None and unconfirmed and tracker.successful_stages:
             for request_id in list(tracker.queue):  # the search is over: nothing more of it runs
                 tracker.discard(request_id)
             if tracker.running:
