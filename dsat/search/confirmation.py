@@ -3,10 +3,10 @@
 One short trial per configuration ranks them, and a single measurement can be lucky. When the
 search ends, the leading distinct configurations run again, interleaved (A, B, C, A, B, C), so
 machine noise hits them alike; the winner is the best mean of those runs. Leaders within the
-measured noise of the winner count as equal, and among equals the one with the most memory
-headroom wins: one that barely fits a short trial can run out of memory hours into a real run,
-which is also why a configuration leaving less than ``--memory-margin`` of the device is never
-handed over. The round is kept to a share of the search's trials.
+noise the round measured (the spread of its runs) count as equal, and among equals the one with
+the most memory headroom wins: one that barely fits a short trial can run out of memory hours
+into a real run, which is also why a configuration leaving less than ``--memory-margin`` of the
+device is never handed over. The round is kept to a share of the search's trials.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from dsat.trial import TrialRecord
 # The round's runs, as a share of the search trials that finished (at least one per leader).
 SHARE_OF_SEARCH = 0.15
 REPEATS = 2
-MIN_NOISE = 0.01  # relative; below this two measurements count as different
 # Among equals, more headroom wins only when it is this much of the device's memory or more.
 HEADROOM_STEP = 0.05
 
@@ -68,7 +67,9 @@ def winner(
     runs, or by ``score``, a method's estimate that counts them with its other trials (a
     candidate that failed when run again is not handed over either way)."""
     means: dict[str, float] = {}
-    noise = MIN_NOISE
+    # Leaders are equal only within the spread the round measured: a fixed floor would call
+    # configurations equal that steady measurements tell apart, and hand over a slower one.
+    noise = 0.0
     for candidate in candidates:
         runs = tracker.confirmation_runs(candidate.request_id)
         values = [v for v in (tracker.confirmed_value(r) for r in runs) if v is not None]
