@@ -138,6 +138,9 @@ class ConfigState:
     values: dict[int, float] = dataclasses.field(default_factory=dict)  # larger is better
     failed: dict[int, TrialStatus] = dataclasses.field(default_factory=dict)
     pending_mbs: set[int] = dataclasses.field(default_factory=set)  # trials not yet finished
+    # Micro-batches that ran but left less than --memory-margin free (never handed over): the
+    # bytes each used beyond what leaves the margin, and its peak.
+    over_margin: dict[int, tuple[float, float]] = dataclasses.field(default_factory=dict)
     first_index: int = 0  # when the search first tried it
     # The denoised estimate of its trials near the best (guided.estimates), where there is one.
     estimated: dict[int, float] = dataclasses.field(default_factory=dict)
@@ -226,6 +229,12 @@ class GuidedSearch(DsatSearchMethod):
             value = self.measured(record)
             if value is not None:
                 state.values[record.mbs] = value
+                if self.tracker.too_large(record):
+                    peak = float(record.metrics["memory_peak_bytes"])
+                    usable = (1.0 - self.settings.memory_margin) * record.metrics[
+                        "memory_total_bytes"
+                    ]
+                    state.over_margin[record.mbs] = (peak - usable, peak)
             elif record.status.failed:
                 state.failed[record.mbs] = record.status
             elif not record.status.finished:
@@ -261,7 +270,8 @@ class GuidedSearch(DsatSearchMethod):
 
     def ceiling(self, section: dict[str, Any], states: dict[str, ConfigState]) -> int | None:
         """The largest micro-batch not ruled out: below this configuration's smallest failure,
-        and below any OOM of a configuration that needs no more memory."""
+        and below any OOM (or trial over the margin) of a configuration that needs no more
+        memory."""
         bounds = []
         for state in states.values():
             own = state.section == section
@@ -270,6 +280,8 @@ class GuidedSearch(DsatSearchMethod):
             for mbs, status in state.failed.items():
                 if own or status is TrialStatus.OOM:
                     bounds.append(mbs - 1)
+            # Over the margin is too large too, for it and what needs no less memory.
+            bounds.extend(mbs - 1 for mbs in state.over_margin)
         return min(bounds) if bounds else None
 
     def reach(self, state: ConfigState, states: dict[str, ConfigState]) -> int:
@@ -306,6 +318,28 @@ class GuidedSearch(DsatSearchMethod):
         )
         samples = saved / (profile.activation_mem_per_gpu * per_sample)
         return round(samples)  # to the nearest: half a sample moves the cliff as often as not
+
+    def margin_step_mbs(self, base: ConfigState, mbs: int, section: dict[str, Any]) -> int:
+        """Where a knob step from a best that ran over the margin at ``mbs`` runs: the memory
+        the step frees first pays for the excess, what is left for more samples."""
+        excess, _ = base.over_margin[mbs]
+        freed = self.bytes_freed(base.section, section)
+        if freed < excess:
+            return mbs - self.margin_drop(base, mbs, freed)
+        profile = self.profile
+        if profile is None or profile.activation_mem_per_gpu <= 0:
+            return mbs
+        per_sample = profile.activation_mem_per_gpu * TYPICAL_UNDER_REPORT
+        return mbs + round((freed - excess) / per_sample)
+
+    def bytes_freed(self, before: dict[str, Any], after: dict[str, Any]) -> float:
+        """Bucket memory ``after`` saves against ``before`` (DeepSpeed's estimate; negative:
+        it costs more)."""
+        profile = self.profile
+        if profile is None:
+            return 0.0
+        params = profile.num_params
+        return float(self._bucket_bytes(before, params) - self._bucket_bytes(after, params))
 
     def moves_memory(self, state: ConfigState, section: dict[str, Any]) -> bool:
         """Whether ``section`` keeps more or less bucket memory than ``state``'s configuration."""
@@ -467,7 +501,7 @@ class GuidedSearch(DsatSearchMethod):
             reach, _, gap = curve(state)
             if reach < 1 or gap is None:
                 continue
-            actions.append(Action(gap.bound, state.section, gap.probe, reach))
+            actions.append(Action(gap.bound, state.section, self.probe(state, gap), reach))
 
         scores = self.step_scores(states)
         for base in self.step_bases(incumbents, states):
@@ -511,6 +545,8 @@ class GuidedSearch(DsatSearchMethod):
                     # The stage's best is held back by memory: run the step where the memory it
                     # frees (or costs) puts its own cliff.
                     mbs += self.samples_freed(base.section, section, TYPICAL_UNDER_REPORT)
+                    if best_mbs in base.over_margin:  # and leave the margin free
+                        mbs = self.margin_step_mbs(base, best_mbs, section)
                 mbs = max(1, mbs if ceiling is None else min(mbs, ceiling))
                 if ceiling is not None and ceiling < 1:
                     continue
@@ -533,6 +569,25 @@ class GuidedSearch(DsatSearchMethod):
         if not worth:
             return None
         return max(worth, key=lambda a: a.value)
+
+    def probe(self, state: ConfigState, gap: Gap) -> int:
+        """Where to try a gap: its middle; but right below a trial that ran over the margin, the
+        largest micro-batch that may leave it, where a rising curve is best."""
+        if gap.hi + 1 not in state.over_margin:
+            return gap.probe
+        return max(gap.lo, gap.hi + 1 - self.margin_drop(state, gap.hi + 1))
+
+    @staticmethod
+    def margin_drop(state: ConfigState, mbs: int, freed: float = 0.0) -> int:
+        """How many micro-batches below ``mbs`` the configuration (with ``freed`` bytes of bucket
+        memory less) may first leave the margin free: the fewest, since memory grows with the
+        micro-batch at most in proportion; 0 where ``mbs`` already does."""
+        if mbs not in state.over_margin:
+            return 0
+        excess, peak = state.over_margin[mbs]
+        if freed >= excess:
+            return 0
+        return max(1, math.ceil((excess - freed) * mbs / peak))
 
     def neighbour_actions(
         self, states: dict[str, ConfigState], estimated: dict[tuple[str, int], float], top: float
