@@ -313,10 +313,7 @@ class GuidedSearch(DsatSearchMethod):
         profile = self.profile
         if profile is None or profile.activation_mem_per_gpu <= 0:
             return 0
-        saved = self._bucket_bytes(before, profile.num_params) - self._bucket_bytes(
-            after, profile.num_params
-        )
-        samples = saved / (profile.activation_mem_per_gpu * per_sample)
+        samples = self.bytes_freed(before, after) / (profile.activation_mem_per_gpu * per_sample)
         return round(samples)  # to the nearest: half a sample moves the cliff as often as not
 
     def margin_step_mbs(self, base: ConfigState, mbs: int, section: dict[str, Any]) -> int:
@@ -544,9 +541,10 @@ class GuidedSearch(DsatSearchMethod):
                 if held_back:
                     # The stage's best is held back by memory: run the step where the memory it
                     # frees (or costs) puts its own cliff.
-                    mbs += self.samples_freed(base.section, section, TYPICAL_UNDER_REPORT)
-                    if best_mbs in base.over_margin:  # and leave the margin free
+                    if best_mbs in base.over_margin:  # and, first, leave the margin free
                         mbs = self.margin_step_mbs(base, best_mbs, section)
+                    else:
+                        mbs += self.samples_freed(base.section, section, TYPICAL_UNDER_REPORT)
                 mbs = max(1, mbs if ceiling is None else min(mbs, ceiling))
                 if ceiling is not None and ceiling < 1:
                     continue
