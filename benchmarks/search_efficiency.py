@@ -50,7 +50,7 @@ from dsat.runners.simulated.runner import SimulatedRunner
 from dsat.runners.trial_runner import TrialOutcome
 from dsat.search import MethodSettings, make_search_method
 from dsat.search.trial_builder import SearchSpec
-from dsat.trial import TrialStatus
+from dsat.trial import TrialStatus, leaves_memory_margin
 
 RESULTS = Path(__file__).resolve().parent / "results" / "search_efficiency.json"
 METRIC = Metric.FLOPS_PER_GPU
@@ -137,16 +137,13 @@ def best_measured(
     for trial in history:
         if trial.outcome.status is not TrialStatus.COMPLETED or is_model_profile(trial.ds_config):
             continue
-        if memory_margin is not None and not leaves(trial, memory_margin):
+        if memory_margin is not None and not leaves_memory_margin(
+            trial.outcome.metrics, memory_margin
+        ):
             continue
         if best is None or measured(trial) > measured(best):
             best = trial
     return None if best is None else best.ds_config
-
-
-def leaves(trial: FinishedTrial, memory_margin: float) -> bool:
-    metrics = trial.outcome.metrics
-    return bool(metrics["memory_peak_bytes"] <= (1 - memory_margin) * metrics["memory_total_bytes"])
 
 
 def measured(trial: FinishedTrial) -> float:

@@ -4,9 +4,25 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Mapping
 from typing import Any
 
 from dsat.zero_space import explicit_zero_config
+
+
+def peak_memory_fraction(metrics: Mapping[str, Any]) -> float | None:
+    """A trial's peak memory over its device's total, from its metrics, where it measured both."""
+    peak, total = metrics.get("memory_peak_bytes"), metrics.get("memory_total_bytes")
+    if isinstance(peak, (int, float)) and isinstance(total, (int, float)) and total > 0:
+        return float(peak) / float(total)
+    return None
+
+
+def leaves_memory_margin(metrics: Mapping[str, Any], memory_margin: float) -> bool:
+    """Whether a trial's peak memory leaves ``memory_margin`` of the device free (yes where it
+    was not measured): the hand-over rule, for dsat's trials and the benchmark's alike."""
+    fraction = peak_memory_fraction(metrics)
+    return fraction is None or fraction <= 1.0 - memory_margin
 
 
 class TrialStatus(str, enum.Enum):
@@ -91,10 +107,7 @@ class TrialRecord:
     @property
     def memory_fraction(self) -> float | None:
         """Its peak memory over the device's total, where the trial measured both."""
-        peak, total = self.metrics.get("memory_peak_bytes"), self.metrics.get("memory_total_bytes")
-        if isinstance(peak, (int, float)) and isinstance(total, (int, float)) and total > 0:
-            return float(peak) / float(total)
-        return None
+        return peak_memory_fraction(self.metrics)
 
     @property
     def name(self) -> str:

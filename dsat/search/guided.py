@@ -310,10 +310,15 @@ class GuidedSearch(DsatSearchMethod):
         """How many more samples fit with ``after``'s buckets than with ``before``'s (negative:
         fewer), by DeepSpeed's own estimate of bucket memory and the profile's activations per
         sample times ``per_sample`` (the profile under-reports: 1.0 errs towards higher)."""
+        return self.samples_in(self.bytes_freed(before, after), per_sample)
+
+    def samples_in(self, memory: float, per_sample: float) -> int:
+        """How many samples' activations ``memory`` bytes hold, by the profile times
+        ``per_sample`` (0 without a profile)."""
         profile = self.profile
         if profile is None or profile.activation_mem_per_gpu <= 0:
             return 0
-        samples = self.bytes_freed(before, after) / (profile.activation_mem_per_gpu * per_sample)
+        samples = memory / (profile.activation_mem_per_gpu * per_sample)
         return round(samples)  # to the nearest: half a sample moves the cliff as often as not
 
     def margin_step_mbs(self, base: ConfigState, mbs: int, section: dict[str, Any]) -> int:
@@ -323,11 +328,7 @@ class GuidedSearch(DsatSearchMethod):
         freed = self.bytes_freed(base.section, section)
         if freed < excess:
             return mbs - self.margin_drop(base, mbs, freed)
-        profile = self.profile
-        if profile is None or profile.activation_mem_per_gpu <= 0:
-            return mbs
-        per_sample = profile.activation_mem_per_gpu * TYPICAL_UNDER_REPORT
-        return mbs + round((freed - excess) / per_sample)
+        return mbs + self.samples_in(freed - excess, TYPICAL_UNDER_REPORT)
 
     def bytes_freed(self, before: dict[str, Any], after: dict[str, Any]) -> float:
         """Bucket memory ``after`` saves against ``before`` (DeepSpeed's estimate; negative:
@@ -577,11 +578,9 @@ class GuidedSearch(DsatSearchMethod):
 
     @staticmethod
     def margin_drop(state: ConfigState, mbs: int, freed: float = 0.0) -> int:
-        """How many micro-batches below ``mbs`` the configuration (with ``freed`` bytes of bucket
-        memory less) may first leave the margin free: the fewest, since memory grows with the
-        micro-batch at most in proportion; 0 where ``mbs`` already does."""
-        if mbs not in state.over_margin:
-            return 0
+        """How many micro-batches below ``mbs``, where it ran over the margin, the configuration
+        (with ``freed`` bytes of bucket memory less) may first leave the margin free: the fewest,
+        since memory grows with the micro-batch at most in proportion."""
         excess, peak = state.over_margin[mbs]
         if freed >= excess:
             return 0

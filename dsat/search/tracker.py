@@ -11,7 +11,7 @@ from typing import Any
 
 from dsat.constants import OVERWRITE_KEY
 from dsat.experiment.metric import Metric
-from dsat.trial import TrialKind, TrialRecord, TrialStatus
+from dsat.trial import TrialKind, TrialRecord, TrialStatus, leaves_memory_margin
 
 
 def config_key(record: TrialRecord) -> str:
@@ -179,8 +179,7 @@ class TrialTracker:
         """Whether its peak memory leaves ``--memory-margin`` of the device free (yes where it
         was not measured): one that barely fits a short trial can run out of memory hours into a
         real run, so one that does not is never handed over."""
-        fraction = record.memory_fraction
-        return fraction is None or fraction <= 1.0 - self.memory_margin
+        return leaves_memory_margin(record.metrics, self.memory_margin)
 
     def too_large(self, record: TrialRecord) -> bool:
         """Whether its micro-batch is above what its configuration may use: it failed, or it ran
