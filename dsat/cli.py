@@ -7,7 +7,9 @@ flag is typed, and every user mistake ends as one ``dsat: error:`` line and exit
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import faulthandler
 import logging
 import os
 import signal
@@ -408,6 +410,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["report"]:
         return report_main(argv[1:])
     show_progress_logs()
+    dump_stacks_on_request()
     previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
         launch(parse_settings(argv), os.environ)
@@ -429,6 +432,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def dump_stacks_on_request() -> None:
+    """``kill -USR1 <dsat's pid>`` prints where each of dsat's threads is to stderr, and dsat
+    goes on: the first thing to look at when a search seems stuck."""
+    if not hasattr(signal, "SIGUSR1"):
+        return
+    # Where stderr is no file (dsat called from Python with its output captured), there is
+    # nowhere to print to.
+    with contextlib.suppress(OSError, ValueError):
+        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
 
 
 def _raise_keyboard_interrupt(signum: int, frame: object) -> None:

@@ -548,3 +548,21 @@ def test_search_with_no_working_config_exits_1(tmp_path: Path) -> None:
         "dsat: search failed: the model-profile trial failed: the model must run at micro-batch 1 with "
         "the submitted DeepSpeed config; fix that (see the trial's log) and try again"
     ]
+
+
+def test_sigusr1_prints_where_each_thread_is_and_dsat_goes_on(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    import faulthandler
+    import signal
+
+    from dsat.cli import dump_stacks_on_request
+
+    dump_stacks_on_request()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+    finally:
+        faulthandler.unregister(signal.SIGUSR1)
+    err = capfd.readouterr().err
+    assert "test_sigusr1_prints_where_each_thread_is_and_dsat_goes_on" in err
+    assert "Current thread" in err or "Thread 0x" in err

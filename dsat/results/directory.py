@@ -139,7 +139,9 @@ def summary_table(tracker: TrialTracker) -> str:
     for stage in sorted({r.zero_stage for r in searched}):
         in_stage = [r for r in searched if r.zero_stage == stage]
         rows.append(_row(f"z{stage}", in_stage, tracker))
-    rows.append(_row("global", searched, tracker))
+    # The global row names what is handed over: the best measured trial, unless the
+    # confirmation round (or a method's own estimate, guided's) chose another.
+    rows.append(_row("global", searched, tracker, tracker.best()))
     header = ("tuning_space", "num_experiments", "best_metric_val", "best_exp_name")
     widths = [max(len(header[i]), *(len(row[i]) for row in rows)) for i in range(4)]
     align = ["<", ">", ">", "<"]
@@ -190,9 +192,12 @@ def confirmation_table(tracker: TrialTracker) -> str:
 
 
 def _row(
-    space: str, records: list[TrialRecord], tracker: TrialTracker
+    space: str,
+    records: list[TrialRecord],
+    tracker: TrialTracker,
+    chosen: TrialRecord | None = None,
 ) -> tuple[str, str, str, str]:
-    best = tracker.best_of(records)
+    best = chosen or tracker.best_of(records)
     value = tracker.metric_value(best) if best is not None else None
     return (
         space,

@@ -11,7 +11,7 @@ saves memory), or a failed lineage whose ceiling is below what a same-stage tria
 from __future__ import annotations
 
 from dsat.search.method import MAX_DRAWS, DsatSearchMethod
-from dsat.trial import SearchRange, TrialRecord
+from dsat.trial import SearchRange, TrialKind, TrialRecord
 
 PRUNED_BY_LOWER_STAGES = 3
 LOWER_STAGES = {1, 2}
@@ -32,16 +32,49 @@ class RandomSearch(DsatSearchMethod):
         return self.draw_micro_batch(search_range)
 
     def choose_stage(self) -> int:
-        preferred = sorted(
-            LOWER_STAGES & self.tracker.successful_stages & set(self.settings.zero_stages)
-        )
-        stages = preferred or self.live_stages()
+        preferred = LOWER_STAGES & self.tracker.successful_stages & set(self.settings.zero_stages)
+        if preferred and self.stage_three_reaches_further():
+            preferred.add(PRUNED_BY_LOWER_STAGES)
+        stages = sorted(preferred) or self.live_stages()
         return int(stages[int(self.rng.integers(len(stages)))])
+
+    def lower_stage_reach(self) -> int | None:
+        """The largest micro-batch stage 1 or 2 completed; None while neither has."""
+        sizes = [
+            r.mbs
+            for r in self.tracker.records
+            if r.zero_stage in LOWER_STAGES and self.tracker.metric_value(r) is not None
+        ]
+        return max(sizes) if sizes else None
+
+    def stage_three_reaches_further(self) -> bool:
+        """Whether stage 3 may still buy what it exists for, a larger micro-batch: stages 1 and 2
+        ran into a memory limit (an OOM, or a run over the margin) and stage 3 has room above
+        what they completed. The reference drops stage 3 as soon as stage 1 or 2 works, which
+        loses every model whose best configuration is ZeRO-3 at a micro-batch the lower stages
+        cannot hold."""
+        stages = self.settings.zero_stages
+        if PRUNED_BY_LOWER_STAGES not in stages:
+            return False
+        limited = any(
+            r.zero_stage in LOWER_STAGES and self.tracker.too_large(r)
+            for r in self.tracker.records
+            if r.kind is TrialKind.SEARCH
+        )
+        return limited and not self.initial_range(PRUNED_BY_LOWER_STAGES).empty
 
     def initial_range(self, stage: int) -> SearchRange:
         """Below the memory model's estimate until the stage has a best trial; then from that trial's
         micro-batch (other knobs may be faster there) up to the smallest micro-batch that ran
         out of memory in this stage, or, with none yet, twice as high."""
+        search_range = self._stage_range(stage)
+        reach = self.lower_stage_reach()
+        if stage == PRUNED_BY_LOWER_STAGES and reach is not None:
+            # Below what stage 1 or 2 already ran, stage 3 only adds communication.
+            return SearchRange(max(search_range.lo, reach + 1), search_range.hi)
+        return search_range
+
+    def _stage_range(self, stage: int) -> SearchRange:
         best = self.tracker.best(stage)
         if best is None or best.search_range is None:
             # One sample of activations short of the memory model's estimate (the reference's own
@@ -73,7 +106,11 @@ class RandomSearch(DsatSearchMethod):
         if tracker.finished_in_lineage(record.lineage_id) >= self.settings.trials_per_random_config:
             return True
         if record.zero_stage == PRUNED_BY_LOWER_STAGES and LOWER_STAGES & tracker.successful_stages:
-            return True
+            reach = self.lower_stage_reach()
+            if not self.stage_three_reaches_further() or (
+                reach is not None and search_range.hi <= reach
+            ):
+                return True
         if tracker.error_in_history(record):
             return any(
                 r.mbs >= search_range.hi
@@ -83,6 +120,9 @@ class RandomSearch(DsatSearchMethod):
         return False
 
     def _continue(self, record: TrialRecord, remaining: SearchRange) -> list[TrialRecord]:
+        reach = self.lower_stage_reach()
+        if record.zero_stage == PRUNED_BY_LOWER_STAGES and reach is not None:
+            remaining = SearchRange(max(remaining.lo, reach + 1), remaining.hi)
         child = None
         if not self.should_stop_lineage(record) and not remaining.empty:
             child = self.continue_lineage(record, remaining, self.draw_micro_batch(remaining))
@@ -102,13 +142,16 @@ class RandomSearch(DsatSearchMethod):
         return self._continue(record, SearchRange(record.search_range.lo, record.mbs - 1))
 
     def choose_next(self) -> str | None:
-        """Drop queued trials whose lineage should stop, replacing each with a fresh one."""
+        """Drop queued search trials whose lineage should stop, replacing each with a fresh one.
+        A run of the confirmation round is no lineage's next step: it always runs (dropped, its
+        leader, often one whose lineage had used up --trials-per-random-config, could not win
+        the round, and a new search trial ran in its place)."""
         queue = self.tracker.queue
         for _ in range(MAX_DRAWS):
             if not queue:
                 return None
             head = self.tracker.get(queue[0])
-            if not self.should_stop_lineage(head):
+            if head.kind is not TrialKind.SEARCH or not self.should_stop_lineage(head):
                 return head.request_id
             self.tracker.discard(head.request_id)
             self.new_lineage()

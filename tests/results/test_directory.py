@@ -86,6 +86,21 @@ def test_results_files(tmp_path: Path) -> None:
     assert best.name in summary.splitlines()[-1]
 
 
+def test_the_global_row_names_what_is_handed_over(tmp_path: Path) -> None:
+    method = search(tmp_path)
+    tracker = method.tracker
+    best = tracker.best()
+    assert best is not None
+    other = min(
+        (r for r in tracker.records if tracker.metric_value(r) is not None and r.name != best.name),
+        key=lambda r: tracker.metric_value(r) or 0.0,
+    )
+    tracker.confirmed_id = other.request_id  # as a confirmation round that chose it would
+    global_row = summary_table(tracker).splitlines()[-1]
+    assert other.name in global_row and best.name not in global_row
+    assert f"{tracker.metric_value(other):.6g}" in global_row
+
+
 def test_an_interrupted_search_resumes_from_its_results(tmp_path: Path) -> None:
     search(tmp_path, max_events=9)
     assert len(lines(tmp_path)) == 9 and not (tmp_path / SUMMARY_FILE).exists()

@@ -82,3 +82,23 @@ def test_early_stopping() -> None:
     assert m.shutdown_reason is not None and m.shutdown_reason.startswith("early stopping")
     assert len(m.tracker.finished) < 64
     assert m.tracker.trials_since_best >= 4
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_every_leader_is_run_again_and_no_search_trial_runs_in_the_confirmation_round(
+    seed: int,
+) -> None:
+    # Two trials per configuration: the leaders' lineages have used theirs up by the end.
+    m = method(
+        "random", random_seed=seed, zero_stages=(1, 2), confirm_top=3, trials_per_random_config=2
+    )
+    run(m, cliff_function(23, {1: 0.1, 2: 0.05}))
+    records = m.tracker.records
+    confirms = [r for r in records if r.kind is TrialKind.CONFIRM]
+    leaders = {r.parent_id for r in confirms}
+    assert len(leaders) == 3
+    runs = {leader: sum(r.parent_id == leader for r in confirms) for leader in leaders}
+    assert len(set(runs.values())) == 1  # each leader as often as the others
+    first = min(r.index for r in confirms)
+    assert not [r.name for r in records if r.kind is TrialKind.SEARCH and r.index > first]
+    assert all(r.status is TrialStatus.COMPLETED for r in confirms)

@@ -4,6 +4,7 @@ found again when a resumed search must make sure none of its earlier trials stil
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -50,15 +51,12 @@ def kill_process_group(process: TrialProcess) -> None:
                 return
         except subprocess.TimeoutExpired:
             continue
-    else:
-        process.wait()
-        return
-    # The group is gone, but its leader's exit may not be known yet: a warm trial's is reported
-    # by its worker's reader thread, which on a loaded machine can lag the process itself.
-    try:
+    # The group is gone (SIGKILL cannot be refused), but its leader's exit may not be known yet:
+    # a warm trial's is reported by its worker, which on a loaded machine, or while it imports,
+    # can lag the process itself. Waiting for that news without end would keep a stopping dsat
+    # alive.
+    with contextlib.suppress(subprocess.TimeoutExpired):
         process.wait(timeout=KILL_GRACE_SECONDS)
-    except subprocess.TimeoutExpired:
-        pass
 
 
 def leftover_trials(results_dir: Path) -> list[psutil.Process]:
