@@ -19,15 +19,15 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import math
 from typing import Any
 
 from dsat.memory import bucket_buffer_bytes
 from dsat.search.concave_curve import CurveEvidence, Gap, best_possible, next_gap
-from dsat.search.confirmation import Score, leaders
+from dsat.search.confirmation import leaders
+from dsat.search.denoised_ranking import config_key, estimates, measured
 from dsat.search.method import DsatSearchMethod
-from dsat.search.throughput_model import Observation, estimate
+from dsat.search.throughput_model import Observation
 from dsat.trial import SearchRange, TrialKind, TrialRecord, TrialStatus
 from dsat.zero_space import (
     BUCKET_SIZES,
@@ -66,9 +66,6 @@ OVERLAPPED_MEMORY_STEP_OPTIMISM = 0.06
 PAIRED_STEP_OPTIMISM = 0.05
 # Trials in flight at once: each result changes what is worth trying next.
 PARALLEL_TRIALS = 4
-# Only trials measured within this of the best (about four times one measurement's noise) are
-# estimated: pooling moves a trial by a fraction of its noise, never past this.
-CANDIDATE_SPAN = 0.06
 # The leaders' neighbours: the estimate decides between the top configurations, and one lucky
 # measurement of a configuration tried at a single micro-batch can lead it. So each of the top
 # LEADERS distinct configurations by the estimate (within LEADER_SPAN of the best) gets trials of
@@ -119,15 +116,6 @@ PAIRED_STEP_TRIALS = 4
 # extra steps exposed more lucky single measurements (noisy 3B, seeds 100-199: 87 of 100 handed
 # over within 2%, 91 at 1%, 93 before either change).
 RUNNER_UP_SPAN = 0.01
-# The best of many single measurements is the luckiest: a configuration with only one trial
-# within 2 micro-batches of a trial ranks this much lower there when the search picks what to
-# hand over (about two thirds of one measurement's noise), so a rival as good by the estimate
-# whose level rests on several trials is handed over instead.
-SINGLE_TRIAL_DISCOUNT = 0.01
-
-
-def _key(section: dict[str, Any]) -> str:
-    return json.dumps(section, sort_keys=True)
 
 
 @dataclasses.dataclass
@@ -214,19 +202,16 @@ class GuidedSearch(DsatSearchMethod):
 
     # ------------------------------------------------------------------ evidence
 
-    def _oriented(self, value: float) -> float:
-        if self.settings.metric.smaller_is_better:
-            return 1.0 / value if value > 0 else math.inf
-        return value
-
     def configs(self) -> dict[str, ConfigState]:
         states: dict[str, ConfigState] = {}
         for record in self.tracker.records:
             if record.kind is not TrialKind.SEARCH:
                 continue
             section = record.zero_section
-            state = states.setdefault(_key(section), ConfigState(section, first_index=record.index))
-            value = self.measured(record)
+            state = states.setdefault(
+                config_key(section), ConfigState(section, first_index=record.index)
+            )
+            value = measured(self.tracker, record)
             if value is not None:
                 state.values[record.mbs] = value
                 if self.tracker.too_large(record):
@@ -241,32 +226,15 @@ class GuidedSearch(DsatSearchMethod):
                 state.pending_mbs.add(record.mbs)
         return states
 
-    def measured(self, record: TrialRecord) -> float | None:
-        """A search trial's metric (larger is better), averaged with its confirmation runs: one
-        observation either way, since part of what makes a configuration measure well can be its
-        own (the same kernels, the same placement) and would not average out."""
-        tracker = self.tracker
-        runs = [tracker.metric_value(record)] + [
-            tracker.confirmed_value(r) for r in tracker.confirmation_runs(record.request_id)
-        ]
-        oriented = [self._oriented(v) for v in runs if v is not None]
-        oriented = [v for v in oriented if 0 < v < math.inf]
-        return sum(oriented) / len(oriented) if oriented else None
-
     def estimates(self, states: dict[str, ConfigState]) -> dict[tuple[str, int], float]:
-        """The denoised metric (larger is better) of every trial measured near the best, each
-        pooled with its stage's other trials (dsat.search.throughput_model)."""
-        observations = [
-            Observation(key, state.stage, mbs, value)
-            for key, state in states.items()
-            for mbs, value in state.values.items()
-        ]
-        best = max((o.value for o in observations), default=0.0)
-        result: dict[tuple[str, int], float] = {}
-        for o in observations:
-            if o.value >= best * (1 - CANDIDATE_SPAN):
-                result[(str(o.config), o.mbs)] = estimate(observations, o.config, o.mbs) or o.value
-        return result
+        """The denoised metric of every trial measured near the best (denoised_ranking)."""
+        return estimates(
+            [
+                Observation(key, state.stage, mbs, value)
+                for key, state in states.items()
+                for mbs, value in state.values.items()
+            ]
+        )
 
     def ceiling(self, section: dict[str, Any], states: dict[str, ConfigState]) -> int | None:
         """The largest micro-batch not ruled out: below this configuration's smallest failure,
@@ -406,7 +374,7 @@ class GuidedSearch(DsatSearchMethod):
                 and any(m in other.values for m in state.values)
             ]
             if donors:
-                donor = max(donors, key=lambda d: (len(d.values), _key(d.section)))
+                donor = max(donors, key=lambda d: (len(d.values), config_key(d.section)))
                 shared = [m for m in state.values if m in donor.values]
                 ratio = sum(state.values[m] / donor.values[m] for m in shared) / len(shared)
                 borrowed = {m: v * ratio for m, v in donor.values.items() if m <= reach}
@@ -481,7 +449,7 @@ class GuidedSearch(DsatSearchMethod):
 
         def curve(state: ConfigState) -> tuple[int, CurveEvidence, Gap | None]:
             """Its reach, its evidence and its next gap, worked out once per decision."""
-            key = _key(state.section)
+            key = config_key(state.section)
             if key not in curves:
                 reach = self.reach(state, states)
                 evidence = self.evidence(state, reach, states, incumbents.get(state.stage, state))
@@ -532,7 +500,7 @@ class GuidedSearch(DsatSearchMethod):
                     )
                 else:
                     kind = _step_kind(knob, base.section[knob], value)
-                if _key(section) in states or (paired_only and knob != PAIRED_STEP):
+                if config_key(section) in states or (paired_only and knob != PAIRED_STEP):
                     continue
                 changes_memory = knob != PAIRED_STEP and self.moves_memory(base, section)
                 if unsettled and changes_memory and not limit_seen:
@@ -625,24 +593,6 @@ class GuidedSearch(DsatSearchMethod):
         return actions
 
     # ------------------------------------------------------------------ handing over
-
-    def leader_score(self) -> Score:
-        """Each search trial's denoised metric, in the metric's own direction (its measurement
-        when it is too far from the best to be estimated), from the records as they are now:
-        the confirmation round's leaders and winner, and ``pick``, are ranked by it."""
-        states = self.configs()
-        estimated = self.estimates(states)
-
-        def score(record: TrialRecord) -> float:
-            key = _key(record.zero_section)
-            value = estimated.get((key, record.mbs), self.measured(record))
-            if not value:
-                return -math.inf if self.settings.metric.smaller_is_better else 0.0
-            if key in states and _support(states[key], record.mbs) < 2:
-                value *= 1 - SINGLE_TRIAL_DISCOUNT  # one measurement: likely the lucky one
-            return 1.0 / value if self.settings.metric.smaller_is_better else value
-
-        return score
 
     def pick(self) -> TrialRecord | None:
         """What the search would hand over now: the confirmed trial once there is one, else the

@@ -26,6 +26,7 @@ from dsat.memory import (
     determined_max_micro_batch,
 )
 from dsat.search.confirmation import Score
+from dsat.search.denoised_ranking import denoised_score
 from dsat.search.ending import SearchEnding
 from dsat.search.events import DeterminedEvents
 from dsat.search.method_settings import MethodSettings
@@ -131,10 +132,10 @@ class DsatSearchMethod(DeterminedEvents):
         return search_range.midpoint
 
     def leader_score(self) -> Score | None:
-        """How the confirmation round ranks its leaders and picks its winner: None for by what
-        was measured (the mean of the confirmation runs); a method with a model of the metric
-        may rank by its estimate instead."""
-        return None
+        """How the confirmation round ranks its leaders and picks its winner (and so what is
+        handed over): by each trial's metric denoised by its stage's other trials, not the
+        single, possibly lucky, measurement (dsat.search.denoised_ranking)."""
+        return denoised_score(self.tracker)
 
     # ------------------------------------------------------------------ building trials
 

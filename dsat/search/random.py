@@ -33,7 +33,7 @@ class RandomSearch(DsatSearchMethod):
 
     def choose_stage(self) -> int:
         preferred = LOWER_STAGES & self.tracker.successful_stages & set(self.settings.zero_stages)
-        if preferred and self.stage_three_reaches_further():
+        if preferred and self.stage_three_worth_a_new_configuration():
             preferred.add(PRUNED_BY_LOWER_STAGES)
         stages = sorted(preferred) or self.live_stages()
         return int(stages[int(self.rng.integers(len(stages)))])
@@ -62,6 +62,33 @@ class RandomSearch(DsatSearchMethod):
             if r.kind is TrialKind.SEARCH
         )
         return limited and not self.initial_range(PRUNED_BY_LOWER_STAGES).empty
+
+    def stage_three_worth_a_new_configuration(self) -> bool:
+        """Stage 3 has room above stages 1-2 and has not yet lost there: until one of its trials
+        ran above what they completed, or while its best beats theirs. A configuration of stage
+        3 that is slower where it first runs above them may still win higher up, so its lineage
+        goes on (``should_stop_lineage``); only new ones are no longer drawn."""
+        if not self.stage_three_reaches_further():
+            return False
+        reach = self.lower_stage_reach()
+        tried_above = any(
+            r.zero_stage == PRUNED_BY_LOWER_STAGES
+            and self.tracker.metric_value(r) is not None
+            and (reach is None or r.mbs > reach)
+            for r in self.tracker.records
+        )
+        if not tried_above:
+            return True
+        ours = self.tracker.best(PRUNED_BY_LOWER_STAGES)
+        theirs = self.tracker.best_of(
+            [r for r in self.tracker.records if r.zero_stage in LOWER_STAGES]
+        )
+        better = self.settings.metric.is_better
+        if ours is None or theirs is None:
+            return ours is not None
+        return better(
+            self.tracker.metric_value(ours) or 0.0, self.tracker.metric_value(theirs) or 0.0
+        )
 
     def initial_range(self, stage: int) -> SearchRange:
         """Below the memory model's estimate until the stage has a best trial; then from that trial's
