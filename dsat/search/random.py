@@ -3,9 +3,11 @@
 Micro-batches are drawn from a binomial around the middle of the lineage's range (covering more
 than the midpoint alone). Once a stage has a best trial, new configurations of that stage start at
 its micro-batch and stop at the smallest one that ran out of memory there: unlike the reference,
-which starts above the best and so spends most late trials on certain OOMs. Lineages stop early on domain knowledge: a failure at the smallest
-micro-batch, `--trials-per-random-config` trials, stage 3 once stage 1 or 2 works (it only
-saves memory), or a failed lineage whose ceiling is below what a same-stage trial already ran.
+which starts above the best and so spends most late trials on certain OOMs. Lineages stop early
+on domain knowledge: a failure at the smallest micro-batch, `--trials-per-random-config` trials,
+or a failed lineage whose ceiling is below what a same-stage trial already ran. Stage 3 only
+saves memory, so once stage 1 or 2 works it is searched only above the largest micro-batch they
+ran, and only while they hit a memory limit below its reach (the reference drops it outright).
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from __future__ import annotations
 from dsat.search.method import MAX_DRAWS, DsatSearchMethod
 from dsat.trial import SearchRange, TrialKind, TrialRecord
 
-PRUNED_BY_LOWER_STAGES = 3
+# ZeRO-3 partitions the parameters too: it saves memory and adds communication, nothing else.
+MEMORY_ONLY_STAGE = 3
 LOWER_STAGES = {1, 2}
 
 
@@ -34,7 +37,7 @@ class RandomSearch(DsatSearchMethod):
     def choose_stage(self) -> int:
         preferred = LOWER_STAGES & self.tracker.successful_stages & set(self.settings.zero_stages)
         if preferred and self.stage_three_worth_a_new_configuration():
-            preferred.add(PRUNED_BY_LOWER_STAGES)
+            preferred.add(MEMORY_ONLY_STAGE)
         stages = sorted(preferred) or self.live_stages()
         return int(stages[int(self.rng.integers(len(stages)))])
 
@@ -54,14 +57,14 @@ class RandomSearch(DsatSearchMethod):
         loses every model whose best configuration is ZeRO-3 at a micro-batch the lower stages
         cannot hold."""
         stages = self.settings.zero_stages
-        if PRUNED_BY_LOWER_STAGES not in stages:
+        if MEMORY_ONLY_STAGE not in stages:
             return False
         limited = any(
             r.zero_stage in LOWER_STAGES and self.tracker.too_large(r)
             for r in self.tracker.records
             if r.kind is TrialKind.SEARCH
         )
-        return limited and not self.initial_range(PRUNED_BY_LOWER_STAGES).empty
+        return limited and not self.initial_range(MEMORY_ONLY_STAGE).empty
 
     def stage_three_worth_a_new_configuration(self) -> bool:
         """Stage 3 has room above stages 1-2 and has not yet lost there: until one of its trials
@@ -72,14 +75,14 @@ class RandomSearch(DsatSearchMethod):
             return False
         reach = self.lower_stage_reach()
         tried_above = any(
-            r.zero_stage == PRUNED_BY_LOWER_STAGES
+            r.zero_stage == MEMORY_ONLY_STAGE
             and self.tracker.metric_value(r) is not None
             and (reach is None or r.mbs > reach)
             for r in self.tracker.records
         )
         if not tried_above:
             return True
-        ours = self.tracker.best(PRUNED_BY_LOWER_STAGES)
+        ours = self.tracker.best(MEMORY_ONLY_STAGE)
         theirs = self.tracker.best_of(
             [r for r in self.tracker.records if r.zero_stage in LOWER_STAGES]
         )
@@ -96,7 +99,7 @@ class RandomSearch(DsatSearchMethod):
         out of memory in this stage, or, with none yet, twice as high."""
         search_range = self._stage_range(stage)
         reach = self.lower_stage_reach()
-        if stage == PRUNED_BY_LOWER_STAGES and reach is not None:
+        if stage == MEMORY_ONLY_STAGE and reach is not None:
             # Below what stage 1 or 2 already ran, stage 3 only adds communication.
             return SearchRange(max(search_range.lo, reach + 1), search_range.hi)
         return search_range
@@ -132,7 +135,7 @@ class RandomSearch(DsatSearchMethod):
             return True
         if tracker.finished_in_lineage(record.lineage_id) >= self.settings.trials_per_random_config:
             return True
-        if record.zero_stage == PRUNED_BY_LOWER_STAGES and LOWER_STAGES & tracker.successful_stages:
+        if record.zero_stage == MEMORY_ONLY_STAGE and LOWER_STAGES & tracker.successful_stages:
             reach = self.lower_stage_reach()
             if not self.stage_three_reaches_further() or (
                 reach is not None and search_range.hi <= reach
@@ -148,7 +151,7 @@ class RandomSearch(DsatSearchMethod):
 
     def _continue(self, record: TrialRecord, remaining: SearchRange) -> list[TrialRecord]:
         reach = self.lower_stage_reach()
-        if record.zero_stage == PRUNED_BY_LOWER_STAGES and reach is not None:
+        if record.zero_stage == MEMORY_ONLY_STAGE and reach is not None:
             remaining = SearchRange(max(remaining.lo, reach + 1), remaining.hi)
         child = None
         if not self.should_stop_lineage(record) and not remaining.empty:

@@ -102,3 +102,27 @@ def test_every_leader_is_run_again_and_no_search_trial_runs_in_the_confirmation_
     first = min(r.index for r in confirms)
     assert not [r.name for r in records if r.kind is TrialKind.SEARCH and r.index > first]
     assert all(r.status is TrialStatus.COMPLETED for r in confirms)
+
+
+def test_stage_three_stays_while_stages_one_and_two_hit_memory_below_its_reach() -> None:
+    m = method("random", zero_stages=(1, 3), max_concurrent_trials=4, random_seed=0)
+    ids = created_ids(start_profile(m))
+    stage3 = [m.tracker.get(i) for i in ids if m.tracker.get(i).zero_stage == 3]
+    stage1 = [i for i in ids if m.tracker.get(i).zero_stage == 1]
+    assert stage3 and len(stage1) >= 2
+    finish(m, stage1[0], ok=True)
+    ran = m.tracker.get(stage1[0]).mbs
+    finish(m, stage1[1], ok=False)  # stage 1 runs out of memory (above or below ``ran``)
+    # Stage 3 may reach above what stage 1 ran: it stays, searched only above that.
+    assert m.stage_three_reaches_further()
+    assert m.initial_range(3).lo == ran + 1
+    above = stage3[0].replace(search_range=SearchRange(1, ran + 10))
+    assert not m.should_stop_lineage(above)
+    assert {m.choose_stage() for _ in range(40)} == {1, 3}
+    # A stage-3 lineage that cannot get above what stage 1 ran stops.
+    assert m.should_stop_lineage(stage3[0].replace(search_range=SearchRange(1, ran)))
+    # Once a stage-3 trial ran above stage 1 and lost, no new stage-3 configuration is drawn.
+    loser = m.make_trial(TrialKind.SEARCH, {"stage": 3}, ran + 1).replace(request_id="loser")
+    m.tracker.add(loser, queue=False)
+    m.tracker.mark_finished("loser", TrialStatus.COMPLETED, {"FLOPS_per_gpu": 1e-3})
+    assert all(m.choose_stage() == 1 for _ in range(20))
