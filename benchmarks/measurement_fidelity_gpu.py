@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 import yaml
+from measurement_fidelity import spearman  # benchmarks/, next to this script
 
 from dsat.atomic_file import write_json_atomic
 from dsat.results.directory import BEST_CONFIG_FILE, TRIALS_FILE
@@ -70,12 +71,9 @@ print("RESULT " + json.dumps({"samples_per_s": mbs * steps / seconds,
 """
 
 
-def spearman(a: list[float], b: list[float]) -> float | None:
-    if len(a) < 3:
-        return None
-    ranks_a = np.argsort(np.argsort(a)).astype(float)
-    ranks_b = np.argsort(np.argsort(b)).astype(float)
-    return float(np.corrcoef(ranks_a, ranks_b)[0, 1])
+def rank_correlation(a: list[float], b: list[float]) -> float | None:
+    """measurement_fidelity's Spearman; None for fewer than three configurations."""
+    return spearman(a, b) if len(a) >= 3 else None
 
 
 def plain_config(zero: dict[str, Any], mbs: int) -> dict[str, Any]:
@@ -185,16 +183,13 @@ def main() -> None:
         c["plain_mean"] = float(np.mean(c["plain"]))
     best = max((c["plain_mean"] for c in measured), default=None)
     handed = next((c for c in measured if c["handed_over"]), None)
+    truth = [c["plain_mean"] for c in measured]
     report = {
         "model": hparams,
         "configs": chosen,
         "handed_over_vs_best_remeasured": handed["plain_mean"] / best if handed and best else None,
-        "spearman_dsat": spearman(
-            [c["dsat"] for c in measured], [c["plain_mean"] for c in measured]
-        ),
-        "spearman_deepspeed": spearman(
-            [c["deepspeed"] or 0.0 for c in measured], [c["plain_mean"] for c in measured]
-        ),
+        "spearman_dsat": rank_correlation([c["dsat"] for c in measured], truth),
+        "spearman_deepspeed": rank_correlation([c["deepspeed"] or 0.0 for c in measured], truth),
         "repeats": args.repeats,
         "warmup": args.warmup,
         "steps": args.steps,

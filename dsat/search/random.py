@@ -97,12 +97,15 @@ class RandomSearch(DsatSearchMethod):
         """Below the memory model's estimate until the stage has a best trial; then from that trial's
         micro-batch (other knobs may be faster there) up to the smallest micro-batch that ran
         out of memory in this stage, or, with none yet, twice as high."""
-        search_range = self._stage_range(stage)
+        return self.above_lower_stages(stage, self._stage_range(stage))
+
+    def above_lower_stages(self, stage: int, search_range: SearchRange) -> SearchRange:
+        """Stage 3's part of ``search_range``: above the largest micro-batch stage 1 or 2 ran,
+        below which stage 3 only adds communication. Other stages' ranges as they are."""
         reach = self.lower_stage_reach()
-        if stage == MEMORY_ONLY_STAGE and reach is not None:
-            # Below what stage 1 or 2 already ran, stage 3 only adds communication.
-            return SearchRange(max(search_range.lo, reach + 1), search_range.hi)
-        return search_range
+        if stage != MEMORY_ONLY_STAGE or reach is None:
+            return search_range
+        return SearchRange(max(search_range.lo, reach + 1), search_range.hi)
 
     def _stage_range(self, stage: int) -> SearchRange:
         best = self.tracker.best(stage)
@@ -150,9 +153,7 @@ class RandomSearch(DsatSearchMethod):
         return False
 
     def _continue(self, record: TrialRecord, remaining: SearchRange) -> list[TrialRecord]:
-        reach = self.lower_stage_reach()
-        if record.zero_stage == MEMORY_ONLY_STAGE and reach is not None:
-            remaining = SearchRange(max(remaining.lo, reach + 1), remaining.hi)
+        remaining = self.above_lower_stages(record.zero_stage, remaining)
         child = None
         if not self.should_stop_lineage(record) and not remaining.empty:
             child = self.continue_lineage(record, remaining, self.draw_micro_batch(remaining))
