@@ -29,17 +29,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from determined import searcher
 from heldout_surfaces import HELDOUT_MODELS  # benchmarks/, next to this script
 
 from dsat.atomic_file import write_json_atomic
 from dsat.experiment.metric import Metric
 from dsat.experiment.settings import DEFAULT_MEMORY_MARGIN
-from dsat.runners.driver import (
-    DeterminedOnlyMethod,
-    FinishedTrial,
-    SearchDriver,
-    SearchEvents,
-)
+from dsat.runners.determined.event_loop import DeterminedEventLoop
+from dsat.runners.driver import FinishedTrial, SearchDriver
 from dsat.runners.simulated.performance_models import (
     BUILTIN_MODELS,
     PerformanceModel,
@@ -47,10 +44,9 @@ from dsat.runners.simulated.performance_models import (
     optimum,
 )
 from dsat.runners.simulated.runner import SimulatedRunner
-from dsat.runners.trial_runner import TrialOutcome
-from dsat.search import MethodSettings, make_search_method
+from dsat.search import DsatSearchMethod, MethodSettings, make_search_method
 from dsat.search.trial_builder import SearchSpec
-from dsat.trial import TrialStatus, leaves_memory_margin
+from dsat.trial import TrialOutcome, TrialStatus, leaves_memory_margin
 
 RESULTS = Path(__file__).resolve().parent / "results" / "search_efficiency.json"
 METRIC = Metric.FLOPS_PER_GPU
@@ -68,7 +64,7 @@ REFERENCE_OF = {"guided": "asha", "asha": "asha", "binary": "binary", "random": 
 
 def dsat_method(
     method: str, seed: int, slots: int, ds_config: dict[str, Any], _: Path
-) -> SearchEvents:
+) -> DsatSearchMethod:
     settings = MethodSettings(method=method, random_seed=seed)
     return make_search_method(
         settings, SearchSpec({"deepspeed_config": "ds_config.json"}, ds_config, slots)
@@ -77,7 +73,7 @@ def dsat_method(
 
 def reference_method(
     method: str, seed: int, slots: int, ds_config: dict[str, Any], model_dir: Path
-) -> SearchEvents:
+) -> searcher.SearchMethod:
     from determined.pytorch.dsat import _dsat_search_method as ref
     from determined.pytorch.dsat import defaults
 
@@ -101,14 +97,14 @@ def reference_method(
     }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        return DeterminedOnlyMethod(classes[REFERENCE_OF[method]](args, exp_config))
+        return classes[REFERENCE_OF[method]](args, exp_config)
 
 
 class Picks:
     """What a method would hand over after each finished trial: its own pick where it has one
     (guided's ``pick``), else the best measured so far (what the reference hands over)."""
 
-    def __init__(self, search: SearchEvents) -> None:
+    def __init__(self, search: DsatSearchMethod | searcher.SearchMethod) -> None:
         self.search = search
         self.history: list[FinishedTrial] = []  # the driver's, once it runs
         self.configs: list[dict[str, Any] | None] = []
@@ -205,7 +201,7 @@ def gpu_hours(history: list[FinishedTrial], slots: int, trials: int | None) -> f
 
 
 def run_one(
-    factory: Callable[..., SearchEvents],
+    factory: Callable[..., DsatSearchMethod | searcher.SearchMethod],
     method: str,
     model_name: str,
     seed: int,
@@ -222,7 +218,12 @@ def run_one(
     with tempfile.TemporaryDirectory() as tmp:
         search = factory(method, seed, slots, ds_config, Path(tmp))
         picks = Picks(search)
-        driver = SearchDriver(search, SimulatedRunner(model, slots), ds_config, [picks])
+        runner = SimulatedRunner(model, slots)
+        driver: SearchDriver | DeterminedEventLoop
+        if isinstance(search, DsatSearchMethod):
+            driver = SearchDriver(search, runner, [picks])
+        else:  # the reference's: Determined's events, every failure 'errored'
+            driver = DeterminedEventLoop(search, runner, ds_config, [picks])
         picks.history = driver.history
         driver.run()
     tracker = getattr(search, "tracker", None)

@@ -185,7 +185,15 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
         "--runner",
         default="auto",
         choices=runners,
-        help="where trials run; auto = determined when DET_MASTER is set, else local",
+        help="where trials run; auto = determined when DET_MASTER is set, else ray when "
+        "RAY_ADDRESS is set, else local",
+    )
+    parser.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="HOST:PORT",
+        help="the Ray cluster for --runner ray (default: RAY_ADDRESS; with neither, a Ray "
+        "instance on this machine)",
     )
     # The flag's earlier name, still accepted.
     parser.add_argument("--backend", dest="runner", choices=runners, help=argparse.SUPPRESS)
@@ -201,7 +209,7 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="resume the interrupted search in DIR with the settings it ran with; of the other "
         "flags only --max-trials, --max-slots, --max-concurrent-trials, --trial-timeout, "
-        "--fresh-processes and --run-full-experiment may change",
+        "--fresh-processes, --ray-address and --run-full-experiment may change",
     )
     parser.add_argument(
         "--trial-timeout",

@@ -31,6 +31,7 @@ OOM_METRIC_KEY = "dsat_out_of_memory"
 # Environment variables.
 ENV_HPARAMS_FILE = "DSAT_HPARAMS_FILE"  # JSON hyperparameters written by a dsat runner
 ENV_DET_MASTER = "DET_MASTER"  # set when a Determined cluster is in reach
+ENV_RAY_ADDRESS = "RAY_ADDRESS"  # a Ray cluster's address, as Ray itself reads it
 ENV_RESULTS_DIR = "DSAT_RESULTS_DIR"  # in every local trial: the search that started it
 ENV_TRIAL_LENGTH = "DSAT_TRIAL_LENGTH"  # a local trial's searcher-operation length, in batches
 

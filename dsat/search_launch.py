@@ -27,6 +27,7 @@ from dsat.results.resume import read_saved_state, resume_command
 from dsat.runners import RunnerKind, resolve_runner
 from dsat.runners.determined.submit import DeterminedSetup
 from dsat.runners.local.setup import LocalSetup
+from dsat.runners.ray.setup import RaySetup
 from dsat.runners.simulated.setup import SimulatedSetup
 from dsat.runners.trial_runner import RunnerSetup, TrialRunner
 from dsat.search.method import DsatSearchMethod
@@ -66,8 +67,9 @@ def default_results_dir(experiment_name: str, now: datetime.datetime) -> Path:
     return Path.cwd() / RESULTS_ROOT / f"{safe_name}-{stamp}"
 
 
-RUNNER_SETUPS: dict[RunnerKind, type[LocalSetup | SimulatedSetup | DeterminedSetup]] = {
+RUNNER_SETUPS: dict[RunnerKind, type[LocalSetup | RaySetup | SimulatedSetup | DeterminedSetup]] = {
     RunnerKind.LOCAL: LocalSetup,
+    RunnerKind.RAY: RaySetup,
     RunnerKind.SIMULATED: SimulatedSetup,
     RunnerKind.DETERMINED: DeterminedSetup,
 }

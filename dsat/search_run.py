@@ -13,10 +13,12 @@ from dsat.results.directory import BEST_CONFIG_FILE, ResultsWriter, TrialTiming
 from dsat.results.progress import SearchProgress
 from dsat.results.resume import write_settings
 from dsat.runners.driver import SearchDriver, TrialListener
-from dsat.runners.trial_runner import TrialOutcome, TrialRunner
+from dsat.runners.trial_runner import TrialRunner
 from dsat.search import MethodSettings, make_search_method
 from dsat.search.method import DsatSearchMethod
+from dsat.search.method_state import load_state, save_state
 from dsat.search.trial_builder import SearchSpec
+from dsat.trial import TrialOutcome
 
 
 class ResultsRecorder:
@@ -29,14 +31,14 @@ class ResultsRecorder:
     def trial_started(self, request_id: str) -> None:
         # From the first trial on, an interrupted search (a Ctrl-C in its first minute included)
         # can be resumed: the state names the trial as running, and a resume re-runs it.
-        self.method.save_method_state(self.writer.directory)
+        save_state(self.method, self.writer.directory)
 
     def trial_finished(self, request_id: str, outcome: TrialOutcome) -> None:
         record = self.method.tracker.get(request_id)
         self.writer.trial_finished(
             record, TrialTiming(outcome.start, outcome.end), self.method.tracker
         )
-        self.method.save_method_state(self.writer.directory)
+        save_state(self.method, self.writer.directory)
 
 
 def run_search(
@@ -61,21 +63,21 @@ def run_search(
     )
     if progress is not None:
         listeners.append(progress)
-    driver = SearchDriver(method, runner, spec.ds_config, listeners, max_events)
+    driver = SearchDriver(method, runner, listeners, max_events)
     resuming = (results_dir / STATE_FILE).is_file()
     if resuming:
         try:
-            method.load_method_state(results_dir)
+            load_state(method, results_dir)
         except (KeyError, TypeError, ValueError) as err:
             raise DsatError(
                 f"{shown(results_dir / STATE_FILE)}: damaged search state ({err}); this search "
                 "cannot be resumed, start a new one"
             ) from None
     with progress or contextlib.nullcontext():
-        driver.run(initial_ops=method.resume_operations() if resuming else None)
+        driver.run(resume=resuming)
     if driver.shutdown is not None or not runner.running_count():
         writer.write_summary(method.tracker)
-        method.save_method_state(results_dir)
+        save_state(method, results_dir)
     return method
 
 

@@ -49,12 +49,15 @@ class TrialKind(str, enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True)
-class TrialFailure:
-    """Why a trial failed, as a runner that knows more than Determined's 'errored' tells it: it
-    travels with the trial's exited-early event."""
+class TrialOutcome:
+    """How a trial ended, as its runner saw it: what a search method observes."""
 
-    status: TrialStatus
-    error: str | None = None
+    request_id: str
+    status: TrialStatus  # a finished one: completed, oom, error or timeout
+    metrics: dict[str, Any]
+    error: str | None
+    start: float  # seconds on the runner's clock
+    end: float
 
 
 @dataclasses.dataclass(frozen=True)

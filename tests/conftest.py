@@ -85,7 +85,7 @@ def run_cli(
     *args: str, env: dict[str, str] | None = None, cwd: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
     """`python3 -m dsat ...` as a user runs it."""
-    full_env = {k: v for k, v in os.environ.items() if k != "DET_MASTER"}
+    full_env = {k: v for k, v in os.environ.items() if k not in ("DET_MASTER", "RAY_ADDRESS")}
     full_env["PYTHONPATH"] = str(REPO_ROOT)
     full_env.update(env or {})
     return subprocess.run(

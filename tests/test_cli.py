@@ -153,7 +153,7 @@ def test_auto_runner_is_local_without_det_master(experiment_yaml: Path, tmp_path
         "--results-dir",
         str(results),
     )
-    assert "dsat: runner local (DET_MASTER is not set)" in result.stdout
+    assert "dsat: runner local (neither DET_MASTER nor RAY_ADDRESS is set)" in result.stdout
     assert result.returncode == 1
     assert "must run at micro-batch 1" in result.stderr
     logs = list((results / "logs").glob("0*.log"))

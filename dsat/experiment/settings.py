@@ -76,6 +76,7 @@ class SearchSettings:
     trial_timeout: float | None = None  # None: derived from the model-profile trial
     fresh_processes: bool = False  # local runner: no warm workers
     simulator: str | None = None
+    ray_address: str | None = None  # ray runner: the cluster (else RAY_ADDRESS)
 
     def __post_init__(self) -> None:
         if self.method not in SEARCH_METHODS:

@@ -16,9 +16,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.text import Text
 
-from dsat.runners.trial_runner import TrialOutcome
 from dsat.search.tracker import TrialTracker
-from dsat.trial import TrialKind, TrialRecord, TrialStatus
+from dsat.trial import TrialKind, TrialOutcome, TrialRecord, TrialStatus
 
 PREFIX = "dsat:"
 

@@ -24,13 +24,15 @@ from dsat.experiment.settings import SearchSettings
 from dsat.paths import absolute, shown
 
 # Settings a resumed search may change: how many trials, how many at once, how long each may run,
-# how trial processes start, and whether a full run follows. Everything else decides which trials the search proposes.
+# how trial processes start, where the Ray cluster is, and whether a full run follows. Everything
+# else decides which trials the search proposes.
 ADJUSTABLE_ON_RESUME = (
     "max_trials",
     "max_slots",
     "max_concurrent_trials",
     "trial_timeout",
     "fresh_processes",
+    "ray_address",
     "run_full_experiment",
 )
 PATH_KEYS = ("config_path", "model_dir", "results_dir", "search_runner_config")

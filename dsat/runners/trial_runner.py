@@ -13,21 +13,10 @@ master starts the trials (``runners/determined``).
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any, Protocol
 
-from dsat.trial import TrialStatus
-
-
-@dataclasses.dataclass(frozen=True)
-class TrialOutcome:
-    request_id: str
-    status: TrialStatus
-    metrics: dict[str, Any]
-    error: str | None
-    start: float  # seconds on the runner's clock
-    end: float
+from dsat.trial import TrialOutcome
 
 
 class TrialRunner(Protocol):

@@ -98,7 +98,8 @@ class SearchEnding:
                 metrics={},
                 error=None,
             )
-            method.register(run)
+            if method.register(run) is not None:
+                tracker.enqueue([run.request_id])
         tracker.max_trials += len(runs)
         logger.info(
             "search ends: %s; confirmation round: %d run(s) of the %d leading configurations "

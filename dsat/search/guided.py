@@ -176,13 +176,13 @@ class GuidedSearch(DsatSearchMethod):
         return self.plan()
 
     def plan(self) -> list[TrialRecord]:
-        """Queue the most promising trials until the parallel limit is reached."""
+        """The most promising trials, until the parallel limit is reached."""
         queued: list[TrialRecord] = []
         limit = min(self.settings.max_concurrent_trials, PARALLEL_TRIALS)
         tracker = self.tracker
         while (
-            len(tracker.queue) + len(tracker.running) < limit
-            and len(tracker.queue) + tracker.num_started < self.settings.max_trials
+            len(tracker.queue) + len(queued) + len(tracker.running) < limit
+            and len(tracker.queue) + len(queued) + tracker.num_started < self.settings.max_trials
         ):
             action = self.best_action()
             if action is None:

@@ -5,13 +5,16 @@ randomness comes from one numpy generator seeded by `--random-seed`, so the same
 events give the same trials, and its whole state is JSON (method_state.py), so a search resumes
 where it stopped.
 
-Subclasses decide only what to try after the model profile, a success and a failure, and which
-queued trial to start first. Determined's events (events.py) call these hooks; trial records are
-built by trial_builder.py; ending.py decides when the search is over and what is handed over.
+It speaks dsat's search protocol (protocol.py): ``suggest`` hands out the next queued trial,
+``observe`` records an outcome and queues what the hooks return. Subclasses decide only what to
+try after the model profile, a success and a failure (each hook returns the trials it built, and
+those are queued), and which queued trial to start first. Trial records are built by
+trial_builder.py; ending.py decides when the search is over and what is handed over.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -24,15 +27,17 @@ from dsat.memory import (
     Precision,
     approx_max_micro_batch,
     determined_max_micro_batch,
+    log_estimates,
 )
 from dsat.search.confirmation import Score
 from dsat.search.denoised_ranking import denoised_score
 from dsat.search.ending import SearchEnding
-from dsat.search.events import DeterminedEvents
 from dsat.search.method_settings import MethodSettings
+from dsat.search.method_state import load_state_json, state_json
+from dsat.search.protocol import SearchMethod
 from dsat.search.tracker import TrialTracker, config_key
 from dsat.search.trial_builder import SearchSpec, TrialBuilder
-from dsat.trial import SearchRange, TrialKind, TrialRecord, TrialStatus
+from dsat.trial import SearchRange, TrialKind, TrialOutcome, TrialRecord, TrialStatus
 from dsat.zero_space import random_zero_config
 
 logger = logging.getLogger(__name__)
@@ -43,11 +48,10 @@ CeilingEstimate = Callable[[ModelProfile, Precision, int], dict[int, int]]
 MAX_DRAWS = 50
 
 
-class DsatSearchMethod(DeterminedEvents):
+class DsatSearchMethod(SearchMethod):
     name = "base"
 
     def __init__(self, settings: MethodSettings, spec: SearchSpec) -> None:
-        super().__init__()
         self.settings = settings
         self.spec = spec
         self.tracker = TrialTracker(
@@ -65,10 +69,117 @@ class DsatSearchMethod(DeterminedEvents):
         )
         self.next_index = 0
         self.ending = SearchEnding()
+        # Whether an outcome (or a resume) came since the ending was last asked: the stop rules
+        # run once per outcome, before the trials that outcome lets start.
+        self._outcome_pending = False
+        self._finished = False
+
+    # ------------------------------------------------------------------ the protocol
+
+    def suggest(self) -> TrialRecord | None:
+        if self._finished:
+            return None
+        if not len(self.tracker):  # a new search: the model profile comes first, alone
+            record = self.register(self.make_trial(TrialKind.MODEL_PROFILE, None, 1))
+            assert record is not None  # the first trial cannot be a repeat
+            return self.tracker.mark_running(record.request_id)
+        if self._outcome_pending:
+            self._outcome_pending = False
+            if self.ending.should_shutdown(self):
+                logger.info("search ends: %s", self.shutdown_reason)
+                self._finished = True
+                return None
+        if not self.tracker.can_start_more():
+            return None
+        request_id = self._next_queued()
+        if request_id is None:
+            return None
+        self.tracker.dequeue(request_id)
+        return self.tracker.mark_running(request_id)
+
+    def observe(self, outcome: TrialOutcome) -> None:
+        request_id = outcome.request_id
+        if self.tracker.get(request_id).status.finished:
+            # On a cluster a trial that reported its metrics can still be marked errored while
+            # DeepSpeed's exit races the Close: the first outcome stands.
+            logger.info("ignoring a second outcome for finished trial %s", request_id)
+            return
+        self._outcome_pending = True
+        if outcome.status is not TrialStatus.COMPLETED:
+            record = self.tracker.mark_finished(request_id, outcome.status, error=outcome.error)
+            if record.kind is TrialKind.SEARCH:
+                self._follow_up(lambda: self.after_failure(record))
+            return
+        record = self.tracker.mark_finished(request_id, TrialStatus.COMPLETED, outcome.metrics)
+        if record.kind is TrialKind.MODEL_PROFILE:
+            profile = self.profile
+            if profile is not None:
+                log_estimates(profile, self.precision, self.spec.slots_per_trial)
+                self._follow_up(self.initial_lineages)
+        elif record.kind is TrialKind.SEARCH and self.tracker.too_large(record):
+            # It ran, but leaves less than --memory-margin free: to the search, too large.
+            self._follow_up(lambda: self.after_failure(record))
+        elif record.kind is TrialKind.SEARCH:
+            self._follow_up(lambda: self.after_success(record))
+
+    def trial_length(self, record: TrialRecord) -> int:
+        if record.kind is TrialKind.MODEL_PROFILE:
+            return 1
+        return self.builder.last_measured_step + 1
+
+    def resume(self) -> None:
+        self.tracker.requeue([r.request_id for r in self.tracker.running])
+        self._outcome_pending = True
+
+    def abandon(self, request_id: str, reason: str) -> None:
+        """End the search because ``request_id`` was stopped from outside (Determined's
+        'canceled' or 'invalid hyperparameters'): no search trial is worth starting after it."""
+        record = self.tracker.get(request_id)
+        if not record.status.finished:
+            self.tracker.mark_finished(request_id, TrialStatus.ERROR, error=reason)
+        self.ending.shutdown_reason = reason
+        self._finished = True
 
     @property
-    def method(self) -> DsatSearchMethod:
-        return self
+    def finished(self) -> bool:
+        return self._finished
+
+    def state_json(self) -> dict[str, Any]:
+        return state_json(self)
+
+    def load_state_json(self, state: dict[str, Any]) -> None:
+        load_state_json(self, state)
+
+    def _follow_up(self, hook: Callable[[], list[TrialRecord]]) -> None:
+        """Queue what ``hook`` returns, while the search has room for it and goes on."""
+        tracker = self.tracker
+        room = len(tracker.queue) + tracker.num_started < self.settings.max_trials
+        if room and self.ending.stop_reason(self) is None:
+            self._queue(hook)
+
+    def _queue(self, hook: Callable[[], list[TrialRecord]]) -> None:
+        """Queue the trials ``hook`` built, in its order; every trial it registered must be among
+        them (one left out would be counted as proposed and never run)."""
+        first_index = self.next_index
+        records = hook()
+        built = {r.index for r in self.tracker.records if r.index >= first_index}
+        if {r.index for r in records} != built:
+            raise RuntimeError(f"{type(self).__name__}: a hook registered trials it did not return")
+        self.tracker.enqueue([r.request_id for r in records])
+
+    def _next_queued(self) -> str | None:
+        """The queued trial to start (``choose_next``), after replacing, as the method asks, queued
+        trials no longer worth running."""
+        for _ in range(MAX_DRAWS):
+            request_id = self.choose_next()
+            if request_id is None:
+                return None
+            record = self.tracker.get(request_id)
+            if self.worth_running(record):
+                return request_id
+            self.tracker.discard(request_id)
+            self._queue(functools.partial(self.replacement, record))
+        return None
 
     # ------------------------------------------------------------------ hooks for subclasses
 
@@ -80,17 +191,25 @@ class DsatSearchMethod(DeterminedEvents):
         return [t for t in (self.new_lineage() for _ in range(count)) if t is not None]
 
     def after_success(self, record: TrialRecord) -> list[TrialRecord]:
-        """Queue what to try after ``record`` succeeded (through ``continue_lineage`` or
-        ``new_lineage``, which register it); returns what was queued."""
+        """What to try after ``record`` succeeded, built by ``continue_lineage`` or
+        ``new_lineage`` (which register it); what is returned is queued."""
         raise NotImplementedError
 
     def after_failure(self, record: TrialRecord) -> list[TrialRecord]:
-        """Queue what to try after ``record`` ran out of memory or failed; returns it."""
+        """What to try after ``record`` ran out of memory or failed; queued as returned."""
         raise NotImplementedError
 
     def choose_next(self) -> str | None:
         """The queued trial to start now (first come, first served), or None for none."""
         return self.tracker.queue[0] if self.tracker.queue else None
+
+    def worth_running(self, record: TrialRecord) -> bool:
+        """Whether a queued trial is still worth its run, now that it is its turn."""
+        return True
+
+    def replacement(self, dropped: TrialRecord) -> list[TrialRecord]:
+        """What to queue instead of a trial no longer ``worth_running``."""
+        return []
 
     def early_stopping_triggered(self) -> bool:
         return False
@@ -173,9 +292,10 @@ class DsatSearchMethod(DeterminedEvents):
             self.next_index, kind, zero_config, mbs, parent, search_range, rung
         )
 
-    def register(self, record: TrialRecord | None, queue: bool = True) -> TrialRecord | None:
-        """Add ``record`` to the tracker (queued unless told otherwise); None for a repeat."""
-        if record is None or not self.tracker.add(record, queue=queue):
+    def register(self, record: TrialRecord | None) -> TrialRecord | None:
+        """Add ``record`` to the tracker, not yet queued (the protocol queues what a hook
+        returns); None for a repeat of a configuration already registered."""
+        if record is None or not self.tracker.add(record, queue=False):
             return None
         self.next_index += 1
         return record

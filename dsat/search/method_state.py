@@ -3,8 +3,12 @@ resumes where it stopped and proposes the trials the uninterrupted one would hav
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dsat.atomic_file import write_json_atomic
+from dsat.constants import STATE_FILE
 from dsat.trial import TrialKind
 
 if TYPE_CHECKING:
@@ -38,3 +42,12 @@ def load_state_json(method: DsatSearchMethod, state: dict[str, Any]) -> None:
     method.ending.search_end_reason = str(state.get("search_end_reason", ""))
     confirm_runs = sum(1 for r in method.tracker.records if r.kind is TrialKind.CONFIRM)
     method.tracker.max_trials = method.settings.max_trials + confirm_runs
+
+
+def save_state(method: DsatSearchMethod, directory: Path) -> None:
+    """The state into ``directory``'s state file, atomically (a crash leaves the last one)."""
+    write_json_atomic(Path(directory) / STATE_FILE, state_json(method))
+
+
+def load_state(method: DsatSearchMethod, directory: Path) -> None:
+    load_state_json(method, json.loads((Path(directory) / STATE_FILE).read_text()))

@@ -12,7 +12,7 @@ ran, and only while they hit a memory limit below its reach (the reference drops
 
 from __future__ import annotations
 
-from dsat.search.method import MAX_DRAWS, DsatSearchMethod
+from dsat.search.method import DsatSearchMethod
 from dsat.trial import SearchRange, TrialKind, TrialRecord
 
 # ZeRO-3 partitions the parameters too: it saves memory and adds communication, nothing else.
@@ -172,21 +172,16 @@ class RandomSearch(DsatSearchMethod):
         assert record.search_range is not None
         return self._continue(record, SearchRange(record.search_range.lo, record.mbs - 1))
 
-    def choose_next(self) -> str | None:
-        """Drop queued search trials whose lineage should stop, replacing each with a fresh one.
-        A run of the confirmation round is no lineage's next step: it always runs (dropped, its
-        leader, often one whose lineage had used up --trials-per-random-config, could not win
-        the round, and a new search trial ran in its place)."""
-        queue = self.tracker.queue
-        for _ in range(MAX_DRAWS):
-            if not queue:
-                return None
-            head = self.tracker.get(queue[0])
-            if head.kind is not TrialKind.SEARCH or not self.should_stop_lineage(head):
-                return head.request_id
-            self.tracker.discard(head.request_id)
-            self.new_lineage()
-        return None
+    def worth_running(self, record: TrialRecord) -> bool:
+        """A queued search trial whose lineage should stop is dropped when its turn comes. A run
+        of the confirmation round is no lineage's next step: it always runs (dropped, its leader,
+        often one whose lineage had used up --trials-per-random-config, could not win the round,
+        and a new search trial ran in its place)."""
+        return record.kind is not TrialKind.SEARCH or not self.should_stop_lineage(record)
+
+    def replacement(self, dropped: TrialRecord) -> list[TrialRecord]:
+        fresh = self.new_lineage()
+        return [fresh] if fresh is not None else []
 
     def early_stopping_triggered(self) -> bool:
         patience = self.settings.early_stopping

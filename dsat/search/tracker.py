@@ -64,8 +64,12 @@ class TrialTracker:
         self._keys.add(key)
         self._records[record.request_id] = record
         if queue:
-            self.queue.append(record.request_id)
+            self.enqueue([record.request_id])
         return True
+
+    def enqueue(self, request_ids: list[str]) -> None:
+        """Queue registered trials, to start in ``choose_next``'s order."""
+        self.queue.extend(request_ids)
 
     def discard(self, request_id: str) -> None:
         """Forget a queued trial that will never run."""

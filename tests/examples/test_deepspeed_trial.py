@@ -19,6 +19,7 @@ from dsat.errors import DsatError
 from dsat.experiment.config import load_experiment, validate_with_deepspeed
 from dsat.experiment.settings import SearchSettings
 from dsat.runners.determined.configs import custom_experiment_config
+from dsat.runners.determined.searcher_adapter import DsatSearcher
 from dsat.runners.local.runner import free_ports
 from dsat.search import MethodSettings, make_search_method
 from dsat.search.trial_builder import SearchSpec
@@ -39,7 +40,7 @@ def cluster_trial_hparams(stage: int) -> tuple[dict[str, Any], dict[str, Any]]:
     experiment = load_experiment(settings.config_path, settings.model_dir)
     config = custom_experiment_config(experiment.config, settings, runner_experiment_id=1)
     spec = SearchSpec(config["hyperparameters"], experiment.ds_config, experiment.slots_per_trial)
-    method = make_search_method(MethodSettings.from_settings(settings), spec)
+    method = DsatSearcher(make_search_method(MethodSettings.from_settings(settings), spec))
     ops = method.initial_operations(None)
     profile = json.loads(ops[0].hparams)
     method.on_validation_completed(

@@ -8,8 +8,7 @@ from rich.console import Console
 
 from dsat.experiment.metric import Metric
 from dsat.results.progress import SearchProgress, format_elapsed
-from dsat.runners.trial_runner import TrialOutcome
-from dsat.trial import TrialKind, TrialStatus
+from dsat.trial import TrialKind, TrialOutcome, TrialStatus
 from tests.search.test_tracker import record, tracker
 
 

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable
 from typing import Any
-
-from determined import searcher
 
 from dsat.experiment.settings import SearchSettings
 from dsat.runners.driver import SearchDriver
@@ -14,7 +11,7 @@ from dsat.runners.simulated.runner import SimulatedRunner
 from dsat.search import MethodSettings, make_search_method
 from dsat.search.method import DsatSearchMethod
 from dsat.search.trial_builder import SearchSpec
-from dsat.trial import TrialFailure, TrialStatus
+from dsat.trial import TrialOutcome, TrialRecord, TrialStatus
 
 # A profile whose memory model allows micro-batch 64 at every stage (fp32, 1 slot).
 PROFILE = {
@@ -77,17 +74,30 @@ def cliff_function(
 def run(
     m: DsatSearchMethod, function: Callable[..., dict[str, Any]], slots: int = 1
 ) -> SearchDriver:
-    driver = SearchDriver(m, SimulatedRunner(function, slots), m.spec.ds_config)
+    driver = SearchDriver(m, SimulatedRunner(function, slots))
     driver.run()
     return driver
 
 
-def start_profile(m: DsatSearchMethod) -> list[searcher.Operation]:
-    """Run the model-profile trial to completion; returns the operations that start the search."""
-    state = searcher.SearcherState()
-    (create, _) = m.initial_operations(state)
-    m.on_validation_completed(state, create.request_id, dict(PROFILE), 1)
-    return list(m.on_trial_closed(state, create.request_id))
+def suggested(m: DsatSearchMethod) -> list[TrialRecord]:
+    """Every trial the method would start now."""
+    started = []
+    while (record := m.suggest()) is not None:
+        started.append(record)
+    return started
+
+
+def outcome(request_id: str, status: TrialStatus, **details: Any) -> TrialOutcome:
+    return TrialOutcome(
+        request_id, status, details.get("metrics") or {}, details.get("error"), 0.0, 1.0
+    )
+
+
+def start_profile(m: DsatSearchMethod) -> list[TrialRecord]:
+    """Run the model-profile trial to completion; returns the trials that start the search."""
+    (profile,) = suggested(m)
+    m.observe(outcome(profile.request_id, TrialStatus.COMPLETED, metrics=dict(PROFILE)))
+    return suggested(m)
 
 
 def finish(
@@ -96,23 +106,20 @@ def finish(
     ok: bool = True,
     metrics: dict[str, Any] | None = None,
     status: TrialStatus = TrialStatus.OOM,
-) -> list[searcher.Operation]:
-    state = searcher.SearcherState()
-    rid = uuid.UUID(request_id)
+) -> list[TrialRecord]:
+    """Finish a running trial (completed with ``metrics``, or failed with ``status``); returns
+    the trials that start next."""
     if ok:
         record = m.tracker.get(request_id)
-        ops = m.on_validation_completed(
-            state, rid, metrics or {"FLOPS_per_gpu": float(record.mbs)}, 6
-        )
+        values = metrics or {"FLOPS_per_gpu": float(record.mbs)}
+        m.observe(outcome(request_id, TrialStatus.COMPLETED, metrics=values))
     else:
-        ops = m.on_trial_exited_early(
-            state, rid, searcher.ExitedReason.ERRORED, TrialFailure(status, "boom")
-        )
-    return list(ops) + list(m.on_trial_closed(state, rid))
+        m.observe(outcome(request_id, status, error="boom"))
+    return suggested(m)
 
 
-def created_ids(ops: list[searcher.Operation]) -> list[str]:
-    return [str(op.request_id) for op in ops if isinstance(op, searcher.Create)]
+def created_ids(started: list[TrialRecord]) -> list[str]:
+    return [record.request_id for record in started]
 
 
 def history(driver: SearchDriver) -> list[tuple[str, str]]:

@@ -32,6 +32,7 @@ def test_highest_rung_first_then_longest_lineage() -> None:
     a, b = m.tracker.get(first), m.tracker.get(second)
     a1 = m.continue_lineage(a, SearchRange(a.mbs + 1, 64), a.mbs + 1)
     assert a1 is not None
+    m.tracker.enqueue([a1.request_id])
     m.tracker.mark_finished(
         m.tracker.dequeue(a1.request_id).request_id, TrialStatus.COMPLETED, {"FLOPS_per_gpu": 1.5}
     )
@@ -39,11 +40,13 @@ def test_highest_rung_first_then_longest_lineage() -> None:
     b1 = m.continue_lineage(b, SearchRange(b.mbs + 1, 64), b.mbs + 1)
     a2 = m.continue_lineage(m.tracker.get(a1.request_id), SearchRange(a1.mbs + 1, 64), a1.mbs + 1)
     assert fresh and b1 and a2
+    m.tracker.enqueue([fresh.request_id, b1.request_id, a2.request_id])
     assert m.choose_next() == a2.request_id  # rung 0 everywhere: the longest lineage (a) first
     promoted = m.continue_lineage(
         m.tracker.get(second), SearchRange(b.mbs + 2, 64), b.mbs + 2, rung=1
     )
     assert promoted is not None
+    m.tracker.enqueue([promoted.request_id])
     assert m.choose_next() == promoted.request_id  # a higher rung beats any lineage length
 
 

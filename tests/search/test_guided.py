@@ -123,8 +123,7 @@ def search_with_picks(
     model = dataclasses.replace(base, noise_seed=base.noise_seed * 1000 + seed)
     m = surface_search(model, seed=seed, memory_margin=memory_margin)
     picks = _Picks(m)
-    ds_config = {"train_micro_batch_size_per_gpu": 1, **model.base_ds_config}
-    SearchDriver(m, SimulatedRunner(model, model.gpus), ds_config, [picks]).run()
+    SearchDriver(m, SimulatedRunner(model, model.gpus), [picks]).run()
     return m, model, picks.picks
 
 

@@ -39,7 +39,7 @@ def regret(name: str, method: str, seed: int) -> float:
         {"deepspeed_config": "ds.json"}, {"train_micro_batch_size_per_gpu": 1, **base}, slots
     )
     search = make_search_method(settings, spec)
-    SearchDriver(search, SimulatedRunner(model, slots), spec.ds_config).run()
+    SearchDriver(search, SimulatedRunner(model, slots)).run()
     best = search.tracker.best()
     assert best is not None
     best_value, _ = optimum(

@@ -1,20 +1,30 @@
-"""What every method shares: the event protocol, limits, failures, determinism and resuming."""
+"""What every method shares: the search protocol, limits, failures, determinism and resuming."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from typing import Any
 
 import pytest
-from determined import searcher
 
 from dsat.experiment.settings import SEARCH_METHODS
 from dsat.runners.driver import SearchDriver
 from dsat.runners.simulated.runner import SimulatedRunner
 from dsat.search import METHODS as REGISTERED
 from dsat.training.step_clock import MEASURED_STEPS, WARMUP_STEPS, measured_window
-from dsat.trial import TrialKind, TrialStatus
-from tests.search.helpers import PROFILE, cliff_function, history, method, run
+from dsat.trial import TrialKind, TrialRecord, TrialStatus
+from tests.search.helpers import (
+    PROFILE,
+    cliff_function,
+    history,
+    method,
+    outcome,
+    run,
+    start_profile,
+    suggested,
+)
 
 METHODS = ["guided", "asha", "binary", "random"]
 REFERENCE_METHODS = ["asha", "binary", "random"]  # the reference's: they spend every trial
@@ -153,9 +163,7 @@ def test_resumed_search_proposes_the_same_trials(name: str) -> None:
     assert len(baseline) == 30 if name in REFERENCE_METHODS else 15 < len(baseline) < max_trials
     for k in range(1, 30, 3):
         first = method(name, **overrides)
-        driver = SearchDriver(
-            first, SimulatedRunner(function, 1), first.spec.ds_config, max_events=k
-        )
+        driver = SearchDriver(first, SimulatedRunner(function, 1), max_events=k)
         driver.run()
         saved = json.loads(json.dumps(first.state_json()))  # only JSON survives the crash
         second = method(name, **overrides)
@@ -171,42 +179,60 @@ def test_state_belongs_to_its_method() -> None:
         method("binary").load_state_json(state)
 
 
-def test_progress_and_created_events() -> None:
+def test_the_model_profile_runs_alone_then_search_trials_run_the_measured_window() -> None:
     m = method("binary", max_trials=10)
-    state = searcher.SearcherState()
-    ops = m.initial_operations(state)
-    assert [type(op).__name__ for op in ops] == ["Create", "ValidateAfter"]
-    assert ops[1].length == 1  # the model profile needs one step
-    assert m.on_trial_created(state, ops[0].request_id) == []
-    assert m.progress(state) == 0.0
-    m.on_validation_completed(state, ops[0].request_id, dict(PROFILE), 1)
-    started = m.on_trial_closed(state, ops[0].request_id)
-    lengths = {op.length for op in started if isinstance(op, searcher.ValidateAfter)}
+    (profile,) = suggested(m)
+    assert profile.kind is TrialKind.MODEL_PROFILE and m.trial_length(profile) == 1
+    assert m.suggest() is None  # nothing else runs before the profile's outcome
+    m.observe(outcome(profile.request_id, TrialStatus.COMPLETED, metrics=dict(PROFILE)))
+    started = suggested(m)
+    assert started and all(r.status is TrialStatus.RUNNING for r in started)
     # A search trial runs through dsat's measured window, DeepSpeed then ends it.
     _, last = measured_window(m.settings.start_profile_step, m.settings.end_profile_step)
-    assert lengths == {last + 1} and last + 1 >= WARMUP_STEPS + MEASURED_STEPS
-    assert m.progress(state) == pytest.approx(0.1)
+    assert {m.trial_length(r) for r in started} == {last + 1}
+    assert last + 1 >= WARMUP_STEPS + MEASURED_STEPS
 
 
 def test_a_second_outcome_for_a_finished_trial_changes_nothing() -> None:
     """On a cluster a trial that reported its metrics can still be marked errored afterwards
     (DeepSpeed's exit racing the Close); the first outcome stands."""
     m = method("binary", max_trials=10)
-    state = searcher.SearcherState()
-    ops = m.initial_operations(state)
-    m.on_validation_completed(state, ops[0].request_id, dict(PROFILE), 1)
-    started = m.on_trial_closed(state, ops[0].request_id)
-    first = next(op for op in started if isinstance(op, searcher.Create))
+    (first, *_) = start_profile(m)
     metrics = {"FLOPS_per_gpu": 5e9, "throughput": 5.0}
-    closing = m.on_validation_completed(state, first.request_id, metrics, 6)
-    assert [type(op).__name__ for op in closing] == ["Close"]
-    queued = len(m.tracker.queue)
-    assert m.on_trial_exited_early(state, first.request_id, searcher.ExitedReason.ERRORED) == []
-    record = m.tracker.get(str(first.request_id))
-    assert record.status.value == "completed" and record.metrics == metrics
-    assert len(m.tracker.queue) == queued  # no failure follow-ups were queued
-    assert m.on_validation_completed(state, first.request_id, {"FLOPS_per_gpu": 1.0}, 6) == []
-    assert m.tracker.get(str(first.request_id)).metrics == metrics
+    m.observe(outcome(first.request_id, TrialStatus.COMPLETED, metrics=metrics))
+    queued = list(m.tracker.queue)
+    m.observe(outcome(first.request_id, TrialStatus.ERROR, error="exit 1"))
+    m.observe(outcome(first.request_id, TrialStatus.COMPLETED, metrics={"FLOPS_per_gpu": 1.0}))
+    record = m.tracker.get(first.request_id)
+    assert record.status is TrialStatus.COMPLETED and record.metrics == metrics
+    assert m.tracker.queue == queued  # no failure follow-ups were queued
+
+
+def test_a_hook_must_return_every_trial_it_built() -> None:
+    """What a hook returns is what is queued: a trial built and left out would be counted as
+    proposed and never run, so the protocol refuses it."""
+    m = method("binary", max_trials=50, max_concurrent_trials=2)
+    (first, *_) = start_profile(m)
+
+    def forgets_what_it_built(record: TrialRecord) -> list[TrialRecord]:
+        m.new_lineage()  # registered, not returned
+        return []
+
+    m.after_success = forgets_what_it_built  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="did not return"):
+        m.observe(outcome(first.request_id, TrialStatus.COMPLETED, metrics={"FLOPS_per_gpu": 1.0}))
+
+
+def test_the_search_core_imports_nothing_from_determined() -> None:
+    """dsat/search/ runs with no cluster platform at all: checked in a fresh interpreter."""
+    code = (
+        "import sys, dsat.search, dsat.runners.driver, dsat.runners.simulated.runner;"
+        "print([m for m in sys.modules if m.split('.')[0] == 'determined'])"
+    )
+    printed = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    assert printed.strip() == "[]"
 
 
 def test_every_method_the_cli_names_is_registered_under_its_own_name() -> None:

@@ -32,7 +32,6 @@ def test_a_stage_that_never_fits_stops_being_drawn() -> None:
         section = {"stage": 1, "reduce_bucket_size": reduce_bucket, "allgather_bucket_size": 10**6}
         record = m.make_trial(TrialKind.SEARCH, section, 1, search_range=SearchRange(1, 1))
         assert m.register(record) is not None
-        m.tracker.dequeue(record.request_id)
         m.tracker.mark_running(record.request_id)
         m.tracker.mark_finished(record.request_id, TrialStatus.OOM)
     assert m.live_stages() == [2]

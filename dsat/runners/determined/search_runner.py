@@ -3,7 +3,7 @@
 ``python3 -m dsat.runners.determined.search_runner`` runs in the zero-slot experiment that
 ``dsat ... --runner determined`` submits. It reads the uploaded settings (JSON), creates the
 trials' custom experiment from the user's YAML and drives dsat's search method through
-Determined's ``RemoteSearchRunner``. Every checkpoint holds JSON only: Determined's searcher state,
+Determined's ``RemoteSearchRunner`` (through ``searcher_adapter.DsatSearcher``). Every checkpoint holds JSON only: Determined's searcher state,
 the method's state, the last operations, and the results files (``trials.jsonl``,
 ``best_ds_config.json``, ``best_ds_metrics.json``), so a restarted search runner resumes.
 
@@ -39,6 +39,7 @@ from dsat.runners.determined.configs import (
     custom_experiment_config,
     full_experiment_config,
 )
+from dsat.runners.determined.searcher_adapter import DsatSearcher
 from dsat.runners.determined.searcher_operations import operations_from_text, operations_to_text
 from dsat.search import MethodSettings, make_search_method
 from dsat.search.method import DsatSearchMethod
@@ -58,7 +59,7 @@ class CheckpointedSearchRunner(searcher.RemoteSearchRunner):  # type: ignore[mis
     def __init__(self, method: DsatSearchMethod, context: Any, results_dir: Path) -> None:
         with warnings.catch_warnings():  # Determined marks custom searchers deprecated in 0.37
             warnings.simplefilter("ignore", FutureWarning)
-            super().__init__(method, context)
+            super().__init__(DsatSearcher(method), context)
         self.method = method
         self.results_dir = results_dir
         self.writer = ResultsWriter(results_dir)
@@ -90,7 +91,7 @@ class CheckpointedSearchRunner(searcher.RemoteSearchRunner):  # type: ignore[mis
     def save_state(self, experiment_id: int, operations: list[searcher.Operation]) -> None:
         metadata = {"steps_completed": self.state.last_event_id}
         with self.context.checkpoint.store_path(metadata) as (path, _storage_id):
-            self.method.save(self.state, path, experiment_id=experiment_id)
+            self.search_method.save(self.state, path, experiment_id=experiment_id)
             (path / OPERATIONS_FILE).write_text(operations_to_text(operations))
             for name in RESULT_FILES:
                 if (self.results_dir / name).is_file():
@@ -100,7 +101,7 @@ class CheckpointedSearchRunner(searcher.RemoteSearchRunner):  # type: ignore[mis
 
     def load_state(self, storage_id: str) -> tuple[int, list[searcher.Operation]]:
         with self.context.checkpoint.restore_path(storage_id) as path:
-            self.state, experiment_id = self.method.load(path)
+            self.state, experiment_id = self.search_method.load(path)
             operations = operations_from_text((path / OPERATIONS_FILE).read_text())
             for name in RESULT_FILES:
                 if (path / name).is_file():

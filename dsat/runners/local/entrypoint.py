@@ -78,8 +78,16 @@ def strip_determined_launcher(tokens: list[str]) -> list[str]:
     return tokens
 
 
-def trial_command(tokens: list[str], slots: int, master_port: int) -> list[str]:
-    """The command for a trial on ``slots`` processes."""
+def trial_command(
+    tokens: list[str],
+    slots: int,
+    master_port: int,
+    nodes: int = 1,
+    node_rank: int = 0,
+    master_addr: str = "127.0.0.1",
+) -> list[str]:
+    """The command for a trial's ``slots`` processes on this node (of ``nodes``, this one being
+    ``node_rank``; the first node listens at ``master_addr:master_port``)."""
     command = strip_determined_launcher(list(tokens))
     if not command:
         raise DsatError(
@@ -88,18 +96,16 @@ def trial_command(tokens: list[str], slots: int, master_port: int) -> list[str]:
     is_python = command[0] in PYTHON_NAMES
     if is_python:
         command = [sys.executable, *command[1:]]
-    if slots == 1:
+    if slots * nodes == 1:
         return command
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        "1",
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes)]
+    if nodes > 1:  # a static rendezvous: each node knows its rank
+        torchrun += ["--node_rank", str(node_rank)]
+    torchrun += [
         "--nproc_per_node",
         str(slots),
         "--master_addr",
-        "127.0.0.1",
+        master_addr,
         "--master_port",
         str(master_port),
     ]

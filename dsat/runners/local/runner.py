@@ -34,8 +34,7 @@ from dsat.runners.local.trial_outcome import classify
 from dsat.runners.local.trial_processes import TrialProcess, guarded, kill_process_group
 from dsat.runners.local.trial_timeout import TrialTimeout
 from dsat.runners.local.warm_trials import WarmWorkers, warm_command
-from dsat.runners.trial_runner import TrialOutcome
-from dsat.trial import TrialStatus
+from dsat.trial import TrialOutcome, TrialStatus
 
 HPARAMS_FILE = "dsat_hparams.json"
 POLL_SECONDS = 0.1
@@ -49,12 +48,13 @@ COPY_IGNORE = shutil.ignore_patterns(".git", "__pycache__", "*.pyc", ".venv", RE
 DETERMINED_PORT_VARIABLES = ("INTER_TRAIN_PROCESS_COMM_PORT_1", "INTER_TRAIN_PROCESS_COMM_PORT_2")
 
 
-def free_ports(count: int) -> list[int]:
-    """Ports free right now, all different (every socket stays open until all are bound)."""
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """Ports free on ``host`` right now, all different (every socket stays open until all are
+    bound)."""
     sockets = [socket.socket() for _ in range(count)]
     try:
         for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
+            sock.bind((host, 0))
         return [int(sock.getsockname()[1]) for sock in sockets]
     finally:
         for sock in sockets:

@@ -15,8 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dsat.errors import DsatError
-from dsat.runners.trial_runner import TrialOutcome
-from dsat.trial import TrialStatus
+from dsat.trial import TrialOutcome, TrialStatus
 
 PerformanceFunction = Callable[[dict[str, Any], int], dict[str, Any]]
 # How long a trial lasts when its function does not say: start-up plus a few steps.

@@ -1,0 +1,116 @@
+"""One node's part of one trial on a Ray cluster: a Ray actor placed in the trial's placement group.
+
+On its node it does what the local runner does on this machine: unpacks the model dir, writes the
+hyperparameters beside it, starts the trial's command as a process group that dies with the actor
+(``trial_guard``), stops that group when asked (SIGTERM, then SIGKILL), and reads what the process
+left behind as its outcome (``trial_outcome.classify``), so an outcome means the same on every
+runner. Every call returns at once: the runner polls, and the actor stays free to be stopped.
+
+Ray is imported only inside the actor's methods that need it: this module loads without it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import IO, Any
+
+from dsat.runners.local.runner import free_ports
+from dsat.runners.local.trial_outcome import classify
+from dsat.runners.local.trial_processes import guarded, kill_process_group
+from dsat.runners.ray.model_archive import unpack
+
+LOG_NAME = "trial.log"
+
+
+# Where trials' copies go on every node, under the node's own temporary directory.
+NODE_ROOT = "dsat-ray"
+
+
+class TrialNodeHost:
+    def __init__(self, name: str) -> None:
+        """``name``: the trial's directory under this node's NODE_ROOT."""
+        self.directory = Path(tempfile.gettempdir()) / NODE_ROOT / name
+        self.log_path = self.directory.parent / f"{self.directory.name}.{LOG_NAME}"
+        self.process: subprocess.Popen[bytes] | None = None
+        self.log: IO[bytes] | None = None
+
+    def node(self) -> tuple[str, str]:
+        """This node's Ray id and the address the trial's other nodes reach it at."""
+        import ray
+
+        context = ray.get_runtime_context()
+        return context.get_node_id(), ray.util.get_node_ip_address()
+
+    def free_ports(self, count: int) -> list[int]:
+        """Ports free on every interface of this node (the trial's other nodes connect to them)."""
+        return free_ports(count, host="")
+
+    def prepare(self, archive: bytes, files: dict[str, str]) -> str:
+        """A fresh copy of the model dir (``archive``, a zip) with ``files`` written beside it."""
+        if self.directory.exists():  # a trial run again after an interruption
+            shutil.rmtree(self.directory)
+        self.directory.mkdir(parents=True)
+        unpack(archive, self.directory)
+        for name, text in files.items():
+            (self.directory / name).write_text(text)
+        return str(self.directory)
+
+    def start(self, command: list[str], env: dict[str, str]) -> int:
+        """Start the trial's command in its own process group; returns its pid."""
+        self.log = self.log_path.open("wb")
+        self.log.write(f"$ {' '.join(command)}\n".encode())
+        self.log.flush()
+        self.process = subprocess.Popen(
+            guarded(command),
+            cwd=self.directory,
+            env={**os.environ, **env},
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        return self.process.pid
+
+    def poll(self) -> int | None:
+        return None if self.process is None else self.process.poll()
+
+    def stop(self) -> int | None:
+        """Stop the trial's process group, if it runs; returns its exit code."""
+        if self.process is not None and self.process.poll() is None:
+            kill_process_group(self.process)
+        return self.poll()
+
+    def outcome(self, timed_out: bool, timeout: float) -> dict[str, Any]:
+        """What the process left behind, classified as the local runner classifies it."""
+        if self.log is not None:
+            self.log.close()
+        code = self.poll()
+        status, metrics, error = classify(self.directory, self.log_path, code, timed_out, timeout)
+        return {"status": status.value, "metrics": metrics, "error": error, "code": code}
+
+    def read_log(self, offset: int, limit: int) -> bytes:
+        """The log from ``offset``, at most ``limit`` bytes."""
+        try:
+            with self.log_path.open("rb") as handle:
+                handle.seek(offset)
+                return handle.read(limit)
+        except OSError:
+            return b""
+
+    def read_files(self, names: list[str]) -> dict[str, tuple[str, float]]:
+        """Of the files ``names`` in the trial's directory, those present: text and mtime."""
+        found = {}
+        for name in names:
+            path = self.directory / name
+            if path.is_file():
+                found[name] = (path.read_text(errors="replace"), path.stat().st_mtime)
+        return found
+
+    def clean(self) -> None:
+        """Remove the trial's copy and log from the node (the runner has fetched what it keeps)."""
+        shutil.rmtree(self.directory, ignore_errors=True)
+        self.log_path.unlink(missing_ok=True)

@@ -1,0 +1,398 @@
+"""The Ray runner: each trial a placement group on a Ray cluster, one actor per node of the trial.
+
+A trial's slots are packed on one node when one can hold them, else spread evenly over nodes
+(``placement``). Once its placement group is ready, each node's actor (``node_host``) unpacks the
+model dir and starts the trial's command: the command itself on one slot, torchrun with a static
+rendezvous (node count, node rank, the first node's address and a port free there) on several.
+Outcomes are read on the nodes as the local runner reads them; each node's log comes back to
+``logs/`` in the results directory. A trial that cannot be placed yet waits; its timeout runs from
+its start. Stopping a trial stops each node's process group, then removes its actors and its
+placement group (``ray.cancel`` would leave torchrun's workers running).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from dsat.constants import (
+    ENV_HPARAMS_FILE,
+    ENV_RESULTS_DIR,
+    ENV_TRIAL_LENGTH,
+    METRICS_FILE,
+    MODEL_INFO_FILE,
+    TRIAL_OUTCOME_FILE,
+)
+from dsat.paths import shown
+from dsat.runners.local.entrypoint import trial_command
+from dsat.runners.local.full_run import FULL_RUN_DIR, FullExperimentFailed
+from dsat.runners.local.runner import DETERMINED_PORT_VARIABLES, HPARAMS_FILE
+from dsat.runners.local.trial_timeout import TrialTimeout
+from dsat.runners.ray.node_host import TrialNodeHost
+from dsat.runners.ray.placement import TrialLayout
+from dsat.trial import TrialOutcome, TrialStatus
+
+POLL_SECONDS = 0.2
+# After one node's process exited, the others get this long to end by themselves before they are
+# stopped (a rank that failed leaves the others waiting in a collective).
+OTHER_NODES_GRACE_S = 30.0
+STOP_WAIT_S = 15.0
+LOG_CHUNK = 1 << 20
+KEPT_FILES = [TRIAL_OUTCOME_FILE, METRICS_FILE, MODEL_INFO_FILE, HPARAMS_FILE]
+
+
+@dataclasses.dataclass
+class RayTrial:
+    request_id: str
+    name: str  # like the local runner's trial directories: NNN-<request id's start>
+    hparams: dict[str, Any]
+    length: int | None
+    group: Any  # its placement group
+    hosts: list[Any] = dataclasses.field(default_factory=list)  # actor handles, node rank order
+    nodes: list[str] = dataclasses.field(default_factory=list)  # Ray node ids, same order
+    codes: list[int | None] = dataclasses.field(default_factory=list)
+    start: float | None = None  # when its processes started (None: still being placed)
+    first_exit: float | None = None
+
+
+class RayRunner:
+    """Trials on a Ray cluster (see the module's docstring)."""
+
+    takes_real_time = True
+
+    def __init__(
+        self,
+        ray: Any,
+        entrypoint: list[str],
+        archive: Any,  # an object ref to the model dir's zip
+        layout: TrialLayout,
+        total_slots: int,
+        results_dir: Path,
+        search_name: str,
+        timeout: TrialTimeout,
+        environ: dict[str, str],
+    ) -> None:
+        self.ray = ray
+        self.entrypoint = entrypoint
+        self.archive = archive
+        self.layout = layout
+        self.total_slots = total_slots
+        self.results_dir = results_dir
+        self.search_name = search_name  # names this search's trial copies on the nodes
+        self.timeout = timeout
+        self.environ = environ  # what dsat passes on to every trial
+        self.running: dict[str, RayTrial] = {}
+        self.started_at = time.monotonic()
+        self._count = 0
+        self._host_class = ray.remote(TrialNodeHost)
+
+    # ------------------------------------------------------------------ the runner contract
+
+    @property
+    def slot_limit(self) -> int:
+        return self.total_slots
+
+    def now(self) -> float:
+        return time.monotonic() - self.started_at
+
+    def running_count(self) -> int:
+        return len(self.running)
+
+    def start(
+        self, request_id: str, hparams: dict[str, Any], ds_config: dict[str, Any], length: int
+    ) -> None:
+        self.running[request_id] = self._place(request_id, hparams, length)
+
+    def wait(self) -> TrialOutcome:
+        while True:
+            for trial in list(self.running.values()):
+                outcome = self._advance(trial)
+                if outcome is not None:
+                    del self.running[trial.request_id]
+                    return outcome
+            time.sleep(POLL_SECONDS)
+
+    def stop_all(self) -> None:
+        for trial in list(self.running.values()):
+            self._stop(trial)
+            self._release(trial)
+        self.running.clear()
+
+    def close(self) -> None:
+        """Nothing is held between trials: each has its own placement group and actors."""
+
+    def run_full_experiment(self, hparams: dict[str, Any]) -> None:
+        """Train once with ``hparams`` on the cluster, laid out as the trials were; the first
+        node's output streams here, every node's log goes to ``logs/``."""
+        trial = self._place(FULL_RUN_DIR, hparams, None, name=FULL_RUN_DIR)
+        print(f"dsat: full experiment on the Ray cluster ({self.layout.describe()})", flush=True)
+        offset, codes = 0, None
+        try:
+            while not self._launch_if_placed(trial):
+                time.sleep(POLL_SECONDS)
+            while True:
+                codes = self._poll(trial)
+                chunk = self.ray.get(trial.hosts[0].read_log.remote(offset, LOG_CHUNK))
+                offset += len(chunk)
+                print(chunk.decode(errors="replace"), end="", flush=True)
+                if codes is None or (codes[0] is not None and not chunk):
+                    break
+                if not chunk:
+                    time.sleep(POLL_SECONDS)
+        except KeyboardInterrupt:
+            self._stop(trial)
+            raise
+        finally:
+            self._stop(trial)
+            self._collect_logs(trial)
+            self._release(trial)
+        log_path = shown(self._log_path(trial, 0))
+        code = None if codes is None else codes[0]
+        if code != 0:
+            reason = "a node was lost" if codes is None else f"exited with code {code}"
+            raise FullExperimentFailed(
+                f"the full experiment with the best config {reason}; its log is {log_path}"
+            )
+        print(f"dsat: full experiment finished; its log is {log_path}")
+
+    # ------------------------------------------------------------------ placing and launching
+
+    def _place(
+        self, request_id: str, hparams: dict[str, Any], length: int | None, name: str = ""
+    ) -> RayTrial:
+        """Ask for the trial's placement group; it starts once the group is ready."""
+        from ray.util.placement_group import placement_group
+
+        if not name:
+            self._count += 1
+            name = f"{self._count:03d}-{request_id[:8]}"
+        group = placement_group(self.layout.bundles, strategy=self.layout.strategy)
+        return RayTrial(request_id, name, hparams, length, group)
+
+    def _launch_if_placed(self, trial: RayTrial) -> bool:
+        """Start the trial's processes once its placement group is ready; True once started."""
+        if trial.start is not None:
+            return True
+        ready, _ = self.ray.wait([trial.group.ready()], timeout=0)
+        if not ready:
+            return False
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        layout = self.layout
+        per_node = float(layout.slots_per_node)
+        resources = (
+            {"num_gpus": per_node, "num_cpus": 0}
+            if layout.resource == "GPU"
+            else {"num_cpus": per_node}
+        )
+        for rank in range(layout.nodes):
+            strategy = PlacementGroupSchedulingStrategy(
+                placement_group=trial.group, placement_group_bundle_index=rank
+            )
+            directory = f"{self.search_name}/{trial.name}-node{rank}"
+            trial.hosts.append(
+                self._host_class.options(scheduling_strategy=strategy, **resources).remote(
+                    directory
+                )
+            )
+        ray = self.ray
+        files = {HPARAMS_FILE: json.dumps(trial.hparams, indent=1, sort_keys=True)}
+        nodes = ray.get([host.node.remote() for host in trial.hosts])
+        directories = ray.get([host.prepare.remote(self.archive, files) for host in trial.hosts])
+        trial.nodes = [node_id for node_id, _ in nodes]
+        master_addr = nodes[0][1] if layout.nodes > 1 else "127.0.0.1"
+        ports = ray.get(trial.hosts[0].free_ports.remote(3))
+        pids = []
+        for rank, host in enumerate(trial.hosts):
+            command = self._command(rank, master_addr, ports[0])
+            env = self._environment(Path(directories[rank]), rank, master_addr, ports, trial)
+            pids.append(host.start.remote(command, env))
+        ray.get(pids)
+        trial.codes = [None] * layout.nodes
+        trial.start = self.now()
+        return True
+
+    def _command(self, rank: int, master_addr: str, master_port: int) -> list[str]:
+        layout = self.layout
+        return trial_command(
+            self.entrypoint, layout.slots_per_node, master_port, layout.nodes, rank, master_addr
+        )
+
+    def _environment(
+        self, directory: Path, rank: int, master_addr: str, ports: list[int], trial: RayTrial
+    ) -> dict[str, str]:
+        env = dict(self.environ)
+        env[ENV_RESULTS_DIR] = str(self.results_dir)
+        env[ENV_HPARAMS_FILE] = str(directory / HPARAMS_FILE)
+        if trial.length is not None:
+            env[ENV_TRIAL_LENGTH] = str(trial.length)
+        if self.layout.resource == "CPU":
+            env["DS_ACCELERATOR"] = "cpu"
+            env["OMP_NUM_THREADS"] = "1"
+        if self.layout.nodes * self.layout.slots_per_node > 1:
+            # Determined's DistributedContext (what dsat's trial helpers use) listens on the
+            # first node at these ports, and needs its address once the trial spans nodes.
+            env.update(zip(DETERMINED_PORT_VARIABLES, map(str, ports[1:3]), strict=True))
+            env["DET_CHIEF_IP"] = master_addr
+        else:
+            env.update(
+                {
+                    "RANK": "0",
+                    "LOCAL_RANK": "0",
+                    "WORLD_SIZE": "1",
+                    "LOCAL_WORLD_SIZE": "1",
+                    "GROUP_RANK": "0",
+                    "GROUP_WORLD_SIZE": "1",
+                    "MASTER_ADDR": master_addr,
+                    "MASTER_PORT": str(ports[0]),
+                }
+            )
+        return env
+
+    # ------------------------------------------------------------------ waiting and finishing
+
+    def _poll(self, trial: RayTrial) -> list[int | None] | None:
+        """Each node's exit code (None: still running); None when a node was lost."""
+        from ray.exceptions import RayActorError
+
+        try:
+            trial.codes = self.ray.get([host.poll.remote() for host in trial.hosts])
+        except RayActorError:
+            return None
+        return trial.codes
+
+    def _advance(self, trial: RayTrial) -> TrialOutcome | None:
+        """The trial's outcome if it has one now; it is launched once placed."""
+        from ray.exceptions import RayActorError
+
+        try:
+            if not self._launch_if_placed(trial):
+                return None
+        except RayActorError:  # a node went away while the trial started there
+            trial.start = self.now()
+            return self._node_lost(trial)
+        assert trial.start is not None
+        codes = self._poll(trial)
+        if codes is None:
+            return self._node_lost(trial)
+        now = self.now()
+        if all(code is not None for code in codes):
+            return self._finish(trial, timed_out=False)
+        if now - trial.start > self.timeout.seconds:
+            self._stop(trial)
+            return self._finish(trial, timed_out=True)
+        if any(code is not None for code in codes):
+            if trial.first_exit is None:
+                trial.first_exit = now
+            failed = any(code not in (None, 0) for code in codes)
+            if failed or now - trial.first_exit > OTHER_NODES_GRACE_S:
+                self._stop(trial)
+                return self._finish(trial, timed_out=False)
+        return None
+
+    def _finish(self, trial: RayTrial, timed_out: bool) -> TrialOutcome:
+        """Read each node's outcome, keep its log and files; the first node's outcome is the
+        trial's unless another node shows an OOM (out of memory on any rank ends them all)."""
+        assert trial.start is not None
+        results = self.ray.get(
+            [host.outcome.remote(timed_out, self.timeout.seconds) for host in trial.hosts]
+        )
+        self._collect_logs(trial)
+        self._keep_files(trial)
+        self._release(trial)
+        status = TrialStatus(results[0]["status"])
+        metrics, error = dict(results[0]["metrics"]), results[0]["error"]
+        for result in results[1:]:
+            if status is TrialStatus.ERROR and result["status"] == TrialStatus.OOM.value:
+                status, error = TrialStatus.OOM, result["error"]
+        end = self.now()
+        if status is TrialStatus.COMPLETED:  # the first to complete is the model-profile trial
+            self.timeout.profile_finished(end - trial.start)
+        return TrialOutcome(trial.request_id, status, metrics, error, trial.start, end)
+
+    def _node_lost(self, trial: RayTrial) -> TrialOutcome:
+        """A node of the trial is gone: its other ranks are stopped; the trial is an error."""
+        lost = self._lost_nodes(trial)
+        self._stop(trial)
+        self._collect_logs(trial)
+        self._release(trial)
+        assert trial.start is not None
+        return TrialOutcome(
+            trial.request_id,
+            TrialStatus.ERROR,
+            {},
+            f"node lost: Ray node {', '.join(lost) or '(unknown)'} of this trial left the "
+            "cluster while it ran; its other nodes' processes were stopped",
+            trial.start,
+            self.now(),
+        )
+
+    def _lost_nodes(self, trial: RayTrial) -> list[str]:
+        alive = {node["NodeID"] for node in self.ray.nodes() if node["Alive"]}
+        return [node for node in trial.nodes if node not in alive]
+
+    def _stop(self, trial: RayTrial) -> None:
+        """Stop the trial's process group on every node still there (SIGTERM, then SIGKILL)."""
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        for host in trial.hosts:
+            try:
+                self.ray.get(host.stop.remote(), timeout=STOP_WAIT_S)
+            except (RayActorError, GetTimeoutError):
+                continue  # gone with its node, whose processes went with it (trial_guard)
+
+    def _release(self, trial: RayTrial) -> None:
+        """Remove the trial's copies, actors and placement group."""
+        from ray.exceptions import GetTimeoutError, RayActorError
+        from ray.util.placement_group import remove_placement_group
+
+        for host in trial.hosts:
+            try:
+                self.ray.get(host.clean.remote(), timeout=STOP_WAIT_S)
+            except (RayActorError, GetTimeoutError):
+                pass
+            self.ray.kill(host)
+        remove_placement_group(trial.group)
+
+    # ------------------------------------------------------------------ what comes back
+
+    def _log_path(self, trial: RayTrial, rank: int) -> Path:
+        suffix = "" if rank == 0 else f"-node{rank}"
+        return self.results_dir / "logs" / f"{trial.name}{suffix}.log"
+
+    def _collect_logs(self, trial: RayTrial) -> None:
+        """Each reachable node's log into ``logs/`` (the first node's under the trial's name)."""
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        for rank, host in enumerate(trial.hosts):
+            path = self._log_path(trial, rank)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("wb") as log:
+                offset = 0
+                while True:
+                    try:
+                        chunk = self.ray.get(
+                            host.read_log.remote(offset, LOG_CHUNK), timeout=STOP_WAIT_S
+                        )
+                    except (RayActorError, GetTimeoutError):
+                        log.write(b"\n[dsat: the rest of this log was lost with its node]\n")
+                        break
+                    if not chunk:
+                        break
+                    log.write(chunk)
+                    offset += len(chunk)
+
+    def _keep_files(self, trial: RayTrial) -> None:
+        """The first node's result files into ``trials/<name>/``, as the local runner keeps them."""
+        if not trial.hosts:
+            return
+        found = self.ray.get(trial.hosts[0].read_files.remote(KEPT_FILES))
+        directory = self.results_dir / "trials" / trial.name
+        directory.mkdir(parents=True, exist_ok=True)
+        for name, (text, mtime) in found.items():
+            (directory / name).write_text(text)
+            os.utime(directory / name, (mtime, mtime))

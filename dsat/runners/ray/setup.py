@@ -1,0 +1,136 @@
+"""The Ray runner checked against the experiment, then opened on the cluster.
+
+``prepare`` finds every user mistake it can without a cluster (Ray not installed, an entrypoint
+that is no command); ``open`` connects (``--ray-address``, else ``RAY_ADDRESS``, else a Ray
+instance started on this machine), checks that the cluster can place one trial, and sends the
+model dir to the object store once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import socket
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from dsat.constants import ENV_RAY_ADDRESS
+from dsat.errors import DsatError
+from dsat.experiment.config import Experiment
+from dsat.experiment.settings import SearchSettings
+from dsat.runners.local.entrypoint import entrypoint_tokens, require_command
+from dsat.runners.local.trial_timeout import TrialTimeout
+from dsat.runners.ray.model_archive import model_archive
+from dsat.runners.ray.placement import node_capacities, slot_resource, trial_layout
+from dsat.runners.ray.runner import RayRunner
+
+INSTALL_HINT = "--runner ray needs Ray on this machine and the cluster's: pip install 'dsat[ray]'"
+# What dsat's own environment passes on to every trial (DeepSpeed's accelerator choice: `cpu`
+# runs trials on CPUs, as the tests do).
+FORWARDED_VARIABLES = ("DS_ACCELERATOR",)
+CONNECT_TIMEOUT_S = 5.0
+ARCHIVE_WARNING_BYTES = 200 * 2**20
+
+
+def import_ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise DsatError(INSTALL_HINT) from None
+    return ray
+
+
+def reachable(address: str) -> bool:
+    """Whether something listens at a ``host:port`` address (Ray Client's ``ray://`` and
+    ``auto`` are left to Ray)."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or "://" in address:
+        return True
+    try:
+        with socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S):
+            return True
+    except OSError:
+        return False
+
+
+@dataclasses.dataclass(frozen=True)
+class RaySetup:
+    settings: SearchSettings
+    experiment: Experiment
+    entrypoint: tuple[str, ...]
+    address: str | None
+    environ: dict[str, str]
+
+    @classmethod
+    def prepare(
+        cls, settings: SearchSettings, experiment: Experiment, environ: Mapping[str, str]
+    ) -> RaySetup:
+        import_ray()
+        config_path = str(experiment.config_path)
+        entrypoint = tuple(entrypoint_tokens(experiment.config.get("entrypoint"), config_path))
+        require_command(entrypoint, config_path)
+        address = settings.ray_address or environ.get(ENV_RAY_ADDRESS) or None
+        forwarded = {k: environ[k] for k in FORWARDED_VARIABLES if k in environ}
+        return cls(settings, experiment, entrypoint, address, forwarded)
+
+    def connect(self) -> Any:
+        ray = import_ray()
+        address = self.address
+        if address is not None and not reachable(address):
+            raise DsatError(
+                f"no Ray cluster answers at {address} (--ray-address or {ENV_RAY_ADDRESS}); start "
+                "one with `ray start --head` there, or fix the address"
+            )
+        if not ray.is_initialized():
+            try:
+                ray.init(
+                    address=address,
+                    logging_level=logging.ERROR,
+                    log_to_driver=False,
+                    **({} if address else {"include_dashboard": False}),
+                )
+            except (ConnectionError, RuntimeError, ValueError) as err:
+                first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                raise DsatError(
+                    f"cannot connect to the Ray cluster at {address}: {first}"
+                ) from None
+        return ray
+
+    def open(self, results_dir: Path) -> RayRunner:
+        ray = self.connect()
+        nodes = [node for node in ray.nodes() if node["Alive"]]
+        resource = slot_resource(nodes)
+        capacities = node_capacities(nodes, resource)
+        layout = trial_layout(self.experiment.slots_per_trial, capacities, resource)
+        total = sum(c // layout.slots_per_node * layout.slots_per_node for c in capacities)
+        where = self.address or "a Ray instance started on this machine"
+        print(
+            f"dsat: Ray cluster ({where}): {len(nodes)} node(s), {sum(capacities)} {resource}(s); "
+            f"each trial takes {layout.describe()}"
+        )
+        archive = model_archive(
+            self.experiment.model_dir, self.experiment.includes, results_dir.resolve()
+        )
+        if len(archive) > ARCHIVE_WARNING_BYTES:
+            print(
+                f"dsat: MODEL_DIR and its includes weigh {len(archive) / 2**20:.0f} MB zipped, "
+                "sent to every node of every trial; keep data outside MODEL_DIR"
+            )
+        timeout = TrialTimeout(self.settings.trial_timeout)
+        if self.settings.resume is not None:
+            timeout.resume_from(results_dir)
+        print(f"dsat: {timeout.describe()}")
+        search_name = hashlib.sha256(str(results_dir.resolve()).encode()).hexdigest()[:12]
+        return RayRunner(
+            ray,
+            list(self.entrypoint),
+            ray.put(archive),
+            layout,
+            total,
+            results_dir,
+            search_name,
+            timeout,
+            dict(self.environ),
+        )
