@@ -1,5 +1,6 @@
 """The runner contract (``dsat.runners.trial_runner``): every runner that runs trials for a search
-here passes the same tests. The local runner runs real processes; the simulated one a function.
+here passes the same tests. The local runner runs real processes; the Ray runner real processes on
+a real local multi-node Ray cluster (tests/runners/conftest.py); the simulated one a function.
 
 A trial's micro-batch says how it behaves, so both runners are told the same thing: 1 completes
 with throughput 10, 2 runs out of memory, 3 crashes, 4 runs until it is stopped.
@@ -20,6 +21,8 @@ from dsat.errors import DsatError
 from dsat.runners.local.runner import HPARAMS_FILE, LocalRunner
 from dsat.runners.local.slots import SlotPool
 from dsat.runners.local.trial_timeout import TrialTimeout
+from dsat.runners.ray.runner import RayRunner
+from dsat.runners.ray.setup import open_runner
 from dsat.runners.simulated.runner import SimulatedRunner
 from dsat.runners.trial_runner import TrialRunner
 from dsat.trial import TrialStatus
@@ -31,6 +34,7 @@ import json, os, sys, time
 hparams = json.load(open(os.environ["DSAT_HPARAMS_FILE"]))
 mbs = hparams["overwrite_deepspeed_args"]["train_micro_batch_size_per_gpu"]
 open("ran", "w").write(str(mbs))
+print(f"ran at micro-batch {mbs}", flush=True)
 if mbs == 1:
     json.dump({"status": "completed", "values": {"throughput": 10.0}},
               open("dsat_trial_outcome.json", "w"))
@@ -69,14 +73,36 @@ def make_simulated(tmp_path: Path) -> SimulatedRunner:
     return SimulatedRunner(simulated_performance, slots_per_trial=1)
 
 
+def make_ray(tmp_path: Path) -> RayRunner:
+    import ray
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "job.py").write_text(BEHAVIOUR_SCRIPT)
+    return open_runner(
+        ray,
+        ["python3", "job.py"],
+        model,
+        (),
+        tmp_path / "results",
+        1,
+        TrialTimeout(60),
+        {"DS_ACCELERATOR": "cpu"},
+        "the tests' cluster",
+    )
+
+
 RUNNERS: dict[str, Callable[[Path], TrialRunner]] = {
     "local": make_local,
+    "ray": make_ray,
     "simulated": make_simulated,
 }
 
 
 @pytest.fixture(params=sorted(RUNNERS))
 def runner(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TrialRunner]:
+    if request.param == "ray":
+        request.getfixturevalue("ray_cluster")
     made = RUNNERS[request.param](tmp_path)
     try:
         yield made
@@ -138,15 +164,20 @@ def test_limits_are_what_the_search_may_rely_on(runner: TrialRunner) -> None:
 
 def test_the_full_run_trains_or_is_refused_in_one_line(runner: TrialRunner) -> None:
     hparams = {OVERWRITE_KEY: {"train_micro_batch_size_per_gpu": COMPLETES}}
-    if not isinstance(runner, LocalRunner):
+    if isinstance(runner, SimulatedRunner):
         with pytest.raises(DsatError, match="--run-full-experiment"):
             runner.run_full_experiment(hparams)
         return
+    assert isinstance(runner, (LocalRunner, RayRunner))
     runner.run_full_experiment(hparams)
-    directory = runner.results_dir / "full-experiment"
-    assert (directory / "ran").read_text() == "1"
-    assert json.loads((directory / HPARAMS_FILE).read_text()) == hparams
+    log = (runner.results_dir / "logs" / "full-experiment.log").read_text()
+    assert "ran at micro-batch 1" in log
+    if isinstance(runner, LocalRunner):
+        directory = runner.results_dir / "full-experiment"
+        assert (directory / "ran").read_text() == "1"
+        assert json.loads((directory / HPARAMS_FILE).read_text()) == hparams
     assert runner.slot_limit == 2  # the slots came back
+    assert runner.running_count() == 0
 
 
 def test_a_local_trial_stopped_is_gone(tmp_path: Path) -> None:

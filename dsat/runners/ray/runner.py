@@ -52,6 +52,7 @@ class RayTrial:
     hparams: dict[str, Any]
     length: int | None
     group: Any  # its placement group
+    placed: Any  # the object ref that resolves once the group is placed
     hosts: list[Any] = dataclasses.field(default_factory=list)  # actor handles, node rank order
     nodes: list[str] = dataclasses.field(default_factory=list)  # Ray node ids, same order
     codes: list[int | None] = dataclasses.field(default_factory=list)
@@ -171,13 +172,13 @@ class RayRunner:
             self._count += 1
             name = f"{self._count:03d}-{request_id[:8]}"
         group = placement_group(self.layout.bundles, strategy=self.layout.strategy)
-        return RayTrial(request_id, name, hparams, length, group)
+        return RayTrial(request_id, name, hparams, length, group, group.ready())
 
     def _launch_if_placed(self, trial: RayTrial) -> bool:
         """Start the trial's processes once its placement group is ready; True once started."""
         if trial.start is not None:
             return True
-        ready, _ = self.ray.wait([trial.group.ready()], timeout=0)
+        ready, _ = self.ray.wait([trial.placed], timeout=0)
         if not ready:
             return False
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

@@ -100,37 +100,62 @@ class RaySetup:
 
     def open(self, results_dir: Path) -> RayRunner:
         ray = self.connect()
-        nodes = [node for node in ray.nodes() if node["Alive"]]
-        resource = slot_resource(nodes)
-        capacities = node_capacities(nodes, resource)
-        layout = trial_layout(self.experiment.slots_per_trial, capacities, resource)
-        total = sum(c // layout.slots_per_node * layout.slots_per_node for c in capacities)
-        where = self.address or "a Ray instance started on this machine"
-        print(
-            f"dsat: Ray cluster ({where}): {len(nodes)} node(s), {sum(capacities)} {resource}(s); "
-            f"each trial takes {layout.describe()}"
-        )
-        archive = model_archive(
-            self.experiment.model_dir, self.experiment.includes, results_dir.resolve()
-        )
-        if len(archive) > ARCHIVE_WARNING_BYTES:
-            print(
-                f"dsat: MODEL_DIR and its includes weigh {len(archive) / 2**20:.0f} MB zipped, "
-                "sent to every node of every trial; keep data outside MODEL_DIR"
-            )
         timeout = TrialTimeout(self.settings.trial_timeout)
         if self.settings.resume is not None:
             timeout.resume_from(results_dir)
-        print(f"dsat: {timeout.describe()}")
-        search_name = hashlib.sha256(str(results_dir.resolve()).encode()).hexdigest()[:12]
-        return RayRunner(
+        experiment = self.experiment
+        runner = open_runner(
             ray,
             list(self.entrypoint),
-            ray.put(archive),
-            layout,
-            total,
+            experiment.model_dir,
+            experiment.includes,
             results_dir,
-            search_name,
+            experiment.slots_per_trial,
             timeout,
             dict(self.environ),
+            self.address or "a Ray instance started on this machine",
         )
+        print(f"dsat: {timeout.describe()}")
+        return runner
+
+
+def open_runner(
+    ray: Any,
+    entrypoint: list[str],
+    model_dir: Path,
+    includes: tuple[Path, ...],
+    results_dir: Path,
+    slots_per_trial: int,
+    timeout: TrialTimeout,
+    environ: dict[str, str],
+    where: str,
+) -> RayRunner:
+    """A runner on the cluster ``ray`` is connected to: the trial's layout chosen from its live
+    nodes (a DsatError when no layout fits), the model dir sent to the object store once."""
+    nodes = [node for node in ray.nodes() if node["Alive"]]
+    resource = slot_resource(nodes)
+    capacities = node_capacities(nodes, resource)
+    layout = trial_layout(slots_per_trial, capacities, resource)
+    total = sum(c // layout.slots_per_node * layout.slots_per_node for c in capacities)
+    print(
+        f"dsat: Ray cluster ({where}): {len(nodes)} node(s), {sum(capacities)} {resource}(s); "
+        f"each trial takes {layout.describe()}"
+    )
+    archive = model_archive(model_dir, includes, results_dir.resolve())
+    if len(archive) > ARCHIVE_WARNING_BYTES:
+        print(
+            f"dsat: MODEL_DIR and its includes weigh {len(archive) / 2**20:.0f} MB zipped, sent "
+            "to every node of every trial; keep data outside MODEL_DIR"
+        )
+    search_name = hashlib.sha256(str(results_dir.resolve()).encode()).hexdigest()[:12]
+    return RayRunner(
+        ray,
+        entrypoint,
+        ray.put(archive),
+        layout,
+        total,
+        results_dir,
+        search_name,
+        timeout,
+        environ,
+    )

@@ -1,0 +1,162 @@
+"""The Ray runner on a real local multi-node cluster (tests/runners/conftest.py): real DeepSpeed
+over two nodes, a lost node, a timeout, a trial that waits for room. The outcomes of every kind
+are checked for every runner in tests/runners/test_trial_runner.py."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from dsat.constants import OVERWRITE_KEY
+from dsat.experiment.config import load_experiment
+from dsat.runners.local.entrypoint import entrypoint_tokens
+from dsat.runners.local.trial_processes import leftover_trials
+from dsat.runners.local.trial_timeout import TrialTimeout
+from dsat.runners.ray.runner import RayRunner
+from dsat.runners.ray.setup import open_runner
+from dsat.search import MethodSettings, make_search_method
+from dsat.search.trial_builder import SearchSpec
+from dsat.trial import TrialOutcome, TrialStatus
+from tests.conftest import copy_example
+from tests.runners.conftest import RayTestCluster
+from tests.runners.test_trial_runner import BEHAVIOUR_SCRIPT, COMPLETES, RUNS_UNTIL_STOPPED
+
+pytestmark = pytest.mark.slow
+NO_PROCESS_LEFT_WITHIN_S = 20.0
+
+
+def runner_for(
+    tmp_path: Path, model: Path, entrypoint: list[str], slots: int, timeout: float = 120
+) -> RayRunner:
+    import ray
+
+    return open_runner(
+        ray,
+        entrypoint,
+        model,
+        (),
+        tmp_path / "results",
+        slots,
+        TrialTimeout(timeout),
+        {"DS_ACCELERATOR": "cpu"},
+        "the tests' cluster",
+    )
+
+
+def behaviour_runner(tmp_path: Path, slots: int, timeout: float = 120) -> RayRunner:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "job.py").write_text(BEHAVIOUR_SCRIPT)
+    return runner_for(tmp_path, model, ["python3", "job.py"], slots, timeout)
+
+
+def start(runner: RayRunner, number: int, mbs: int) -> str:
+    request_id = f"00000000-0000-0000-0000-{number:012d}"
+    ds_config = {"train_micro_batch_size_per_gpu": mbs}
+    runner.start(request_id, {OVERWRITE_KEY: ds_config}, ds_config, 6)
+    return request_id
+
+
+def assert_nothing_left(results: Path) -> None:
+    """No process of a trial started for ``results`` on any node (all are on this host)."""
+    deadline = time.monotonic() + NO_PROCESS_LEFT_WITHIN_S
+    while leftover_trials(results) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert leftover_trials(results) == []
+
+
+def wait_until_running(runner: RayRunner, processes: int) -> None:
+    deadline = time.monotonic() + 60
+    while len(leftover_trials(runner.results_dir)) < processes:
+        assert time.monotonic() < deadline, "the trial's processes did not start"
+        for trial in runner.running.values():
+            runner._launch_if_placed(trial)
+        time.sleep(0.2)
+
+
+def test_a_deepspeed_trial_spread_over_two_nodes_trains_and_its_logs_come_back(
+    ray_cluster: RayTestCluster, tmp_path: Path
+) -> None:
+    model = copy_example(tmp_path / "model")
+    experiment = load_experiment(model / "deepspeed_2slot.yaml", model)
+    spec = SearchSpec(experiment.hparams, experiment.ds_config, experiment.slots_per_trial)
+    method = make_search_method(MethodSettings(method="binary", zero_stages=(2,)), spec)
+    profile = method.suggest()
+    assert profile is not None
+    method.observe(  # a profile as the example's gives, so that a search trial comes next
+        TrialOutcome(
+            profile.request_id,
+            TrialStatus.COMPLETED,
+            {
+                "num_params": 263425,
+                "trainable_num_params": 263425,
+                "activation_mem_per_gpu": 1982464,
+                "gpu_mem": 2 * 2**30,
+            },
+            None,
+            0.0,
+            1.0,
+        )
+    )
+    record = method.suggest()
+    assert record is not None and record.zero_stage == 2
+    entrypoint = entrypoint_tokens(experiment.config["entrypoint"], "deepspeed_2slot.yaml")
+    runner = runner_for(tmp_path, model, entrypoint, 2)
+    assert (runner.layout.nodes, runner.layout.slots_per_node) == (2, 1)
+    runner.start(record.request_id, record.hparams, record.ds_config, method.trial_length(record))
+    outcome = runner.wait()
+    assert outcome.status is TrialStatus.COMPLETED, outcome.error
+    assert outcome.metrics["throughput"] > 0 and outcome.metrics["measured_steps"] > 0
+    logs = runner.results_dir / "logs"
+    first, second = logs / f"001-{record.request_id[:8]}.log", next(logs.glob("*-node1.log"))
+    assert "--nnodes 2 --node_rank 0" in first.read_text()
+    assert "--nnodes 2 --node_rank 1" in second.read_text()
+    kept = runner.results_dir / "trials" / first.stem
+    assert (kept / "dsat_trial_outcome.json").is_file()
+    assert_nothing_left(runner.results_dir)
+
+
+def test_a_node_lost_mid_trial_is_an_error_and_its_other_ranks_stop(
+    ray_cluster: RayTestCluster, tmp_path: Path
+) -> None:
+    runner = behaviour_runner(tmp_path, slots=2)
+    start(runner, 1, RUNS_UNTIL_STOPPED)
+    wait_until_running(runner, processes=2)  # one trial guard per node
+    trial = next(iter(runner.running.values()))
+    try:
+        ray_cluster.remove(trial.nodes[1])
+        outcome = runner.wait()
+    finally:
+        ray_cluster.restore()
+    assert outcome.status is TrialStatus.ERROR
+    assert outcome.error is not None and outcome.error.startswith("node lost: ")
+    assert trial.nodes[1] in outcome.error
+    assert_nothing_left(runner.results_dir)
+    assert runner.running_count() == 0
+
+
+def test_a_trial_over_its_timeout_is_stopped_and_counted_as_a_timeout(
+    ray_cluster: RayTestCluster, tmp_path: Path
+) -> None:
+    runner = behaviour_runner(tmp_path, slots=1, timeout=3)
+    start(runner, 1, RUNS_UNTIL_STOPPED)
+    outcome = runner.wait()
+    assert outcome.status is TrialStatus.TIMEOUT
+    assert outcome.error is not None and "trial timeout of 3 s" in outcome.error
+    assert_nothing_left(runner.results_dir)
+
+
+def test_a_trial_that_cannot_be_placed_yet_waits_for_room(
+    ray_cluster: RayTestCluster, tmp_path: Path
+) -> None:
+    runner = behaviour_runner(tmp_path, slots=1)
+    assert runner.slot_limit == 2  # two GPUs in the cluster
+    ids = [start(runner, n, COMPLETES) for n in (1, 2, 3)]
+    outcomes = [runner.wait() for _ in ids]
+    assert {o.request_id for o in outcomes} == set(ids)
+    assert all(o.status is TrialStatus.COMPLETED for o in outcomes)
+    last = max(outcomes, key=lambda o: o.start)
+    # The third one started once another had finished and given its GPU back.
+    assert any(o.end <= last.start for o in outcomes if o is not last)
