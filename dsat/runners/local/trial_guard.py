@@ -29,16 +29,31 @@ def _stop(signum: int, frame: object) -> None:
     raise Stop
 
 
-def die_with(parent: int) -> None:
-    """Have the kernel send SIGTERM when ``parent`` (dsat) exits; where prctl is missing, a
-    resumed search still stops leftovers."""
+def sigterm_when_parent_dies() -> None:
+    """Have the kernel send this process SIGTERM when its parent exits (where prctl is missing,
+    a resumed search still stops leftovers)."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):
         pass
-    if os.getppid() != parent:  # dsat died before the guard was armed
+
+
+def die_with(parent: int) -> None:
+    """Stop when ``parent`` (dsat, or the Ray actor that started the trial) exits."""
+    sigterm_when_parent_dies()
+    if os.getppid() != parent:  # it died before the guard was armed
         raise Stop
+
+
+def arm_command() -> None:
+    """Run in the command's process before it starts: it gets SIGTERM if this guard dies without
+    stopping it. Ray SIGKILLs the children of a worker it ends, this guard among them; the
+    command, a grandchild, would live on. torchrun stops its workers on that SIGTERM."""
+    guard = os.getppid()
+    sigterm_when_parent_dies()
+    if os.getppid() != guard:
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def stop_group(child: subprocess.Popen[bytes] | None) -> None:
@@ -70,7 +85,7 @@ def main(argv: list[str]) -> None:
     child: subprocess.Popen[bytes] | None = None
     try:
         die_with(int(argv[1]))
-        child = subprocess.Popen(argv[3:])
+        child = subprocess.Popen(argv[3:], preexec_fn=arm_command)
         returncode = child.wait()
     except OSError as err:  # the command itself cannot start: the trial's log says why
         print(f"cannot run {argv[3]}: {err}", file=sys.stderr)
