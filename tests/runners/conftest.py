@@ -1,4 +1,5 @@
-"""One real local multi-node Ray cluster for every test of the Ray runner (started once, ~10 s).
+"""One real local multi-node Ray cluster for every test of the Ray runner (started once, ~10 s,
+and stopped after the last test of tests/runners/, so that the rest of the suite runs without it).
 
 A head node with no GPU (the test process is its driver, and Ray cannot remove the node its
 driver is on) and two worker nodes with one fake GPU each: a one-slot trial lands on either worker,
@@ -40,14 +41,19 @@ class RayTestCluster:
         self.cluster.wait_for_nodes()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def ray_cluster() -> Iterator[RayTestCluster]:
     import ray
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": 1, "num_gpus": 0, "object_store_memory": OBJECT_STORE_BYTES},
+        head_node_args={
+            "num_cpus": 1,
+            "num_gpus": 0,
+            "object_store_memory": OBJECT_STORE_BYTES,
+            "include_dashboard": False,
+        },
     )
     for _ in range(2):
         cluster.add_node(**WORKER_NODE)

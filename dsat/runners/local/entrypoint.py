@@ -112,3 +112,34 @@ def trial_command(
     if is_python:
         return [*torchrun, *command[1:]]
     return [*torchrun, "--no-python", *command]
+
+
+# Determined's DistributedContext broadcasts between a trial's processes on two TCP ports that
+# are fixed unless these variables say otherwise; concurrent trials on one machine need their own.
+DETERMINED_PORT_VARIABLES = ("INTER_TRAIN_PROCESS_COMM_PORT_1", "INTER_TRAIN_PROCESS_COMM_PORT_2")
+
+
+def rendezvous_environment(
+    processes: int, nodes: int, ports: list[int], master_addr: str = "127.0.0.1"
+) -> dict[str, str]:
+    """How a trial's ``processes`` find each other. ``ports``: three free ports on the first
+    node, torch.distributed's first, then Determined's two.
+
+    One process gets the variables torch.distributed expects (torchrun sets them for several);
+    several get Determined's ports (its DistributedContext, which dsat's trial helpers use, listens
+    on the first node), and its address once the trial spans nodes."""
+    if processes > 1:
+        env = dict(zip(DETERMINED_PORT_VARIABLES, map(str, ports[1:3]), strict=True))
+        if nodes > 1:
+            env["DET_CHIEF_IP"] = master_addr
+        return env
+    return {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+        "GROUP_RANK": "0",
+        "GROUP_WORLD_SIZE": "1",
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(ports[0]),
+    }

@@ -27,7 +27,7 @@ from dsat.constants import (
 )
 from dsat.paths import shown
 from dsat.runners.local.deepspeed_ops import clear_stale_locks
-from dsat.runners.local.entrypoint import trial_command
+from dsat.runners.local.entrypoint import rendezvous_environment, trial_command
 from dsat.runners.local.full_run import FULL_RUN_DIR, run_to_the_end
 from dsat.runners.local.slots import SlotPool
 from dsat.runners.local.trial_outcome import classify
@@ -41,11 +41,6 @@ POLL_SECONDS = 0.1
 # After the command on a trial log's first line when the trial was forked from a warm worker.
 WARM_TRIAL_MARK = "# forked from a warm worker"
 COPY_IGNORE = shutil.ignore_patterns(".git", "__pycache__", "*.pyc", ".venv", RESULTS_ROOT)
-
-
-# Determined's DistributedContext broadcasts between a trial's processes on two TCP ports that
-# are fixed unless these variables say otherwise; concurrent trials on one machine need their own.
-DETERMINED_PORT_VARIABLES = ("INTER_TRAIN_PROCESS_COMM_PORT_1", "INTER_TRAIN_PROCESS_COMM_PORT_2")
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
@@ -170,21 +165,7 @@ class LocalRunner:
         env[ENV_HPARAMS_FILE] = str(directory / HPARAMS_FILE)
         if length is not None:
             env[ENV_TRIAL_LENGTH] = str(length)
-        if self.slots_per_trial > 1:
-            env.update(zip(DETERMINED_PORT_VARIABLES, map(str, ports[1:3]), strict=True))
-        else:
-            env.update(
-                {
-                    "RANK": "0",
-                    "LOCAL_RANK": "0",
-                    "WORLD_SIZE": "1",
-                    "LOCAL_WORLD_SIZE": "1",
-                    "GROUP_RANK": "0",
-                    "GROUP_WORLD_SIZE": "1",
-                    "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": str(ports[0]),
-                }
-            )
+        env.update(rendezvous_environment(self.slots_per_trial, 1, ports))
         return env
 
     def slot_environment(self, slots: list[str]) -> dict[str, str]:
