@@ -185,8 +185,8 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
         "--runner",
         default="auto",
         choices=runners,
-        help="where trials run; auto = determined when DET_MASTER is set, else ray when "
-        "RAY_ADDRESS is set, else local",
+        help="where trials run; auto = ray with --ray-address, else determined when DET_MASTER "
+        "is set, else ray when RAY_ADDRESS is set, else local",
     )
     parser.add_argument(
         "--ray-address",

@@ -88,10 +88,14 @@ def plan_search(
     validate_with_deepspeed(experiment.ds_config, slots, str(experiment.ds_config_path))
     if settings.search_runner_config is not None:
         load_yaml_mapping(Path(settings.search_runner_config))
-    runner, reason = resolve_runner(settings.runner, environ)
+    runner, reason = resolve_runner(settings.runner, environ, settings.ray_address)
     if settings.simulator is not None and runner is not RunnerKind.SIMULATED:
         raise DsatError(
             f"--simulator only applies to --runner simulated (the runner is {runner.value})"
+        )
+    if settings.ray_address is not None and runner is not RunnerKind.RAY:
+        raise DsatError(
+            f"--ray-address only applies to --runner ray (the runner is {runner.value})"
         )
     setup = RUNNER_SETUPS[runner].prepare(settings, experiment, environ)
     if settings.resume is not None:

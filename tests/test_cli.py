@@ -216,6 +216,24 @@ def test_simulator_without_simulated_runner(
     )
 
 
+def test_ray_address_with_another_runner(
+    experiment_yaml: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert_one_line_error(
+        capsys,
+        [
+            "asha",
+            str(experiment_yaml),
+            str(experiment_yaml.parent),
+            "--runner",
+            "local",
+            "--ray-address",
+            "10.0.0.1:6379",
+        ],
+        "--ray-address only applies to --runner ray (the runner is local)",
+    )
+
+
 # ---------------------------------------------------------------- errors: one line, exit 2 (subprocess)
 
 

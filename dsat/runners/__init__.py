@@ -17,11 +17,15 @@ class RunnerKind(str, enum.Enum):
     SIMULATED = "simulated"  # a performance function instead of training
 
 
-def resolve_runner(requested: str, environ: Mapping[str, str]) -> tuple[RunnerKind, str]:
-    """The runner to use and why: ``auto`` follows DET_MASTER, like Determined's own CLI, then
-    RAY_ADDRESS, like Ray's."""
+def resolve_runner(
+    requested: str, environ: Mapping[str, str], ray_address: str | None = None
+) -> tuple[RunnerKind, str]:
+    """The runner to use and why: ``auto`` follows ``--ray-address``, then DET_MASTER, like
+    Determined's own CLI, then RAY_ADDRESS, like Ray's."""
     if requested != "auto":
         return RunnerKind(requested), "chosen with --runner"
+    if ray_address:
+        return RunnerKind.RAY, "--ray-address is given"
     if environ.get(ENV_DET_MASTER):
         return RunnerKind.DETERMINED, f"{ENV_DET_MASTER} is set"
     if environ.get(ENV_RAY_ADDRESS):

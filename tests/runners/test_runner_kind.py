@@ -35,3 +35,10 @@ def test_explicit_choice_wins() -> None:
         "chosen with --runner",
     )
     assert resolve_runner("simulated", {})[0] is RunnerKind.SIMULATED
+
+
+def test_a_ray_address_given_picks_ray_before_any_variable() -> None:
+    assert resolve_runner("auto", {"DET_MASTER": "http://m:8080"}, "10.0.0.1:6379") == (
+        RunnerKind.RAY,
+        "--ray-address is given",
+    )
