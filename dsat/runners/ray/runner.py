@@ -118,8 +118,10 @@ class RayRunner:
             time.sleep(POLL_SECONDS)
 
     def stop_all(self) -> None:
+        """Stop every trial; what each wrote so far stays in ``logs/``."""
         for trial in list(self.running.values()):
             self._stop(trial)
+            self._collect_logs(trial)
             self._release(trial)
         self.running.clear()
 

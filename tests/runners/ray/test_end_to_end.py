@@ -106,6 +106,8 @@ def test_ctrl_c_stops_every_trial_on_the_cluster(
     assert process.returncode == 130, output[-3000:]
     assert "interrupted; every trial was stopped. Resume with:" in output
     assert_nothing_left(tmp_path / "results")
+    logs = sorted((tmp_path / "results" / "logs").glob("0*.log"))
+    assert len(logs) == 2 and "$ " in logs[1].read_text()  # the stopped trial's output came back
     assert_no_placement_group_left()
 
 
