@@ -30,7 +30,6 @@ class SearchEnd:
     """The method ended the search (it did not just run out of running trials)."""
 
     failure: bool  # nothing to hand over
-    reason: str
 
 
 class TrialListener(Protocol):
@@ -72,9 +71,7 @@ class SearchDriver:
                 self.method.trial_length(record),
             )
         if self.method.finished and self.shutdown is None:
-            self.shutdown = SearchEnd(
-                self.method.search_failed, self.method.shutdown_reason or "search ended"
-            )
+            self.shutdown = SearchEnd(self.method.search_failed)
 
     def finish(self, outcome: TrialOutcome) -> None:
         """Feed ``outcome`` to the method, tell the listeners, then start what follows.

@@ -64,7 +64,7 @@ class DeterminedEventLoop:
                 self.state.trials_closed.add(op.request_id)
                 self.apply(self.method.on_trial_closed(self.state, op.request_id))
             elif isinstance(op, searcher.Shutdown):
-                self.shutdown = SearchEnd(bool(op.failure), "Shutdown")
+                self.shutdown = SearchEnd(bool(op.failure))
             # Progress operations carry nothing a local loop needs.
 
     def finish(self, outcome: TrialOutcome) -> None:

@@ -3,9 +3,10 @@
 ``python3 -m dsat.runners.determined.search_runner`` runs in the zero-slot experiment that
 ``dsat ... --runner determined`` submits. It reads the uploaded settings (JSON), creates the
 trials' custom experiment from the user's YAML and drives dsat's search method through
-Determined's ``RemoteSearchRunner`` (through ``searcher_adapter.DsatSearcher``). Every checkpoint holds JSON only: Determined's searcher state,
-the method's state, the last operations, and the results files (``trials.jsonl``,
-``best_ds_config.json``, ``best_ds_metrics.json``), so a restarted search runner resumes.
+Determined's ``RemoteSearchRunner`` (as ``searcher_adapter.DsatSearcher``). Every checkpoint
+holds JSON only: Determined's searcher state, the method's state, the last operations, and the
+results files (``trials.jsonl``, ``best_ds_config.json``, ``best_ds_metrics.json``), so a
+restarted search runner resumes.
 
 It imports only what a Determined task image has (determined and its dependencies, numpy, pyyaml):
 no DeepSpeed, no torch, no terminal UI.

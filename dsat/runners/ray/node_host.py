@@ -88,9 +88,10 @@ class TrialNodeHost:
         """What the process left behind, classified as the local runner classifies it."""
         if self.log is not None:
             self.log.close()
-        code = self.poll()
-        status, metrics, error = classify(self.directory, self.log_path, code, timed_out, timeout)
-        return {"status": status.value, "metrics": metrics, "error": error, "code": code}
+        status, metrics, error = classify(
+            self.directory, self.log_path, self.poll(), timed_out, timeout
+        )
+        return {"status": status.value, "metrics": metrics, "error": error}
 
     def read_log(self, offset: int, limit: int) -> bytes:
         """The log from ``offset``, at most ``limit`` bytes."""

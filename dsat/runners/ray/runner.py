@@ -55,7 +55,6 @@ class RayTrial:
     placed: Any  # the object ref that resolves once the group is placed
     hosts: list[Any] = dataclasses.field(default_factory=list)  # actor handles, node rank order
     nodes: list[str] = dataclasses.field(default_factory=list)  # Ray node ids, same order
-    codes: list[int | None] = dataclasses.field(default_factory=list)
     start: float | None = None  # when its processes started (None: still being placed)
     first_exit: float | None = None
 
@@ -146,10 +145,7 @@ class RayRunner:
                     break
                 if not chunk:
                     time.sleep(POLL_SECONDS)
-        except KeyboardInterrupt:
-            self._stop(trial)
-            raise
-        finally:
+        finally:  # finished, failed or interrupted: nothing of it stays on the cluster
             self._stop(trial)
             self._collect_logs(trial)
             self._release(trial)
@@ -209,14 +205,14 @@ class RayRunner:
         trial.nodes = [node_id for node_id, _ in nodes]
         master_addr = nodes[0][1] if layout.nodes > 1 else "127.0.0.1"
         ports = ray.get(trial.hosts[0].free_ports.remote(3))
+        threads = self._threads()
         pids = []
         for rank, host in enumerate(trial.hosts):
             command = self._command(rank, master_addr, ports[0])
             env = self._environment(Path(directories[rank]), master_addr, ports, trial)
-            env["OMP_NUM_THREADS"] = str(self._threads(trial.nodes[rank]))
+            env["OMP_NUM_THREADS"] = str(threads.get(trial.nodes[rank], 1))
             pids.append(host.start.remote(command, env))
         ray.get(pids)
-        trial.codes = [None] * layout.nodes
         trial.start = self.now()
         return True
 
@@ -234,22 +230,24 @@ class RayRunner:
         env[ENV_HPARAMS_FILE] = str(directory / HPARAMS_FILE)
         if trial.length is not None:
             env[ENV_TRIAL_LENGTH] = str(trial.length)
-        if self.layout.resource == "CPU":
-            env["DS_ACCELERATOR"] = "cpu"
         layout = self.layout
+        if layout.resource == "CPU":
+            env["DS_ACCELERATOR"] = "cpu"
         processes = layout.nodes * layout.slots_per_node
         env.update(rendezvous_environment(processes, layout.nodes, ports, master_addr))
         return env
 
-    def _threads(self, node_id: str) -> int:
-        """OpenMP threads for each of a trial's processes on a node (one per slot): a slot's
-        share of the node's CPUs. Left to Ray, a trial would inherit the one thread Ray gives
+    def _threads(self) -> dict[str, int]:
+        """OpenMP threads for each of a trial's processes (one per slot), by node id: a slot's
+        share of its node's CPUs. Left to Ray, a trial would inherit the one thread Ray gives
         its actor (which reserves no CPU): 10% fewer samples/s on the CPU (benchmarks/README.md)."""
-        node = next((n for n in self.ray.nodes() if n["NodeID"] == node_id), None)
-        resources = {} if node is None else node.get("Resources", {})
-        cpus = float(resources.get("CPU", 1))
-        slots = float(resources.get(self.layout.resource, 1)) or 1.0
-        return max(1, int(cpus / slots))
+        threads = {}
+        for node in self.ray.nodes():
+            resources = node.get("Resources", {})
+            cpus = float(resources.get("CPU", 1))
+            slots = float(resources.get(self.layout.resource, 1)) or 1.0
+            threads[node["NodeID"]] = max(1, int(cpus / slots))
+        return threads
 
     # ------------------------------------------------------------------ waiting and finishing
 
@@ -258,10 +256,10 @@ class RayRunner:
         from ray.exceptions import RayActorError
 
         try:
-            trial.codes = self.ray.get([host.poll.remote() for host in trial.hosts])
+            codes: list[int | None] = self.ray.get([host.poll.remote() for host in trial.hosts])
         except RayActorError:
             return None
-        return trial.codes
+        return codes
 
     def _advance(self, trial: RayTrial) -> TrialOutcome | None:
         """The trial's outcome if it has one now; it is launched once placed. An actor of the
