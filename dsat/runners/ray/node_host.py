@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import IO, Any
 
+from dsat.runners.local.deepspeed_ops import clear_stale_locks
 from dsat.runners.local.runner import free_ports
 from dsat.runners.local.trial_outcome import classify
 from dsat.runners.local.trial_processes import guarded, kill_process_group
@@ -59,21 +60,26 @@ class TrialNodeHost:
             (self.directory / name).write_text(text)
         return str(self.directory)
 
-    def start(self, command: list[str], env: dict[str, str]) -> int:
-        """Start the trial's command in its own process group; returns its pid."""
+    def start(self, command: list[str], env: dict[str, str]) -> list[str]:
+        """Start the trial's command in its own process group, after removing the DeepSpeed
+        op-build locks no living process holds (as the local runner does before each trial: a
+        trial killed mid-build leaves one, and every later trial on the node waits on it until
+        its timeout); returns the locks removed."""
+        environ = {**os.environ, **env}
+        removed = [str(lock) for lock in clear_stale_locks(environ)]
         self.log = self.log_path.open("wb")
         self.log.write(f"$ {' '.join(command)}\n".encode())
         self.log.flush()
         self.process = subprocess.Popen(
             guarded(command),
             cwd=self.directory,
-            env={**os.environ, **env},
+            env=environ,
             stdout=self.log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
-        return self.process.pid
+        return removed
 
     def poll(self) -> int | None:
         return None if self.process is None else self.process.poll()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -35,6 +36,8 @@ from dsat.runners.local.trial_timeout import TrialTimeout
 from dsat.runners.ray.node_host import TrialNodeHost
 from dsat.runners.ray.placement import TrialLayout
 from dsat.trial import TrialOutcome, TrialStatus
+
+logger = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.2
 # After one node's process exited, the others get this long to end by themselves before they are
@@ -206,13 +209,20 @@ class RayRunner:
         master_addr = nodes[0][1] if layout.nodes > 1 else "127.0.0.1"
         ports = ray.get(trial.hosts[0].free_ports.remote(3))
         threads = self._threads()
-        pids = []
+        started = []
         for rank, host in enumerate(trial.hosts):
             command = self._command(rank, master_addr, ports[0])
             env = self._environment(Path(directories[rank]), master_addr, ports, trial)
             env["OMP_NUM_THREADS"] = str(threads.get(trial.nodes[rank], 1))
-            pids.append(host.start.remote(command, env))
-        ray.get(pids)
+            started.append(host.start.remote(command, env))
+        for rank, removed in enumerate(ray.get(started)):
+            for lock in removed:
+                logger.info(
+                    "removed %s on the node of rank %d, left behind by an interrupted DeepSpeed "
+                    "op build",
+                    lock,
+                    rank,
+                )
         trial.start = self.now()
         return True
 
