@@ -115,6 +115,9 @@ class Picks:
     def trial_finished(self, request_id: str, outcome: TrialOutcome) -> None:
         self.configs.append(self.current())
 
+    def trial_retried(self, request_id: str, outcome: TrialOutcome, attempt: int) -> None:
+        pass
+
     def current(self) -> dict[str, Any] | None:
         pick = getattr(self.search, "pick", None)
         tracker = getattr(self.search, "tracker", None)

@@ -40,6 +40,9 @@ class ResultsRecorder:
         )
         save_state(self.method, self.writer.directory)
 
+    def trial_retried(self, request_id: str, outcome: TrialOutcome, attempt: int) -> None:
+        pass  # the trial still runs: the state on disk already says so
+
 
 def run_search(
     settings: SearchSettings,

@@ -7,6 +7,7 @@ import enum
 from collections.abc import Mapping
 from typing import Any
 
+from dsat.trial_failure import FailureCause
 from dsat.zero_space import explicit_zero_config
 
 
@@ -55,9 +56,11 @@ class TrialOutcome:
     request_id: str
     status: TrialStatus  # a finished one: completed, oom, error or timeout
     metrics: dict[str, Any]
-    error: str | None
+    error: str | None  # its first line is the reason, for the terminal
     start: float  # seconds on the runner's clock
     end: float
+    cause: FailureCause | None = None  # who a failure is blamed on
+    log: str | None = None  # the trial's log, where the runner keeps one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +102,8 @@ class TrialRecord:
     status: TrialStatus = TrialStatus.QUEUED
     metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
     error: str | None = None
+    cause: FailureCause | None = None
+    log: str | None = None
 
     @property
     def zero_section(self) -> dict[str, Any]:
@@ -124,6 +129,7 @@ class TrialRecord:
         data = dataclasses.asdict(self)
         data["kind"] = self.kind.value
         data["status"] = self.status.value
+        data["cause"] = None if self.cause is None else self.cause.value
         return data
 
     @classmethod
@@ -131,6 +137,8 @@ class TrialRecord:
         data = dict(data)
         data["kind"] = TrialKind(data["kind"])
         data["status"] = TrialStatus(data["status"])
+        if data.get("cause") is not None:
+            data["cause"] = FailureCause(data["cause"])
         if data.get("search_range") is not None:
             data["search_range"] = SearchRange(**data["search_range"])
         return cls(**data)

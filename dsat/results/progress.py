@@ -18,6 +18,7 @@ from rich.text import Text
 
 from dsat.search.tracker import TrialTracker
 from dsat.trial import TrialKind, TrialOutcome, TrialRecord, TrialStatus
+from dsat.trial_failure import MACHINE_ATTEMPTS, first_line, log_note
 
 PREFIX = "dsat:"
 
@@ -56,17 +57,33 @@ class SearchProgress:
         self.console.print(line, highlight=False, markup=False)
         self._refresh()
 
+    def trial_retried(self, request_id: str, outcome: TrialOutcome, attempt: int) -> None:
+        record = self.tracker.get(request_id)
+        line = (
+            f"{PREFIX} trial {record.index} {self.trial_label(record)}: the machine failed it, "
+            f"not its configuration: {first_line(outcome.error)}{log_note(outcome.log)}; running "
+            f"it again (attempt {attempt + 1} of {MACHINE_ATTEMPTS})"
+        )
+        self.console.print(line, highlight=False, markup=False)
+        self._refresh()
+
     # ------------------------------------------------------------------ text
 
     def counts(self) -> collections.Counter[TrialStatus]:
         return collections.Counter(record.status for record in self.tracker.finished)
 
+    @staticmethod
+    def trial_label(record: TrialRecord) -> str:
+        return "model profile" if record.kind is TrialKind.MODEL_PROFILE else record.name
+
     def trial_line(self, record: TrialRecord) -> str:
-        what = "model profile" if record.kind is TrialKind.MODEL_PROFILE else record.name
-        text = f"trial {record.index} {what}: {record.status.value}"
+        """Its result; a failed one says why in one line, and where its log is."""
+        text = f"trial {record.index} {self.trial_label(record)}: {record.status.value}"
         value = self.tracker.metric_value(record)
         if value is not None:
             text += f", {self.metric_name} {value:.4g}"
+        if record.status.failed:
+            text += f": {first_line(record.error)}{log_note(record.log)}"
         return text
 
     def status_line(self) -> str:

@@ -3,6 +3,11 @@
 suggest, start, wait, observe: the method (``dsat.search.protocol.SearchMethod``) says what to run
 and when the search is over; the runner (``trial_runner.TrialRunner``) says how each trial ended.
 Listeners (the results files, the progress display) hear of every trial started and finished.
+
+A trial the machine failed (``dsat.trial_failure``: a taken port, a lost node, a signal from
+outside) says nothing of its configuration, so the method never sees it: the loop runs it again,
+up to ``MACHINE_ATTEMPTS`` times in all, on every runner alike. Only then is it an error, one that
+says it was the machine.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from typing import Any, Protocol
 from dsat.runners.trial_runner import TrialRunner
 from dsat.search.protocol import SearchMethod
 from dsat.trial import TrialOutcome
+from dsat.trial_failure import MACHINE_ATTEMPTS, FailureCause, first_line
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,6 +29,16 @@ class FinishedTrial:
     hparams: dict[str, Any]
     ds_config: dict[str, Any]
     outcome: TrialOutcome
+
+
+@dataclasses.dataclass
+class StartedTrial:
+    """What the loop needs to run a trial again."""
+
+    hparams: dict[str, Any]
+    ds_config: dict[str, Any]
+    length: int
+    attempts: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +56,9 @@ class TrialListener(Protocol):
 
     def trial_finished(self, request_id: str, outcome: TrialOutcome) -> None: ...
 
+    def trial_retried(self, request_id: str, outcome: TrialOutcome, attempt: int) -> None:
+        """The machine failed the trial's ``attempt``-th run (``outcome``); it runs again."""
+
 
 class SearchDriver:
     def __init__(
@@ -53,7 +72,7 @@ class SearchDriver:
         self.runner = runner
         self.listeners = list(listeners)
         self.max_events = max_events  # stop early, as an interruption would (for tests)
-        self.started: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
+        self.started: dict[str, StartedTrial] = {}
         self.history: list[FinishedTrial] = []
         self.shutdown: SearchEnd | None = None
         self.events = 0
@@ -61,26 +80,53 @@ class SearchDriver:
     def start_suggested(self) -> None:
         """Start every trial the method suggests now; note the end of the search."""
         while (record := self.method.suggest()) is not None:
-            self.started[record.request_id] = (record.hparams, record.ds_config)
+            self.started[record.request_id] = StartedTrial(
+                record.hparams, record.ds_config, self.method.trial_length(record)
+            )
             for listener in self.listeners:  # first, so the state on disk includes the trial
                 listener.trial_started(record.request_id)
-            self.runner.start(
-                record.request_id,
-                record.hparams,
-                record.ds_config,
-                self.method.trial_length(record),
-            )
+            self._start(record.request_id)
         if self.method.finished and self.shutdown is None:
             self.shutdown = SearchEnd(self.method.search_failed)
+
+    def _start(self, request_id: str) -> None:
+        trial = self.started[request_id]
+        self.runner.start(request_id, trial.hparams, trial.ds_config, trial.length)
+
+    def retried(self, outcome: TrialOutcome) -> bool:
+        """Run the trial again if the machine failed it and it has attempts left."""
+        if outcome.cause is not FailureCause.MACHINE:
+            return False
+        trial = self.started[outcome.request_id]
+        if trial.attempts >= MACHINE_ATTEMPTS:
+            return False
+        for listener in self.listeners:
+            listener.trial_retried(outcome.request_id, outcome, trial.attempts)
+        trial.attempts += 1
+        self._start(outcome.request_id)
+        return True
+
+    def blame_the_machine(self, outcome: TrialOutcome) -> TrialOutcome:
+        """A trial the machine failed on every attempt: an error that says so."""
+        if outcome.cause is not FailureCause.MACHINE:
+            return outcome
+        attempts = self.started[outcome.request_id].attempts
+        rest = (outcome.error or "").partition("\n")[2]
+        error = (
+            f"the machine failed this trial {attempts} time(s), not its configuration: "
+            f"{first_line(outcome.error)}\n{rest}"
+        )
+        return dataclasses.replace(outcome, error=error)
 
     def finish(self, outcome: TrialOutcome) -> None:
         """Feed ``outcome`` to the method, tell the listeners, then start what follows.
 
         The listeners (the results files, the saved state) hear of the outcome before any trial
         the method starts next, so an interruption while that one starts loses nothing."""
+        outcome = self.blame_the_machine(outcome)
         self.method.observe(outcome)
-        hparams, ds_config = self.started.pop(outcome.request_id)
-        self.history.append(FinishedTrial(hparams, ds_config, outcome))
+        trial = self.started.pop(outcome.request_id)
+        self.history.append(FinishedTrial(trial.hparams, trial.ds_config, outcome))
         for listener in self.listeners:
             listener.trial_finished(outcome.request_id, outcome)
         self.start_suggested()
@@ -97,7 +143,9 @@ class SearchDriver:
         while self.shutdown is None and self.runner.running_count():
             if self.max_events is not None and self.events >= self.max_events:
                 return
-            self.finish(self.runner.wait())
+            outcome = self.runner.wait()
+            if not self.retried(outcome):
+                self.finish(outcome)
             self.events += 1
         if self.runner.running_count():  # the search ended with trials out: not needed any more
             self.runner.stop_all()

@@ -10,12 +10,52 @@ import logging
 from typing import TYPE_CHECKING
 
 from dsat.search.confirmation import leaders, planned_runs, winner
-from dsat.trial import TrialKind, TrialStatus
+from dsat.trial import TrialKind, TrialRecord, TrialStatus
+from dsat.trial_failure import SCRIPT_FAILURES_TO_STOP, FailureCause, first_line, log_note
 
 if TYPE_CHECKING:
     from dsat.search.method import DsatSearchMethod
 
 logger = logging.getLogger(__name__)
+
+
+def profile_failure(profile: TrialRecord) -> str:
+    """Why the search cannot start, quoting the model-profile trial's own reason; "fix the
+    config" only where the config is the cause."""
+    reason, log = first_line(profile.error), log_note(profile.log)
+    if profile.status is TrialStatus.OOM:
+        return (
+            f"the model-profile trial ran out of memory at micro-batch 1 ({reason}){log}: the "
+            "model must fit at micro-batch 1 with the submitted DeepSpeed config; fix the config "
+            "(a higher ZeRO stage, offload) and try again"
+        )
+    if profile.cause is FailureCause.CONFIG:
+        return f"the model-profile trial failed: {reason}{log}; fix the DeepSpeed config"
+    if profile.cause is FailureCause.SCRIPT:
+        return (
+            f"the model-profile trial failed: {reason}{log}; no configuration can pass until the "
+            "training script is fixed"
+        )
+    if profile.cause is FailureCause.MACHINE:
+        return f"the model-profile trial failed: {reason}{log}; the configuration is not to blame"
+    if profile.status is TrialStatus.TIMEOUT:
+        return f"the model-profile trial failed: {reason}{log} (--trial-timeout)"
+    return f"the model-profile trial failed at micro-batch 1: {reason}{log}"
+
+
+def repeated_script_failure(finished: list[TrialRecord]) -> str | None:
+    """A stop reason when the last trials all failed for the training script with one reason,
+    which no DeepSpeed configuration can cause (too few steps, no metrics reported)."""
+    last = finished[-SCRIPT_FAILURES_TO_STOP:]
+    if len(last) < SCRIPT_FAILURES_TO_STOP:
+        return None
+    reasons = {first_line(r.error) for r in last if r.cause is FailureCause.SCRIPT}
+    if len(reasons) != 1 or any(r.cause is not FailureCause.SCRIPT for r in last):
+        return None
+    return (
+        f"the last {len(last)} trials failed alike, whatever their configuration: "
+        f"{reasons.pop()}{log_note(last[-1].log)}; fix the training script and start again"
+    )
 
 
 @dataclasses.dataclass
@@ -30,10 +70,12 @@ class SearchEnding:
     def stop_reason(self, method: DsatSearchMethod) -> str | None:
         """Why the search must stop now, whatever is still queued; None to go on."""
         if method.model_profile_failed():
-            return (
-                "the model-profile trial failed: the model must run at micro-batch 1 with the "
-                "submitted DeepSpeed config; fix that (see the trial's log) and try again"
-            )
+            profile = method.tracker.model_profile
+            assert profile is not None  # it failed
+            return profile_failure(profile)
+        repeated = repeated_script_failure(method.tracker.finished)
+        if repeated is not None:
+            return repeated
         if method.early_stopping_triggered():
             return "early stopping: no improvement in the last trials"
         if len(method.tracker.finished) >= method.tracker.max_trials:

@@ -86,7 +86,7 @@ class DsatSearchMethod(SearchMethod):
         if self._outcome_pending:
             self._outcome_pending = False
             if self.ending.should_shutdown(self):
-                logger.info("search ends: %s", self.shutdown_reason)
+                logger.debug("search ends: %s", self.shutdown_reason)  # the launch says why
                 self._finished = True
                 return None
         if not self.tracker.can_start_more():
@@ -106,11 +106,19 @@ class DsatSearchMethod(SearchMethod):
             return
         self._outcome_pending = True
         if outcome.status is not TrialStatus.COMPLETED:
-            record = self.tracker.mark_finished(request_id, outcome.status, error=outcome.error)
+            record = self.tracker.mark_finished(
+                request_id,
+                outcome.status,
+                error=outcome.error,
+                cause=outcome.cause,
+                log=outcome.log,
+            )
             if record.kind is TrialKind.SEARCH:
                 self._follow_up(lambda: self.after_failure(record))
             return
-        record = self.tracker.mark_finished(request_id, TrialStatus.COMPLETED, outcome.metrics)
+        record = self.tracker.mark_finished(
+            request_id, TrialStatus.COMPLETED, outcome.metrics, log=outcome.log
+        )
         if record.kind is TrialKind.MODEL_PROFILE:
             profile = self.profile
             if profile is not None:

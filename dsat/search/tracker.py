@@ -12,6 +12,7 @@ from typing import Any
 from dsat.constants import OVERWRITE_KEY
 from dsat.experiment.metric import Metric
 from dsat.trial import TrialKind, TrialRecord, TrialStatus, leaves_memory_margin
+from dsat.trial_failure import FailureCause
 
 
 def config_key(record: TrialRecord) -> str:
@@ -100,9 +101,11 @@ class TrialTracker:
         status: TrialStatus,
         metrics: dict[str, Any] | None = None,
         error: str | None = None,
+        cause: FailureCause | None = None,
+        log: str | None = None,
     ) -> TrialRecord:
         record = self._records[request_id].replace(
-            status=status, metrics=dict(metrics or {}), error=error
+            status=status, metrics=dict(metrics or {}), error=error, cause=cause, log=log
         )
         self._records[request_id] = record
         if record.kind is TrialKind.SEARCH:

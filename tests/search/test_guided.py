@@ -113,6 +113,9 @@ class _Picks:
         record = self.m.pick()
         self.picks.append(None if record is None else dict(record.ds_config))
 
+    def trial_retried(self, request_id: str, outcome: Any, attempt: int) -> None:
+        pass
+
 
 def search_with_picks(
     name: str, seed: int, memory_margin: float = MARGIN

@@ -122,7 +122,9 @@ def test_failed_model_profile_stops_with_advice(name: str) -> None:
     m = method(name)
     driver = run(m, no_memory)
     assert len(driver.history) == 1 and driver.shutdown is not None and driver.shutdown.failure
-    assert m.shutdown_reason is not None and "must run at micro-batch 1" in m.shutdown_reason
+    reason = m.shutdown_reason
+    assert reason is not None and "ran out of memory at micro-batch 1" in reason
+    assert "even micro-batch 1 does not fit" in reason and "fix the config" in reason
 
 
 def test_profile_without_model_info_fails_the_same_way() -> None:

@@ -141,6 +141,7 @@ def run(core_context: Any, workdir: Path, runner_experiment_id: int) -> DsatSear
     summary = runner.results_dir / SUMMARY_FILE
     if summary.is_file():
         logger.info("dsat summary:\n%s", summary.read_text())
+    logger.info("dsat: search ended: %s", method.shutdown_reason)
     best = method.tracker.best()
     if best is None:
         logger.error("dsat: no trial succeeded; %s", method.shutdown_reason)

@@ -127,7 +127,9 @@ def rendezvous_environment(
 
     One process gets the variables torch.distributed expects (torchrun sets them for several);
     several get Determined's ports (its DistributedContext, which dsat's trial helpers use, listens
-    on the first node), and its address once the trial spans nodes."""
+    on the first node), and its address once the trial spans nodes. One process listens on port 0:
+    the kernel gives its store a free port when it binds, so no other process can take that port
+    between dsat choosing it and the trial binding it."""
     if processes > 1:
         env = dict(zip(DETERMINED_PORT_VARIABLES, map(str, ports[1:3]), strict=True))
         if nodes > 1:
@@ -141,5 +143,5 @@ def rendezvous_environment(
         "GROUP_RANK": "0",
         "GROUP_WORLD_SIZE": "1",
         "MASTER_ADDR": master_addr,
-        "MASTER_PORT": str(ports[0]),
+        "MASTER_PORT": "0",
     }

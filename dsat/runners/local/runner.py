@@ -30,7 +30,7 @@ from dsat.runners.local.deepspeed_ops import clear_stale_locks
 from dsat.runners.local.entrypoint import rendezvous_environment, trial_command
 from dsat.runners.local.full_run import FULL_RUN_DIR, run_to_the_end
 from dsat.runners.local.slots import SlotPool
-from dsat.runners.local.trial_outcome import classify
+from dsat.runners.local.trial_outcome import classify, oom_kill_count, oom_killed_since
 from dsat.runners.local.trial_processes import TrialProcess, guarded, kill_process_group
 from dsat.runners.local.trial_timeout import TrialTimeout
 from dsat.runners.local.warm_trials import WarmWorkers, warm_command
@@ -65,6 +65,7 @@ class RunningTrial:
     log: IO[bytes]
     slots: list[str]
     start: float
+    oom_kills_at_start: int | None
 
 
 def copy_ignore(results_dir: Path) -> Callable[[str, list[str]], set[str]]:
@@ -227,7 +228,7 @@ class LocalRunner:
         if process is None:
             process, _ = self.spawn(directory, slots, log, log, length)
         self.running[request_id] = RunningTrial(
-            request_id, process, directory, log_path, log, slots, self.now()
+            request_id, process, directory, log_path, log, slots, self.now(), oom_kill_count()
         )
 
     def _fork_warm(
@@ -264,17 +265,20 @@ class LocalRunner:
         del self.running[trial.request_id]
         trial.log.close()
         self.pool.give_back(trial.slots)
-        status, metrics, error = classify(
+        status, metrics, error, cause = classify(
             trial.directory,
             trial.log_path,
             trial.process.returncode,
             timed_out,
             self.timeout.seconds,
+            oom_killed_since(trial.oom_kills_at_start),
         )
         end = self.now()
         if status is TrialStatus.COMPLETED:  # the first to complete is the model-profile trial
             self.timeout.profile_finished(end - trial.start)
-        return TrialOutcome(trial.request_id, status, metrics, error, trial.start, end)
+        return TrialOutcome(
+            trial.request_id, status, metrics, error, trial.start, end, cause, str(trial.log_path)
+        )
 
     def _kill(self, trial: RunningTrial) -> None:
         kill_process_group(trial.process)

@@ -1,24 +1,25 @@
 """What a finished local trial left behind, read as its outcome.
 
 DeepSpeed's metrics (through ``dsat_reporting_context``'s outcome file, or DeepSpeed's own files)
-mean completed; an OOM signature, oom; the timeout, timeout; anything else, error with the log's
-last lines.
+mean completed; an OOM signature, oom; the timeout, timeout; anything else, error. Each failure
+says why in its first line and whom it blames (``dsat.trial_failure``), the log's last lines after.
 """
 
 from __future__ import annotations
 
 import json
-import signal
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from dsat.constants import TRIAL_OUTCOME_FILE
 from dsat.training.oom import text_shows_out_of_memory
 from dsat.training.reporting import read_autotuning_result
 from dsat.trial import TrialStatus
+from dsat.trial_failure import FailureCause, diagnose_crash, exception_line
 
 LOG_TAIL_LINES = 20
 LOG_SCAN_BYTES = 256 * 1024
+CGROUP_EVENTS = Path("/sys/fs/cgroup/memory.events")
 
 
 def log_end(path: Path) -> str:
@@ -35,11 +36,47 @@ def log_tail(text: str, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+def oom_kill_count() -> int | None:
+    """How many processes the kernel's out-of-memory killer has ended, on this machine and in
+    this container's cgroup together; None where neither is readable. A trial killed by SIGKILL
+    while this rose was out of memory; one killed while it stood still was killed from outside."""
+    total, known = 0, False
+    for path, key in ((Path("/proc/vmstat"), "oom_kill"), (CGROUP_EVENTS, "oom_kill")):
+        try:
+            for line in path.read_text().splitlines():
+                name, _, value = line.partition(" ")
+                if name == key:
+                    total, known = total + int(value), True
+        except (OSError, ValueError):
+            continue
+    return total if known else None
+
+
+def oom_killed_since(count_at_start: int | None) -> bool | None:
+    now = oom_kill_count()
+    if count_at_start is None or now is None:
+        return None
+    return now > count_at_start
+
+
+class TrialEnd(NamedTuple):
+    status: TrialStatus
+    metrics: dict[str, Any]
+    error: str | None  # its first line is the one-line reason
+    cause: FailureCause | None
+
+
 def classify(
-    directory: Path, log_path: Path, code: int | None, timed_out: bool, timeout: float
-) -> tuple[TrialStatus, dict[str, Any], str | None]:
+    directory: Path,
+    log_path: Path,
+    code: int | None,
+    timed_out: bool,
+    timeout: float,
+    oom_killed: bool | None = None,
+) -> TrialEnd:
     """What a finished trial's exit ``code``, its outcome file in ``directory`` and its log say
-    about it."""
+    about it. ``oom_killed``: whether the kernel's OOM killer struck while it ran (None:
+    unknown), which tells a SIGKILL from outside from one for memory."""
     outcome_path = directory / TRIAL_OUTCOME_FILE
     outcome: dict[str, Any] = {}
     if outcome_path.is_file():
@@ -48,31 +85,33 @@ def classify(
         except (OSError, json.JSONDecodeError):
             outcome = {}
     text = log_end(log_path)
+    tail = log_tail(text)
     if timed_out:
-        return (
-            TrialStatus.TIMEOUT,
-            {},
-            f"stopped after the trial timeout of {timeout:g} s\n{log_tail(text)}",
-        )
+        reason = f"stopped after the trial timeout of {timeout:g} s"
+        return TrialEnd(TrialStatus.TIMEOUT, {}, f"{reason}\n{tail}", FailureCause.UNKNOWN)
     if outcome.get("status") == "completed" and code == 0:
-        return TrialStatus.COMPLETED, dict(outcome.get("values", {})), None
+        return TrialEnd(TrialStatus.COMPLETED, dict(outcome.get("values", {})), None, None)
     if code == 0:
         result = read_autotuning_result(directory)  # the script reported without dsat
         if result is not None:
-            return TrialStatus.COMPLETED, result.values, None
-    tail = log_tail(text)
+            return TrialEnd(TrialStatus.COMPLETED, result.values, None, None)
     if code == 0 and outcome.get("status") == "incomplete":
         needed = outcome.get("needed")
-        return (
-            TrialStatus.ERROR,
-            {},
+        reason = (
             f"DeepSpeed stopped after {outcome.get('steps')} steps; it needs {needed} to measure "
             f"this configuration: let the training loop run at least {needed} steps (the "
-            f"searcher operation's length, op.length, is {needed})\n{tail}",
+            f"searcher operation's length, op.length, is {needed})"
         )
+        return TrialEnd(TrialStatus.ERROR, {}, f"{reason}\n{tail}", FailureCause.SCRIPT)
     if outcome.get("status") == "oom" or text_shows_out_of_memory(text):
-        return TrialStatus.OOM, {}, tail
-    if code == -signal.SIGKILL:  # not dsat's doing (that is a timeout): the kernel's OOM killer
-        return TrialStatus.OOM, {}, f"killed by SIGKILL, most likely out of host memory\n{tail}"
-    reason = f"exit code {code}" if code else "exited without DeepSpeed's autotuning results"
-    return TrialStatus.ERROR, {}, f"{reason}\n{tail}"
+        reason = exception_line(text) or "out of memory"
+        return TrialEnd(TrialStatus.OOM, {}, f"{reason}\n{tail}", FailureCause.CONFIG)
+    if code == 0:
+        reason = (
+            "the script exited without reporting metrics: train inside "
+            "dsat.dsat_reporting_context (or with DeepSpeed's autotuning enabled)"
+        )
+        return TrialEnd(TrialStatus.ERROR, {}, f"{reason}\n{tail}", FailureCause.SCRIPT)
+    diagnosis = diagnose_crash(text, code, oom_killed)
+    status = TrialStatus.OOM if diagnosis.out_of_memory else TrialStatus.ERROR
+    return TrialEnd(status, {}, f"{diagnosis.reason}\n{tail}", diagnosis.cause)

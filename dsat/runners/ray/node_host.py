@@ -20,7 +20,7 @@ from typing import IO, Any
 
 from dsat.runners.local.deepspeed_ops import clear_stale_locks
 from dsat.runners.local.runner import free_ports
-from dsat.runners.local.trial_outcome import classify
+from dsat.runners.local.trial_outcome import classify, oom_kill_count, oom_killed_since
 from dsat.runners.local.trial_processes import guarded, kill_process_group
 from dsat.runners.ray.model_archive import unpack
 
@@ -67,6 +67,7 @@ class TrialNodeHost:
         its timeout); returns the locks removed."""
         environ = {**os.environ, **env}
         removed = [str(lock) for lock in clear_stale_locks(environ)]
+        self.oom_kills_at_start = oom_kill_count()
         self.log = self.log_path.open("wb")
         self.log.write(f"$ {' '.join(command)}\n".encode())
         self.log.flush()
@@ -94,10 +95,21 @@ class TrialNodeHost:
         """What the process left behind, classified as the local runner classifies it."""
         if self.log is not None:
             self.log.close()
-        status, metrics, error = classify(
-            self.directory, self.log_path, self.poll(), timed_out, timeout
+        end = classify(
+            self.directory,
+            self.log_path,
+            self.poll(),
+            timed_out,
+            timeout,
+            oom_killed_since(self.oom_kills_at_start),
         )
-        return {"status": status.value, "metrics": metrics, "error": error}
+        cause = None if end.cause is None else end.cause.value
+        return {
+            "status": end.status.value,
+            "metrics": end.metrics,
+            "error": end.error,
+            "cause": cause,
+        }
 
     def read_log(self, offset: int, limit: int) -> bytes:
         """The log from ``offset``, at most ``limit`` bytes."""

@@ -36,6 +36,7 @@ from dsat.runners.local.trial_timeout import TrialTimeout
 from dsat.runners.ray.node_host import TrialNodeHost
 from dsat.runners.ray.placement import TrialLayout
 from dsat.trial import TrialOutcome, TrialStatus
+from dsat.trial_failure import FailureCause
 
 logger = logging.getLogger(__name__)
 
@@ -313,15 +314,25 @@ class RayRunner:
         self._collect_logs(trial)
         self._keep_files(trial)
         self._release(trial)
-        status = TrialStatus(results[0]["status"])
-        metrics, error = dict(results[0]["metrics"]), results[0]["error"]
-        for result in results[1:]:
-            if status is TrialStatus.ERROR and result["status"] == TrialStatus.OOM.value:
-                status, error = TrialStatus.OOM, result["error"]
+        first = results[0]
+        oom = next((r for r in results[1:] if r["status"] == TrialStatus.OOM.value), None)
+        if first["status"] == TrialStatus.ERROR.value and oom is not None:
+            first = oom
+        status = TrialStatus(first["status"])
+        cause = None if first["cause"] is None else FailureCause(first["cause"])
         end = self.now()
         if status is TrialStatus.COMPLETED:  # the first to complete is the model-profile trial
             self.timeout.profile_finished(end - trial.start)
-        return TrialOutcome(trial.request_id, status, metrics, error, trial.start, end)
+        return TrialOutcome(
+            trial.request_id,
+            status,
+            dict(first["metrics"]),
+            first["error"],
+            trial.start,
+            end,
+            cause,
+            str(self._log_path(trial, 0)),
+        )
 
     def _node_lost(self, trial: RayTrial) -> TrialOutcome:
         """A node of the trial is gone: its other ranks are stopped; the trial is an error."""
@@ -338,6 +349,8 @@ class RayRunner:
             "cluster while it ran; its other nodes' processes were stopped",
             start,
             self.now(),
+            FailureCause.MACHINE,
+            str(self._log_path(trial, 0)),
         )
 
     def _lost_nodes(self, trial: RayTrial) -> list[str]:

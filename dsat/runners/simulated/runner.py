@@ -2,7 +2,8 @@
 
 ``FUNCTION(ds_config, slots)`` is called once per trial when it starts. Trials overlap up to the
 search's limits and each lasts the ``seconds`` its function reports, on a virtual clock, so a
-64-trial search takes well under a second. ``MemoryError`` means OOM; any other exception, a
+64-trial search takes well under a second. ``MemoryError`` means OOM, ``ConnectionError`` a fault of
+the machine (run again, as a taken port would be); any other exception, a
 failed trial.
 """
 
@@ -16,6 +17,7 @@ from typing import Any
 
 from dsat.errors import DsatError
 from dsat.trial import TrialOutcome, TrialStatus
+from dsat.trial_failure import FailureCause
 
 PerformanceFunction = Callable[[dict[str, Any], int], dict[str, Any]]
 # How long a trial lasts when its function does not say: start-up plus a few steps.
@@ -24,6 +26,14 @@ FAILED_TRIAL_SECONDS = 60.0
 NO_FULL_RUN = (
     "--run-full-experiment needs a runner that trains for real; drop it with --runner simulated"
 )
+
+
+# What a performance function raises to play a failed trial: MemoryError an OOM, ConnectionError
+# a fault of the machine (a taken port, a lost node), which the search runs again.
+SIMULATED_FAILURES: dict[type[BaseException], tuple[TrialStatus, FailureCause]] = {
+    MemoryError: (TrialStatus.OOM, FailureCause.CONFIG),
+    ConnectionError: (TrialStatus.ERROR, FailureCause.MACHINE),
+}
 
 
 class SimulatedRunner:
@@ -50,20 +60,20 @@ class SimulatedRunner:
     def start(
         self, request_id: str, hparams: dict[str, Any], ds_config: dict[str, Any], length: int
     ) -> None:
-        status, metrics, error = TrialStatus.COMPLETED, {}, None
+        status, metrics, error, cause = TrialStatus.COMPLETED, {}, None, None
         seconds = self.default_seconds
         try:
             metrics = dict(self.function(copy.deepcopy(ds_config), self.slots))
             seconds = float(metrics.pop("seconds", self.default_seconds))
-        except MemoryError as err:
-            status, error, seconds = TrialStatus.OOM, f"MemoryError: {err}", self.failed_seconds
         except Exception as err:  # the user's function failing is a failed trial, not a crash
-            status, error, seconds = (
-                TrialStatus.ERROR,
-                f"{type(err).__name__}: {err}",
-                self.failed_seconds,
+            status, cause = next(
+                (found for kind, found in SIMULATED_FAILURES.items() if isinstance(err, kind)),
+                (TrialStatus.ERROR, FailureCause.UNKNOWN),
             )
-        outcome = TrialOutcome(request_id, status, metrics, error, self.now, self.now + seconds)
+            error, seconds = f"{type(err).__name__}: {err}", self.failed_seconds
+        outcome = TrialOutcome(
+            request_id, status, metrics, error, self.now, self.now + seconds, cause
+        )
         heapq.heappush(self._events, (outcome.end, next(self._order), outcome))
 
     def wait(self) -> TrialOutcome:

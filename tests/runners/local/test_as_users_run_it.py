@@ -192,3 +192,5 @@ def test_a_loop_too_short_to_measure_says_why_in_one_line(tmp_path: Path) -> Non
     first_line = rows[1]["error"].splitlines()[0]
     _, last = measured_window(DEFAULT_START_PROFILE_STEP, DEFAULT_END_PROFILE_STEP)
     assert first_line.startswith(f"DeepSpeed stopped after 8 steps; it needs {last + 1}")
+    assert f"trial 1 {rows[1]['name']}: error: {first_line[:150]}" in run.stdout  # said, not kept
+    assert rows[1]["cause"] == "script"

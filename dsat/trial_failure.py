@@ -1,0 +1,193 @@
+"""Why a trial failed, and so who is to blame: its configuration, the training script, or the machine.
+
+An outcome steers the search: an OOM lowers a configuration's ceiling, a failed model-profile
+trial ends the search. A failure that no configuration causes must not do either: a fault of the
+machine (a taken port, a rendezvous that never formed, a signal from outside) is run again; a
+fault of the script (an ImportError, no metrics reported) fails every trial the same way, so the
+search stops early and says so. Every runner reads its trials' logs through this one table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+import signal
+
+from dsat.paths import shown
+
+REASON_CHARS = 200  # the one-line reason a terminal line shows
+MACHINE_ATTEMPTS = 3  # runs of a trial the machine keeps failing before it counts as an error
+SCRIPT_FAILURES_TO_STOP = 3  # trials in a row failing alike for the script before a search stops
+
+
+class FailureCause(str, enum.Enum):
+    CONFIG = "config"  # the configuration itself: out of memory, or DeepSpeed rejecting it
+    SCRIPT = "script"  # the training script, whatever the configuration
+    MACHINE = "machine"  # the machine: a port, a rendezvous, a lost node, a signal from outside
+    UNKNOWN = "unknown"  # a crash that may or may not depend on the configuration
+
+
+@dataclasses.dataclass(frozen=True)
+class KnownFailure:
+    """A message some layer prints when it fails, and what it means to the user."""
+
+    pattern: re.Pattern[str]
+    cause: FailureCause
+    summary: str
+
+
+def _known(pattern: str, cause: FailureCause, summary: str) -> KnownFailure:
+    return KnownFailure(re.compile(pattern, re.MULTILINE), cause, summary)
+
+
+# First match wins; out-of-memory is checked before this table (dsat.training.oom). The script's
+# and the config's come first: a rank that crashes leaves its peers failing to connect.
+KNOWN_FAILURES: tuple[KnownFailure, ...] = (
+    _known(
+        r"ModuleNotFoundError|ImportError",
+        FailureCause.SCRIPT,
+        "the training script cannot import what it needs",
+    ),
+    _known(
+        r"^\s*(?:\[rank\d+\]:\s*)?(?:SyntaxError|IndentationError|TabError)\b",
+        FailureCause.SCRIPT,
+        "the training script does not parse",
+    ),
+    _known(
+        r"can't open file|^cannot run \S+: ",
+        FailureCause.SCRIPT,
+        "the entrypoint's command cannot start (is its file in the model dir?)",
+    ),
+    _known(
+        r"DeepSpeedConfigError|validation errors? for DeepSpeed\w*Config",
+        FailureCause.CONFIG,
+        "DeepSpeed rejected the configuration",
+    ),
+    _known(
+        r"EADDRINUSE|Address already in use",
+        FailureCause.MACHINE,
+        "a port the trial listens on was taken by another process (EADDRINUSE)",
+    ),
+    _known(
+        r"DistNetworkError|Rendezvous(?:Connection|Timeout|Closed)Error|ConnectionRefusedError"
+        r"|Connection refused",
+        FailureCause.MACHINE,
+        "torch.distributed could not connect the trial's processes",
+    ),
+    _known(
+        r"ncclSystemError|NCCL error.*(?:unhandled system error|socket)",
+        FailureCause.MACHINE,
+        "NCCL could not connect the trial's GPUs",
+    ),
+    _known(
+        r"Gloo connectFullMesh failed",
+        FailureCause.MACHINE,
+        "gloo could not connect the trial's processes",
+    ),
+    _known(
+        r"SignalException|got signal: (?:1|2|3|15)\b",
+        FailureCause.MACHINE,
+        "torchrun was stopped by a signal from outside dsat",
+    ),
+    _known(
+        r"the warm worker that ran this trial exited",  # dsat.runners.local.warm_trials
+        FailureCause.MACHINE,
+        "the warm worker this trial was forked from died",
+    ),
+)
+
+# The last line of a Python traceback (torch may prefix its processes' lines with [rankN]:).
+EXCEPTION_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:\w+\.)*[A-Z]\w*(?:Error|Exception)\b.*)$")
+# torchrun's own summaries of a failed worker, which name no cause.
+LAUNCHER_EXCEPTIONS = ("ChildFailedError", "SignalException")
+# torchrun's report of the worker that failed first, when a signal ended it.
+ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):(?P<block>(?:(?!={6}).*\n)*)")
+OUTSIDE_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT}
+
+
+@dataclasses.dataclass(frozen=True)
+class Diagnosis:
+    cause: FailureCause
+    reason: str  # one line, for the terminal
+    out_of_memory: bool = False
+
+
+def one_line(text: str) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= REASON_CHARS else line[: REASON_CHARS - 3] + "..."
+
+
+def exception_lines(log: str) -> list[str]:
+    """The exceptions the tracebacks in ``log`` end with, in order, torchrun's summaries left
+    out."""
+    found = []
+    for line in log.splitlines():
+        match = EXCEPTION_LINE.match(line.strip())
+        if match and not any(name in match.group(1) for name in LAUNCHER_EXCEPTIONS):
+            found.append(one_line(match.group(1)))
+    return found
+
+
+def exception_line(log: str) -> str | None:
+    """The last exception a traceback in ``log`` ends with."""
+    lines = exception_lines(log)
+    return lines[-1] if lines else None
+
+
+def known_failure(text: str) -> KnownFailure | None:
+    return next((known for known in KNOWN_FAILURES if known.pattern.search(text)), None)
+
+
+def killed_by_sigkill(log: str, code: int | None) -> bool:
+    """The trial's process, or the worker torchrun names as the first to fail, died of SIGKILL."""
+    if code == -signal.SIGKILL:
+        return True
+    root = ROOT_CAUSE.search(log)
+    return root is not None and re.search(r"exitcode\s*:\s*-9\b", root.group("block")) is not None
+
+
+def diagnose_crash(log: str, code: int | None, oom_killed: bool | None) -> Diagnosis:
+    """A trial that ended without metrics, no OOM in its log and not by dsat's timeout: what
+    its exit ``code`` and ``log`` say. ``oom_killed``: whether the kernel's OOM killer struck
+    while it ran (None: this machine cannot tell).
+
+    The machine is blamed only where nothing else is: an exception the table does not put down
+    to the machine (a rank's crash, which leaves its peers unable to connect) takes precedence."""
+    if killed_by_sigkill(log, code):
+        if oom_killed is False:
+            return Diagnosis(
+                FailureCause.MACHINE,
+                "killed by SIGKILL from outside dsat (not the kernel's out-of-memory killer)",
+            )
+        how = "by the kernel's out-of-memory killer" if oom_killed else "most likely out of memory"
+        return Diagnosis(FailureCause.CONFIG, f"killed by SIGKILL, {how}", out_of_memory=True)
+    if code is not None and code < 0 and -code in OUTSIDE_SIGNALS:
+        name = signal.Signals(-code).name
+        return Diagnosis(FailureCause.MACHINE, f"stopped by {name} from outside dsat")
+    lines = exception_lines(log)
+    others = [
+        line
+        for line in lines
+        if getattr(known_failure(line), "cause", None) is not FailureCause.MACHINE
+    ]
+    known = known_failure("\n".join(others) if others else log)
+    detail = others[-1] if others else lines[-1] if lines else None
+    if known is not None:
+        reason = known.summary if detail is None else f"{known.summary}: {detail}"
+        return Diagnosis(known.cause, one_line(reason))
+    if detail is not None:
+        return Diagnosis(FailureCause.UNKNOWN, one_line(f"{detail} (exit code {code})"))
+    last = next((line for line in reversed(log.splitlines()) if line.strip()), "")
+    reason = f"exit code {code}: {last}" if last else f"exit code {code}"
+    return Diagnosis(FailureCause.UNKNOWN, one_line(reason))
+
+
+def first_line(error: str | None) -> str:
+    """The one-line reason an outcome's error starts with."""
+    return one_line(error.splitlines()[0]) if error else ""
+
+
+def log_note(log: str | None) -> str:
+    """Where a trial's log is, for a line on the terminal."""
+    return f" (log: {shown(log)})" if log else ""

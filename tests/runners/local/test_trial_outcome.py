@@ -1,0 +1,69 @@
+"""A finished trial read as its outcome: status, the one-line reason first, and whom it blames."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+from dsat.constants import TRIAL_OUTCOME_FILE
+from dsat.runners.local.trial_outcome import classify, oom_kill_count, oom_killed_since
+from dsat.trial import TrialStatus
+from dsat.trial_failure import FailureCause
+
+
+def trial(tmp_path: Path, log: str, outcome: dict[str, object] | None = None) -> Path:
+    (tmp_path / "trial.log").write_text(log)
+    if outcome is not None:
+        (tmp_path / TRIAL_OUTCOME_FILE).write_text(json.dumps(outcome))
+    return tmp_path / "trial.log"
+
+
+def test_metrics_reported_are_a_completed_trial(tmp_path: Path) -> None:
+    log = trial(tmp_path, "ok\n", {"status": "completed", "values": {"throughput": 3.0}})
+    end = classify(tmp_path, log, 0, False, 60)
+    assert end.status is TrialStatus.COMPLETED and end.metrics == {"throughput": 3.0}
+    assert end.error is None and end.cause is None
+
+
+def test_failures_the_script_causes_whatever_the_config(tmp_path: Path) -> None:
+    log = trial(tmp_path, "trained\n", {"status": "incomplete", "steps": 3, "needed": 15})
+    end = classify(tmp_path, log, 0, False, 60)
+    assert end.status is TrialStatus.ERROR and end.cause is FailureCause.SCRIPT
+    assert end.error is not None and end.error.startswith("DeepSpeed stopped after 3 steps")
+    (tmp_path / TRIAL_OUTCOME_FILE).unlink()
+    end = classify(tmp_path, log, 0, False, 60)  # it never called dsat's helpers
+    assert end.cause is FailureCause.SCRIPT and end.error is not None
+    assert end.error.splitlines()[0].startswith("the script exited without reporting metrics")
+    assert end.error.splitlines()[1] == "trained"  # the log's tail follows
+
+
+def test_an_oom_blames_the_config_and_quotes_the_allocator(tmp_path: Path) -> None:
+    text = "Traceback (most recent call last):\ntorch.OutOfMemoryError: CUDA out of memory.\n"
+    end = classify(tmp_path, trial(tmp_path, text), 1, False, 60)
+    assert end.status is TrialStatus.OOM and end.cause is FailureCause.CONFIG
+    assert end.error is not None
+    assert end.error.splitlines()[0] == "torch.OutOfMemoryError: CUDA out of memory."
+
+
+def test_sigkill_tells_the_oom_killer_from_outside(tmp_path: Path) -> None:
+    log = trial(tmp_path, "step 2\n")
+    outside = classify(tmp_path, log, -signal.SIGKILL, False, 60, oom_killed=False)
+    assert outside.status is TrialStatus.ERROR and outside.cause is FailureCause.MACHINE
+    killer = classify(tmp_path, log, -signal.SIGKILL, False, 60, oom_killed=True)
+    assert killer.status is TrialStatus.OOM and killer.cause is FailureCause.CONFIG
+
+
+def test_a_timeout_says_so_first(tmp_path: Path) -> None:
+    end = classify(tmp_path, trial(tmp_path, "step 1\n"), None, True, 300)
+    assert end.status is TrialStatus.TIMEOUT and end.error is not None
+    assert end.error.splitlines()[0] == "stopped after the trial timeout of 300 s"
+
+
+def test_the_oom_killer_count_moves_only_forward() -> None:
+    count = oom_kill_count()
+    if count is None:  # no /proc/vmstat nor cgroup v2 events here: SIGKILL stays an OOM
+        assert oom_killed_since(0) is None
+        return
+    assert count >= 0 and oom_killed_since(count) is False
+    assert oom_killed_since(count - 1) is True and oom_killed_since(None) is None

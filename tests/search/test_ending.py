@@ -1,0 +1,79 @@
+"""How a search ends when its trials fail for something no configuration causes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from dsat.search.ending import profile_failure, repeated_script_failure
+from dsat.trial import TrialOutcome, TrialRecord, TrialStatus
+from dsat.trial_failure import SCRIPT_FAILURES_TO_STOP, FailureCause
+from tests.search.helpers import method, start_profile, suggested
+
+TOO_SHORT = "DeepSpeed stopped after 3 steps; it needs 15 to measure this configuration"
+
+
+def fail(m: Any, record: TrialRecord, error: str, cause: FailureCause) -> None:
+    m.observe(
+        TrialOutcome(
+            record.request_id, TrialStatus.ERROR, {}, f"{error}\ntail", 0.0, 1.0, cause, "x.log"
+        )
+    )
+
+
+@pytest.mark.parametrize("name", ["binary", "random", "guided", "asha"])
+def test_trials_failing_alike_for_the_script_stop_the_search_early(name: str) -> None:
+    m = method(name, max_trials=40)
+    running = start_profile(m)
+    failed = 0
+    while running and not m.finished:  # one at a time, as trials end
+        fail(m, running.pop(0), TOO_SHORT, FailureCause.SCRIPT)
+        failed += 1
+        running += suggested(m)
+    assert failed == SCRIPT_FAILURES_TO_STOP  # not the 40 trials of its budget
+    assert m.finished and m.search_failed
+    reason = m.shutdown_reason or ""
+    assert reason.startswith(f"the last {SCRIPT_FAILURES_TO_STOP} trials failed alike")
+    assert TOO_SHORT in reason and "(log: x.log)" in reason
+
+
+def test_failures_that_differ_or_may_be_the_configs_do_not_stop_it() -> None:
+    records = [
+        TrialRecord("a", 1, "search", {}, {}, 1, 1, 1, "a", status=TrialStatus.ERROR),  # type: ignore[arg-type]
+    ]
+    assert repeated_script_failure(records) is None  # too few
+    alike = [
+        r.replace(request_id=str(i), error=TOO_SHORT, cause=FailureCause.SCRIPT)
+        for i, r in enumerate(records * SCRIPT_FAILURES_TO_STOP)
+    ]
+    assert repeated_script_failure(alike) is not None
+    crash = alike[-1].replace(error="ValueError: bad", cause=FailureCause.UNKNOWN)
+    assert repeated_script_failure([*alike[:-1], crash]) is None
+    other = alike[-1].replace(error="ModuleNotFoundError: No module named 'x'")
+    assert repeated_script_failure([*alike[:-1], other]) is None
+
+
+@pytest.mark.parametrize(
+    ("status", "cause", "says", "fix_the_config"),
+    [
+        (TrialStatus.OOM, FailureCause.CONFIG, "ran out of memory at micro-batch 1", True),
+        (TrialStatus.ERROR, FailureCause.CONFIG, "DeepSpeed rejected", True),
+        (TrialStatus.ERROR, FailureCause.SCRIPT, "until the training script is fixed", False),
+        (TrialStatus.ERROR, FailureCause.MACHINE, "the configuration is not to blame", False),
+        (TrialStatus.ERROR, FailureCause.UNKNOWN, "failed at micro-batch 1", False),
+    ],
+)
+def test_a_failed_profile_quotes_its_reason_and_blames_the_config_only_when_it_is(
+    status: TrialStatus, cause: FailureCause, says: str, fix_the_config: bool
+) -> None:
+    (profile,) = suggested(method("binary"))
+    error = (
+        "DeepSpeed rejected the configuration: DeepSpeedConfigError: bad"
+        if cause is FailureCause.CONFIG and status is TrialStatus.ERROR
+        else "SomeError: the reason"
+    )
+    record = profile.replace(status=status, error=f"{error}\ntail", cause=cause, log="l.log")
+    reason = profile_failure(record)
+    assert says in reason and error in reason and "(log: l.log)" in reason
+    assert ("fix the" in reason and "config" in reason.split("fix the")[1]) is fix_the_config

@@ -1,0 +1,185 @@
+"""The table of failures dsat knows: each message, whom it blames, and what the user reads."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from dsat.trial_failure import (
+    KNOWN_FAILURES,
+    REASON_CHARS,
+    FailureCause,
+    diagnose_crash,
+    exception_line,
+    first_line,
+    known_failure,
+)
+
+TRACEBACK = 'Traceback (most recent call last):\n  File "train.py", line 3, in <module>\n'
+
+# torchrun's summary when one worker died of a signal (as torch 2.13 prints it).
+TORCHRUN_SUMMARY = """torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+======================================================
+behaviour_train.py FAILED
+------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-11-25_03:15:18
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 8137)  (SIGTERM)
+  error_file: <N/A>
+  traceback : Signal 15 (SIGTERM) received by PID 8137
+------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-25_03:15:18
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : {code} (pid: 8138)  ({name})
+  error_file: <N/A>
+  traceback : {traceback}
+======================================================
+"""
+
+# One log per entry of the table, as the layer that fails prints it.
+SAMPLES: dict[str, tuple[str, FailureCause]] = {
+    "import": (
+        TRACEBACK + "ModuleNotFoundError: No module named 'transformerz'\n",
+        FailureCause.SCRIPT,
+    ),
+    "syntax": (
+        '  File "train.py", line 9\n    def (:\nSyntaxError: invalid syntax\n',
+        FailureCause.SCRIPT,
+    ),
+    "no file": (
+        "python: can't open file '/tmp/t/trian.py': [Errno 2] No such file or directory\n",
+        FailureCause.SCRIPT,
+    ),
+    "deepspeed config": (
+        TRACEBACK + "deepspeed.runtime.config.DeepSpeedConfigError: train_batch_size is not "
+        "equal to micro_batch_per_gpu * gradient_acc_step * world_size 8 != 2 * 1 * 2\n",
+        FailureCause.CONFIG,
+    ),
+    "taken port": (
+        TRACEBACK + "torch.distributed.DistNetworkError: The server socket has failed to listen "
+        "on any local network address. port: 55581, useIpv6: false, code: -98, name: EADDRINUSE, "
+        "message: address already in use\n",
+        FailureCause.MACHINE,
+    ),
+    "rendezvous": (
+        TRACEBACK + "torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError: \n",
+        FailureCause.MACHINE,
+    ),
+    "nccl": (
+        TRACEBACK + "torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970, "
+        "unhandled system error (run with NCCL_DEBUG=INFO for details), NCCL version 2.21.5\n"
+        "ncclSystemError: System call (e.g. socket, malloc) or external library call failed\n",
+        FailureCause.MACHINE,
+    ),
+    "gloo": (
+        TRACEBACK + "RuntimeError: Gloo connectFullMesh failed with [../third_party/gloo/gloo/"
+        "transport/tcp/pair.cc:144] no error\n",
+        FailureCause.MACHINE,
+    ),
+    "torchrun signalled": (
+        TRACEBACK + "torch.distributed.elastic.multiprocessing.api.SignalException: Process 4242 "
+        "got signal: 15\n",
+        FailureCause.MACHINE,
+    ),
+    "warm worker lost": (
+        "step 3\n\ndsat: the warm worker that ran this trial exited; trial stopped\n",
+        FailureCause.MACHINE,
+    ),
+}
+
+
+def test_every_known_failure_has_a_sample_it_alone_explains() -> None:
+    matched = [known_failure(log) for log, _ in SAMPLES.values()]
+    assert sorted(id(k) for k in matched if k) == sorted(id(k) for k in KNOWN_FAILURES)
+    for (log, cause), known in zip(SAMPLES.values(), matched, strict=True):
+        assert known is not None
+        diagnosis = diagnose_crash(log, 1, oom_killed=False)
+        assert diagnosis.cause is cause, log
+        assert diagnosis.reason.startswith(known.summary)
+        assert not diagnosis.out_of_memory
+
+
+def test_the_reason_quotes_the_exception_in_one_line() -> None:
+    log, _ = SAMPLES["import"]
+    diagnosis = diagnose_crash(log, 1, None)
+    assert diagnosis.reason == (
+        "the training script cannot import what it needs: "
+        "ModuleNotFoundError: No module named 'transformerz'"
+    )
+    unknown = diagnose_crash(TRACEBACK + "ValueError: bad shape (3, 4)\n", 1, None)
+    assert unknown.cause is FailureCause.UNKNOWN
+    assert unknown.reason == "ValueError: bad shape (3, 4) (exit code 1)"
+    silent = diagnose_crash("loading\nstep 1 done\n", 3, None)
+    assert silent.reason == "exit code 3: step 1 done"
+    long = diagnose_crash(TRACEBACK + "RuntimeError: " + "x" * 500 + "\n", 1, None)
+    assert len(long.reason) == REASON_CHARS and "\n" not in long.reason
+
+
+def test_a_crashing_rank_is_blamed_not_the_peers_that_lost_it() -> None:
+    # Rank 0 crashes before its store listens; rank 1 then cannot connect.
+    log = (
+        TRACEBACK
+        + "[rank0]: ValueError: hidden size 30 is not divisible by 4 heads\n"
+        + TRACEBACK
+        + "torch.distributed.DistNetworkError: failed to connect to 127.0.0.1:29500: "
+        "Connection refused\n"
+        + TORCHRUN_SUMMARY.format(code=1, name="", traceback="To enable traceback see: ...")
+    )
+    diagnosis = diagnose_crash(log, 1, oom_killed=False)
+    assert diagnosis.cause is FailureCause.UNKNOWN
+    assert diagnosis.reason.startswith("ValueError: hidden size 30")
+
+
+def test_sigkill_is_memory_unless_the_oom_killer_stood_still() -> None:
+    for log, code in (
+        ("", -signal.SIGKILL),
+        (
+            TORCHRUN_SUMMARY.format(
+                code=-9, name="SIGKILL", traceback="Signal 9 (SIGKILL) received by PID 8138"
+            ),
+            1,
+        ),
+    ):
+        outside = diagnose_crash(log, code, oom_killed=False)
+        assert outside.cause is FailureCause.MACHINE and not outside.out_of_memory
+        assert "from outside dsat" in outside.reason
+        oom = diagnose_crash(log, code, oom_killed=True)
+        assert oom.out_of_memory and "out-of-memory killer" in oom.reason
+        unknown = diagnose_crash(log, code, oom_killed=None)  # no counter here: as before
+        assert unknown.out_of_memory and unknown.cause is FailureCause.CONFIG
+
+
+def test_a_worker_killed_after_another_failed_is_not_the_root_cause() -> None:
+    # Rank 1 raised; torchrun then stopped rank 0 (its SIGTERM, SIGKILL after the grace period).
+    log = (
+        TRACEBACK
+        + "ValueError: this trial crashes on purpose\n"
+        + TORCHRUN_SUMMARY.format(
+            code=1, name="", traceback="To enable traceback see: ..."
+        ).replace("-15 (pid: 8137)  (SIGTERM)", "-9 (pid: 8137)  (SIGKILL)")
+    )
+    diagnosis = diagnose_crash(log, 1, oom_killed=False)
+    assert diagnosis.cause is FailureCause.UNKNOWN and not diagnosis.out_of_memory
+    assert diagnosis.reason.startswith("ValueError: this trial crashes on purpose")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_a_signal_from_outside_is_the_machine(sig: signal.Signals) -> None:
+    diagnosis = diagnose_crash("step 1\n", -sig, oom_killed=False)
+    assert diagnosis.cause is FailureCause.MACHINE
+    assert diagnosis.reason == f"stopped by {sig.name} from outside dsat"
+
+
+def test_exception_line_skips_torchruns_summary() -> None:
+    log = (
+        TRACEBACK + "KeyError: 'labels'\n" + TORCHRUN_SUMMARY.format(code=1, name="", traceback="x")
+    )
+    assert exception_line(log) == "KeyError: 'labels'"
+    assert first_line("first\nsecond") == "first" and first_line(None) == ""
