@@ -53,6 +53,8 @@ def trial_line(number: int, record: TrialRecord, timing: TrialTiming) -> dict[st
         "overwrites": record.hparams.get(OVERWRITE_KEY, {}),
         "metrics": record.metrics,
         "error": record.error,
+        "cause": None if record.cause is None else record.cause.value,  # whom a failure blames
+        "log": record.log,
         "start": timing.start,
         "end": timing.end,
     }
