@@ -163,7 +163,9 @@ def report_end(method: DsatSearchMethod, results_dir: Path) -> None:
     summary = results_dir / SUMMARY_FILE
     if summary.is_file():
         print(summary.read_text(), end="")
-    print(f"dsat: {len(method.tracker.finished)} trials; search ended: {method.shutdown_reason}")
+    # A failed search's reason is its last line, once (SearchFailed).
+    ended = "" if method.search_failed else f"; search ended: {method.shutdown_reason}"
+    print(f"dsat: {len(method.tracker.finished)} trials{ended}")
     try:
         png, page = write_report(results_dir)
         print(f"dsat: report: {shown(png)}, {shown(page)}")
