@@ -16,16 +16,30 @@ def write_text_atomic(path: str | Path, text: str) -> None:
 def write_bytes_atomic(path: str | Path, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as err:
+        _raise_naming(err, path)
+        raise
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(err, OSError):
+            _raise_naming(err, path)
         raise
+
+
+def _raise_naming(err: OSError, path: Path) -> None:
+    """``err`` again, naming the file being written: a full disk fails a write() or fsync(),
+    which name no file, and a read-only one fails on the temporary file, which the user never
+    sees. An error without an errno is left as it is (returns)."""
+    if err.errno is not None:
+        raise OSError(err.errno, err.strerror, str(path)) from err
 
 
 def write_json_atomic(path: str | Path, data: Any) -> None:

@@ -412,7 +412,7 @@ def report_main(argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from dsat.runners.local.full_run import FullExperimentFailed
-    from dsat.search_launch import SearchFailed, SearchInterrupted, launch
+    from dsat.search_launch import SearchFailed, SearchInterrupted, SearchStopped, launch
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["report"]:
@@ -428,7 +428,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SearchFailed as err:
         print(f"{PROG}: search failed: {err}", file=sys.stderr)
         return 1
-    except FullExperimentFailed as err:
+    except (FullExperimentFailed, SearchStopped) as err:
         print(f"{PROG}: {err}", file=sys.stderr)
         return 1
     except SearchInterrupted as err:

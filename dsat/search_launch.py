@@ -21,11 +21,26 @@ from dsat.experiment.config import (
 )
 from dsat.experiment.settings import SearchSettings
 from dsat.paths import shown
-from dsat.results.directory import SUMMARY_FILE, full_experiment_hparams
+from dsat.results.directory import (
+    SUMMARY_FILE,
+    TRIALS_FILE,
+    full_experiment_hparams,
+    read_trial_rows,
+)
 from dsat.results.report import write_report
 from dsat.results.resume import read_saved_state, resume_command
+from dsat.results.writable import (
+    COPIES_AT_START,
+    RESULTS_FLOOR_BYTES,
+    WriteFailure,
+    check_results_dir,
+    tree_bytes,
+    write_failure,
+)
 from dsat.runners import RunnerKind, resolve_runner
 from dsat.runners.determined.submit import DeterminedSetup
+from dsat.runners.local.full_run import FullExperimentFailed
+from dsat.runners.local.runner import copy_ignore
 from dsat.runners.local.setup import LocalSetup
 from dsat.runners.ray.setup import RaySetup
 from dsat.runners.simulated.setup import SimulatedSetup
@@ -37,6 +52,37 @@ from dsat.search_run import best_config_path, run_search
 
 class SearchFailed(Exception):
     """The search ran but found no working configuration (not a user mistake: exit status 1)."""
+
+
+class SearchStopped(Exception):
+    """A results file could not be written (a full disk, a quota, a read-only file system):
+    every trial was stopped, every one recorded before is kept (exit status 1, as for a search
+    that did not reach its end; not 2, the command was right, nor 130, nothing interrupted it)."""
+
+    def __init__(self, failure: WriteFailure, method: str, results_dir: Path) -> None:
+        what = (
+            f"stopped: cannot write {shown(failure.path)} ({failure.reason}); every trial was "
+            "stopped"
+        )
+        if not (results_dir / STATE_FILE).is_file():
+            message = (
+                f"{what} before any was recorded; {failure.remedy()}, then start the search again"
+            )
+        else:
+            message = (
+                f"{what}, and the {recorded_trials(results_dir)} trial(s) recorded before are "
+                f"kept in {shown(results_dir)}; {failure.remedy()}, then resume with: "
+                f"{resume_command(method, results_dir)}"
+            )
+        super().__init__(message)
+
+
+def recorded_trials(results_dir: Path) -> int:
+    """The rows of ``results_dir``'s trials.jsonl (each written whole, atomically)."""
+    try:
+        return len(read_trial_rows(results_dir / TRIALS_FILE))
+    except (OSError, ValueError):
+        return 0
 
 
 class SearchInterrupted(Exception):
@@ -114,7 +160,22 @@ def plan_search(
         results_dir = default_results_dir(
             experiment.name, now or datetime.datetime.now(datetime.timezone.utc)
         )
+    if runner is not RunnerKind.DETERMINED:  # Determined's search keeps its results on the cluster
+        named_by = (
+            "--resume" if settings.resume else "--results-dir" if settings.results_dir else ""
+        )
+        check_results_dir(results_dir, named_by, room_needed(experiment, setup, results_dir))
     return LaunchPlan(settings, experiment, runner, reason, results_dir, setup)
+
+
+def room_needed(
+    experiment: Experiment, setup: RunnerSetup | DeterminedSetup, results_dir: Path
+) -> int:
+    """The free bytes a search needs where its results go before it starts (``writable``)."""
+    if not isinstance(setup, LocalSetup):  # the others copy no model dir into the results
+        return RESULTS_FLOOR_BYTES
+    copy = tree_bytes([experiment.model_dir, *experiment.includes], copy_ignore(results_dir))
+    return RESULTS_FLOOR_BYTES + COPIES_AT_START * copy
 
 
 def launch(settings: SearchSettings, environ: Mapping[str, str]) -> None:
@@ -149,13 +210,28 @@ def search_here(plan: LaunchPlan, runner: TrialRunner) -> None:
     except KeyboardInterrupt:
         runner.stop_all()
         raise SearchInterrupted(settings.method, plan.results_dir) from None
+    except OSError as err:  # wherever the search was writing: the results files, a trial's copy
+        failure = write_failure(err, plan.results_dir)
+        if failure is None:
+            raise
+        runner.stop_all()
+        raise SearchStopped(failure, settings.method, plan.results_dir) from None
     finally:
         runner.close()
     report_end(method, plan.results_dir)
     if settings.run_full_experiment:
         best = method.tracker.best()
         assert best is not None  # report_end raised SearchFailed otherwise
-        runner.run_full_experiment(full_experiment_hparams(best))
+        try:
+            runner.run_full_experiment(full_experiment_hparams(best))
+        except OSError as err:
+            failure = write_failure(err, plan.results_dir)
+            if failure is None:
+                raise
+            raise FullExperimentFailed(
+                f"full experiment not run: cannot write {shown(failure.path)} ({failure.reason}); "
+                "the search's results are kept"
+            ) from None
 
 
 def report_end(method: DsatSearchMethod, results_dir: Path) -> None:
@@ -171,6 +247,8 @@ def report_end(method: DsatSearchMethod, results_dir: Path) -> None:
         print(f"dsat: report: {shown(png)}, {shown(page)}")
     except DsatError as err:  # matplotlib is optional: the search itself is done
         print(f"dsat: no report drawn: {err}")
+    except OSError as err:  # as is the report, when the disk is full by now
+        print(f"dsat: no report drawn: cannot write it ({err.strerror or err})")
     if method.search_failed:
         raise SearchFailed(method.shutdown_reason or "no trial succeeded")
     print(f"dsat: best DeepSpeed config: {shown(best_config_path(results_dir))}")

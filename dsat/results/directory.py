@@ -111,11 +111,20 @@ class ResultsWriter:
     def trial_finished(
         self, record: TrialRecord, timing: TrialTiming, tracker: TrialTracker
     ) -> None:
+        """Its row into trials.jsonl, the whole file replaced: a full disk leaves the rows
+        before. A trial that ran again on a resume (the search stopped after its row was
+        written, before the state was) replaces its row instead of adding a second one."""
         offset = self._clock_offset
         shifted = TrialTiming(timing.start + offset, timing.end + offset)
-        self._lines.append(trial_line(len(self._lines), record, shifted))
-        text = "".join(json.dumps(line, sort_keys=True) + "\n" for line in self._lines)
+        lines = list(self._lines)
+        earlier = [i for i, line in enumerate(lines) if line.get("request_id") == record.request_id]
+        if earlier:
+            lines[earlier[0]] = trial_line(earlier[0], record, shifted)
+        else:
+            lines.append(trial_line(len(lines), record, shifted))
+        text = "".join(json.dumps(line, sort_keys=True) + "\n" for line in lines)
         write_text_atomic(self.directory / TRIALS_FILE, text)
+        self._lines = lines
         self._write_best(tracker)
 
     def _write_best(self, tracker: TrialTracker) -> None:

@@ -320,6 +320,9 @@ class ForkServer:
 
 
 def _stop(signum: int, frame: object) -> None:
+    """Stop serving, once: dsat closes the worker's stdin and then sends SIGTERM, and a second
+    Stop would cut short the cleanup the first began (a traceback in the worker's log)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise Stop
 
 
@@ -327,15 +330,18 @@ def main(argv: list[str]) -> None:
     if "--" not in argv[3:] or len(argv) - argv.index("--") < 3:
         sys.exit(f"usage: python -m dsat.runners.local.fork_server {USAGE}")
     split = argv.index("--")
-    signal.signal(signal.SIGTERM, _stop)
     out_fd = os.dup(1)
     os.dup2(2, 1)  # what imports print must not mix with the events
     sys.path[:] = [p for p in sys.path if p and Path(p).resolve() != Path.cwd().resolve()]
     includes = [Path(p) for p in argv[3:split]]
     server = ForkServer(argv[split + 1 :], Path(argv[2]), includes, out_fd)
     try:
-        die_with(int(argv[1]))
-        server.serve()
+        try:
+            signal.signal(signal.SIGTERM, _stop)
+            die_with(int(argv[1]))
+            server.serve()
+        finally:  # serving is over, however it ended: a SIGTERM now changes nothing
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
     except (Stop, KeyboardInterrupt, BrokenPipeError):
         server.stop_children()
     shutil.rmtree(server.modules_dir, ignore_errors=True)

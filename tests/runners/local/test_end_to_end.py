@@ -105,6 +105,9 @@ def test_small_search_writes_a_best_config_deepspeed_accepts(tmp_path: Path) -> 
     assert all(WARM_MARK in log.read_text().splitlines()[0] for log in trial_logs)
     assert len(list((results / "logs").glob("warm-worker-cpu*.log"))) == 2
     assert WARM_MARK not in (results / "logs" / "full-experiment.log").read_text()
+    # A normal run's logs hold no traceback (warm workers stopping at the end included).
+    logs = (results / "logs").glob("*.log")
+    assert not [log.name for log in logs if "Traceback" in log.read_text()]
     # The report was drawn at the end, from real trials (peak memory measured), and on demand.
     assert f"dsat: report: {results / 'report.png'}" in run.stdout
     assert (results / "report.png").read_bytes().startswith(b"\x89PNG")

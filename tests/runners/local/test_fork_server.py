@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -205,3 +206,32 @@ def test_what_a_trial_changes_in_a_shared_module_stays_in_that_trial(tmp_path: P
         for n in (1, 2):
             assert run_trial(worker, model, env, n).wait(30) == 0
             assert (model / f"trial{n}.log").read_text() == "None None\n"
+
+
+# Runs the worker with its cleanup interrupted: dsat closes the worker's stdin and then sends
+# SIGTERM, which may arrive once the worker has left its loop and is removing its files.
+SIGTERM_IN_CLEANUP = """
+import os, shutil, signal, sys
+from dsat.runners.local import fork_server
+
+def rmtree(path, **kwargs):
+    os.kill(os.getpid(), signal.SIGTERM)
+    shutil.rmtree(path, **kwargs)
+
+fork_server.shutil = type("Shutil", (), {"rmtree": staticmethod(rmtree)})
+fork_server.main(sys.argv)
+"""
+
+
+def test_a_sigterm_while_the_worker_stops_leaves_no_traceback(tmp_path: Path) -> None:
+    model, _, env = setup(tmp_path, "print('job')\n")
+    worker = [str(os.getpid()), str(model), "--", sys.executable, "job.py"]
+    stopped = subprocess.run(
+        [sys.executable, "-c", SIGTERM_IN_CLEANUP, *worker],
+        input="",  # dsat closed the channel: the worker stops
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert stopped.returncode == 0 and "Traceback" not in stopped.stderr, stopped.stderr
