@@ -83,7 +83,8 @@ class SearchProgress:
         if value is not None:
             text += f", {self.metric_name} {value:.4g}"
         if record.status.failed:
-            text += f": {first_line(record.error)}{log_note(record.log)}"
+            reason = first_line(record.error)
+            text += (f": {reason}" if reason else "") + log_note(record.log)
         return text
 
     def status_line(self) -> str:

@@ -9,6 +9,7 @@ from rich.console import Console
 from dsat.experiment.metric import Metric
 from dsat.results.progress import SearchProgress, format_elapsed
 from dsat.trial import TrialKind, TrialOutcome, TrialStatus
+from dsat.trial_failure import MACHINE_ATTEMPTS, FailureCause
 from tests.search.test_tracker import record, tracker
 
 
@@ -65,6 +66,32 @@ def test_plain_lines_count_every_outcome_and_name_the_best() -> None:
     assert lines[4].startswith("dsat: trial 0 z1_gas1_tmbspg16: timeout |")
     assert "running 0, done 3, oom 1, error 1" in lines[4]
     assert "\x1b[" not in out.getvalue()
+
+
+def test_a_failed_trial_says_why_and_where_its_log_is_and_a_retry_says_so() -> None:
+    out = io.StringIO()
+    t = tracker(Metric.THROUGHPUT)
+    t.add(record("a", 8))
+    progress = SearchProgress(t, "throughput", Console(file=out, width=400), FakeClock())
+    start(progress, "a")
+    port = TrialOutcome(
+        "a", TrialStatus.ERROR, {}, "a port was taken (EADDRINUSE)\ntail", 0.0, 1.0,
+        FailureCause.MACHINE, "/r/logs/001-a.log",
+    )  # fmt: skip
+    progress.trial_retried("a", port, 1)
+    error = "ValueError: bad shape (exit code 1)\nTraceback ..."
+    t.mark_finished("a", TrialStatus.ERROR, error=error, log="/r/logs/002-a.log")
+    progress.trial_finished("a", outcome("a", TrialStatus.ERROR))
+    retried, failed = out.getvalue().splitlines()
+    assert retried == (
+        "dsat: trial 0 z1_gas1_tmbspg8: the machine failed it, not its configuration: a port was "
+        f"taken (EADDRINUSE) (log: /r/logs/001-a.log); running it again (attempt 2 of "
+        f"{MACHINE_ATTEMPTS})"
+    )
+    assert failed.startswith(
+        "dsat: trial 0 z1_gas1_tmbspg8: error: ValueError: bad shape (exit code 1) "
+        "(log: /r/logs/002-a.log) | "
+    )
 
 
 def test_smaller_is_better_best_so_far() -> None:

@@ -19,6 +19,7 @@ from dsat.runners.ray.setup import open_runner
 from dsat.search import MethodSettings, make_search_method
 from dsat.search.trial_builder import SearchSpec
 from dsat.trial import TrialOutcome, TrialStatus
+from dsat.trial_failure import FailureCause
 from tests.conftest import copy_example
 from tests.runners.conftest import RayTestCluster
 from tests.runners.test_trial_runner import BEHAVIOUR_SCRIPT, COMPLETES, RUNS_UNTIL_STOPPED
@@ -132,6 +133,7 @@ def test_a_node_lost_mid_trial_is_an_error_and_its_other_ranks_stop(
         ray_cluster.restore()
     assert outcome.status is TrialStatus.ERROR
     assert outcome.error is not None and outcome.error.startswith("node lost: ")
+    assert outcome.cause is FailureCause.MACHINE  # the search loop runs it again
     assert trial.nodes[1] in outcome.error
     assert_nothing_left(runner.results_dir)
     assert runner.running_count() == 0
