@@ -12,6 +12,7 @@ placement group (``ray.cancel`` would leave torchrun's workers running).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -121,10 +122,12 @@ class RayRunner:
             time.sleep(POLL_SECONDS)
 
     def stop_all(self) -> None:
-        """Stop every trial; what each wrote so far stays in ``logs/``."""
+        """Stop every trial; what each wrote so far stays in ``logs/`` (where the disk still takes
+        it: a full one must not keep the other trials running)."""
         for trial in list(self.running.values()):
             self._stop(trial)
-            self._collect_logs(trial)
+            with contextlib.suppress(OSError):
+                self._collect_logs(trial)
             self._release(trial)
         self.running.clear()
 
