@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_DIR = REPO_ROOT / "examples" / "core_api_mlp"
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# The searches the tests start claim slots among themselves (inherited by every subprocess), not
+# against searches running on the machine, nor against another test session's.
+os.environ["DSAT_LOCK_DIR"] = tempfile.mkdtemp(prefix="dsat-test-locks-")
+atexit.register(shutil.rmtree, os.environ["DSAT_LOCK_DIR"], ignore_errors=True)
 
 
 def copy_example(target: Path, source: Path = EXAMPLE_DIR) -> Path:

@@ -7,6 +7,12 @@ before trials start and says so. The build runs under torch's lock file in the e
 directory; a build that was interrupted (Ctrl-C, a killed trial) leaves that file behind, and
 every later process that needs the op waits on it without a word. A lock that no living process
 holds open is such a leftover, and dsat removes it.
+
+Whether a process holds it open is read from /proc, which shows neither the processes of another
+container sharing the build directory nor a lock created between the look and the removal. So
+dsat builds under a claim of its own beside torch's builds (``dsat-op-build.lock``, an flock that
+every process sharing the builds sees), removes nothing while another process holds that claim,
+and removes a lock only if it is still the same file with no holder after the look.
 """
 
 from __future__ import annotations
@@ -23,10 +29,12 @@ from pathlib import Path
 from typing import Any
 
 from dsat.paths import shown
+from dsat.runners.local.machine_claims import Holder, try_claim, wait_for_claim
 
 logger = logging.getLogger(__name__)
 
 LOCK_NAME = "lock"  # torch.utils.file_baton's file in each extension's build directory
+BUILD_CLAIM = "dsat-op-build.lock"  # dsat's claim on building into the extensions root
 BUILD_TIMEOUT_S = 1800.0
 REPORT = "dsat-op:"  # the build process's lines for dsat, among the compiler's
 
@@ -135,28 +143,90 @@ def lock_holders(lock: Path) -> list[int] | None:
 
 
 def clear_stale_locks(environ: Mapping[str, str]) -> list[Path]:
-    """Remove build locks that no living process holds; returns them. A lock held by a live
-    process (a build under way) is left alone."""
+    """Remove build locks that no living process holds; returns them. While another process
+    builds under dsat's claim nothing is removed, and a lock held by a live process never is."""
+    root = extensions_root(environ)
+    if not root.is_dir():
+        return []
+    try:
+        claim = try_claim(root / BUILD_CLAIM, {"pid": os.getpid()})
+    except OSError:  # builds dsat cannot write to: it could not remove their locks either
+        return []
+    if claim is None:
+        return []
+    try:
+        return _remove_stale_locks(root)
+    finally:
+        claim.release()
+
+
+def _remove_stale_locks(root: Path) -> list[Path]:
+    """Under the build claim: the locks under ``root`` that no living process holds, removed."""
     removed = []
-    for lock in build_locks(extensions_root(environ)):
-        if lock_holders(lock) == []:
-            with contextlib.suppress(FileNotFoundError):
-                lock.unlink()
-                removed.append(lock)
-                logger.info(
-                    "removed %s, left behind by an interrupted DeepSpeed op build", shown(lock)
-                )
+    for lock in build_locks(root):
+        if _remove_if_unheld(lock):
+            removed.append(lock)
+            logger.info("removed %s, left behind by an interrupted DeepSpeed op build", shown(lock))
     return removed
+
+
+def _remove_if_unheld(lock: Path) -> bool:
+    """Remove ``lock`` if no process holds it open, and it is still the file that was looked
+    at (a build that started meanwhile made a new one, and holds it)."""
+    before = _identity(lock)
+    if before is None or lock_holders(lock) != []:
+        return False
+    if _identity(lock) != before:
+        return False
+    try:
+        lock.unlink()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _identity(path: Path) -> tuple[int, int, int] | None:
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return None
+    return stat.st_dev, stat.st_ino, stat.st_ctime_ns
 
 
 def build_ops(names: list[str], environ: Mapping[str, str], log_path: Path) -> bool:
     """Load (and build where needed) ``names`` in one process with the trials' environment,
-    telling the user when a build starts; False when it failed (trials then try themselves)."""
-    clear_stale_locks(environ)
+    telling the user when a build starts; False when it failed (trials then try themselves).
+    Another search's build into the same place is waited for, and may leave nothing to do."""
     root = extensions_root(environ)
-    built = {name: is_built(name, root) for name in names}
-    if all(built.values()):
+    if all(is_built(name, root) for name in names):
+        clear_stale_locks(environ)
         return True  # nothing to build: no need to spend seconds importing DeepSpeed
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        record = {"pid": os.getpid(), "log": str(log_path.resolve())}
+        claim = wait_for_claim(root / BUILD_CLAIM, record, _say_waiting)
+    except OSError:  # a place dsat cannot write to: the build says why, in its log
+        return _build({name: is_built(name, root) for name in names}, environ, log_path, ())
+    try:
+        _remove_stale_locks(root)
+        built = {name: is_built(name, root) for name in names}
+        return all(built.values()) or _build(built, environ, log_path, (claim.fd,))
+    finally:
+        claim.release()
+
+
+def _say_waiting(other: Holder) -> None:
+    where = f" (log: {shown(other.log)})" if other.log else ""
+    pid = f"pid {other.pid}" if other.pid is not None else "another process"
+    logger.info("waiting for the DeepSpeed op build under way in %s%s", pid, where)
+
+
+def _build(
+    built: dict[str, bool], environ: Mapping[str, str], log_path: Path, claim: tuple[int, ...]
+) -> bool:
+    """Run the build process for ``built`` (op name: already built), saying what it does. It is
+    handed the build claim's file (``claim``), so a build outliving a killed dsat still holds it."""
+    names = list(built)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     with log_path.open("wb") as log:
@@ -166,6 +236,7 @@ def build_ops(names: list[str], environ: Mapping[str, str], log_path: Path) -> b
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
+            pass_fds=claim,
         )
         assert process.stdout is not None  # stdout=PIPE above
         try:

@@ -10,8 +10,9 @@ from dsat.experiment.config import Experiment
 from dsat.experiment.settings import SearchSettings
 from dsat.runners.local.deepspeed_ops import build_ops, ops_for_trials
 from dsat.runners.local.entrypoint import entrypoint_tokens, require_command
+from dsat.runners.local.machine_claims import ClaimedSlots, claim_slots, lock_dir
 from dsat.runners.local.runner import LocalRunner
-from dsat.runners.local.slots import SlotPool
+from dsat.runners.local.slots import SlotPool, claimable_slots
 from dsat.runners.local.trial_processes import stop_leftover_trials
 from dsat.runners.local.trial_timeout import TrialTimeout
 
@@ -24,6 +25,11 @@ class LocalSetup:
     experiment: Experiment
     entrypoint: tuple[str, ...]
     pool: SlotPool
+    claimable: tuple[str, ...]  # the slots of the machine this search may claim
+    needed: int  # how many of them
+    lock_dir: Path
+    # Released when the setup is dropped (a search run in-process) or when dsat exits.
+    claimed: list[ClaimedSlots] = dataclasses.field(default_factory=list, compare=False)
 
     @classmethod
     def prepare(
@@ -34,12 +40,16 @@ class LocalSetup:
         entrypoint = tuple(entrypoint_tokens(experiment.config.get("entrypoint"), config_path))
         require_command(entrypoint, config_path)
         pool = SlotPool.for_machine(experiment.slots_per_trial, settings.max_slots, dict(environ))
-        return cls(settings, experiment, entrypoint, pool)
+        claimable, needed = claimable_slots(pool, dict(environ))
+        return cls(
+            settings, experiment, entrypoint, pool, tuple(claimable), needed, lock_dir(environ)
+        )
 
     def open(self, results_dir: Path) -> LocalRunner:
-        """The runner, with the machine made ready: nothing left running by an earlier dsat for
-        this search, DeepSpeed's ops built once, the trial timeout chosen."""
-        pool = self.pool
+        """The runner, with the machine made ready: its slots claimed from other searches on it
+        (waiting while they hold them), nothing left running by an earlier dsat for this search,
+        DeepSpeed's ops built once, the trial timeout chosen."""
+        pool = self.claim(results_dir)
         kind = "GPU" if pool.on_gpu else "CPU"
         print(f"dsat: {pool.size} {kind} slot(s) on this machine: {', '.join(pool.slots)}")
         timeout = TrialTimeout(self.settings.trial_timeout)
@@ -65,3 +75,12 @@ class LocalSetup:
         )
         print(f"dsat: {timeout.describe()}")
         return runner
+
+    def claim(self, results_dir: Path) -> SlotPool:
+        """The pool's slots, held for this search until dsat exits; on a GPU the first free
+        ones of the visible GPUs, so two searches capped by --max-slots share a machine."""
+        claimed = claim_slots(
+            self.claimable, self.needed, self.lock_dir, results_dir, self.pool.on_gpu
+        )
+        self.claimed.append(claimed)
+        return SlotPool(claimed.slots, on_gpu=True) if self.pool.on_gpu else self.pool

@@ -60,3 +60,13 @@ class SlotPool:
     @property
     def size(self) -> int:
         return len(self.slots)
+
+
+def claimable_slots(pool: SlotPool, environ: dict[str, str]) -> tuple[list[str], int]:
+    """What a search with ``pool`` claims on this machine, and how many of them: on a GPU any
+    ``pool.size`` of the visible GPUs; on the CPU every core's slot, since each trial's threads
+    share all the cores (``OMP_NUM_THREADS`` = cores / pool size)."""
+    if pool.on_gpu:
+        return visible_gpus(environ), pool.size
+    cores = os.cpu_count() or 1
+    return [f"cpu{i}" for i in range(cores)], cores

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
+
+from dsat.runners.local import deepspeed_ops
 from dsat.runners.local.deepspeed_ops import (
     build_ops,
     clear_stale_locks,
@@ -15,6 +20,7 @@ from dsat.runners.local.deepspeed_ops import (
     lock_holders,
     ops_for_trials,
 )
+from tests.conftest import REPO_ROOT
 
 
 def test_trials_need_the_cpu_comm_op_and_the_optimizers_fused_op() -> None:
@@ -75,3 +81,81 @@ def test_a_built_op_is_not_built_again(tmp_path: Path) -> None:
     log = tmp_path / "logs" / "ops.log"
     assert build_ops(["ShareMemCommBuilder"], {"TORCH_EXTENSIONS_DIR": str(tmp_path)}, log)
     assert not log.exists()  # no build process was started
+
+
+# Another search building under dsat's claim: it holds the claim, writes a built op into the
+# extensions root ``argv[1]`` after ``argv[2]`` seconds, and ends.
+BUILDING = """
+import sys, time
+from pathlib import Path
+from dsat.runners.local.deepspeed_ops import BUILD_CLAIM, deepspeed_sources
+from dsat.runners.local.machine_claims import try_claim
+root = Path(sys.argv[1])
+claim = try_claim(root / BUILD_CLAIM, {"pid": 4242, "log": str(root / "ops.log")})
+print("building", flush=True)
+time.sleep(float(sys.argv[2]))
+op = root / "deepspeed_shm_comm"
+op.mkdir(exist_ok=True)
+(op / "build.ninja").write_text(f"build shm.o: compile {deepspeed_sources()}/cpu/comm/shm.cpp")
+(op / "deepspeed_shm_comm.so").touch()
+"""
+
+
+def building(root: Path, seconds: float) -> subprocess.Popen[bytes]:
+    process = subprocess.Popen(
+        [sys.executable, "-c", BUILDING, str(root), str(seconds)],
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
+    assert process.stdout is not None and process.stdout.readline().strip() == b"building"
+    return process
+
+
+def test_while_another_search_builds_no_lock_is_removed(tmp_path: Path) -> None:
+    # The lock no process holds yet may be the one its build is about to replace or take.
+    unheld = tmp_path / "py311_cpu" / "fused_adam" / "lock"
+    unheld.parent.mkdir(parents=True)
+    unheld.touch()
+    other = building(tmp_path, 60)
+    try:
+        assert clear_stale_locks({"TORCH_EXTENSIONS_DIR": str(tmp_path)}) == []
+        assert unheld.exists()
+    finally:
+        other.kill()
+        other.wait()
+    assert clear_stale_locks({"TORCH_EXTENSIONS_DIR": str(tmp_path)}) == [unheld]
+
+
+def test_a_lock_replaced_while_it_is_looked_at_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The stale lock is removed by someone else and a new build creates its own in its place
+    # while this process reads /proc: that one is a live build's and stays.
+    lock = tmp_path / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    looked_at = lock_holders
+
+    def replaced_meanwhile(path: Path) -> list[int] | None:
+        holders = looked_at(path)
+        path.unlink()
+        path.touch()
+        return holders
+
+    monkeypatch.setattr(deepspeed_ops, "lock_holders", replaced_meanwhile)
+    assert clear_stale_locks({"TORCH_EXTENSIONS_DIR": str(tmp_path)}) == []
+    assert lock.exists()
+
+
+def test_a_build_under_way_elsewhere_is_waited_for_and_not_repeated(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    other = building(tmp_path, 0.5)
+    log = tmp_path / "logs" / "ops.log"
+    with caplog.at_level(logging.INFO, logger="dsat"):
+        assert build_ops(["ShareMemCommBuilder"], {"TORCH_EXTENSIONS_DIR": str(tmp_path)}, log)
+    other.wait()
+    assert caplog.messages == [
+        f"waiting for the DeepSpeed op build under way in pid 4242 (log: {tmp_path / 'ops.log'})"
+    ]
+    assert not log.exists()  # the other search built it: no build process was started

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from dsat.errors import DsatError
-from dsat.runners.local.slots import SlotPool
+from dsat.runners.local.slots import SlotPool, claimable_slots
 
 
 def test_gpu_pool_respects_cuda_visible_devices_and_max_slots() -> None:
@@ -33,3 +33,12 @@ def test_cpu_pool_runs_one_trial_at_a_time_unless_max_slots_says_more() -> None:
     assert not SlotPool.for_machine(1, None, no_gpu).on_gpu
     cores = os.cpu_count() or 1
     assert SlotPool.for_machine(1, 2, no_gpu).size == min(2, cores)
+
+
+def test_a_search_claims_its_number_of_the_visible_gpus_or_every_core() -> None:
+    visible = {"CUDA_VISIBLE_DEVICES": "3,5,7"}
+    assert claimable_slots(SlotPool.for_machine(1, 2, visible), visible) == (["3", "5", "7"], 2)
+    cores = os.cpu_count() or 1
+    cpu = {"CUDA_VISIBLE_DEVICES": ""}
+    everything = ([f"cpu{i}" for i in range(cores)], cores)
+    assert claimable_slots(SlotPool.for_machine(1, None, cpu), cpu) == everything
