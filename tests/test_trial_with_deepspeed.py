@@ -64,7 +64,7 @@ def run_example_trial(
                 "LOCAL_RANK": "0",
                 "WORLD_SIZE": "1",
                 "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(_free_port()),
+                "MASTER_PORT": "0",  # as dsat runs one process: its store binds a free port
             }
         )
         command = [sys.executable, "train.py"]
