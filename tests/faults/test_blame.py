@@ -56,26 +56,18 @@ def test_faults_of_the_machine_are_run_again_and_said(tmp_path: Path) -> None:
 
 def test_a_rank_killed_mid_trial_is_run_again(tmp_path: Path) -> None:
     # The one two-process search of the suite: torchrun, Determined's launcher stripped.
-    path, directory = model_dir(
-        tmp_path,
-        resources={"slots_per_trial": 2},
-        entrypoint="python3 -m determined.launch.torch_distributed python3 behaviour_train.py",
-    )
     marks = tmp_path / "marks"
     marks.mkdir()
-    results = tmp_path / "results"
-    run = dsat(
-        "binary",
-        str(path),
-        str(directory),
-        "-z",
-        "2",
-        "--max-trials",
-        "2",
-        "--search-range-factor",
-        "0.001",
-        "--results-dir",
-        str(results),
+    run, results = binary_search(
+        tmp_path,
+        2,
+        zero_stage=2,
+        range_factor=0.001,
+        config={
+            "resources": {"slots_per_trial": 2},
+            "entrypoint": "python3 -m determined.launch.torch_distributed python3 "
+            "behaviour_train.py",
+        },
         DSAT_TEST_FAULTS="search:kill_rank1",
         DSAT_TEST_FAULT_MARKS=str(marks),
     )

@@ -40,21 +40,28 @@ def model_dir(tmp_path: Path, **config: Any) -> tuple[Path, Path]:
 
 
 def binary_search(
-    tmp_path: Path, max_trials: int, *flags: str, **extra: str
+    tmp_path: Path,
+    max_trials: int,
+    *flags: str,
+    zero_stage: int = 1,
+    range_factor: float = 0.005,
+    config: dict[str, Any] | None = None,
+    **extra: str,
 ) -> tuple[subprocess.CompletedProcess[str], Path]:
-    """A small ZeRO-1 binary search of the test model; returns the run and its results dir."""
-    path, directory = model_dir(tmp_path)
+    """A small binary search of the test model (ZeRO-1 unless asked; ``config``: changes to its
+    experiment YAML); returns the run and its results dir."""
+    path, directory = model_dir(tmp_path, **(config or {}))
     results = tmp_path / "results"
     run = dsat(
         "binary",
         str(path),
         str(directory),
         "-z",
-        "1",
+        str(zero_stage),
         "--max-trials",
         str(max_trials),
         "--search-range-factor",
-        "0.005",
+        str(range_factor),
         "--results-dir",
         str(results),
         *flags,
