@@ -25,7 +25,7 @@ $(DEV_STAMP): $(STAMP)
 venv: $(STAMP)
 
 test: $(STAMP)
-	DS_ACCELERATOR=cpu $(PY) -m pytest
+	DS_ACCELERATOR=cpu $(PY) -m pytest --durations=20
 
 lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff check dsat tests examples benchmarks

@@ -35,10 +35,11 @@ class KnownFailure:
     pattern: re.Pattern[str]
     cause: FailureCause
     summary: str
+    killed: bool = False  # a process died unasked: the kernel's OOM killer, when it struck
 
 
-def _known(pattern: str, cause: FailureCause, summary: str) -> KnownFailure:
-    return KnownFailure(re.compile(pattern, re.MULTILINE), cause, summary)
+def _known(pattern: str, cause: FailureCause, summary: str, killed: bool = False) -> KnownFailure:
+    return KnownFailure(re.compile(pattern, re.MULTILINE), cause, summary, killed)
 
 
 # First match wins; out-of-memory is checked before this table (dsat.training.oom). The script's
@@ -94,6 +95,7 @@ KNOWN_FAILURES: tuple[KnownFailure, ...] = (
         r"the warm worker that ran this trial exited",  # dsat.runners.local.warm_trials
         FailureCause.MACHINE,
         "the warm worker this trial was forked from died",
+        killed=True,
     ),
 )
 
@@ -173,6 +175,9 @@ def diagnose_crash(log: str, code: int | None, oom_killed: bool | None) -> Diagn
     ]
     known = known_failure("\n".join(others) if others else log)
     detail = others[-1] if others else lines[-1] if lines else None
+    if known is not None and known.killed and oom_killed:
+        reason = f"{known.summary}, killed by the kernel's out-of-memory killer"
+        return Diagnosis(FailureCause.CONFIG, reason, out_of_memory=True)
     if known is not None:
         reason = known.summary if detail is None else f"{known.summary}: {detail}"
         return Diagnosis(known.cause, one_line(reason))

@@ -170,6 +170,14 @@ def test_a_worker_killed_after_another_failed_is_not_the_root_cause() -> None:
     assert diagnosis.reason.startswith("ValueError: this trial crashes on purpose")
 
 
+def test_a_warm_worker_lost_to_the_oom_killer_is_out_of_memory() -> None:
+    log, _ = SAMPLES["warm worker lost"]
+    lost = diagnose_crash(log, 1, oom_killed=True)
+    assert lost.out_of_memory and lost.cause is FailureCause.CONFIG
+    assert "out-of-memory killer" in lost.reason
+    assert diagnose_crash(log, 1, oom_killed=None).cause is FailureCause.MACHINE
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_a_signal_from_outside_is_the_machine(sig: signal.Signals) -> None:
     diagnosis = diagnose_crash("step 1\n", -sig, oom_killed=False)
