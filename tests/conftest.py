@@ -16,12 +16,16 @@ from typing import Any
 import pytest
 import yaml
 
+from dsat.runners.local.entrypoint import interpreter_first
 from dsat.training.step_clock import stop_clock
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_DIR = REPO_ROOT / "examples" / "core_api_mlp"
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# Every process the tests start finds this venv's tools first, as dsat's trials do: one ninja
+# builds DeepSpeed's ops, so they are built once, not again each time two ninjas alternate.
+os.environ["PATH"] = interpreter_first(os.environ)["PATH"]
 # The searches the tests start claim slots among themselves (inherited by every subprocess), not
 # against searches running on the machine, nor against another test session's.
 os.environ["DSAT_LOCK_DIR"] = tempfile.mkdtemp(prefix="dsat-test-locks-")

@@ -27,7 +27,11 @@ from dsat.constants import (
 )
 from dsat.paths import shown
 from dsat.runners.local.deepspeed_ops import clear_stale_locks
-from dsat.runners.local.entrypoint import rendezvous_environment, trial_command
+from dsat.runners.local.entrypoint import (
+    interpreter_first,
+    rendezvous_environment,
+    trial_command,
+)
 from dsat.runners.local.full_run import FULL_RUN_DIR, run_to_the_end
 from dsat.runners.local.slots import SlotPool
 from dsat.runners.local.trial_outcome import classify, oom_kill_count, oom_killed_since
@@ -127,7 +131,7 @@ class LocalRunner:
         self.pool = pool
         self.slots_per_trial = slots_per_trial
         self.timeout = timeout
-        self.environ = dict(os.environ if environ is None else environ)
+        self.environ = interpreter_first(os.environ if environ is None else environ)
         self.cpu_threads = max(1, (os.cpu_count() or 1) // max(pool.size, 1))
         self.running: dict[str, RunningTrial] = {}
         self.started_at = time.monotonic()

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 
 import pytest
 
 from dsat.errors import DsatError
 from dsat.runners.local.entrypoint import (
     entrypoint_tokens,
+    interpreter_first,
     strip_determined_launcher,
     trial_class,
     trial_command,
@@ -84,3 +87,11 @@ def test_launcher_without_a_command_is_a_user_error() -> None:
 )
 def test_trial_class_entrypoints_are_recognised(entrypoint: str, expected: str | None) -> None:
     assert trial_class(entrypoint_tokens(entrypoint, "x.yaml")) == expected
+
+
+def test_trials_find_dsats_interpreter_tools_first_once() -> None:
+    bin_dir = str(Path(sys.executable).parent)
+    env = interpreter_first({"PATH": "/usr/bin:/bin", "X": "1"})
+    assert env["PATH"] == f"{bin_dir}{os.pathsep}/usr/bin:/bin" and env["X"] == "1"
+    assert interpreter_first(env) == env  # already first: left as it is
+    assert interpreter_first({})["PATH"] == bin_dir
