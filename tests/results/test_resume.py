@@ -7,6 +7,7 @@ is what Ctrl-C does to dsat mid-search.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 from pathlib import Path
@@ -81,7 +82,8 @@ def test_the_printed_resume_command_works_as_printed_and_keeps_the_settings(
     saved = (results / SETTINGS_FILE).read_text()
     assert json.loads(saved)["max_trials"] == 14
     assert shlex.split(command)[-2:] == ["--resume", "out"]  # as the user named it
-    env = {"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin"}
+    # Pasted into the shell it was printed in: the same PATH, nothing else of the environment.
+    env = {"PYTHONPATH": str(REPO_ROOT), "PATH": os.environ["PATH"]}
     resumed = subprocess.run(
         command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
     )
