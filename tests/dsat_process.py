@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dsat.runners.local.entrypoint import interpreter_first
 from tests.conftest import REPO_ROOT
 
 
@@ -16,13 +17,8 @@ def env(**extra: str) -> dict[str, str]:
     environ = {
         k: v for k, v in os.environ.items() if k not in ("DET_MASTER", "CUDA_VISIBLE_DEVICES")
     }
-    environ.update(
-        {
-            "PYTHONPATH": str(REPO_ROOT),
-            "DS_ACCELERATOR": "cpu",
-            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{environ.get('PATH', '')}",
-        }
-    )
+    environ.update({"PYTHONPATH": str(REPO_ROOT), "DS_ACCELERATOR": "cpu"})
+    environ = interpreter_first(environ)
     environ.update(extra)
     return environ
 

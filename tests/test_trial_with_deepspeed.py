@@ -16,6 +16,7 @@ import pytest
 
 from dsat.constants import ENV_HPARAMS_FILE, OVERWRITE_KEY, TRIAL_OUTCOME_FILE
 from dsat.memory import ModelProfile
+from dsat.runners.local.entrypoint import interpreter_first
 from dsat.search import MethodSettings, make_search_method
 from dsat.search.trial_builder import SearchSpec
 from dsat.training.step_clock import MEASURED_STEPS
@@ -47,13 +48,12 @@ def run_example_trial(
         "overwrite_deepspeed_args": overwrites,
     }
     (directory / "hparams.json").write_text(json.dumps(hparams))
-    env = dict(os.environ)
+    env = interpreter_first(os.environ)
     env.update(
         {
             ENV_HPARAMS_FILE: str(directory / "hparams.json"),
             "DS_ACCELERATOR": "cpu",
             "PYTHONPATH": str(REPO_ROOT),
-            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
             "OMP_NUM_THREADS": "1",
         }
     )
