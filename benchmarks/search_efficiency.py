@@ -158,12 +158,14 @@ def measure(
     unbounded: float,
     by_margin_rule: dict[str, Any] | None,
 ) -> dict[str, Any]:
-    """Whether the hand-over (the last pick) is within 2% of the optimum (and of ``unbounded``,
-    the best that fits at all, memory margin or not); whether ``by_margin_rule``, what the
-    same trials hand over under dsat's rule (the reference's own pick may leave less than
-    --memory-margin free), is; trials and GPU-hours until the pick is within 2% and stays there;
-    and, as before, until the best measured so far was within 2% at any point (lenient: a
-    luckier one may displace it later)."""
+    """Whether the hand-over (the last pick) is safe (it never runs out of memory and leaves
+    the margin: ``PerformanceModel.safe_bytes``) and within 2% of the best safe configuration,
+    ``best``; whether it is within 2% of ``unbounded``, the best that never runs out of memory,
+    margin or not; whether ``by_margin_rule``, what the same trials hand over under dsat's rule
+    (the reference's own pick may leave less than --memory-margin free), is; trials and GPU-hours
+    until the pick is within 2% and stays there; the search's GPU-hours; and, as before, until
+    the best measured so far was within 2% at any point (lenient: a luckier one may displace it
+    later)."""
 
     def regret(config: dict[str, Any] | None) -> float:
         if config is None:
@@ -181,12 +183,17 @@ def measure(
         None,
     )
     final = best * (1 - regrets[-1])
+    handed_over = picks[-1]
+    safe = handed_over is not None and model.is_safe(handed_over, slots, DEFAULT_MEMORY_MARGIN)
     return {
         "handed_over_within_2pct": regrets[-1] <= WITHIN,
+        "handed_over_safe_within_2pct": safe and regrets[-1] <= WITHIN,
+        "handed_over_unsafe": handed_over is not None and not safe,
         "handed_over_within_2pct_of_unbounded": final >= unbounded * (1 - WITHIN),
         "handed_over_within_2pct_by_margin_rule": regret(by_margin_rule) <= WITHIN,
         "trials_to_2pct": stays_at,
         "gpu_hours_to_2pct": gpu_hours(history, slots, stays_at),
+        "gpu_hours": gpu_hours(history, slots, len(history)),
         "trials_to_2pct_at_any_point": ever_at,
         "final_regret": regrets[-1],
         "trials": len(history),
@@ -255,6 +262,10 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
         for r in runs
     ]
     return {
+        "handed_over_safe_within_2pct": sum(r["handed_over_safe_within_2pct"] for r in runs),
+        "handed_over_unsafe": sum(r["handed_over_unsafe"] for r in runs),
+        "median_gpu_hours": median([r["gpu_hours"] for r in runs]),
+        "median_trials": median([r["trials"] for r in runs]),
         "handed_over_within_2pct": sum(r["handed_over_within_2pct"] for r in runs),
         "handed_over_within_2pct_of_unbounded": sum(
             r["handed_over_within_2pct_of_unbounded"] for r in runs
@@ -284,6 +295,39 @@ def ratio(ours: float, theirs: float) -> str:
     return f"{ours / theirs:.2f}"
 
 
+def table_row(model_name: str, method: str, entry: dict[str, Any], n: int) -> str:
+    """One markdown row: dsat's figure, then the reference's (- where it did not run)."""
+    ours = entry["dsat"]["summary"]
+    theirs = entry.get("reference", {}).get("summary")
+
+    def pair(key: str, show: Callable[[Any], str], with_ratio: bool = False) -> str:
+        if theirs is None:
+            return f"{show(ours[key])} / -"
+        text = f"{show(ours[key])} / {show(theirs[key])}"
+        return f"{text}, {ratio(ours[key], theirs[key])}" if with_ratio else text
+
+    def count(value: int) -> str:
+        return f"{value}/{n}"
+
+    def at_any_point(summary: dict[str, Any]) -> str:
+        reached = summary["reached_at_any_point"]
+        return f"{reached}/{n}, {fmt(summary['median_trials_to_2pct_at_any_point'])}"
+
+    cells = [
+        pair("handed_over_safe_within_2pct", count),
+        pair("handed_over_unsafe", count),
+        pair("median_gpu_hours", fmt, with_ratio=True),
+        pair("median_trials", fmt),
+        pair("median_trials_to_2pct", fmt, with_ratio=True),
+        pair("median_gpu_hours_to_2pct", fmt, with_ratio=True),
+        pair("median_final_regret", lambda v: f"{v:.2%}"),
+        at_any_point(ours) + (" / -" if theirs is None else f" / {at_any_point(theirs)}"),
+        pair("handed_over_within_2pct_of_unbounded", count),
+        pair("handed_over_within_2pct_by_margin_rule", count),
+    ]
+    return f"| {model_name} | {method} | " + " | ".join(cells) + " |"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=20)
@@ -300,6 +344,9 @@ def main() -> None:
     parser.add_argument(
         "--summaries-only", action="store_true", help="leave each run's numbers out of the JSON"
     )
+    parser.add_argument(
+        "--no-reference", action="store_true", help="dsat's methods only (its columns show -)"
+    )
     options = parser.parse_args()
     if options.models is None:
         chosen = MODELS if options.surfaces == "all" else SURFACES[options.surfaces]
@@ -314,13 +361,17 @@ def main() -> None:
         "cases": {},
     }
     lines = [
-        "| model | method | handed over within 2% (dsat / ref) | median trials to 2% (dsat / ref, "
-        "ratio) | median GPU-h to 2% (dsat / ref, ratio) | median final regret (dsat / ref) | "
-        "within 2% at any point, median trials (dsat / ref) | handed over within 2% of the best "
-        "that fits at all (dsat / ref) | handed over within 2%, both by dsat's margin rule (dsat / "
-        "ref) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| model | method | handed over safe and within 2% of the best safe (dsat / ref) | "
+        "unsafe hand-overs (dsat / ref) | median GPU-h of the search (dsat / ref, ratio) | "
+        "median trials (dsat / ref) | median trials to 2% (dsat / ref, ratio) | median GPU-h to "
+        "2% (dsat / ref, ratio) | median final regret (dsat / ref) | within 2% at any point, "
+        "median trials (dsat / ref) | handed over within 2% of the best that fits at all (dsat / "
+        "ref) | handed over within 2%, both by dsat's margin rule (dsat / ref) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+    factories: tuple[tuple[str, Callable[..., Any]], ...] = (("dsat", dsat_method),)
+    if not options.no_reference:
+        factories += (("reference", reference_method),)
     for model_name in options.models:
         slots, extra = CASES[model_name]
         best, best_config = optimum(
@@ -342,7 +393,7 @@ def main() -> None:
         }
         for method in options.methods:
             entry: dict[str, Any] = {}
-            for label, factory in (("dsat", dsat_method), ("reference", reference_method)):
+            for label, factory in factories:
                 runs = [
                     run_one(factory, method, model_name, seed, best, unbounded) for seed in seeds
                 ]
@@ -350,24 +401,7 @@ def main() -> None:
                 if not options.summaries_only:
                     entry[label]["runs"] = runs
             report["cases"][model_name]["methods"][method] = entry
-            ours, theirs = entry["dsat"]["summary"], entry["reference"]["summary"]
-            n = len(seeds)
-            lines.append(
-                f"| {model_name} | {method} | "
-                f"{ours['handed_over_within_2pct']}/{n} / {theirs['handed_over_within_2pct']}/{n} | "
-                f"{fmt(ours['median_trials_to_2pct'])} / {fmt(theirs['median_trials_to_2pct'])}, "
-                f"{ratio(ours['median_trials_to_2pct'], theirs['median_trials_to_2pct'])} | "
-                f"{fmt(ours['median_gpu_hours_to_2pct'])} / {fmt(theirs['median_gpu_hours_to_2pct'])}, "
-                f"{ratio(ours['median_gpu_hours_to_2pct'], theirs['median_gpu_hours_to_2pct'])} | "
-                f"{ours['median_final_regret']:.2%} / {theirs['median_final_regret']:.2%} | "
-                f"{ours['reached_at_any_point']}/{n}, {fmt(ours['median_trials_to_2pct_at_any_point'])} / "
-                f"{theirs['reached_at_any_point']}/{n}, "
-                f"{fmt(theirs['median_trials_to_2pct_at_any_point'])} | "
-                f"{ours['handed_over_within_2pct_of_unbounded']}/{n} / "
-                f"{theirs['handed_over_within_2pct_of_unbounded']}/{n} | "
-                f"{ours['handed_over_within_2pct_by_margin_rule']}/{n} / "
-                f"{theirs['handed_over_within_2pct_by_margin_rule']}/{n} |"
-            )
+            lines.append(table_row(model_name, method, entry, len(seeds)))
             print(lines[-1], flush=True)
     report["seconds"] = time.time() - started
     report["python"] = sys.version.split()[0]
@@ -376,7 +410,7 @@ def main() -> None:
     )
     print("\n".join(lines))
     print(
-        f"\n{len(options.models) * len(options.methods) * 2 * len(seeds)} searches in "
+        f"\n{len(options.models) * len(options.methods) * len(factories) * len(seeds)} searches in "
         f"{report['seconds']:.0f} s; wrote {options.output}"
     )
 

@@ -1,231 +1,35 @@
-"""Built-in performance functions for the simulated runner, shaped like real DeepSpeed training.
+"""The built-in performance functions for the simulated runner (dsat.runners.simulated.performance_model).
 
-Each is called as ``model(ds_config, slots)``. A model-profile trial gets model info back; any other
-trial gets DeepSpeed-style metrics (times in ms, throughput in samples/s) and its peak memory, as
-a real trial reports them, or ``MemoryError`` when its memory exceeds the GPU's. What shapes them:
-
-- a memory cliff per stage: ZeRO model states (see dsat.memory) plus activations that grow with
-  the micro-batch, plus bucket buffers; the profile under-reports activations a little, as real
-  profiles do, so the memory model's ceiling is an over-estimate the search has to correct;
-- compute efficiency that saturates with the micro-batch;
-- communication: gradient reduction and parameter all-gathers, per-call latency that makes small
-  buckets expensive, overlap that hides part of it, and ZeRO-3's extra parameter traffic;
-- optionally, memory pressure: steps slow down as memory fills (allocator retries, cache
-  flushes), so throughput can peak below the largest micro-batch that fits;
-- a few percent of measurement noise, a deterministic function of the configuration and a seed.
-
-The first three are calibrated loosely against DeepSpeed's published autotuning tables
-(GPT2-large and BERT-base on 16 V100s, see shared/reference) and a 7B model on 8 A100s. The
-others (`STRESS_MODELS`) are each built to break one assumption a search might make; see
-docs/search.md.
+Three are shaped on DeepSpeed's published results; the stress surfaces (`STRESS_MODELS`) are each
+built to break one assumption a search might make; the hardware-like surfaces (`HARDWARE_MODELS`)
+add what real GPUs do besides: run-to-run noise, out-of-memory near the limit that comes and goes,
+aligned micro-batches that compute faster, and knob effects of either sign. docs/search.md says
+what each is for.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
-import math
-from collections.abc import Mapping
-from typing import Any
+from dsat.memory import Precision
+from dsat.runners.simulated.performance_model import (
+    DEFAULT_BUCKET,
+    GB,
+    PerformanceModel,
+    configurations,
+    is_model_profile,
+    optimum,
+)
 
-from dsat.memory import ModelProfile, Precision, bucket_buffer_bytes, memory_per_gpu_per_stage
-
-GB = 10**9
-DEFAULT_BUCKET = 500_000_000  # DeepSpeed's default reduce/allgather bucket size (elements)
-
-
-def _zero(ds_config: Mapping[str, Any]) -> dict[str, Any]:
-    section = ds_config.get("zero_optimization")
-    return dict(section) if isinstance(section, Mapping) else {}
-
-
-def is_model_profile(ds_config: Mapping[str, Any]) -> bool:
-    autotuning = ds_config.get("autotuning")
-    if not isinstance(autotuning, Mapping):
-        return False
-    info = autotuning.get("model_info")
-    return isinstance(info, Mapping) and info.get("profile") is True
-
-
-@dataclasses.dataclass(frozen=True)
-class PerformanceModel:
-    name: str
-    num_params: int
-    precision: Precision
-    gpu_mem: int  # bytes
-    activation_per_sample: int  # bytes, true
-    activation_reported_fraction: float  # what the model-profile trial sees, as a fraction
-    flops_per_sample: float
-    peak_flops: float  # per GPU
-    max_efficiency: float
-    half_efficiency_mbs: float  # micro-batch at which efficiency reaches half its maximum
-    bandwidth: float  # effective collective bandwidth per GPU, bytes/s
-    call_latency: float  # seconds per collective call
-    stage_overhead: tuple[float, float, float, float]  # extra compute fraction per ZeRO stage
-    optimizer_bandwidth: float = 1.0e12  # bytes/s of memory traffic in the optimizer step
-    usable_memory_fraction: float = 0.97
-    noise: float = 0.015  # relative standard deviation of measured latency
-    noise_seed: int = 0
-    startup_seconds: float = 90.0
-    profiled_steps: int = 6
-    gpus: int = 16  # the trial's slots this surface is built for
-    # Above this fraction of usable memory, compute slows down, by `pressure_slowdown` when full.
-    pressure_threshold: float = 1.0
-    pressure_slowdown: float = 0.0
-
-    # ---------------------------------------------------------------- memory
-
-    def profile(self) -> ModelProfile:
-        return ModelProfile(
-            num_params=self.num_params,
-            trainable_num_params=self.num_params,
-            activation_mem_per_gpu=int(
-                self.activation_per_sample * self.activation_reported_fraction
-            ),
-            gpu_mem=self.gpu_mem,
-        )
-
-    def memory_bytes(self, ds_config: Mapping[str, Any], slots: int) -> int:
-        zero = _zero(ds_config)
-        stage = int(zero.get("stage", 0))
-        mbs = int(ds_config["train_micro_batch_size_per_gpu"])
-        true_profile = dataclasses.replace(
-            self.profile(), activation_mem_per_gpu=self.activation_per_sample
-        )
-        states = memory_per_gpu_per_stage(true_profile, self.precision, slots)[stage]
-        _, grad_bytes, _ = self.precision.bytes_per_param
-        buffers = 0
-        if stage >= 1:
-            buffers = bucket_buffer_bytes(
-                int(zero.get("reduce_bucket_size", DEFAULT_BUCKET)),
-                int(zero.get("allgather_bucket_size", DEFAULT_BUCKET)),
-                bool(zero.get("overlap_comm", stage == 3)),
-                self.precision,
-                self.num_params,
-            )
-        if stage >= 2 and zero.get("contiguous_gradients", True) is False:
-            buffers += self.num_params * grad_bytes // (4 * slots)  # fragmentation
-        return states + (mbs - 1) * self.activation_per_sample + buffers
-
-    def max_micro_batch(
-        self, ds_config: Mapping[str, Any], slots: int, memory_margin: float = 0.0
-    ) -> int:
-        """The largest micro-batch that fits with this config's ZeRO settings (0 if none), and
-        leaves ``memory_margin`` of the device free."""
-        at_one = self.memory_bytes({**ds_config, "train_micro_batch_size_per_gpu": 1}, slots)
-        usable = min(self.usable_memory_fraction, 1.0 - memory_margin)
-        spare = usable * self.gpu_mem - at_one
-        return 0 if spare < 0 else 1 + int(spare // self.activation_per_sample)
-
-    # ---------------------------------------------------------------- time
-
-    def step_times(self, ds_config: Mapping[str, Any], slots: int) -> tuple[float, float, float]:
-        """Noise-free (forward, backward, optimizer step) seconds of one micro-step."""
-        zero = _zero(ds_config)
-        stage = int(zero.get("stage", 0))
-        mbs = int(ds_config["train_micro_batch_size_per_gpu"])
-        efficiency = self.max_efficiency * mbs / (mbs + self.half_efficiency_mbs)
-        compute = mbs * self.flops_per_sample / (self.peak_flops * efficiency)
-        compute *= 1.0 + self.stage_overhead[stage]
-        if stage >= 2 and zero.get("contiguous_gradients", True) is False:
-            compute *= 1.01
-        compute *= self._pressure(ds_config, slots)
-        forward, backward = compute / 3, 2 * compute / 3
-
-        param_bytes, grad_bytes, _ = self.precision.bytes_per_param
-        share = (slots - 1) / slots if slots > 1 else 0.0
-        grads = self.num_params * grad_bytes
-        params = self.num_params * param_bytes
-        reduce_bucket = int(zero.get("reduce_bucket_size", DEFAULT_BUCKET))
-        gather_bucket = int(zero.get("allgather_bucket_size", DEFAULT_BUCKET))
-        reduce_calls = math.ceil(self.num_params / reduce_bucket)
-        scatter = stage >= 2 and zero.get("reduce_scatter", True)
-        comm = (
-            1 if scatter else 2
-        ) * share * grads / self.bandwidth + reduce_calls * self.call_latency
-        if stage in (1, 2):
-            comm += share * params / self.bandwidth
-            comm += math.ceil(self.num_params / gather_bucket) * self.call_latency
-        if stage == 3:
-            gathers = 2 * share * params / self.bandwidth
-            comm += gathers * (1.0 if zero.get("allgather_partitions", True) else 1.15)
-        overlap = zero.get("overlap_comm", stage == 3) and reduce_calls > 1
-        exposed = comm * (0.25 if overlap else 1.0)
-        if overlap:
-            exposed = max(exposed, comm - backward)
-        backward += exposed
-
-        optimizer_bytes = self.num_params * sum(self.precision.bytes_per_param)
-        step = optimizer_bytes / (slots if stage >= 1 else 1) / self.optimizer_bandwidth
-        return forward, backward, step
-
-    def _pressure(self, ds_config: Mapping[str, Any], slots: int) -> float:
-        if self.pressure_slowdown == 0.0:
-            return 1.0
-        used = self.memory_bytes(ds_config, slots) / (self.usable_memory_fraction * self.gpu_mem)
-        excess = max(0.0, used - self.pressure_threshold) / (1.0 - self.pressure_threshold)
-        return 1.0 + self.pressure_slowdown * min(excess, 1.0) ** 2
-
-    @property
-    def base_ds_config(self) -> dict[str, Any]:
-        """The precision section a user's config has for this surface."""
-        if self.precision is Precision.FP32:
-            return {}
-        return {self.precision.value: {"enabled": True}}
-
-    def _noise_factor(self, ds_config: Mapping[str, Any], slots: int) -> float:
-        key = json.dumps(
-            [
-                self.noise_seed,
-                slots,
-                ds_config.get("train_micro_batch_size_per_gpu"),
-                _zero(ds_config),
-            ],
-            sort_keys=True,
-        )
-        digest = hashlib.sha256(key.encode()).digest()
-        # Two uniforms -> one standard normal (Box-Muller), clipped to +-2.5 sigma.
-        u1 = (int.from_bytes(digest[:8], "big") + 1) / 2**64
-        u2 = int.from_bytes(digest[8:16], "big") / 2**64
-        normal = math.sqrt(-2 * math.log(u1)) * math.cos(2 * math.pi * u2)
-        return 1.0 + self.noise * max(-2.5, min(2.5, normal))
-
-    def metrics(
-        self, ds_config: Mapping[str, Any], slots: int, noisy: bool = True
-    ) -> dict[str, float]:
-        forward, backward, step = self.step_times(ds_config, slots)
-        gas = int(ds_config.get("gradient_accumulation_steps", 1))
-        mbs = int(ds_config["train_micro_batch_size_per_gpu"])
-        factor = self._noise_factor(ds_config, slots) if noisy else 1.0
-        forward, backward, step = forward * factor, backward * factor, step * factor
-        latency = (forward + backward + step) * gas
-        return {
-            "fwd": forward * 1000,
-            "bwd": backward * 1000,
-            "step": step * 1000,
-            "latency": latency * 1000,
-            "throughput": mbs * gas * slots / latency,
-            "FLOPS_per_gpu": self.flops_per_sample * mbs * gas / latency,
-        }
-
-    # ---------------------------------------------------------------- the performance function
-
-    def __call__(self, ds_config: Mapping[str, Any], slots: int) -> dict[str, Any]:
-        if is_model_profile(ds_config):
-            profile = self.profile()
-            return {**dataclasses.asdict(profile), "seconds": self.startup_seconds}
-        peak = self.memory_bytes(ds_config, slots)
-        if peak > self.usable_memory_fraction * self.gpu_mem:
-            raise MemoryError(f"{self.name}: out of memory")
-        result: dict[str, Any] = self.metrics(ds_config, slots)
-        # A real trial reports its peak and its device's memory (dsat.training.step_clock); the
-        # hand-over reads them (--memory-margin, the confirmation round's headroom preference).
-        result["memory_peak_bytes"] = peak
-        result["memory_total_bytes"] = self.gpu_mem
-        result["seconds"] = self.startup_seconds + self.profiled_steps * result["latency"] / 1000
-        return result
-
+__all__ = [
+    "BUILTIN_MODELS",
+    "DEFAULT_BUCKET",
+    "GB",
+    "HARDWARE_MODELS",
+    "STRESS_MODELS",
+    "PerformanceModel",
+    "configurations",
+    "is_model_profile",
+    "optimum",
+]
 
 # GPT2-large (774M parameters, fp16, sequence 1024) on 16 V100-32GB, as in DeepSpeed's tutorial:
 # ZeRO-1 at micro-batch 3 is best; ZeRO-0 runs out of memory above 2.
@@ -436,61 +240,149 @@ STRESS_MODELS: dict[str, PerformanceModel] = {
     "gpt_6b_zero3_wins_16xa100": gpt_6b_zero3_wins_16xa100,
 }
 
+# ---------------------------------------------------------------- hardware-like surfaces
+# What real GPUs do that the surfaces above do not: each run measures anew, OOMs near the limit
+# come and go, aligned micro-batches are faster, and knobs can cost as well as help.
+
+# Run-to-run noise of 3% a run (the H100 check's plain loop varied 1-3% between runs) over a flat
+# top: many configurations within the noise of each other.
+gpt_1b_run_noise_8xa100 = PerformanceModel(
+    name="1.3b-run-noise-8xA100-80GB",
+    num_params=1_300_000_000,
+    precision=Precision.BF16,
+    gpu_mem=80 * 2**30,
+    activation_per_sample=int(0.6 * GB),
+    activation_reported_fraction=0.85,
+    flops_per_sample=6 * 1.3e9 * 2048,
+    peak_flops=312e12,
+    max_efficiency=0.5,
+    half_efficiency_mbs=4.0,
+    bandwidth=150e9,
+    call_latency=40e-6,
+    stage_overhead=(0.0, 0.01, 0.03, 0.12),
+    noise=0.005,
+    run_noise=0.03,
+    noise_seed=41,
+    gpus=8,
+)
+
+# Fragmentation: an 8B model on 8 H100-80GB whose runs fail by chance in the top 4% of the
+# usable memory, itself 93% of the device; efficiency keeps growing, so the best lies at the limit.
+llama_8b_flaky_oom_8xh100 = PerformanceModel(
+    name="8b-flaky-oom-8xH100",
+    num_params=8_000_000_000,
+    precision=Precision.BF16,
+    gpu_mem=80 * 2**30,
+    activation_per_sample=int(2.2 * GB),
+    activation_reported_fraction=0.85,
+    flops_per_sample=8 * 8e9 * 2048,
+    peak_flops=900e12,
+    max_efficiency=0.5,
+    half_efficiency_mbs=6.0,
+    bandwidth=200e9,
+    call_latency=30e-6,
+    stage_overhead=(0.0, 0.0, 0.03, 0.1),
+    usable_memory_fraction=0.93,
+    flaky_oom_band=0.04,
+    noise=0.005,
+    run_noise=0.015,
+    startup_seconds=240.0,
+    noise_seed=42,
+    gpus=8,
+)
+
+# Tensor-core tiles: micro-batches divisible by 8, 16 and 64 compute 4%, 5% and 6% faster, and
+# throughput falls as memory fills, so neither concavity nor "largest is best" holds.
+gpt_760m_aligned_8xa100 = PerformanceModel(
+    name="760m-aligned-8xA100-40GB",
+    num_params=760_000_000,
+    precision=Precision.FP16,
+    gpu_mem=40 * 2**30,
+    activation_per_sample=int(0.22 * GB),
+    activation_reported_fraction=0.85,
+    flops_per_sample=6 * 760e6 * 1024,
+    peak_flops=312e12,
+    max_efficiency=0.5,
+    half_efficiency_mbs=6.0,
+    bandwidth=100e9,
+    call_latency=50e-6,
+    stage_overhead=(0.0, 0.01, 0.04, 0.14),
+    pressure_threshold=0.8,
+    pressure_slowdown=0.08,
+    aligned_speedups=((8, 0.04), (16, 0.05), (64, 0.06)),
+    noise=0.005,
+    run_noise=0.015,
+    noise_seed=43,
+    gpus=8,
+)
+
+# PCIe: overlapping communication slows compute more than it hides (copy contention), so
+# DeepSpeed's default at stage 3 (overlap on) and the usual advice both cost; small buckets pay
+# latency.
+gpt_2b_pcie_knobs_8xl40 = PerformanceModel(
+    name="2b-pcie-knobs-8xL40",
+    num_params=2_000_000_000,
+    precision=Precision.FP16,
+    gpu_mem=48 * 2**30,
+    activation_per_sample=int(1.0 * GB),
+    activation_reported_fraction=0.8,
+    flops_per_sample=6 * 2e9 * 1024,
+    peak_flops=180e12,
+    max_efficiency=0.45,
+    half_efficiency_mbs=2.0,
+    bandwidth=8e9,
+    call_latency=400e-6,
+    stage_overhead=(0.0, 0.01, 0.04, 0.15),
+    overlap_contention=1.25,
+    bucket_pipelining=True,
+    noise=0.005,
+    run_noise=0.02,
+    noise_seed=44,
+    gpus=8,
+)
+
+# All four at once, on 4 A100-80GB: 2.5% run noise, flaky OOMs in the top 3%, aligned
+# micro-batches, overlap that helps only with mid-sized buckets, and mild memory pressure.
+gpt_3b_hardware_4xa100 = PerformanceModel(
+    name="3b-hardware-4xA100-80GB",
+    num_params=3_000_000_000,
+    precision=Precision.BF16,
+    gpu_mem=80 * 2**30,
+    activation_per_sample=int(1.6 * GB),
+    activation_reported_fraction=0.8,
+    flops_per_sample=6 * 3e9 * 2048,
+    peak_flops=312e12,
+    max_efficiency=0.5,
+    half_efficiency_mbs=3.0,
+    bandwidth=40e9,
+    call_latency=150e-6,
+    stage_overhead=(0.0, 0.01, 0.04, 0.15),
+    usable_memory_fraction=0.95,
+    flaky_oom_band=0.03,
+    pressure_threshold=0.85,
+    pressure_slowdown=0.06,
+    aligned_speedups=((8, 0.03), (64, 0.05)),
+    overlap_contention=0.5,
+    bucket_pipelining=True,
+    noise=0.005,
+    run_noise=0.025,
+    startup_seconds=150.0,
+    noise_seed=45,
+    gpus=4,
+)
+
+HARDWARE_MODELS: dict[str, PerformanceModel] = {
+    "gpt_1b_run_noise_8xa100": gpt_1b_run_noise_8xa100,
+    "llama_8b_flaky_oom_8xh100": llama_8b_flaky_oom_8xh100,
+    "gpt_760m_aligned_8xa100": gpt_760m_aligned_8xa100,
+    "gpt_2b_pcie_knobs_8xl40": gpt_2b_pcie_knobs_8xl40,
+    "gpt_3b_hardware_4xa100": gpt_3b_hardware_4xa100,
+}
+
 BUILTIN_MODELS: dict[str, PerformanceModel] = {
     "gpt2_large_16xv100": gpt2_large_16xv100,
     "bert_base_16xv100": bert_base_16xv100,
     "llama_7b_8xa100": llama_7b_8xa100,
     **STRESS_MODELS,
+    **HARDWARE_MODELS,
 }
-
-
-def configurations(stages: tuple[int, ...]) -> list[dict[str, Any]]:
-    """Every ``zero_optimization`` section the search space holds for ``stages``."""
-    import itertools
-
-    from dsat.zero_space import zero_knobs
-
-    sections: list[dict[str, Any]] = []
-    for stage in stages:
-        knobs = zero_knobs(stage)
-        for values in itertools.product(*knobs.values()):
-            sections.append({"stage": stage, **dict(zip(knobs, values, strict=True))})
-    return sections
-
-
-def optimum(
-    model: PerformanceModel,
-    slots: int,
-    metric_key: str,
-    smaller_is_better: bool,
-    stages: tuple[int, ...] = (0, 1, 2, 3),
-    base: Mapping[str, Any] | None = None,
-    memory_margin: float = 0.0,
-) -> tuple[float, dict[str, Any]]:
-    """The best noise-free metric over the whole search space, and the config that reaches it.
-
-    Without memory pressure, throughput and FLOPS only grow with the micro-batch in these models
-    and times only shrink as it falls, so each ZeRO configuration is evaluated at its largest
-    fitting micro-batch and at 1 (tests check that property on sampled configurations); with
-    pressure, at every micro-batch that fits. With ``memory_margin``, only configurations that
-    leave that fraction of the device free count: the best a search could hand over.
-    """
-    best_value: float | None = None
-    best_config: dict[str, Any] = {}
-    for section in configurations(stages):
-        config = {**(base or {}), "zero_optimization": section, "train_micro_batch_size_per_gpu": 1}
-        largest = model.max_micro_batch(config, slots, memory_margin)
-        if largest == 0:
-            continue
-        sizes = range(1, largest + 1) if model.pressure_slowdown else (1, largest)
-        for mbs in sizes:
-            candidate = {**config, "train_micro_batch_size_per_gpu": mbs}
-            value = model.metrics(candidate, slots, noisy=False)[metric_key]
-            better = best_value is None or (
-                value < best_value if smaller_is_better else value > best_value
-            )
-            if better:
-                best_value, best_config = value, candidate
-    if best_value is None:
-        raise ValueError(f"{model.name}: no configuration fits on {slots} slots")
-    return best_value, best_config

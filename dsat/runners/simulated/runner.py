@@ -1,16 +1,18 @@
 """The simulated runner: a performance function instead of training, in virtual time.
 
-``FUNCTION(ds_config, slots)`` is called once per trial when it starts. Trials overlap up to the
+``FUNCTION(ds_config, slots)`` is called once per trial when it starts; a function that also takes
+``run_id`` gets the trial's id, from which it can draw what differs from one run of a
+configuration to the next (noise, an OOM near the limit) reproducibly. Trials overlap up to the
 search's limits and each lasts the ``seconds`` its function reports, on a virtual clock, so a
 64-trial search takes well under a second. ``MemoryError`` means OOM, ``ConnectionError`` a fault of
-the machine (run again, as a taken port would be); any other exception, a
-failed trial.
+the machine (run again, as a taken port would be); any other exception, a failed trial.
 """
 
 from __future__ import annotations
 
 import copy
 import heapq
+import inspect
 import itertools
 from collections.abc import Callable
 from typing import Any
@@ -50,6 +52,7 @@ class SimulatedRunner:
         failed_seconds: float = FAILED_TRIAL_SECONDS,
     ) -> None:
         self.function = function
+        self.takes_run_id = _takes_run_id(function)
         self.slots = slots_per_trial
         self.default_seconds = default_seconds
         self.failed_seconds = failed_seconds
@@ -63,7 +66,11 @@ class SimulatedRunner:
         status, metrics, error, cause = TrialStatus.COMPLETED, {}, None, None
         seconds = self.default_seconds
         try:
-            metrics = dict(self.function(copy.deepcopy(ds_config), self.slots))
+            config = copy.deepcopy(ds_config)
+            if self.takes_run_id:
+                metrics = dict(self.function(config, self.slots, run_id=request_id))  # type: ignore[call-arg]
+            else:
+                metrics = dict(self.function(config, self.slots))
             seconds = float(metrics.pop("seconds", self.default_seconds))
         except Exception as err:  # the user's function failing is a failed trial, not a crash
             status, cause = next(
@@ -92,3 +99,10 @@ class SimulatedRunner:
 
     def run_full_experiment(self, hparams: dict[str, Any]) -> None:
         raise DsatError(NO_FULL_RUN)
+
+
+def _takes_run_id(function: PerformanceFunction) -> bool:
+    try:
+        return "run_id" in inspect.signature(function).parameters
+    except (TypeError, ValueError):  # no signature to read (a builtin): the two-argument form
+        return False
