@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from determined import searcher
+from heldout_hardware_surfaces import HELDOUT_HARDWARE_MODELS  # benchmarks/, too
 from heldout_surfaces import HELDOUT_MODELS  # benchmarks/, next to this script
 
 from dsat.atomic_file import write_json_atomic
@@ -51,8 +52,16 @@ from dsat.trial import TrialOutcome, TrialStatus, leaves_memory_margin
 RESULTS = Path(__file__).resolve().parent / "results" / "search_efficiency.json"
 METRIC = Metric.FLOPS_PER_GPU
 WITHIN = 0.02
-SURFACES = {"builtin": BUILTIN_MODELS, "heldout": HELDOUT_MODELS}
-MODELS: dict[str, PerformanceModel] = {**BUILTIN_MODELS, **HELDOUT_MODELS}
+SURFACES = {
+    "builtin": BUILTIN_MODELS,
+    "heldout": HELDOUT_MODELS,
+    "heldout-hardware": HELDOUT_HARDWARE_MODELS,
+}
+MODELS: dict[str, PerformanceModel] = {
+    **BUILTIN_MODELS,
+    **HELDOUT_MODELS,
+    **HELDOUT_HARDWARE_MODELS,
+}
 # Every surface, on the GPUs it is built for, with its precision in the user's config.
 CASES: dict[str, tuple[int, dict[str, Any]]] = {
     name: (model.gpus, model.base_ds_config) for name, model in MODELS.items()
