@@ -21,6 +21,7 @@ from dsat.experiment.config import (
 )
 from dsat.experiment.settings import SearchSettings
 from dsat.paths import shown
+from dsat.results.cost import search_cost
 from dsat.results.directory import (
     SUMMARY_FILE,
     TRIALS_FILE,
@@ -75,6 +76,16 @@ class SearchStopped(Exception):
                 f"{resume_command(method, results_dir)}"
             )
         super().__init__(message)
+
+
+def spent(method: DsatSearchMethod, results_dir: Path) -> str:
+    """What the recorded trials cost, for the last line (", 0.0424 CPU slot-hours"); empty when
+    trials.jsonl cannot be read."""
+    try:
+        rows = read_trial_rows(results_dir / TRIALS_FILE)
+    except (OSError, ValueError):
+        return ""
+    return f", {search_cost(rows, method.tracker.slots_per_trial).hours_text()}"
 
 
 def recorded_trials(results_dir: Path) -> int:
@@ -241,7 +252,7 @@ def report_end(method: DsatSearchMethod, results_dir: Path) -> None:
         print(summary.read_text(), end="")
     # A failed search's reason is its last line, once (SearchFailed).
     ended = "" if method.search_failed else f"; search ended: {method.shutdown_reason}"
-    print(f"dsat: {len(method.tracker.finished)} trials{ended}")
+    print(f"dsat: {len(method.tracker.finished)} trials{spent(method, results_dir)}{ended}")
     try:
         png, page = write_report(results_dir)
         print(f"dsat: report: {shown(png)}, {shown(page)}")

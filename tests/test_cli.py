@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -528,6 +529,9 @@ def test_simulated_search_prints_the_summary_and_leaves_results(tmp_path: Path) 
     assert "| tuning_space | num_experiments | best_metric_val | best_exp_name" in first.stdout
     assert "approx. max micro-batch" in first.stdout  # the memory model's estimates are logged
     assert f"best DeepSpeed config: {results / 'best_ds_config.json'}" in first.stdout
+    # What the search cost, 16 simulated GPUs per trial (tests/results/test_cost.py checks it).
+    assert re.search(r"^cost: \d+ trials .* GPU-hours \(16 GPUs per trial x ", first.stdout, re.M)
+    assert re.search(r"^dsat: \d+ trials, [\d.]+ GPU-hours; search ended: ", first.stdout, re.M)
     for name in (
         "trials.jsonl",
         "best_ds_config.json",

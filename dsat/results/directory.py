@@ -4,7 +4,7 @@ trials.jsonl           one JSON object per finished trial
 best_ds_config.json    the best trial's full DeepSpeed config, ready for deepspeed.initialize
 best_ds_metrics.json   its metrics
 dsat_search_state.json the search method's state, for --resume
-summary.txt            the per-stage table, at the end
+summary.txt            the per-stage table, at the end, and what the search cost
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any
 from dsat.atomic_file import write_json_atomic, write_text_atomic
 from dsat.constants import AUTOTUNING_KEY, DSAT_MODE_KEY, OVERWRITE_KEY
 from dsat.errors import DsatError
+from dsat.results.cost import search_cost
 from dsat.search.tracker import TrialTracker
 from dsat.trial import TrialKind, TrialRecord
 
@@ -40,7 +41,10 @@ class TrialTiming:
     end: float
 
 
-def trial_line(number: int, record: TrialRecord, timing: TrialTiming) -> dict[str, Any]:
+def trial_line(
+    number: int, record: TrialRecord, timing: TrialTiming, slots: int, slot_kind: str
+) -> dict[str, Any]:
+    """Its row in trials.jsonl; the slots it held, with its start and end, are its cost."""
     return {
         "trial": number,
         "request_id": record.request_id,
@@ -57,6 +61,8 @@ def trial_line(number: int, record: TrialRecord, timing: TrialTiming) -> dict[st
         "log": record.log,
         "start": timing.start,
         "end": timing.end,
+        "slots": slots,
+        "slot_kind": slot_kind,
     }
 
 
@@ -83,10 +89,13 @@ def full_experiment_hparams(record: TrialRecord) -> dict[str, Any]:
 
 
 class ResultsWriter:
-    """Keeps the results directory current; every file is replaced atomically."""
+    """Keeps the results directory current; every file is replaced atomically.
 
-    def __init__(self, directory: Path) -> None:
+    ``slot_kind``: what the trials' slots are, "GPU" or "CPU", for the cost in the summary."""
+
+    def __init__(self, directory: Path, slot_kind: str = "GPU") -> None:
         self.directory = Path(directory)
+        self.slot_kind = slot_kind
         self.directory.mkdir(parents=True, exist_ok=True)
         self._lines: list[dict[str, Any]] = []
         path = self.directory / TRIALS_FILE
@@ -118,10 +127,12 @@ class ResultsWriter:
         shifted = TrialTiming(timing.start + offset, timing.end + offset)
         lines = list(self._lines)
         earlier = [i for i, line in enumerate(lines) if line.get("request_id") == record.request_id]
+        number = earlier[0] if earlier else len(lines)
+        line = trial_line(number, record, shifted, tracker.slots_per_trial, self.slot_kind)
         if earlier:
-            lines[earlier[0]] = trial_line(earlier[0], record, shifted)
+            lines[number] = line
         else:
-            lines.append(trial_line(len(lines), record, shifted))
+            lines.append(line)
         text = "".join(json.dumps(line, sort_keys=True) + "\n" for line in lines)
         write_text_atomic(self.directory / TRIALS_FILE, text)
         self._lines = lines
@@ -135,10 +146,11 @@ class ResultsWriter:
             self._best_id = best.request_id
 
     def write_summary(self, tracker: TrialTracker) -> str:
-        """The summary at the end, and the best config as the search finally decided it (the
-        confirmation round decides after its last trial is recorded)."""
+        """The summary at the end, with what the search cost, and the best config as the search
+        finally decided it (the confirmation round decides after its last trial is recorded)."""
         self._write_best(tracker)
-        text = summary_table(tracker) + confirmation_table(tracker)
+        cost = search_cost(self._lines, tracker.slots_per_trial, self.slot_kind)
+        text = summary_table(tracker) + confirmation_table(tracker) + "\n" + cost.line() + "\n"
         write_text_atomic(self.directory / SUMMARY_FILE, text)
         return text
 

@@ -20,6 +20,7 @@ from dsat.errors import DsatError
 from dsat.experiment.metric import Metric
 from dsat.experiment.settings import DEFAULT_METRIC
 from dsat.paths import shown
+from dsat.results.cost import COST_PREFIX, search_cost
 from dsat.results.directory import BEST_METRICS_FILE, SUMMARY_FILE, TRIALS_FILE, read_trial_rows
 from dsat.results.resume import saved_settings
 
@@ -62,6 +63,10 @@ class SearchResults:
             if value is not None and (best is None or self.metric.is_better(value, best[0])):
                 best = (value, row)
         return best
+
+    def cost_line(self) -> str:
+        """What the search cost: every recorded trial's slots x time (``results/cost.py``)."""
+        return search_cost(self.rows).line()
 
     @property
     def stages(self) -> list[int]:
@@ -241,9 +246,11 @@ def draw_progress(by_trial: Any, by_time: Any, results: SearchResults) -> None:
 
 
 def page(results: SearchResults, results_dir: Path, png: bytes) -> str:
-    """A self-contained HTML page: the picture inline, the summary, every trial."""
+    """A self-contained HTML page: the picture inline, the summary with the cost, every trial."""
     summary = results_dir / SUMMARY_FILE
-    text = summary.read_text() if summary.is_file() else stage_table(results)
+    text = summary.read_text() if summary.is_file() else stage_table(results) + "\n"
+    if not any(line.startswith(COST_PREFIX) for line in text.splitlines()):  # none written yet
+        text += "\n" + results.cost_line() + "\n"
     rows = []
     for row in results.rows:
         value = results.value(row)
@@ -255,6 +262,7 @@ def page(results: SearchResults, results_dir: Path, png: bytes) -> str:
             row.get("status"),
             "" if value is None else f"{value:.4g}",
             "" if not peak else f"{peak / 2**30:.2f}",
+            f"{float(row.get('end', 0.0)) - float(row.get('start', 0.0)):.1f}",
         ]
         rows.append("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in cells) + "</tr>")
     image = base64.b64encode(png).decode()
@@ -266,7 +274,7 @@ tr:nth-child(even){{background:#f4f4f4}}</style></head><body>
 <img alt="the search drawn" src="data:image/png;base64,{image}">
 <h2>Summary</h2><pre>{html.escape(text)}</pre>
 <h2>Trials</h2><table><tr><th>trial</th><th>kind</th><th>config</th><th>status</th>
-<th>{html.escape(results.metric.value)}</th><th>peak GiB</th></tr>
+<th>{html.escape(results.metric.value)}</th><th>peak GiB</th><th>time, s</th></tr>
 {"".join(rows)}
 </table></body></html>
 """
@@ -279,6 +287,7 @@ def report_to_terminal(results_dir: Path) -> None:
     print(stage_table(results))
     if results.picked is not None:
         print(f"picked: {results.picked['name']}")
+    print(results.cost_line())
     print(f"dsat: report: {shown(png)}, {shown(page_path)}")
 
 

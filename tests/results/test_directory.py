@@ -8,6 +8,7 @@ from pathlib import Path
 
 from dsat.constants import SETTINGS_FILE, STATE_FILE
 from dsat.experiment.ds_config_check import deepspeed_config_error
+from dsat.results.cost import search_cost
 from dsat.results.directory import (
     BEST_CONFIG_FILE,
     BEST_METRICS_FILE,
@@ -64,11 +65,14 @@ def test_results_files(tmp_path: Path) -> None:
         "metrics",
         "start",
         "end",
+        "slots",
+        "slot_kind",
     }
     for row in rows:
         assert expected_keys <= set(row)
         assert row["status"] in {"completed", "oom", "error", "timeout"}
         assert isinstance(row["trial"], int) and row["end"] >= row["start"]
+        assert row["slots"] == 16 and row["slot_kind"] == "GPU"  # its cost: 16 GPUs x its time
     assert {row["status"] for row in rows} >= {"completed", "oom"}
     best = method.tracker.best()  # type: ignore[attr-defined]
     config = json.loads((tmp_path / BEST_CONFIG_FILE).read_text())
@@ -80,10 +84,11 @@ def test_results_files(tmp_path: Path) -> None:
     assert json.loads((tmp_path / BEST_METRICS_FILE).read_text()) == best.metrics
     assert (tmp_path / STATE_FILE).is_file() and (tmp_path / SETTINGS_FILE).is_file()
     summary = (tmp_path / SUMMARY_FILE).read_text()
-    assert summary == summary_table(method.tracker)  # type: ignore[attr-defined]
+    table = summary_table(method.tracker)  # type: ignore[attr-defined]
+    assert summary == table + "\n" + search_cost(rows).line() + "\n"  # then what it cost
     assert summary.startswith("| tuning_space | num_experiments | best_metric_val | best_exp_name")
     assert re.search(r"^\| global +\| +23 \|", summary, re.MULTILINE)  # the 23 search trials
-    assert best.name in summary.splitlines()[-1]
+    assert best.name in table.splitlines()[-1]
 
 
 def test_the_global_row_names_what_is_handed_over(tmp_path: Path) -> None:
