@@ -1,17 +1,18 @@
 """Search efficiency: dsat's methods vs the reference's (determined.pytorch.dsat, determined 0.37).
 
-Both run side by side on the same simulated runner, the same built-in performance models and the
-same seeds. For every search: whether the configuration it hands over at the end is within 2% of
-the model's true optimum (exhaustive, noise-free, among the configurations that leave dsat's
-default --memory-margin of the device free: the best dsat may hand over; the simulated trials
-report their peak memory as real ones do, so the margin applies), and of the best that fits at
-all; how many trials, and how many simulated GPU-hours, until what it would hand over (a
-method's current pick: guided's denoised leader, the best measured for the others) is within 2%
-and stays there; and the final regret. Prints a markdown table and writes
-benchmarks/results/search_efficiency.json. `--surfaces heldout` runs the surfaces of
-benchmarks/heldout_surfaces.py instead, which no search was tuned on.
+Both run side by side on the same simulated runner, the same performance models and the same
+seeds. Each search is scored by what it hands over: the configuration's noise-free value against
+the best *safe* configuration (exhaustive: it never runs out of memory, in any run, and leaves
+dsat's default --memory-margin of the usable memory free), and a hand-over that is not safe counts
+as a failure, however fast. Also: the search's GPU-hours (slots x trial time, confirmation round
+included) and trials; how many trials and GPU-hours until what it would hand over (a method's
+current pick: guided's denoised leader, the best measured for the others) is within 2% and stays
+there; the final regret; and, as the tables before 2026-11-25 scored, whether it is within 2% of
+the best leaving the margin of the device's nominal memory. Prints a markdown table and writes
+benchmarks/results/search_efficiency.json. `--surfaces heldout` and `heldout-hardware` run
+surfaces no search was tuned on.
 
-    python3 benchmarks/search_efficiency.py [--seeds 20] [--first-seed 0] [--surfaces builtin|heldout|all]
+    python3 benchmarks/search_efficiency.py [--seeds 20] [--first-seed 0] [--surfaces builtin|heldout|heldout-hardware|all]
 """
 
 from __future__ import annotations
@@ -169,8 +170,9 @@ def measure(
 ) -> dict[str, Any]:
     """Whether the hand-over (the last pick) is safe (it never runs out of memory and leaves
     the margin: ``PerformanceModel.safe_bytes``) and within 2% of the best safe configuration,
-    ``best``; whether it is within 2% of ``unbounded``, the best that never runs out of memory,
-    margin or not; whether ``by_margin_rule``, what the same trials hand over under dsat's rule
+    ``best``; whether it is within 2% of ``unbounded``, the best that never runs out of memory
+    and leaves the margin of the device's nominal memory (how the tables before 2026-11-25
+    scored, with the margin of the device rather than of the usable memory); whether ``by_margin_rule``, what the same trials hand over under dsat's rule
     (the reference's own pick may leave less than --memory-margin free), is; trials and GPU-hours
     until the pick is within 2% and stays there; the search's GPU-hours; and, as before, until
     the best measured so far was within 2% at any point (lenient: a luckier one may displace it
@@ -198,7 +200,7 @@ def measure(
         "handed_over_within_2pct": regrets[-1] <= WITHIN,
         "handed_over_safe_within_2pct": safe and regrets[-1] <= WITHIN,
         "handed_over_unsafe": handed_over is not None and not safe,
-        "handed_over_within_2pct_of_unbounded": final >= unbounded * (1 - WITHIN),
+        "handed_over_within_2pct_of_device_margin_best": final >= unbounded * (1 - WITHIN),
         "handed_over_within_2pct_by_margin_rule": regret(by_margin_rule) <= WITHIN,
         "trials_to_2pct": stays_at,
         "gpu_hours_to_2pct": gpu_hours(history, slots, stays_at),
@@ -276,8 +278,8 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "median_gpu_hours": median([r["gpu_hours"] for r in runs]),
         "median_trials": median([r["trials"] for r in runs]),
         "handed_over_within_2pct": sum(r["handed_over_within_2pct"] for r in runs),
-        "handed_over_within_2pct_of_unbounded": sum(
-            r["handed_over_within_2pct_of_unbounded"] for r in runs
+        "handed_over_within_2pct_of_device_margin_best": sum(
+            r["handed_over_within_2pct_of_device_margin_best"] for r in runs
         ),
         "handed_over_within_2pct_by_margin_rule": sum(
             r["handed_over_within_2pct_by_margin_rule"] for r in runs
@@ -331,7 +333,7 @@ def table_row(model_name: str, method: str, entry: dict[str, Any], n: int) -> st
         pair("median_gpu_hours_to_2pct", fmt, with_ratio=True),
         pair("median_final_regret", lambda v: f"{v:.2%}"),
         at_any_point(ours) + (" / -" if theirs is None else f" / {at_any_point(theirs)}"),
-        pair("handed_over_within_2pct_of_unbounded", count),
+        pair("handed_over_within_2pct_of_device_margin_best", count),
         pair("handed_over_within_2pct_by_margin_rule", count),
     ]
     return f"| {model_name} | {method} | " + " | ".join(cells) + " |"
@@ -374,8 +376,9 @@ def main() -> None:
         "unsafe hand-overs (dsat / ref) | median GPU-h of the search (dsat / ref, ratio) | "
         "median trials (dsat / ref) | median trials to 2% (dsat / ref, ratio) | median GPU-h to "
         "2% (dsat / ref, ratio) | median final regret (dsat / ref) | within 2% at any point, "
-        "median trials (dsat / ref) | handed over within 2% of the best that fits at all (dsat / "
-        "ref) | handed over within 2%, both by dsat's margin rule (dsat / ref) |",
+        "median trials (dsat / ref) | handed over within 2% of the best leaving 5% of the "
+        "device, as scored before 2026-11-25 (dsat / ref) | handed over within 2%, both by "
+        "dsat's margin rule (dsat / ref) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     factories: tuple[tuple[str, Callable[..., Any]], ...] = (("dsat", dsat_method),)
@@ -392,11 +395,16 @@ def main() -> None:
             extra,
             DEFAULT_MEMORY_MARGIN,
         )
-        unbounded, _ = optimum(MODELS[model_name], slots, METRIC.file_key, False, (1, 2, 3), extra)
+        model = MODELS[model_name]
+        # The margin of the device's nominal memory, as the tables before 2026-11-25 scored.
+        device_margin = 1.0 - (1.0 - DEFAULT_MEMORY_MARGIN) * model.gpu_mem / model.oom_bytes
+        unbounded, _ = optimum(
+            model, slots, METRIC.file_key, False, (1, 2, 3), extra, device_margin
+        )
         report["cases"][model_name] = {
             "optimum": best,
             "optimum_config": best_config,
-            # What leaving the margin free costs against the best that fits at all.
+            # What leaving the margin of the usable memory costs against that of the device.
             "margin_cost": 1.0 - best / unbounded,
             "methods": {},
         }

@@ -39,7 +39,7 @@ def leaders(tracker: TrialTracker, count: int, score: Score | None = None) -> li
     chosen: list[TrialRecord] = []
     seen: set[str] = set()
     for record in ranked:
-        if not tracker.leaves_margin(record):
+        if not tracker.may_hand_over(record):
             continue
         key = config_key(record)
         if key not in seen:

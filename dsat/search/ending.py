@@ -10,6 +10,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from dsat.search.confirmation import leaders, planned_runs, winner
+from dsat.search.usable_memory import memory_check
 from dsat.trial import TrialKind, TrialRecord, TrialStatus
 from dsat.trial_failure import SCRIPT_FAILURES_TO_STOP, FailureCause, first_line, log_note
 
@@ -129,6 +130,7 @@ class SearchEnding:
             return False
         self.search_end_reason = reason
         self.confirmation_candidates = [c.request_id for c in candidates]
+        check = self._memory_check(method, candidates[0])
         for candidate in runs:
             index = method.next_index
             run = candidate.replace(
@@ -142,7 +144,7 @@ class SearchEnding:
             )
             if method.register(run) is not None:
                 tracker.enqueue([run.request_id])
-        tracker.max_trials += len(runs)
+        tracker.max_trials += len(runs) + (check is not None)
         logger.info(
             "search ends: %s; confirmation round: %d run(s) of the %d leading configurations "
             "(%s), interleaved",
@@ -153,13 +155,52 @@ class SearchEnding:
         )
         return True
 
+    def _memory_check(self, method: DsatSearchMethod, leader: TrialRecord) -> TrialRecord | None:
+        """Queue a run of the leader's configuration that shows where the OOMs begin, when that
+        decides whether it may be handed over (usable_memory.memory_check)."""
+        tracker = method.tracker
+        found = memory_check(
+            tracker.records, tracker.usable_memory, leader, method.settings.memory_margin
+        )
+        if found is None:
+            return None
+        section, mbs = found
+        check = method.register(method.make_trial(TrialKind.SEARCH, section, mbs))
+        if check is None:
+            return None
+        tracker.enqueue([check.request_id])
+        logger.info(
+            "memory check: %s's configuration at micro-batch %d%s, to see where the OOMs begin "
+            "(the margin applies to the memory a run can use, not the device's total)",
+            leader.name,
+            mbs,
+            "" if section == leader.zero_section else " with other bucket sizes",
+        )
+        return check
+
     def _end_confirmation(self, method: DsatSearchMethod) -> None:
-        candidates = [method.tracker.get(i) for i in self.confirmation_candidates]
-        chosen = winner(method.tracker, candidates, method.leader_score())
-        if chosen is None:  # every leader failed when run again: the search's best stands
-            chosen = candidates[0]
-            logger.info("confirmation round: no leader ran again; keeping %s", chosen.name)
-        method.tracker.confirmed_id = chosen.request_id
+        tracker = method.tracker
+        # What the round (and a memory check) showed: a leader that ran out of memory, or now
+        # leaves too little of what the OOMs show is usable, is not handed over.
+        candidates = [
+            c
+            for c in (tracker.get(i) for i in self.confirmation_candidates)
+            if tracker.may_hand_over(c)
+        ]
+        chosen = winner(tracker, candidates, method.leader_score()) if candidates else None
+        if chosen is None:  # no leader ran again safely: the best of the search that may
+            ranked = leaders(tracker, 1, method.leader_score())
+            if not ranked:
+                self.unsafe_memory = True
+                self.shutdown_reason = (
+                    f"{self.search_end_reason}, but no configuration that ran leaves "
+                    f"{method.settings.memory_margin:.0%} of the usable memory free "
+                    "(--memory-margin); none is handed over"
+                )
+                return
+            chosen = ranked[0]
+            logger.info("confirmation round: no leader ran again safely; keeping %s", chosen.name)
+        tracker.confirmed_id = chosen.request_id
         self.shutdown_reason = f"{self.search_end_reason}; confirmed {chosen.name}"
 
     def search_failed(self, method: DsatSearchMethod) -> bool:

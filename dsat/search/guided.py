@@ -28,6 +28,7 @@ from dsat.search.confirmation import leaders
 from dsat.search.denoised_ranking import config_key, estimates, measured
 from dsat.search.method import DsatSearchMethod
 from dsat.search.throughput_model import Observation
+from dsat.search.usable_memory import memory_check
 from dsat.trial import SearchRange, TrialKind, TrialRecord, TrialStatus
 from dsat.zero_space import (
     BUCKET_SIZES,
@@ -216,10 +217,8 @@ class GuidedSearch(DsatSearchMethod):
                 state.values[record.mbs] = value
                 if self.tracker.too_large(record):
                     peak = float(record.metrics["memory_peak_bytes"])
-                    usable = (1.0 - self.settings.memory_margin) * record.metrics[
-                        "memory_total_bytes"
-                    ]
-                    state.over_margin[record.mbs] = (peak - usable, peak)
+                    limit = self.tracker.memory_limit(float(record.metrics["memory_total_bytes"]))
+                    state.over_margin[record.mbs] = (peak - limit, peak)
             elif record.status.failed:
                 state.failed[record.mbs] = record.status
             elif not record.status.finished:
@@ -531,6 +530,9 @@ class GuidedSearch(DsatSearchMethod):
             actions.extend(stage_steps)
 
         actions.extend(self.neighbour_actions(states, estimated, top))
+        probe = self.memory_probe(states)
+        if probe is not None:
+            actions.append(probe)
 
         worth = [a for a in actions if a.value > top * (1 + min(TOLERANCE, CURVE_TOLERANCE))]
         if not worth:
@@ -591,6 +593,22 @@ class GuidedSearch(DsatSearchMethod):
                 actions.append(Action(top, state.section, probe, reach))
                 break
         return actions
+
+    def memory_probe(self, states: dict[str, ConfigState]) -> Action | None:
+        """A trial that shows where the OOMs begin, as soon as the leader sits near a limit that
+        is not known closely enough (usable_memory.memory_check): the search then
+        steers by the memory a run can use, not the device's total."""
+        leader = self.pick()
+        if leader is None or leader.kind is not TrialKind.SEARCH:
+            return None
+        tracker = self.tracker
+        check = memory_check(
+            tracker.records, tracker.usable_memory, leader, self.settings.memory_margin
+        )
+        if check is None:
+            return None
+        section, mbs = check
+        return Action(math.inf, section, mbs, mbs)
 
     # ------------------------------------------------------------------ handing over
 

@@ -161,6 +161,8 @@ class DsatSearchMethod(SearchMethod):
     def _follow_up(self, hook: Callable[[], list[TrialRecord]]) -> None:
         """Queue what ``hook`` returns, while the search has room for it and goes on."""
         tracker = self.tracker
+        if self.ending.confirming(self):
+            return  # the search is over; only the confirmation round (and its checks) runs
         room = len(tracker.queue) + tracker.num_started < self.settings.max_trials
         if room and self.ending.stop_reason(self) is None:
             self._queue(hook)

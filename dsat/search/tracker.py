@@ -11,7 +11,8 @@ from typing import Any
 
 from dsat.constants import OVERWRITE_KEY
 from dsat.experiment.metric import Metric
-from dsat.trial import TrialKind, TrialRecord, TrialStatus, leaves_memory_margin
+from dsat.search.usable_memory import UsableMemory, usable_memory
+from dsat.trial import TrialKind, TrialRecord, TrialStatus
 from dsat.trial_failure import FailureCause
 
 
@@ -45,6 +46,9 @@ class TrialTracker:
         self.trials_since_best = 0
         # The search trial the confirmation round chose, which is then the best there is.
         self.confirmed_id: str | None = None
+        # The usable memory the OOMs show (usable_memory.py), worked out again after each outcome.
+        self._usable: UsableMemory | None = None
+        self._usable_stale = True
 
     # ------------------------------------------------------------------ registration
 
@@ -108,6 +112,7 @@ class TrialTracker:
             status=status, metrics=dict(metrics or {}), error=error, cause=cause, log=log
         )
         self._records[request_id] = record
+        self._usable_stale = True
         if record.kind is TrialKind.SEARCH:
             if self.best() is record:
                 self.trials_since_best = 0
@@ -182,11 +187,43 @@ class TrialTracker:
                 return float(value)
         return None
 
+    @property
+    def usable_memory(self) -> UsableMemory | None:
+        """Where the OOMs seen so far place the usable memory (None before any)."""
+        if self._usable_stale:
+            self._usable = usable_memory(list(self._records.values()))
+            self._usable_stale = False
+        return self._usable
+
+    def memory_limit(self, total: float) -> float:
+        """The most a configuration may use and be handed over, on a device of ``total`` bytes:
+        ``--memory-margin`` of the memory that is usable (what the OOMs show, at most the
+        device's total) left free."""
+        usable = self.usable_memory
+        return (1.0 - self.memory_margin) * (total if usable is None else min(total, usable.bytes))
+
     def leaves_margin(self, record: TrialRecord) -> bool:
-        """Whether its peak memory leaves ``--memory-margin`` of the device free (yes where it
-        was not measured): one that barely fits a short trial can run out of memory hours into a
-        real run, so one that does not is never handed over."""
-        return leaves_memory_margin(record.metrics, self.memory_margin)
+        """Whether its peak memory leaves ``--memory-margin`` of the usable memory free (yes
+        where it was not measured): one that barely fits a short trial can run out of memory
+        hours into a real run, so one that does not is never handed over."""
+        peak, total = (
+            record.metrics.get("memory_peak_bytes"),
+            record.metrics.get("memory_total_bytes"),
+        )
+        if not isinstance(peak, (int, float)) or not isinstance(total, (int, float)) or total <= 0:
+            return True
+        return peak <= self.memory_limit(float(total))
+
+    def ran_out_of_memory_again(self, record: TrialRecord) -> bool:
+        """Whether a run of its configuration after it (the confirmation round) ran out of
+        memory: near the limit an OOM comes and goes, and one that came once can come in
+        training."""
+        return any(r.status is TrialStatus.OOM for r in self.confirmation_runs(record.request_id))
+
+    def may_hand_over(self, record: TrialRecord) -> bool:
+        """Whether it is safe to hand over: it leaves the margin, and no run of it ran out of
+        memory."""
+        return self.leaves_margin(record) and not self.ran_out_of_memory_again(record)
 
     def too_large(self, record: TrialRecord) -> bool:
         """Whether its micro-batch is above what its configuration may use: it failed, or it ran
@@ -197,12 +234,12 @@ class TrialTracker:
         return record.status is TrialStatus.COMPLETED and not self.leaves_margin(record)
 
     def best_of(self, records: list[TrialRecord]) -> TrialRecord | None:
-        """The best of ``records`` that may be handed over (it leaves the memory margin)."""
+        """The best of ``records`` that may be handed over (``may_hand_over``)."""
         best: TrialRecord | None = None
         best_value = 0.0
         for record in records:
             value = self.metric_value(record)
-            if value is not None and not self.leaves_margin(record):
+            if value is not None and not self.may_hand_over(record):
                 continue
             if value is not None and (best is None or self.metric.is_better(value, best_value)):
                 best, best_value = record, value
@@ -263,3 +300,4 @@ class TrialTracker:
         self.queue = list(data["queue"])
         self.trials_since_best = int(data["trials_since_best"])
         self.confirmed_id = data.get("confirmed_id")
+        self._usable_stale = True

@@ -20,11 +20,13 @@ GiB = 2**30
 
 
 def performance(
-    lucky_mbs: int | None = None, memory: Callable[[int], float] = lambda mbs: 0.5
+    lucky_mbs: int | None = None, memory: Callable[[int], float] = lambda mbs: 0.02 * mbs
 ) -> Callable[..., dict[str, Any]]:
     """Throughput rising with the micro-batch up to an OOM above 40; the first measurement of
     ``lucky_mbs`` comes out 60% high (a noisy short trial); ``memory`` gives the peak memory as
-    a fraction of the device."""
+    a fraction of the device (by default 80% at 40: the OOM above it shows that about that much
+    is usable, and the margin leaves 5% of it free, so 38 is the largest that may be handed
+    over)."""
     calls: Counter[int] = Counter()
 
     def perform(ds_config: dict[str, Any], slots: int) -> dict[str, Any]:
@@ -63,10 +65,10 @@ def test_a_lucky_measurement_is_not_handed_over() -> None:
     searched_best = m.tracker.best_of(m.tracker.records)
     assert searched_best is not None and searched_best.mbs == 32  # 51.2 measured once
     best = m.tracker.best()
-    assert best is not None and best.mbs == 40 and best.kind is TrialKind.SEARCH
+    assert best is not None and best.mbs == 38 and best.kind is TrialKind.SEARCH
     runs = confirm_runs(m)
     assert runs and {r.parent_id for r in runs} >= {searched_best.request_id, best.request_id}
-    assert "confirmed z1_gas1_tmbspg40" in (m.shutdown_reason or "")
+    assert "confirmed z1_gas1_tmbspg38" in (m.shutdown_reason or "")
     assert not m.search_failed
 
 

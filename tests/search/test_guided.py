@@ -178,7 +178,7 @@ REACHED = {
     "bert_base_16xv100": 20,
     "bert_large_fp32_2xv100": 20,
     "gpt2_large_16xv100": 20,
-    "gpt_1b_knobs_16xethernet": 20,
+    "gpt_1b_knobs_16xethernet": 19,
     "gpt_1b_underreported_4xa10": 20,
     "gpt_2b_bucket_memory_8xa100": 19,
     "gpt_350m_pressure_2x4090": 20,
@@ -349,13 +349,14 @@ def test_steps_start_before_the_best_micro_batch_settles() -> None:
     steps used to wait until ZeRO-2's (and ZeRO-3's) micro-batch curves were settled, and
     overlap ran as search trial 45. Once the stage's best rests on two trials near its best
     micro-batch, its steps that keep bucket memory level run one at a time: overlap (with a
-    smaller reduce bucket) runs among the first 16."""
+    smaller reduce bucket) runs among the first 17 (the 16 before the memory check, which now
+    runs first once the leader nears the device's memory, to learn where the OOMs begin)."""
     base = BUILTIN_MODELS["gpt_1b_knobs_16xethernet"]
     model = dataclasses.replace(base, noise_seed=base.noise_seed * 1000)
     m = surface_search(model, seed=0)
     run(m, model, slots=model.gpus)
     overlap = search_indices(m, lambda r: r.zero_stage == 2 and r.zero_section["overlap_comm"])
-    assert overlap and overlap[0] < 16
+    assert overlap and overlap[0] < 17
 
 
 def test_a_configuration_tried_once_is_not_handed_over_on_its_luck() -> None:

@@ -156,8 +156,10 @@ class PerformanceModel:
 
     def safe_bytes(self, memory_margin: float = 0.0) -> float:
         """The most a configuration may use and be safe to hand over: it never runs out of
-        memory, and leaves ``memory_margin`` of the device free."""
-        return min(self.never_oom_bytes, (1.0 - memory_margin) * self.gpu_mem)
+        memory, and leaves ``memory_margin`` of the usable memory free (of what a run can use,
+        not of the device's nominal total: a real training run goes higher than a short trial,
+        and what runs out of memory is the usable memory)."""
+        return min(self.never_oom_bytes, (1.0 - memory_margin) * self.oom_bytes)
 
     def is_safe(self, ds_config: Mapping[str, Any], slots: int, memory_margin: float) -> bool:
         return self.memory_bytes(ds_config, slots) <= self.safe_bytes(memory_margin)

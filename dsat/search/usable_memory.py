@@ -1,0 +1,247 @@
+"""How much of the device a configuration may really use: what the OOMs show, not its nominal total.
+
+A device's nominal memory is more than a run can use (the CUDA context, the allocator's caching
+and fragmentation), and near the limit an OOM comes and goes from one run to the next. So a trial
+that ran out of memory says the usable memory is below what it needed. What it needed is not
+measured (it failed); it is estimated from the peaks the search's other trials measured: its own
+configuration's at other micro-batches, moved by the bytes a sample takes (fitted from trials of
+its stage), or, failing those, a configuration of its stage that differs only in bucket sizes and
+overlap, moved by DeepSpeed's estimate of the bucket memory between them. The least such estimate
+bounds the usable memory from above (an OOM that needed more than the device has says nothing);
+the largest peak any run completed with bounds it from below, and that is what a run may count
+on: ``--memory-margin`` applies to it (TrialTracker.memory_limit). Counting on more (the middle
+of the bracket) handed over configurations a hair over the margin of the true limit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from dsat.memory import Precision, bucket_buffer_bytes
+from dsat.trial import TrialKind, TrialRecord, TrialStatus
+from dsat.zero_space import BUCKET_SIZES
+
+# Knobs whose values move only bucket memory, which DeepSpeed's estimate accounts for.
+BUCKET_KNOBS = ("reduce_bucket_size", "allgather_bucket_size", "overlap_comm")
+
+
+def _peak(record: TrialRecord) -> float | None:
+    peak = record.metrics.get("memory_peak_bytes")
+    if record.status is not TrialStatus.COMPLETED or not isinstance(peak, (int, float)):
+        return None
+    return float(peak)
+
+
+def _config(record: TrialRecord) -> str:
+    return json.dumps(record.zero_section, sort_keys=True)
+
+
+def _rest(record: TrialRecord) -> str:
+    """Its stage and every knob that moves memory in ways the bucket estimate does not see."""
+    section = {k: v for k, v in record.zero_section.items() if k not in BUCKET_KNOBS}
+    return json.dumps(section, sort_keys=True)
+
+
+def _slope(points: list[tuple[int, float]]) -> float | None:
+    """Bytes per sample, by least squares over one configuration's (micro-batch, peak)."""
+    if len({m for m, _ in points}) < 2:
+        return None
+    mean_m = statistics.fmean(m for m, _ in points)
+    mean_p = statistics.fmean(p for _, p in points)
+    spread = sum((m - mean_m) ** 2 for m, _ in points)
+    return sum((m - mean_m) * (p - mean_p) for m, p in points) / spread
+
+
+class PeakModel:
+    """Estimates the peak memory of any configuration of the search from the peaks measured."""
+
+    def __init__(self, records: Sequence[TrialRecord]) -> None:
+        self.points: dict[str, list[tuple[int, float]]] = {}
+        self.sections: dict[str, TrialRecord] = {}
+        for record in records:
+            peak = _peak(record)
+            if peak is None or record.kind is TrialKind.MODEL_PROFILE:
+                continue
+            key = _config(record)
+            self.points.setdefault(key, []).append((record.mbs, peak))
+            self.sections.setdefault(key, record)
+        profile = next((r for r in records if r.kind is TrialKind.MODEL_PROFILE), None)
+        metrics: dict[str, Any] = profile.metrics if profile is not None else {}
+        self.num_params = metrics.get("num_params")
+        self.profile_per_sample = metrics.get("activation_mem_per_gpu")
+        self._per_sample: dict[int, float | None] = {}
+
+    def per_sample(self, stage: int) -> float | None:
+        """Bytes a sample adds at ``stage`` (worked out once)."""
+        if stage not in self._per_sample:
+            self._per_sample[stage] = self._fit_per_sample(stage)
+        return self._per_sample[stage]
+
+    def _fit_per_sample(self, stage: int) -> float | None:
+        """The median of the stage's configurations' fitted slopes, else the profile's
+        activations (profiles under-report: an estimate that errs low)."""
+        slopes = [
+            slope
+            for key, points in self.points.items()
+            if self.sections[key].zero_stage == stage
+            and (slope := _slope(points)) is not None
+            and slope > 0
+        ]
+        if slopes:
+            return statistics.median(slopes)
+        if isinstance(self.profile_per_sample, (int, float)) and self.profile_per_sample > 0:
+            return float(self.profile_per_sample)
+        return None
+
+    def needed(self, record: TrialRecord) -> float | None:
+        """The peak ``record``'s configuration needs at its micro-batch (None: nothing to go by)."""
+        per_sample = self.per_sample(record.zero_stage)
+        if per_sample is None:
+            return None
+        own = self.points.get(_config(record))
+        if own:
+            mbs, peak = min(own, key=lambda point: abs(point[0] - record.mbs))
+            return peak + per_sample * (record.mbs - mbs)
+        if not isinstance(self.num_params, (int, float)):
+            return None
+        kin = [
+            key
+            for key, first in self.sections.items()
+            if first.zero_stage == record.zero_stage and _rest(first) == _rest(record)
+        ]
+        if not kin:
+            return None
+        estimates = []
+        for key in kin:
+            mbs, peak = min(self.points[key], key=lambda point: abs(point[0] - record.mbs))
+            moved = self._buckets(record) - self._buckets(self.sections[key])
+            estimates.append(peak + per_sample * (record.mbs - mbs) + moved)
+        return min(estimates)
+
+    def _buckets(self, record: TrialRecord) -> float:
+        section = record.zero_section
+        if record.zero_stage < 1 or not isinstance(self.num_params, (int, float)):
+            return 0.0
+        return float(
+            bucket_buffer_bytes(
+                int(section.get("reduce_bucket_size", 0)),
+                int(section.get("allgather_bucket_size", 0)),
+                bool(section.get("overlap_comm")),
+                Precision.of(record.ds_config),
+                int(self.num_params),
+            )
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class UsableMemory:
+    """Where the OOMs begin: at or above ``ran`` (the largest peak any run completed) and below
+    ``failed`` (the least any OOM'd trial needed, estimated)."""
+
+    failed: float
+    ran: float | None
+
+    @property
+    def bytes(self) -> float:
+        """What a run may count on: the most a run completed with (the usable memory may be a
+        little more, but an OOM came before the next run, and a hand-over must be safe), or,
+        with none, the least an OOM needed."""
+        return self.failed if self.ran is None else self.ran
+
+
+def usable_memory(records: Sequence[TrialRecord]) -> UsableMemory | None:
+    """Where the OOMs seen so far place the usable memory (None when none can be placed, or
+    every OOM needed more than the device has: that says nothing its total does not)."""
+    failed = [
+        r
+        for r in records
+        if r.status is TrialStatus.OOM and r.kind in (TrialKind.SEARCH, TrialKind.CONFIRM)
+    ]
+    if not failed:
+        return None
+    model = PeakModel(records)
+    totals = [
+        float(r.metrics["memory_total_bytes"])
+        for r in records
+        if isinstance(r.metrics.get("memory_total_bytes"), (int, float))
+    ]
+    total = min(totals, default=math.inf)
+    levels = [level for r in failed if (level := model.needed(r)) is not None and 0 < level < total]
+    if not levels:
+        return None
+    peaks = [p for points in model.points.values() for _, p in points]
+    return UsableMemory(min(levels), max(peaks, default=None))
+
+
+def memory_check(
+    records: Sequence[TrialRecord], usable: UsableMemory | None, leader: TrialRecord, margin: float
+) -> tuple[dict[str, Any], int] | None:
+    """A configuration and micro-batch to run to learn where the OOMs begin, when that decides
+    whether ``leader`` may be handed over; None when it does not.
+
+    The margin applies to the memory a run can use, less than the device's total (the CUDA
+    context, fragmentation), and only an OOM says how much less. With no OOM placed yet, the
+    check aims at 99% of the device's total (if it completes, the total is nearly all usable);
+    with more than a sample (or 1% of the device) between the most a run completed with and the
+    least an OOM needed, at the middle of that gap. It runs the leader's configuration, its
+    buckets moved up or down the ladder and its micro-batch raised, whichever the measured
+    peaks (and DeepSpeed's estimate of bucket memory) put nearest the aim: a sample can be a
+    fifth of the device, a bucket moves memory in smaller steps. Only when the leader's peak is
+    within two margins of the limit: further below, where the limit lies does not matter.
+    """
+    peak = leader.metrics.get("memory_peak_bytes")
+    total = leader.metrics.get("memory_total_bytes")
+    if not isinstance(peak, (int, float)) or not isinstance(total, (int, float)) or total <= 0:
+        return None
+    model = PeakModel(records)
+    per_sample = model.per_sample(leader.zero_stage)
+    if not per_sample:
+        return None
+    if usable is None:
+        completed = [_peak(r) for r in records if r.kind is not TrialKind.MODEL_PROFILE]
+        if max((p for p in completed if p is not None), default=0.0) >= (1 - margin / 2) * total:
+            return None  # a run used nearly all of it: the total is what is usable
+        aim, floor, ceiling = 0.99 * total, float(total), float(total)
+    else:
+        floor = usable.bytes
+        if usable.failed - floor <= max(per_sample, 0.01 * total):
+            return None  # known to within a sample
+        aim, ceiling = (floor + usable.failed) / 2, usable.failed
+    if peak < (1.0 - 2 * margin) * floor:
+        return None
+    tried = {(_config(r), r.mbs) for r in records}  # queued and running ones too
+    best: tuple[float, dict[str, Any], int] | None = None
+    for section in _bucket_variants(leader.zero_section):
+        probe = leader.replace(
+            ds_config={**leader.ds_config, "zero_optimization": section},
+            hparams={},
+        )
+        for extra in range(0, 1 + max(1, math.ceil((aim - peak) / per_sample))):
+            candidate = probe.replace(mbs=leader.mbs + extra)
+            need = model.needed(candidate)
+            if need is None or need >= ceiling or (_config(candidate), candidate.mbs) in tried:
+                continue
+            miss = abs(need - aim)
+            if best is None or miss < best[0]:
+                best = (miss, section, candidate.mbs)
+    if best is None or best[0] > 0.5 * per_sample + 0.005 * total:
+        return None
+    return best[1], best[2]
+
+
+def _bucket_variants(section: dict[str, Any]) -> list[dict[str, Any]]:
+    """``section`` with its bucket sizes anywhere on the ladder (itself first)."""
+    if "reduce_bucket_size" not in section:
+        return [section]
+    variants = [section]
+    for reduce, gather in itertools.product(BUCKET_SIZES, BUCKET_SIZES):
+        variant = {**section, "reduce_bucket_size": reduce, "allgather_bucket_size": gather}
+        if variant != section:
+            variants.append(variant)
+    return variants

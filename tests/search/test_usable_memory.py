@@ -1,0 +1,125 @@
+"""Where the OOMs place the usable memory, and what the tracker then lets be handed over."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dsat.experiment.metric import Metric
+from dsat.search.tracker import TrialTracker
+from dsat.search.usable_memory import PeakModel, usable_memory
+from dsat.trial import TrialKind, TrialRecord, TrialStatus
+
+GIB = 2**30
+TOTAL = 80 * GIB
+# A parameter count for the bucket estimate: with fp32, 4 bytes of gradient a bucket element.
+PARAMS = 10**9
+
+
+def record(
+    index: int,
+    mbs: int,
+    peak_gib: float | None,
+    status: TrialStatus = TrialStatus.COMPLETED,
+    kind: TrialKind = TrialKind.SEARCH,
+    parent: str | None = None,
+    **zero: Any,
+) -> TrialRecord:
+    section = {"stage": 2, **zero}
+    metrics: dict[str, Any] = {"FLOPS_per_gpu": float(mbs)}
+    if peak_gib is not None:
+        metrics |= {"memory_peak_bytes": int(peak_gib * GIB), "memory_total_bytes": TOTAL}
+    return TrialRecord(
+        request_id=f"t{index}",
+        index=index,
+        kind=kind,
+        hparams={"overwrite_deepspeed_args": {"mbs": mbs, "zero": section, "index": index}},
+        ds_config={"train_micro_batch_size_per_gpu": mbs, "zero_optimization": section},
+        zero_stage=2,
+        mbs=mbs,
+        gas=1,
+        lineage_id="l",
+        parent_id=parent,
+        status=status,
+        metrics=metrics if status is TrialStatus.COMPLETED else {},
+    )
+
+
+def profile() -> TrialRecord:
+    return TrialRecord(
+        request_id="p",
+        index=0,
+        kind=TrialKind.MODEL_PROFILE,
+        hparams={},
+        ds_config={"train_micro_batch_size_per_gpu": 1},
+        zero_stage=0,
+        mbs=1,
+        gas=1,
+        lineage_id="p",
+        status=TrialStatus.COMPLETED,
+        metrics={
+            "num_params": PARAMS,
+            "trainable_num_params": PARAMS,
+            "activation_mem_per_gpu": GIB,
+            "gpu_mem": TOTAL,
+        },
+    )
+
+
+def test_no_oom_places_nothing() -> None:
+    assert usable_memory([profile(), record(1, 10, 40.0), record(2, 20, 60.0)]) is None
+
+
+def test_an_oom_is_placed_by_its_configurations_peaks_and_what_ran_below_it() -> None:
+    # 1.5 GiB a sample, fitted from micro-batches 10, 20 and 36: micro-batch 38 needs 62 GiB.
+    records = [profile(), record(1, 10, 20.0), record(2, 20, 35.0), record(3, 36, 59.0)]
+    records.append(record(4, 38, None, TrialStatus.OOM))
+    assert PeakModel(records).needed(records[-1]) == 62 * GIB
+    usable = usable_memory(records)
+    assert usable is not None
+    assert usable.failed == 62 * GIB
+    assert usable.ran == 59 * GIB  # the most a run completed with: what a run may count on
+    assert usable.bytes == 59 * GIB
+    # An OOM that needed more than the device has says nothing its total does not.
+    beyond = [*records[:-1], record(5, 50, None, TrialStatus.OOM)]
+    assert usable_memory(beyond) is None
+
+
+def test_an_oom_of_another_configuration_is_moved_by_its_bucket_memory() -> None:
+    # Same stage and switches, a reduce bucket 10^8 elements larger: 4 bytes each in fp32.
+    small = {"reduce_bucket_size": 10**8, "overlap_comm": False}
+    large = {"reduce_bucket_size": 2 * 10**8, "overlap_comm": False}
+    records = [profile(), record(1, 10, 40.0, **small), record(2, 20, 60.0, **small)]
+    records.append(record(3, 20, None, TrialStatus.OOM, **large))
+    assert PeakModel(records).needed(records[-1]) == 60 * GIB + 4 * 10**8
+    # A configuration that differs in a knob the bucket estimate does not see is not used.
+    other = record(4, 20, None, TrialStatus.OOM, contiguous_gradients=False)
+    assert PeakModel([*records, other]).needed(other) is None
+
+
+def test_the_margin_applies_to_what_the_ooms_show_is_usable() -> None:
+    tracker = TrialTracker(Metric.FLOPS_PER_GPU, 64, 4, None, 1, memory_margin=0.05)
+    for r in (profile(), record(1, 10, 40.0), record(2, 20, 60.0), record(3, 35, 74.0)):
+        tracker.add(r, queue=False)
+    # No OOM yet: 5% of the device's 80 GiB, so 74 GiB (92.5%) may be handed over.
+    assert tracker.may_hand_over(tracker.get("t3"))
+    tracker.add(record(4, 36, None, TrialStatus.QUEUED), queue=False)
+    tracker.mark_finished("t4", TrialStatus.OOM)
+    # 74 GiB ran, about 76 GiB did not: 5% of 74 GiB is left free at 70.3 GiB and below.
+    usable = tracker.usable_memory
+    assert usable is not None and usable.ran == 74 * GIB and 75 * GIB < usable.failed < 77 * GIB
+    assert tracker.memory_limit(TOTAL) == 0.95 * 74 * GIB
+    assert not tracker.may_hand_over(tracker.get("t3"))
+    assert tracker.too_large(tracker.get("t3"))
+    assert tracker.may_hand_over(tracker.get("t2"))
+    assert tracker.best() is tracker.get("t2")
+
+
+def test_a_configuration_that_ran_out_of_memory_when_run_again_is_not_handed_over() -> None:
+    tracker = TrialTracker(Metric.FLOPS_PER_GPU, 64, 4, None, 1, memory_margin=0.05)
+    for r in (profile(), record(1, 10, 40.0), record(2, 20, 60.0)):
+        tracker.add(r, queue=False)
+    assert tracker.best() is tracker.get("t2")
+    again = record(3, 20, None, TrialStatus.OOM, kind=TrialKind.CONFIRM, parent="t2")
+    tracker.add(again, queue=False)
+    assert tracker.ran_out_of_memory_again(tracker.get("t2"))
+    assert tracker.best() is tracker.get("t1")
