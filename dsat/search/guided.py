@@ -20,9 +20,11 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from collections.abc import Callable
 from typing import Any
 
 from dsat.memory import bucket_buffer_bytes
+from dsat.search import aligned_micro_batches as aligned
 from dsat.search.concave_curve import CurveEvidence, Gap, best_possible, next_gap
 from dsat.search.confirmation import leaders
 from dsat.search.denoised_ranking import config_key, estimates, measured
@@ -530,6 +532,7 @@ class GuidedSearch(DsatSearchMethod):
             actions.extend(stage_steps)
 
         actions.extend(self.neighbour_actions(states, estimated, top))
+        actions.extend(self.aligned_actions(states, incumbents, top, curve))
         probe = self.memory_probe(states)
         if probe is not None:
             actions.append(probe)
@@ -540,11 +543,37 @@ class GuidedSearch(DsatSearchMethod):
         return max(worth, key=lambda a: a.value)
 
     def probe(self, state: ConfigState, gap: Gap) -> int:
-        """Where to try a gap: its middle; but right below a trial that ran over the margin, the
+        """Where to try a gap: its middle, moved to the most aligned micro-batch near it
+        (aligned_micro_batches.snap); but right below a trial that ran over the margin, the
         largest micro-batch that may leave it, where a rising curve is best."""
         if gap.hi + 1 not in state.over_margin:
-            return gap.probe
+            return aligned.snap(gap.lo, gap.hi)
         return max(gap.lo, gap.hi + 1 - self.margin_drop(state, gap.hi + 1))
+
+    def aligned_actions(
+        self,
+        states: dict[str, ConfigState],
+        incumbents: dict[int, ConfigState],
+        top: float,
+        curve: Callable[[ConfigState], tuple[int, CurveEvidence, Gap | None]],
+    ) -> list[Action]:
+        """Aligned micro-batches next to each stage's best (aligned_micro_batches): valued at
+        the best's curve there, lifted by what aligned trials showed so far, while that can
+        beat the best by the tolerance."""
+        lift = math.exp(aligned.optimism(aligned.gains({k: s.values for k, s in states.items()})))
+        actions: list[Action] = []
+        for base in incumbents.values():
+            best_mbs = base.best_micro_batch
+            if best_mbs is None:
+                continue
+            reach, _, _ = curve(base)
+            for mbs in aligned.candidates(best_mbs, reach):
+                if mbs in base.values or mbs in base.failed or mbs in base.pending_mbs:
+                    continue
+                value = _value_at(base, mbs) * lift
+                if value > top * (1 + TOLERANCE):
+                    actions.append(Action(value, base.section, mbs, reach))
+        return actions
 
     @staticmethod
     def margin_drop(state: ConfigState, mbs: int, freed: float = 0.0) -> int:
