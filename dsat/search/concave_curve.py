@@ -43,6 +43,8 @@ class CurveEvidence:
     # Points of a related curve (the stage's best configuration, scaled to this one): they bound
     # the shape, but are never reported as this configuration's own results.
     borrowed: Mapping[int, float] = dataclasses.field(default_factory=dict)
+    # The noise allowed for (relative): NOISE on a quiet machine, more on a noisy one.
+    noise: float = NOISE
 
     @property
     def best(self) -> float | None:
@@ -54,11 +56,13 @@ class CurveEvidence:
 MIN_CHORD_SPAN = 0.15
 
 
-def _extension(p: tuple[float, float], q: tuple[float, float], toward: float) -> float:
+def _extension(
+    p: tuple[float, float], q: tuple[float, float], toward: float, noise: float = NOISE
+) -> float:
     """The value at ``toward`` of the chord p-q extended past q, raised by the noise."""
     (m1, y1), (m2, y2) = p, q
     slope = (y2 - y1) / (m2 - m1)
-    return (y2 + slope * (toward - m2)) * (1 + NOISE)
+    return (y2 + slope * (toward - m2)) * (1 + noise)
 
 
 def _informative(a: tuple[float, float], b: tuple[float, float]) -> bool:
@@ -74,7 +78,12 @@ def _points(evidence: CurveEvidence) -> list[tuple[float, float]]:
 
 
 def _bound_between(
-    points: list[tuple[float, float]], left: int | None, right: int | None, lo: int, hi: int
+    points: list[tuple[float, float]],
+    left: int | None,
+    right: int | None,
+    lo: int,
+    hi: int,
+    noise: float = NOISE,
 ) -> float:
     """The highest a concave curve through ``points`` can be on [lo, hi], which lies between
     point index ``left`` and ``right`` (None: open on that side). Every chord on either side
@@ -92,10 +101,10 @@ def _bound_between(
         return math.inf
     count = min(hi - lo + 1, 17)
     samples = {lo + round(i * (hi - lo) / max(count - 1, 1)) for i in range(count)}
-    return max(min(_extension(a, b, float(m)) for a, b in chords) for m in samples)
+    return max(min(_extension(a, b, float(m), noise) for a, b in chords) for m in samples)
 
 
-def _saturating_bound(points: list[tuple[float, float]], at: float) -> float:
+def _saturating_bound(points: list[tuple[float, float]], at: float, noise: float = NOISE) -> float:
     """Above the largest micro-batch tried, a step's time grows at least linearly with the
     micro-batch (time = a + b * mbs, a >= 0), so throughput = mbs / (a + b * mbs); fitted through
     the two largest points and widened by the noise."""
@@ -106,7 +115,7 @@ def _saturating_bound(points: list[tuple[float, float]], at: float) -> float:
     if y2 <= y1 or not _informative((m1, y1), (m2, y2)):
         return math.inf  # falling already: the concave bound applies
     # 1/y = a/m + b through both points, each moved by the noise to favour growth.
-    inv1, inv2 = 1 / (y1 * (1 - NOISE)), 1 / (y2 * (1 + NOISE))
+    inv1, inv2 = 1 / (y1 * (1 - noise)), 1 / (y2 * (1 + noise))
     a = (inv1 - inv2) / (1 / m1 - 1 / m2)
     b = inv2 - a / m2
     if b <= 0:
@@ -122,7 +131,7 @@ def gaps(evidence: CurveEvidence) -> list[Gap]:
     result: list[Gap] = []
     for m, y in evidence.borrowed.items():
         if m not in evidence.values and 1 <= m <= evidence.reach:
-            result.append(Gap(m, m, y * (1 + NOISE)))
+            result.append(Gap(m, m, y * (1 + evidence.noise)))
     edges = [0, *sorted({int(m) for m, _ in points if m > 0}), evidence.reach + 1]
     for lower, upper in itertools.pairwise(edges):
         lo, hi = lower + 1, min(upper - 1, evidence.reach)
@@ -130,9 +139,9 @@ def gaps(evidence: CurveEvidence) -> list[Gap]:
             continue
         left = max((i for i, (m, _) in enumerate(points) if m < lo), default=None)
         right = min((i for i, (m, _) in enumerate(points) if m > hi), default=None)
-        bound = _bound_between(points, left, right, lo, hi)
+        bound = _bound_between(points, left, right, lo, hi, evidence.noise)
         if right is None and evidence.through_origin:
-            bound = min(bound, _saturating_bound(points, hi))
+            bound = min(bound, _saturating_bound(points, hi, evidence.noise))
         result.append(Gap(lo, hi, bound))
     return result
 

@@ -19,15 +19,19 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
 
 from dsat.memory import bucket_buffer_bytes
 from dsat.search import aligned_micro_batches as aligned
+from dsat.search.concave_curve import NOISE as CURVE_NOISE
 from dsat.search.concave_curve import CurveEvidence, Gap, best_possible, next_gap
 from dsat.search.confirmation import leaders
 from dsat.search.denoised_ranking import config_key, estimates, measured
+from dsat.search.denoised_ranking import oriented as oriented_value
+from dsat.search.measurement_noise import noise_scale, relative_noise, residuals_of
 from dsat.search.method import DsatSearchMethod
 from dsat.search.throughput_model import Observation
 from dsat.search.usable_memory import memory_check
@@ -38,6 +42,8 @@ from dsat.zero_space import (
     knob_steps,
     needs_no_less_memory,
 )
+
+logger = logging.getLogger(__name__)
 
 # Stop once nothing untried can beat the best by more than this (relative).
 TOLERANCE = 0.01
@@ -162,10 +168,14 @@ class Action:
     section: dict[str, Any]
     mbs: int
     reach: int
+    kind: str = "curve"  # why: stage, curve, step, aligned, neighbour, memory check
 
 
 class GuidedSearch(DsatSearchMethod):
     name = "guided"
+    # How much wider than on a quiet machine its tolerances are (measurement_noise.noise_scale),
+    # worked out again from the records at every decision: not state of its own.
+    scale = 1.0
 
     # ------------------------------------------------------------------ hooks
 
@@ -200,6 +210,7 @@ class GuidedSearch(DsatSearchMethod):
             )
             if record is None:  # already tried: the evidence says otherwise; stop planning
                 break
+            logger.debug("guided: %s, %s (value %.4g)", action.kind, record.name, action.value)
             queued.append(record)
         return queued
 
@@ -236,6 +247,23 @@ class GuidedSearch(DsatSearchMethod):
                 for mbs, value in state.values.items()
             ]
         )
+
+    def noise(
+        self, states: dict[str, ConfigState], estimated: dict[tuple[str, int], float]
+    ) -> float:
+        """One measurement's relative noise, as this search saw it (measurement_noise)."""
+        values = {(key, mbs): v for key, state in states.items() for mbs, v in state.values.items()}
+        tracker = self.tracker
+        repeats = []
+        for record in tracker.records:
+            runs = tracker.confirmation_runs(record.request_id)
+            if runs and tracker.metric_value(record) is not None:
+                again = [tracker.confirmed_value(r) for r in runs]
+                repeats.append([tracker.metric_value(record), *again])
+        oriented = [
+            [oriented_value(v, tracker.metric) for v in runs if v is not None] for runs in repeats
+        ]
+        return relative_noise(residuals_of(values, estimated), oriented)
 
     def ceiling(self, section: dict[str, Any], states: dict[str, ConfigState]) -> int | None:
         """The largest micro-batch not ruled out: below this configuration's smallest failure,
@@ -387,6 +415,7 @@ class GuidedSearch(DsatSearchMethod):
             reach=reach,
             through_origin=not self.settings.metric.smaller_is_better,
             borrowed=borrowed,
+            noise=CURVE_NOISE * self.scale,
         )
 
     def step_scores(self, states: dict[str, ConfigState]) -> dict[tuple[str, str], list[float]]:
@@ -414,10 +443,11 @@ class GuidedSearch(DsatSearchMethod):
                 seen.setdefault(kind, []).append(gain)
         return seen
 
-    @staticmethod
-    def step_value(scores: dict[tuple[str, str], list[float]], kind: tuple[str, str]) -> float:
+    def step_value(
+        self, scores: dict[tuple[str, str], list[float]], kind: tuple[str, str]
+    ) -> float:
         """Optimistic log-gain of a kind of step: the mean seen so far plus a bonus that
-        shrinks with the evidence (an upper confidence bound)."""
+        shrinks with the evidence (an upper confidence bound), wider on a noisier machine."""
         gains = scores.get(kind, [])
         mean = sum(gains) / len(gains) if gains else 0.0
         prior = STEP_OPTIMISM if kind[1] in ("True", "False") else BUCKET_STEP_OPTIMISM
@@ -425,7 +455,7 @@ class GuidedSearch(DsatSearchMethod):
             prior = OVERLAPPED_MEMORY_STEP_OPTIMISM
         if kind == (PAIRED_STEP, "True"):
             prior = PAIRED_STEP_OPTIMISM
-        return mean + prior / math.sqrt(1 + len(gains))
+        return mean + self.scale * prior / math.sqrt(1 + len(gains))
 
     # ------------------------------------------------------------------ choosing
 
@@ -435,6 +465,8 @@ class GuidedSearch(DsatSearchMethod):
         estimated = self.estimates(states)
         for (key, mbs), value in estimated.items():
             states[key].estimated[mbs] = value  # each stage's best, and its best micro-batch
+        self.scale = noise_scale(self.noise(states, estimated))
+        tolerance, curve_tolerance = TOLERANCE * self.scale, CURVE_TOLERANCE * self.scale
         incumbents = self.incumbents(states)
         top = max(estimated.values(), default=0.0)
         actions: list[Action] = []
@@ -444,7 +476,7 @@ class GuidedSearch(DsatSearchMethod):
                 continue
             reach = max(self.micro_batch_ceiling(stage), 1)
             section = explicit_zero_config(self._user_zero_section(), stage)
-            actions.append(Action(math.inf, section, (1 + reach) // 2, reach))
+            actions.append(Action(math.inf, section, (1 + reach) // 2, reach, "stage"))
 
         curves: dict[str, tuple[int, CurveEvidence, Gap | None]] = {}
 
@@ -454,7 +486,7 @@ class GuidedSearch(DsatSearchMethod):
             if key not in curves:
                 reach = self.reach(state, states)
                 evidence = self.evidence(state, reach, states, incumbents.get(state.stage, state))
-                curves[key] = (reach, evidence, next_gap(evidence, CURVE_TOLERANCE, top))
+                curves[key] = (reach, evidence, next_gap(evidence, curve_tolerance, top))
             return curves[key]
 
         for key in sorted(states):
@@ -463,7 +495,7 @@ class GuidedSearch(DsatSearchMethod):
             if state.pending:
                 continue
             if state.values and incumbent is not None and state is not incumbent:
-                if _ratio(state, incumbent) <= 1 + TOLERANCE:
+                if _ratio(state, incumbent) <= 1 + tolerance:
                     continue  # it lost to its stage's best where both ran
             reach, _, gap = curve(state)
             if reach < 1 or gap is None:
@@ -519,11 +551,13 @@ class GuidedSearch(DsatSearchMethod):
                 if ceiling is not None and ceiling < 1:
                     continue
                 gain = math.exp(self.step_value(scores, kind))
-                if potential * gain <= top * (1 + TOLERANCE):
+                if potential * gain <= top * (1 + tolerance):
                     continue
                 # Ranked by what the step can show where it runs: the stage's best micro-batch.
                 step_reach = ceiling if ceiling is not None else reach
-                stage_steps.append(Action(best_value * gain, section, mbs, max(step_reach, mbs)))
+                stage_steps.append(
+                    Action(best_value * gain, section, mbs, max(step_reach, mbs), "step")
+                )
             if (unsettled or paired_only) and stage_steps:
                 # One at a time: each is a bet on a best micro-batch that may still move (the
                 # base's own probe aside, which the paired step does not depend on).
@@ -537,7 +571,7 @@ class GuidedSearch(DsatSearchMethod):
         if probe is not None:
             actions.append(probe)
 
-        worth = [a for a in actions if a.value > top * (1 + min(TOLERANCE, CURVE_TOLERANCE))]
+        worth = [a for a in actions if a.value > top * (1 + min(tolerance, curve_tolerance))]
         if not worth:
             return None
         return max(worth, key=lambda a: a.value)
@@ -571,8 +605,8 @@ class GuidedSearch(DsatSearchMethod):
                 if mbs in base.values or mbs in base.failed or mbs in base.pending_mbs:
                     continue
                 value = _value_at(base, mbs) * lift
-                if value > top * (1 + TOLERANCE):
-                    actions.append(Action(value, base.section, mbs, reach))
+                if value > top * (1 + TOLERANCE * self.scale):
+                    actions.append(Action(value, base.section, mbs, reach, "aligned"))
         return actions
 
     @staticmethod
@@ -600,7 +634,7 @@ class GuidedSearch(DsatSearchMethod):
             if key in seen:
                 continue
             seen.add(key)
-            if value < top * (1 - LEADER_SPAN):
+            if value < top * (1 - LEADER_SPAN * self.scale):
                 break
             state = states[key]
             if _support(state, mbs, with_pending=True) >= SUPPORT:
@@ -610,7 +644,7 @@ class GuidedSearch(DsatSearchMethod):
                 unsupported.append((value, state, mbs))
         actions: list[Action] = []
         for value, state, mbs in unsupported:
-            if value <= anchor * (1 + LEADER_MARGIN):
+            if value <= anchor * (1 + LEADER_MARGIN * self.scale):
                 continue  # level with a supported leader: either is as good to hand over
             reach = self.reach(state, states)
             for offset in NEIGHBOURS:
@@ -619,7 +653,7 @@ class GuidedSearch(DsatSearchMethod):
                     continue
                 if probe in state.failed or probe in state.pending_mbs:
                     continue
-                actions.append(Action(top, state.section, probe, reach))
+                actions.append(Action(top, state.section, probe, reach, "neighbour"))
                 break
         return actions
 
@@ -637,7 +671,7 @@ class GuidedSearch(DsatSearchMethod):
         if check is None:
             return None
         section, mbs = check
-        return Action(math.inf, section, mbs, mbs)
+        return Action(math.inf, section, mbs, mbs, "memory check")
 
     # ------------------------------------------------------------------ handing over
 

@@ -188,8 +188,9 @@ def memory_check(
     The margin applies to the memory a run can use, less than the device's total (the CUDA
     context, fragmentation), and only an OOM says how much less. With no OOM placed yet, the
     check aims at 99% of the device's total (if it completes, the total is nearly all usable);
-    with more than a sample (or 1% of the device) between the most a run completed with and the
-    least an OOM needed, at the middle of that gap. It runs the leader's configuration, its
+    with more than a sample (or 2% of the device) between the most a run completed with and the
+    least an OOM needed, at the middle of that gap; none while a run near the aim is on its
+    way. It runs the leader's configuration, its
     buckets moved up or down the ladder and its micro-batch raised, whichever the measured
     peaks (and DeepSpeed's estimate of bucket memory) put nearest the aim: a sample can be a
     fifth of the device, a bucket moves memory in smaller steps. Only when the leader's peak is
@@ -210,11 +211,15 @@ def memory_check(
         aim, floor, ceiling = 0.99 * total, float(total), float(total)
     else:
         floor = usable.bytes
-        if usable.failed - floor <= max(per_sample, 0.01 * total):
-            return None  # known to within a sample
+        if usable.failed - floor <= max(per_sample, 0.02 * total):
+            return None  # known to within a sample (or 2% of the device)
         aim, ceiling = (floor + usable.failed) / 2, usable.failed
     if peak < (1.0 - 2 * margin) * floor:
         return None
+    for pending in (r for r in records if not r.status.finished):
+        need = model.needed(pending)
+        if need is not None and need >= (floor + aim) / 2:
+            return None  # a run near the aim is on its way: it will tell
     tried = {(_config(r), r.mbs) for r in records}  # queued and running ones too
     best: tuple[float, dict[str, Any], int] | None = None
     for section in _bucket_variants(leader.zero_section):
