@@ -27,6 +27,8 @@ TRIALS_FILE = "trials.jsonl"
 BEST_CONFIG_FILE = "best_ds_config.json"
 BEST_METRICS_FILE = "best_ds_metrics.json"
 SUMMARY_FILE = "summary.txt"
+# The summary's line that says why the handed-over configuration won.
+HANDED_OVER_PREFIX = "handed over:"
 
 
 def read_trial_rows(path: Path) -> list[dict[str, Any]]:
@@ -145,12 +147,21 @@ class ResultsWriter:
             write_json_atomic(self.directory / BEST_METRICS_FILE, best.metrics)
             self._best_id = best.request_id
 
-    def write_summary(self, tracker: TrialTracker) -> str:
-        """The summary at the end, with what the search cost, and the best config as the search
+    def write_summary(self, tracker: TrialTracker, why: str = "") -> str:
+        """The summary at the end, with why the handed-over configuration won (``why``, the
+        search's own words) and what the search cost, and the best config as the search
         finally decided it (the confirmation round decides after its last trial is recorded)."""
         self._write_best(tracker)
         cost = search_cost(self._lines, tracker.slots_per_trial, self.slot_kind)
-        text = summary_table(tracker) + confirmation_table(tracker) + "\n" + cost.line() + "\n"
+        reason = f"{HANDED_OVER_PREFIX} {why}\n" if why else ""
+        text = (
+            summary_table(tracker)
+            + confirmation_table(tracker)
+            + "\n"
+            + reason
+            + cost.line()
+            + "\n"
+        )
         write_text_atomic(self.directory / SUMMARY_FILE, text)
         return text
 
@@ -163,8 +174,18 @@ def summary_table(tracker: TrialTracker) -> str:
         in_stage = [r for r in searched if r.zero_stage == stage]
         rows.append(_row(f"z{stage}", in_stage, tracker))
     # The global row names what is handed over: the best measured trial, unless the
-    # confirmation round (or a method's own estimate, guided's) chose another.
+    # confirmation round (or a method's own estimate, guided's) chose another; its value is the
+    # mean of every run of it, so that it reads as what the configuration measured.
     rows.append(_row("global", searched, tracker, tracker.best()))
+    if tracker.confirmed_id is not None:
+        chosen = tracker.get(tracker.confirmed_id)
+        values = [tracker.metric_value(chosen)] + [
+            tracker.confirmed_value(r) for r in tracker.confirmation_runs(chosen.request_id)
+        ]
+        ran = [v for v in values if v is not None]
+        if ran:
+            mean = sum(ran) / len(ran)
+            rows[-1] = ("global", rows[-1][1], f"{mean:.6g}", f"{chosen.name} (handed over)")
     header = ("tuning_space", "num_experiments", "best_metric_val", "best_exp_name")
     widths = [max(len(header[i]), *(len(row[i]) for row in rows)) for i in range(4)]
     align = ["<", ">", ">", "<"]

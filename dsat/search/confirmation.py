@@ -11,9 +11,13 @@ device is never handed over. The round is kept to a share of the search's trials
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import statistics
 from collections.abc import Callable, Sequence
 
+from dsat.experiment.metric import Metric
+from dsat.search.measurement_noise import relative_noise
 from dsat.search.tracker import TrialTracker, config_key
 from dsat.trial import TrialRecord
 
@@ -26,6 +30,15 @@ HEADROOM_STEP = 0.05
 
 # A method's estimate of a search trial's metric, in the metric's own units and direction.
 Score = Callable[[TrialRecord], float]
+# Extra rounds of the leaders the estimate and the runs disagree on, before the runs decide.
+EXTRA_ROUNDS = 2
+
+
+def oriented(value: float, metric: Metric) -> float:
+    """``value`` so that larger is better (a latency becomes its inverse)."""
+    if metric.smaller_is_better:
+        return 1.0 / value if value > 0 else math.inf
+    return value
 
 
 def leaders(tracker: TrialTracker, count: int, score: Score | None = None) -> list[TrialRecord]:
@@ -60,42 +73,119 @@ def planned_runs(candidates: Sequence[TrialRecord], search_trials: int) -> list[
     return [candidate for _ in range(rounds) for candidate in candidates]
 
 
+def label(record: TrialRecord, other: TrialRecord) -> str:
+    """``record``'s name, with the knobs in which it differs from ``other`` (trial names show
+    the stage and micro-batch only, and two leaders often share both)."""
+    mine, theirs = record.zero_section, other.zero_section
+    differing = [k for k in mine if k != "stage" and mine[k] != theirs.get(k)]
+    if not differing or record.zero_stage != other.zero_stage:
+        return record.name
+    shown = ", ".join(f"{k} {_knob(mine[k])}" for k in differing)
+    return f"{record.name} ({shown})"
+
+
+def _knob(value: object) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return f"{value:.0e}".replace("e+0", "e") if isinstance(value, int) else str(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """What the round decided: the configuration handed over and, in plain words, why; or the
+    leaders to measure again first (``again``), when the estimate and the runs disagree."""
+
+    chosen: TrialRecord | None
+    reason: str = ""
+    again: tuple[TrialRecord, ...] = ()
+
+
+def measurements(tracker: TrialTracker, candidate: TrialRecord) -> list[float]:
+    """Everything the candidate's configuration measured: its search trial, then its runs in the
+    round that completed (larger is better)."""
+    runs = [tracker.metric_value(candidate)] + [
+        tracker.confirmed_value(r) for r in tracker.confirmation_runs(candidate.request_id)
+    ]
+    return [oriented(v, tracker.metric) for v in runs if v is not None and v > 0]
+
+
+def decide(
+    tracker: TrialTracker,
+    candidates: Sequence[TrialRecord],
+    score: Score | None = None,
+    measure_again: bool = False,
+) -> Verdict:
+    """The confirmed best of ``candidates`` (those that may be handed over), and why.
+
+    Ranked by ``score`` (a method's estimate that pools other trials, and counts the runs) or
+    by the mean of the runs. Where the estimate's winner measured slower in its runs than
+    another leader, by more than the noise the runs show, the round does not overrule the
+    measurements: with ``measure_again`` both run again first; after that, the measurements
+    decide. Leaders within the noise the round measured count as equal, and the one with the
+    most memory headroom among them wins when it frees ``HEADROOM_STEP`` of the device."""
+    ran = {c.request_id: measurements(tracker, c) for c in candidates}
+    ran = {i: values for i, values in ran.items() if len(values) > 1}  # failed when run again
+    if not ran:
+        return Verdict(None, "no leader ran again")
+    pool = [c for c in candidates if c.request_id in ran]
+    mean = {i: statistics.fmean(values) for i, values in ran.items()}
+    estimate = {
+        c.request_id: (mean[c.request_id] if score is None else oriented(score(c), tracker.metric))
+        for c in pool
+    }
+    noise = relative_noise([], ran.values())
+    by_estimate = max(pool, key=lambda c: estimate[c.request_id])
+    by_runs = max(pool, key=lambda c: mean[c.request_id])
+    if by_runs is not by_estimate:
+        n1, n2 = len(ran[by_runs.request_id]), len(ran[by_estimate.request_id])
+        lead = mean[by_runs.request_id] / mean[by_estimate.request_id] - 1
+        if lead > 2 * noise * math.sqrt(1 / n1 + 1 / n2):
+            if measure_again:
+                return Verdict(None, "", (by_estimate, by_runs))
+            return Verdict(
+                by_runs,
+                f"measured {lead:.1%} faster than {label(by_estimate, by_runs)} over "
+                f"{n1} and {n2} runs, more than the noise ({noise:.1%} a run), though its "
+                "neighbours' trials said otherwise",
+            )
+    best = by_estimate
+    # Leaders are equal only within the spread the round measured: a fixed floor would call
+    # configurations equal that steady measurements tell apart, and hand over a slower one.
+    spread = 0.0
+    for values in ran.values():
+        if len(values) > 2:
+            again = values[1:]
+            spread = max(spread, (max(again) - min(again)) / statistics.fmean(again))
+    for c in pool:
+        window = [
+            r.metrics.get("step_time_spread") for r in tracker.confirmation_runs(c.request_id)
+        ]
+        spread = max([spread, *(float(w) for w in window if isinstance(w, (int, float)))])
+    top = estimate[best.request_id]
+    equals = [c for c in pool if abs(estimate[c.request_id] - top) <= spread * abs(top)]
+    roomiest = min(equals, key=lambda c: c.memory_fraction or 0.0)
+    freed = (best.memory_fraction or 0.0) - (roomiest.memory_fraction or 0.0)
+    if roomiest is not best and freed >= HEADROOM_STEP:
+        return Verdict(
+            roomiest,
+            f"level with {label(best, roomiest)} within the noise ({spread:.1%}), and leaves "
+            f"{freed:.0%} more of the device's memory free",
+        )
+    rivals = [c for c in pool if c is not best]
+    if not rivals:
+        return Verdict(best, "the only leader that ran again")
+    second = max(rivals, key=lambda c: estimate[c.request_id])
+    ahead = top / estimate[second.request_id] - 1
+    how = "by its trials and its neighbours'" if score is not None else "in its runs"
+    return Verdict(
+        best,
+        f"the fastest {how}: {ahead:.1%} ahead of {label(second, best)}"
+        + (" (within the noise: either is as good)" if ahead <= spread else ""),
+    )
+
+
 def winner(
     tracker: TrialTracker, candidates: Sequence[TrialRecord], score: Score | None = None
 ) -> TrialRecord | None:
-    """The confirmed best of ``candidates``, from their confirmation runs: by the mean of the
-    runs, or by ``score``, a method's estimate that counts them with its other trials (a
-    candidate that failed when run again is not handed over either way)."""
-    means: dict[str, float] = {}
-    # Leaders are equal only within the spread the round measured: a fixed floor would call
-    # configurations equal that steady measurements tell apart, and hand over a slower one.
-    noise = 0.0
-    for candidate in candidates:
-        runs = tracker.confirmation_runs(candidate.request_id)
-        values = [v for v in (tracker.confirmed_value(r) for r in runs) if v is not None]
-        if not values:
-            continue  # it failed when run again: not handed over
-        mean = statistics.fmean(values)
-        means[candidate.request_id] = mean if score is None else score(candidate)
-        if len(values) > 1 and mean:
-            noise = max(noise, (max(values) - min(values)) / abs(mean))
-        spreads = [r.metrics.get("step_time_spread") for r in runs]
-        noise = max([noise, *(float(s) for s in spreads if isinstance(s, (int, float)))])
-    if not means:
-        return None
-    better = tracker.metric.is_better
-    best_id = next(iter(means))
-    for request_id, value in means.items():
-        if better(value, means[best_id]):
-            best_id = request_id
-    best_value = means[best_id]
-    equals = [
-        c
-        for c in candidates
-        if c.request_id in means
-        and abs(means[c.request_id] - best_value) <= noise * abs(best_value)
-    ]
-    best = next(c for c in candidates if c.request_id == best_id)
-    roomiest = min(equals, key=lambda c: c.memory_fraction or 0.0)
-    freed = (best.memory_fraction or 0.0) - (roomiest.memory_fraction or 0.0)
-    return roomiest if freed >= HEADROOM_STEP else best
+    """The confirmed best of ``candidates`` (decide, without measuring again)."""
+    return decide(tracker, candidates, score).chosen

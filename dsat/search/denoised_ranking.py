@@ -15,8 +15,7 @@ import json
 import math
 from typing import Any
 
-from dsat.experiment.metric import Metric
-from dsat.search.confirmation import Score
+from dsat.search.confirmation import Score, oriented
 from dsat.search.throughput_model import Observation, estimate
 from dsat.search.tracker import TrialTracker
 from dsat.trial import TrialKind, TrialRecord
@@ -36,13 +35,6 @@ SUPPORT_SPAN = 2
 def config_key(section: dict[str, Any]) -> str:
     """A ZeRO section's identity (every knob spelled out: TrialRecord.zero_section)."""
     return json.dumps(section, sort_keys=True)
-
-
-def oriented(value: float, metric: Metric) -> float:
-    """``value`` so that larger is better (a latency becomes its inverse)."""
-    if metric.smaller_is_better:
-        return 1.0 / value if value > 0 else math.inf
-    return value
 
 
 def measured(tracker: TrialTracker, record: TrialRecord) -> float | None:

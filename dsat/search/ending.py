@@ -9,7 +9,7 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
-from dsat.search.confirmation import leaders, planned_runs, winner
+from dsat.search.confirmation import EXTRA_ROUNDS, decide, label, leaders, planned_runs
 from dsat.search.usable_memory import memory_check
 from dsat.trial import TrialKind, TrialRecord, TrialStatus
 from dsat.trial_failure import SCRIPT_FAILURES_TO_STOP, FailureCause, first_line, log_note
@@ -67,6 +67,8 @@ class SearchEnding:
     confirmation_candidates: list[str] = dataclasses.field(default_factory=list)
     search_end_reason: str = ""
     unsafe_memory: bool = False  # every configuration that ran leaves too little memory
+    extra_rounds: int = 0  # runs of leaders the estimate and the runs disagreed on
+    handover_reason: str = ""  # why the handed-over configuration won, in plain words
 
     def stop_reason(self, method: DsatSearchMethod) -> str | None:
         """Why the search must stop now, whatever is still queued; None to go on."""
@@ -88,8 +90,7 @@ class SearchEnding:
         if self.confirming(method):
             if tracker.running or tracker.queue:
                 return False
-            self._end_confirmation(method)
-            return True
+            return self._end_confirmation(method)
         reason = self.stop_reason(method)
         if reason is None and not tracker.running:
             if not tracker.queue or tracker.num_started >= tracker.max_trials:
@@ -131,20 +132,8 @@ class SearchEnding:
         self.search_end_reason = reason
         self.confirmation_candidates = [c.request_id for c in candidates]
         check = self._memory_check(method, candidates[0])
-        for candidate in runs:
-            index = method.next_index
-            run = candidate.replace(
-                request_id=method.builder.request_id(index),
-                index=index,
-                kind=TrialKind.CONFIRM,
-                parent_id=candidate.request_id,
-                status=TrialStatus.QUEUED,
-                metrics={},
-                error=None,
-            )
-            if method.register(run) is not None:
-                tracker.enqueue([run.request_id])
-        tracker.max_trials += len(runs) + (check is not None)
+        self._queue_runs(method, runs)
+        tracker.max_trials += check is not None
         logger.info(
             "search ends: %s; confirmation round: %d run(s) of the %d leading configurations "
             "(%s), interleaved",
@@ -178,7 +167,9 @@ class SearchEnding:
         )
         return check
 
-    def _end_confirmation(self, method: DsatSearchMethod) -> None:
+    def _end_confirmation(self, method: DsatSearchMethod) -> bool:
+        """Decide what the round showed; False when leaders run again first (the estimate and
+        their runs disagree by more than the noise: measure again rather than overrule)."""
         tracker = method.tracker
         # What the round (and a memory check) showed: a leader that ran out of memory, or now
         # leaves too little of what the OOMs show is usable, is not handed over.
@@ -187,7 +178,23 @@ class SearchEnding:
             for c in (tracker.get(i) for i in self.confirmation_candidates)
             if tracker.may_hand_over(c)
         ]
-        chosen = winner(tracker, candidates, method.leader_score()) if candidates else None
+        verdict = decide(
+            tracker,
+            candidates,
+            method.leader_score(),
+            measure_again=self.extra_rounds < EXTRA_ROUNDS,
+        )
+        if verdict.again:
+            self.extra_rounds += 1
+            self._queue_runs(method, list(verdict.again))
+            logger.info(
+                "confirmation round: %s leads by the estimate but %s measured faster in its "
+                "runs, by more than the noise; running both again",
+                verdict.again[0].name,
+                verdict.again[1].name,
+            )
+            return False
+        chosen, reason = verdict.chosen, verdict.reason
         if chosen is None:  # no leader ran again safely: the best of the search that may
             ranked = leaders(tracker, 1, method.leader_score())
             if not ranked:
@@ -197,11 +204,34 @@ class SearchEnding:
                     f"{method.settings.memory_margin:.0%} of the usable memory free "
                     "(--memory-margin); none is handed over"
                 )
-                return
+                return True
             chosen = ranked[0]
+            reason = "no leader ran again safely; the best of the search that may be handed over"
             logger.info("confirmation round: no leader ran again safely; keeping %s", chosen.name)
         tracker.confirmed_id = chosen.request_id
+        others = [tracker.get(i) for i in self.confirmation_candidates if i != chosen.request_id]
+        name = label(chosen, others[0]) if others else chosen.name
+        self.handover_reason = f"{name}: {reason}"
         self.shutdown_reason = f"{self.search_end_reason}; confirmed {chosen.name}"
+        return True
+
+    def _queue_runs(self, method: DsatSearchMethod, leaders_again: list[TrialRecord]) -> None:
+        """Queue one more confirmation run of each of ``leaders_again``, on top of the trials."""
+        tracker = method.tracker
+        for candidate in leaders_again:
+            index = method.next_index
+            run = candidate.replace(
+                request_id=method.builder.request_id(index),
+                index=index,
+                kind=TrialKind.CONFIRM,
+                parent_id=candidate.request_id,
+                status=TrialStatus.QUEUED,
+                metrics={},
+                error=None,
+            )
+            if method.register(run) is not None:
+                tracker.enqueue([run.request_id])
+                tracker.max_trials += 1
 
     def search_failed(self, method: DsatSearchMethod) -> bool:
         """A search with no successful trial (or no model profile, or only configurations that

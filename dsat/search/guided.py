@@ -29,8 +29,8 @@ from dsat.search import aligned_micro_batches as aligned
 from dsat.search.concave_curve import NOISE as CURVE_NOISE
 from dsat.search.concave_curve import CurveEvidence, Gap, best_possible, next_gap
 from dsat.search.confirmation import leaders
+from dsat.search.confirmation import oriented as oriented_value
 from dsat.search.denoised_ranking import config_key, estimates, measured
-from dsat.search.denoised_ranking import oriented as oriented_value
 from dsat.search.measurement_noise import noise_scale, relative_noise, residuals_of
 from dsat.search.method import DsatSearchMethod
 from dsat.search.throughput_model import Observation

@@ -26,6 +26,10 @@ def state_json(method: DsatSearchMethod) -> dict[str, Any]:
         "next_index": method.next_index,
         "confirmation_candidates": method.ending.confirmation_candidates,
         "search_end_reason": method.ending.search_end_reason,
+        "extra_rounds": method.ending.extra_rounds,
+        # The trials the confirmation round added on top of --max-trials (which a resume may
+        # raise): its runs and its memory check.
+        "added_trials": method.tracker.max_trials - method.settings.max_trials,
     }
 
 
@@ -40,8 +44,11 @@ def load_state_json(method: DsatSearchMethod, state: dict[str, Any]) -> None:
     method.next_index = int(state["next_index"])
     method.ending.confirmation_candidates = list(state.get("confirmation_candidates", []))
     method.ending.search_end_reason = str(state.get("search_end_reason", ""))
+    method.ending.extra_rounds = int(state.get("extra_rounds", 0))
+    # The trials the round added on top of --max-trials (older states: its runs alone).
     confirm_runs = sum(1 for r in method.tracker.records if r.kind is TrialKind.CONFIRM)
-    method.tracker.max_trials = method.settings.max_trials + confirm_runs
+    added = int(state.get("added_trials", confirm_runs))
+    method.tracker.max_trials = method.settings.max_trials + added
 
 
 def save_state(method: DsatSearchMethod, directory: Path) -> None:
