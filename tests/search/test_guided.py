@@ -174,17 +174,30 @@ def test_no_trial_above_an_oom_that_already_decides_it(name: str) -> None:
 # benchmarks/README.md); a trial over the margin bounding the micro-batch as an OOM does, the
 # probe below it at the largest micro-batch that may leave the margin, and knob steps from a best
 # over the margin run where their freed memory pays for the excess: 199 (bucket memory 19).
+# Since 2026-11-25 what is safe to hand over leaves the margin of the memory a run can use (what
+# the OOMs show), never of the device's nominal total, and a hand-over that is not safe counts as
+# a miss: by that rule the search before handed over 57 of these 200 safe and within 2% (the
+# first ten); now 190, none unsafe (fp32 17, bucket memory 17 and 14B 18: the limit the search
+# may count on, the most a run completed with, is up to a sample below the true one).
 REACHED = {
     "bert_base_16xv100": 20,
-    "bert_large_fp32_2xv100": 20,
+    "bert_large_fp32_2xv100": 17,
     "gpt2_large_16xv100": 20,
     "gpt_1b_knobs_16xethernet": 19,
     "gpt_1b_underreported_4xa10": 20,
-    "gpt_2b_bucket_memory_8xa100": 19,
+    "gpt_2b_bucket_memory_8xa100": 17,
     "gpt_350m_pressure_2x4090": 20,
     "gpt_6b_zero3_wins_16xa100": 20,
-    "llama_14b_no_low_stages_8xa100": 20,
-    "llama_7b_8xa100": 20,
+    "llama_14b_no_low_stages_8xa100": 18,
+    "llama_7b_8xa100": 19,
+    # The hardware-like surfaces (run-to-run noise, flaky OOMs, aligned micro-batches, knobs of
+    # either sign): 5, 2, 6, 5 and 2 of 20 before the search learned the usable memory, tried
+    # aligned micro-batches and scaled its tolerances with the noise it measured.
+    "gpt_1b_run_noise_8xa100": 16,
+    "llama_8b_flaky_oom_8xh100": 15,
+    "gpt_760m_aligned_8xa100": 19,
+    "gpt_2b_pcie_knobs_8xl40": 19,
+    "gpt_3b_hardware_4xa100": 14,
 }
 
 
@@ -204,8 +217,9 @@ def test_what_it_hands_over_is_within_2_percent_of_the_optimum(name: str) -> Non
         handed_over = m.tracker.best()
         assert handed_over is not None
         found = model.metrics(handed_over.ds_config, model.gpus, noisy=False)[metric.file_key]
-        # Nothing beats the exhaustive optimum of what leaves the memory margin free: what is
-        # handed over leaves it.
+        # What is handed over is safe: it never runs out of memory, and leaves the margin of
+        # the usable memory; so nothing it hands over beats the best that does.
+        assert model.is_safe(handed_over.ds_config, model.gpus, MARGIN)
         assert found <= best_value * (1 + 1e-9)
         reached += found >= 0.98 * best_value
     assert reached >= REACHED[name]
@@ -290,7 +304,8 @@ def test_a_best_two_below_a_seen_memory_limit_gets_both_buckets_smaller_early() 
     both buckets, which fits 40 micro-batches (the optimum runs 41, 0.2% better), waited for small
     micro-batches to be probed and ran as the 34th search trial, and the pick got within 2% at
     trial 50. A best within two of a limit where a trial ran out of memory now gets that step
-    among the first 24 search trials, and the pick stays within 2% from the 25th trial on."""
+    among the first 24 search trials, and the pick stays within 2% from the 30th trial on (the
+    25th before the memory check and the aligned micro-batches took trials of their own)."""
     m, model, picks = search_with_picks("bert_large_fp32_2xv100", seed=1)
     default = 500_000_000
     shrunk = search_indices(
@@ -302,7 +317,7 @@ def test_a_best_two_below_a_seen_memory_limit_gets_both_buckets_smaller_early() 
         ),
     )
     assert shrunk and shrunk[0] < 24
-    assert all(within_2_percent(model, config) for config in picks[24:])
+    assert all(within_2_percent(model, config) for config in picks[29:])
 
 
 def test_the_paired_step_runs_while_a_probe_of_the_best_is_pending() -> None:
@@ -335,13 +350,23 @@ def test_overlap_with_a_smaller_reduce_bucket_comes_before_the_plain_switches() 
     optimum runs; ranked level with the plain switches, the step that switches overlap on and
     shrinks the reduce bucket came after them, and by then overlap alone (measured at a smaller
     micro-batch) had become the stage's best, so the paired step never ran and the pick got
-    within 2% only at trial 56. Ranked first among switches, it runs among the first 24 trials."""
+    within 2% only at trial 56. Ranked first among switches, it runs before overlap alone, among
+    the first 30 trials (24 before the memory check and the aligned micro-batches)."""
     base = BUILTIN_MODELS["gpt_1b_underreported_4xa10"]
     model = dataclasses.replace(base, noise_seed=base.noise_seed * 1000)
     m = surface_search(model, seed=0)
     run(m, model, slots=model.gpus)
     paired = paired_step_indices(m)
-    assert paired and paired[0] < 24
+    alone = search_indices(
+        m,
+        lambda r: (
+            r.zero_stage == 2
+            and r.zero_section["overlap_comm"]
+            and r.zero_section["reduce_bucket_size"] == 500_000_000
+        ),
+    )
+    assert paired and paired[0] < 30
+    assert not alone or paired[0] < alone[0]
 
 
 def test_steps_start_before_the_best_micro_batch_settles() -> None:
@@ -349,14 +374,14 @@ def test_steps_start_before_the_best_micro_batch_settles() -> None:
     steps used to wait until ZeRO-2's (and ZeRO-3's) micro-batch curves were settled, and
     overlap ran as search trial 45. Once the stage's best rests on two trials near its best
     micro-batch, its steps that keep bucket memory level run one at a time: overlap (with a
-    smaller reduce bucket) runs among the first 17 (the 16 before the memory check, which now
-    runs first once the leader nears the device's memory, to learn where the OOMs begin)."""
+    smaller reduce bucket) runs among the first 24 (16 before the memory check, which runs first
+    once the leader nears the device's memory, and the aligned micro-batches)."""
     base = BUILTIN_MODELS["gpt_1b_knobs_16xethernet"]
     model = dataclasses.replace(base, noise_seed=base.noise_seed * 1000)
     m = surface_search(model, seed=0)
     run(m, model, slots=model.gpus)
     overlap = search_indices(m, lambda r: r.zero_stage == 2 and r.zero_section["overlap_comm"])
-    assert overlap and overlap[0] < 17
+    assert overlap and overlap[0] < 24
 
 
 def test_a_configuration_tried_once_is_not_handed_over_on_its_luck() -> None:
@@ -364,12 +389,17 @@ def test_a_configuration_tried_once_is_not_handed_over_on_its_luck() -> None:
     micro-batch 16 only, measures 0.8% above the optimum (truly 2.2% below) and leads the
     estimate at the end (its confirmation runs measure the same); handed over, it is 2.2% off.
     Ranked 1% lower for resting on one trial, ZeRO-1 at 15, whose level rests on several trials,
-    is handed over instead (1.5% off)."""
+    is handed over instead (1.5% off). (Since the margin applies to the usable memory, ZeRO-1 at
+    15 leaves too little of it; what is handed over, 2.2% off, is not the lucky one either.)"""
     base = BUILTIN_MODELS["llama_7b_8xa100"]
     model = dataclasses.replace(base, noise_seed=base.noise_seed * 1000 + 31)
     m = surface_search(model, seed=31)
     run(m, model, slots=model.gpus)
-    assert_handed_over_within_2_percent(m, model)
+    handed_over = m.tracker.best()
+    assert handed_over is not None
+    section = handed_over.zero_section
+    lucky = section["stage"] == 2 and section["overlap_comm"] and not section["reduce_scatter"]
+    assert not (lucky and handed_over.mbs == 16)
 
 
 def test_a_step_that_costs_memory_waits_for_the_best_micro_batch() -> None:
@@ -378,9 +408,10 @@ def test_a_step_that_costs_memory_waits_for_the_best_micro_batch() -> None:
     curve was still open, measured 1.6% above its true level and took the pick, just over 2% off,
     until ZeRO-2 with overlap ran. A step that keeps more or less bucket memory now waits until the
     best micro-batch, and with it the memory limit, is settled: the pick stays within 2%. Without
-    a memory margin, as when this was found (the margin moves the limit the test is about)."""
+    a memory margin, as when this was found (the margin moves the limit the test is about). From
+    trial 9 on (7 before the probes moved to aligned micro-batches)."""
     _, model, picks = search_with_picks("gpt_2b_bucket_memory_8xa100", seed=17, memory_margin=0.0)
-    assert all(within_2_percent(model, config) for config in picks[6:])  # from trial 7 on
+    assert all(within_2_percent(model, config) for config in picks[8:])  # from trial 9 on
 
 
 def rising_with_memory(used: Callable[[int], float]) -> Callable[..., dict[str, Any]]:
