@@ -532,6 +532,10 @@ def test_simulated_search_prints_the_summary_and_leaves_results(tmp_path: Path) 
     # What the search cost, 16 simulated GPUs per trial (tests/results/test_cost.py checks it).
     assert re.search(r"^cost: \d+ trials .* GPU-hours \(16 GPUs per trial x ", first.stdout, re.M)
     assert re.search(r"^dsat: \d+ trials, [\d.]+ GPU-hours; search ended: ", first.stdout, re.M)
+    # Why the handed-over configuration won, in plain words, named as the summary names it.
+    handed = re.search(r"^handed over: (z\d_gas\d+_tmbspg\d+)[ :]", first.stdout, re.M)
+    assert handed and f"{handed.group(1)} (handed over)" in first.stdout
+    assert "handed over: " in (results / "summary.txt").read_text()
     for name in (
         "trials.jsonl",
         "best_ds_config.json",

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from dsat.runners.simulated.runner import SimulatedRunner
-from dsat.search.confirmation import planned_runs, winner
+from dsat.search.confirmation import decide, label, planned_runs, winner
 from dsat.search_run import run_search
 from dsat.trial import TrialKind, TrialStatus
 from tests.search.helpers import PROFILE, method, run, search_settings, spec
@@ -72,13 +72,14 @@ def test_a_lucky_measurement_is_not_handed_over() -> None:
     assert not m.search_failed
 
 
-def measured(m: Any, mbs: int, values: list[float], memory: float) -> Any:
-    """A finished search trial at ``mbs`` and its confirmation runs measuring ``values``."""
+def measured(m: Any, mbs: int, values: list[float], memory: float, searched: float = 1.0) -> Any:
+    """A finished search trial at ``mbs`` measuring ``searched`` and its confirmation runs
+    measuring ``values``."""
     metrics = {"memory_peak_bytes": int(memory * GiB), "memory_total_bytes": GiB}
     leader = m.make_trial(TrialKind.SEARCH, {"stage": 1}, mbs).replace(request_id=f"at-{mbs}")
     m.tracker.add(leader, queue=False)
     m.tracker.mark_finished(
-        leader.request_id, TrialStatus.COMPLETED, {"throughput": 1.0, **metrics}
+        leader.request_id, TrialStatus.COMPLETED, {"throughput": searched, **metrics}
     )
     for number, value in enumerate(values):
         run = leader.replace(
@@ -152,3 +153,45 @@ def test_a_search_interrupted_in_its_confirmation_round_resumes_to_the_same_winn
         tmp_path / "b" / "best_ds_config.json"
     ).read_text()
     assert "confirmation round" in (tmp_path / "b" / "summary.txt").read_text()
+
+
+def test_runs_that_disagree_with_the_estimate_are_measured_again_then_decide() -> None:
+    """The estimate (pooled with neighbours) prefers ``pooled``, but ``fast`` measured faster in
+    every run, by more than the noise: the round does not overrule the measurements. With rounds
+    to spare both run again; after that, the runs decide, and the reason says so."""
+    m = method("binary", metric="throughput")
+    pooled = measured(m, 40, [100.0, 101.0], memory=0.5, searched=100.0)
+    fast = measured(m, 32, [110.0, 111.0], memory=0.5, searched=109.0)
+    estimate = {pooled.request_id: 120.0, fast.request_id: 105.0}
+
+    def score(record: Any) -> float:
+        return estimate[record.request_id]
+
+    again = decide(m.tracker, [pooled, fast], score, measure_again=True)
+    assert again.chosen is None and {r.request_id for r in again.again} == {"at-40", "at-32"}
+    verdict = decide(m.tracker, [pooled, fast], score)
+    assert verdict.chosen is fast
+    assert "faster than z1_gas1_tmbspg40" in verdict.reason and "noise" in verdict.reason
+    # Runs within the noise of each other: the estimate decides, as before.
+    close = method("binary", metric="throughput")
+    pooled = measured(close, 40, [100.0, 104.0], memory=0.5, searched=102.0)
+    level = measured(close, 32, [101.0, 103.0], memory=0.5, searched=103.0)
+    estimate = {pooled.request_id: 120.0, level.request_id: 105.0}
+    verdict = decide(close.tracker, [pooled, level], score, measure_again=True)
+    assert verdict.chosen is pooled and "ahead of z1_gas1_tmbspg32" in verdict.reason
+
+
+def test_the_reason_names_what_the_leaders_differ_in() -> None:
+    m = method("binary", metric="throughput")
+    fast = measured(m, 40, [100.0, 104.0], memory=0.9)
+    roomy = measured(m, 32, [101.0, 100.0], memory=0.6)
+    verdict = decide(m.tracker, [fast, roomy])
+    assert verdict.chosen is roomy
+    assert verdict.reason.startswith("level with z1_gas1_tmbspg40 within the noise")
+    assert "30% more of the device's memory free" in verdict.reason
+    a = fast.replace(ds_config={**fast.ds_config, "zero_optimization": {"stage": 1}})
+    b = fast.replace(
+        ds_config={**fast.ds_config, "zero_optimization": {"stage": 1, "reduce_bucket_size": 10**7}}
+    )
+    assert label(a, b) == "z1_gas1_tmbspg40 (reduce_bucket_size 5e8)"
+    assert label(a, a) == "z1_gas1_tmbspg40"

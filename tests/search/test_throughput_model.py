@@ -49,3 +49,16 @@ def test_other_stages_do_not_count() -> None:
 
 def test_nothing_to_say_of_an_untried_configuration() -> None:
     assert estimate(curve("a", range(4, 21, 2)), "b", 8) is None
+
+
+def test_an_aligned_micro_batch_keeps_its_own_level() -> None:
+    """Micro-batches divisible by 8 run 5% faster (tensor-core tiles): the estimate keeps that,
+    where a smooth curve would pool it away with the neighbours."""
+    bump = {m: 1.05 if m % 8 == 0 else 1.0 for m in range(100, 141)}
+    observations = [Observation("a", 2, m, bump[m] * throughput(m)) for m in range(100, 141, 3)]
+    observations += [Observation("a", 2, m, bump[m] * throughput(m)) for m in (104, 112, 128)]
+    aligned = estimate(observations, "a", 128)
+    plain = estimate(observations, "a", 127)
+    assert aligned is not None and plain is not None
+    assert aligned > 1.03 * plain
+    assert aligned == pytest.approx(1.05 * throughput(128), rel=0.015)
