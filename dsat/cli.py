@@ -166,7 +166,7 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
         default=defaults.DEFAULT_MEMORY_MARGIN,
         metavar="F",
         help="never hand over a configuration whose peak memory leaves less than this fraction "
-        "of the device's memory",
+        "of the usable memory (what the OOMs show; the device's total until one does)",
     )
     parser.add_argument(
         "--search-runner-config",

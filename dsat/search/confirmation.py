@@ -2,11 +2,13 @@
 
 One short trial per configuration ranks them, and a single measurement can be lucky. When the
 search ends, the leading distinct configurations run again, interleaved (A, B, C, A, B, C), so
-machine noise hits them alike; the winner is the best mean of those runs. Leaders within the
-noise the round measured (the spread of its runs) count as equal, and among equals the one with
-the most memory headroom wins: one that barely fits a short trial can run out of memory hours
-into a real run, which is also why a configuration leaving less than ``--memory-margin`` of the
-device is never handed over. The round is kept to a share of the search's trials.
+machine noise hits them alike; the winner is the best by the method's estimate (or the mean of
+the runs), unless the runs say otherwise by more than their noise: then the round measures again
+rather than overrule them, and after that the runs decide. Leaders within the noise the round
+measured count as equal, and among equals the one with the most memory headroom wins: one that
+barely fits a short trial can run out of memory hours into a real run, which is also why a
+configuration leaving less than ``--memory-margin`` of the usable memory is never handed over.
+The verdict says why, in plain words. The round is kept to a share of the search's trials.
 """
 
 from __future__ import annotations

@@ -10,7 +10,6 @@ import logging
 from typing import TYPE_CHECKING
 
 from dsat.search.confirmation import EXTRA_ROUNDS, decide, label, leaders, planned_runs
-from dsat.search.usable_memory import memory_check
 from dsat.trial import TrialKind, TrialRecord, TrialStatus
 from dsat.trial_failure import SCRIPT_FAILURES_TO_STOP, FailureCause, first_line, log_note
 
@@ -148,9 +147,7 @@ class SearchEnding:
         """Queue a run of the leader's configuration that shows where the OOMs begin, when that
         decides whether it may be handed over (usable_memory.memory_check)."""
         tracker = method.tracker
-        found = memory_check(
-            tracker.records, tracker.usable_memory, leader, method.settings.memory_margin
-        )
+        found = method.memory_check(leader)
         if found is None:
             return None
         section, mbs = found

@@ -34,7 +34,6 @@ from dsat.search.denoised_ranking import config_key, estimates, measured
 from dsat.search.measurement_noise import noise_scale, relative_noise, residuals_of
 from dsat.search.method import DsatSearchMethod
 from dsat.search.throughput_model import Observation
-from dsat.search.usable_memory import memory_check
 from dsat.trial import SearchRange, TrialKind, TrialRecord, TrialStatus
 from dsat.zero_space import (
     BUCKET_SIZES,
@@ -659,15 +658,12 @@ class GuidedSearch(DsatSearchMethod):
 
     def memory_probe(self, states: dict[str, ConfigState]) -> Action | None:
         """A trial that shows where the OOMs begin, as soon as the leader sits near a limit that
-        is not known closely enough (usable_memory.memory_check): the search then
-        steers by the memory a run can use, not the device's total."""
+        is not known closely enough (usable_memory.memory_check): the search then steers by the
+        memory a run can use, not the device's total."""
         leader = self.pick()
         if leader is None or leader.kind is not TrialKind.SEARCH:
             return None
-        tracker = self.tracker
-        check = memory_check(
-            tracker.records, tracker.usable_memory, leader, self.settings.memory_margin
-        )
+        check = self.memory_check(leader)
         if check is None:
             return None
         section, mbs = check

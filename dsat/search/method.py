@@ -37,6 +37,7 @@ from dsat.search.method_state import load_state_json, state_json
 from dsat.search.protocol import SearchMethod
 from dsat.search.tracker import TrialTracker, config_key
 from dsat.search.trial_builder import SearchSpec, TrialBuilder
+from dsat.search.usable_memory import memory_check
 from dsat.trial import SearchRange, TrialKind, TrialOutcome, TrialRecord, TrialStatus
 from dsat.zero_space import random_zero_config
 
@@ -309,6 +310,14 @@ class DsatSearchMethod(SearchMethod):
             return None
         self.next_index += 1
         return record
+
+    def memory_check(self, leader: TrialRecord) -> tuple[dict[str, Any], int] | None:
+        """The configuration and micro-batch that would show where the OOMs begin, when that
+        decides whether ``leader`` may be handed over (usable_memory.memory_check)."""
+        tracker = self.tracker
+        return memory_check(
+            tracker.records, tracker.usable_memory, leader, self.settings.memory_margin
+        )
 
     def model_profile_failed(self) -> bool:
         record = self.tracker.model_profile

@@ -27,6 +27,10 @@ from dsat.memory import Precision, bucket_buffer_bytes
 from dsat.trial import TrialKind, TrialRecord, TrialStatus
 from dsat.zero_space import BUCKET_SIZES
 
+# An OOM that needed less than this share of the device says nothing of its memory either: not
+# this configuration's peak but something else ran out (another process on the device, a leak,
+# an OOM a test injects on the CPU), and a margin below it would refuse every configuration.
+MIN_OOM_SHARE = 0.5
 # Knobs whose values move only bucket memory, which DeepSpeed's estimate accounts for.
 BUCKET_KNOBS = ("reduce_bucket_size", "allgather_bucket_size", "overlap_comm")
 
@@ -157,7 +161,8 @@ class UsableMemory:
 
 def usable_memory(records: Sequence[TrialRecord]) -> UsableMemory | None:
     """Where the OOMs seen so far place the usable memory (None when none can be placed, or
-    every OOM needed more than the device has: that says nothing its total does not)."""
+    every OOM needed more than the device has, which says nothing its total does not, or less
+    than half of it)."""
     failed = [
         r
         for r in records
@@ -172,7 +177,11 @@ def usable_memory(records: Sequence[TrialRecord]) -> UsableMemory | None:
         if isinstance(r.metrics.get("memory_total_bytes"), (int, float))
     ]
     total = min(totals, default=math.inf)
-    levels = [level for r in failed if (level := model.needed(r)) is not None and 0 < level < total]
+    levels = [
+        level
+        for r in failed
+        if (level := model.needed(r)) is not None and MIN_OOM_SHARE * total <= level < total
+    ]
     if not levels:
         return None
     peaks = [p for points in model.points.values() for _, p in points]

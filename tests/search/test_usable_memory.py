@@ -123,3 +123,10 @@ def test_a_configuration_that_ran_out_of_memory_when_run_again_is_not_handed_ove
     tracker.add(again, queue=False)
     assert tracker.ran_out_of_memory_again(tracker.get("t2"))
     assert tracker.best() is tracker.get("t1")
+
+
+def test_an_oom_far_below_the_device_says_nothing_of_its_memory() -> None:
+    """A run that failed needing a tenth of the device did not run out of this configuration's
+    memory (another process, a leak, an OOM injected on the CPU): no margin is taken from it."""
+    records = [profile(), record(1, 1, 4.0), record(2, 2, 4.1), record(3, 5, None, TrialStatus.OOM)]
+    assert usable_memory(records) is None
