@@ -205,15 +205,15 @@ REACHED = {
 def test_what_it_hands_over_is_within_2_percent_of_the_optimum(name: str) -> None:
     metric = Metric.FLOPS_PER_GPU
     reached = 0
+    base = BUILTIN_MODELS[name]
+    # Noise-free, so the same for every seed's noise.
+    best_value, _ = optimum(
+        base, base.gpus, metric.file_key, False, (1, 2, 3), base.base_ds_config, MARGIN
+    )
     for seed in range(20):
-        model = dataclasses.replace(
-            BUILTIN_MODELS[name], noise_seed=BUILTIN_MODELS[name].noise_seed * 1000 + seed
-        )
+        model = dataclasses.replace(base, noise_seed=base.noise_seed * 1000 + seed)
         m = surface_search(model, seed)
         run(m, model, slots=model.gpus)
-        best_value, _ = optimum(
-            model, model.gpus, metric.file_key, False, (1, 2, 3), model.base_ds_config, MARGIN
-        )
         handed_over = m.tracker.best()
         assert handed_over is not None
         found = model.metrics(handed_over.ds_config, model.gpus, noisy=False)[metric.file_key]
