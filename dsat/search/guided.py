@@ -9,8 +9,10 @@ moved by the bucket memory this one saves, is where this one is expected to. Kno
 by steps around each stage's best configuration (a bucket size one or two rungs up or down, a
 switch flipped, overlap on with a smaller reduce bucket), ranked by an optimistic estimate of each
 kind of step learned from every pair of tried configurations one step apart (an upper confidence
-bound over step kinds). The search ends when nothing untried can beat the best by more than a
-tolerance, leaving the rest of `--max-trials` unspent. docs/search.md has the details.
+bound over step kinds). Aligned micro-batches (multiples of 8-64) are probed and modelled, the
+leader's memory limit is checked where it decides the hand-over, and every tolerance widens with
+the noise the search measured. The search ends when nothing untried can beat the best by more
+than the noise, leaving the rest of `--max-trials` unspent. docs/search.md has the details.
 
 Everything is derived from the tracker's records, so a resumed search plans the same trials.
 """
