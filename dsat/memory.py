@@ -102,6 +102,20 @@ def bucket_buffer_bytes(
     return int(reduce * grad_bytes * copies + gather * param_bytes)
 
 
+def section_bucket_bytes(section: Mapping[str, Any], precision: Precision, num_params: int) -> int:
+    """``bucket_buffer_bytes`` of a ZeRO section with every knob spelled out (none below stage
+    1): what one configuration's buckets take, for comparing two."""
+    if int(section.get("stage", 0)) < 1:
+        return 0
+    return bucket_buffer_bytes(
+        int(section.get("reduce_bucket_size", 0)),
+        int(section.get("allgather_bucket_size", 0)),
+        bool(section.get("overlap_comm")),
+        precision,
+        num_params,
+    )
+
+
 def approx_max_micro_batch(
     profile: ModelProfile, precision: Precision, slots: int
 ) -> dict[int, int]:

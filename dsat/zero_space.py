@@ -6,6 +6,7 @@ Each stage adds knobs to those of the stages below it, as in Determined's DSAT. 
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
@@ -68,6 +69,12 @@ def explicit_zero_config(section: dict[str, Any], stage: int) -> dict[str, Any]:
         if knob not in config:
             config[knob] = stage == 3 if knob == "overlap_comm" else DEEPSPEED_DEFAULTS[knob]
     return config
+
+
+def section_key(section: dict[str, Any]) -> str:
+    """A ZeRO section's identity (every knob spelled out: TrialRecord.zero_section), so that
+    two sections compare by their knobs."""
+    return json.dumps(section, sort_keys=True)
 
 
 def knob_steps(config: dict[str, Any]) -> list[tuple[str, Any]]:

@@ -184,10 +184,3 @@ def decide(
         f"the fastest {how}: {ahead:.1%} ahead of {label(second, best)}"
         + (" (within the noise: either is as good)" if ahead <= spread else ""),
     )
-
-
-def winner(
-    tracker: TrialTracker, candidates: Sequence[TrialRecord], score: Score | None = None
-) -> TrialRecord | None:
-    """The confirmed best of ``candidates`` (decide, without measuring again)."""
-    return decide(tracker, candidates, score).chosen

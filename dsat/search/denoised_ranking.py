@@ -11,14 +11,13 @@ confirmation round's runs count as more measurements of their configuration.
 
 from __future__ import annotations
 
-import json
 import math
-from typing import Any
 
 from dsat.search.confirmation import Score, oriented
 from dsat.search.throughput_model import Observation, estimate
 from dsat.search.tracker import TrialTracker
 from dsat.trial import TrialKind, TrialRecord
+from dsat.zero_space import section_key
 
 # Only trials measured within this of the best (about four times one measurement's noise) are
 # estimated: pooling moves a trial by a fraction of its noise, never past this.
@@ -30,11 +29,6 @@ CANDIDATE_SPAN = 0.06
 SINGLE_TRIAL_DISCOUNT = 0.01
 # Trials of one configuration within this many micro-batches of each other support each other.
 SUPPORT_SPAN = 2
-
-
-def config_key(section: dict[str, Any]) -> str:
-    """A ZeRO section's identity (every knob spelled out: TrialRecord.zero_section)."""
-    return json.dumps(section, sort_keys=True)
 
 
 def measured(tracker: TrialTracker, record: TrialRecord) -> float | None:
@@ -57,7 +51,7 @@ def observations(tracker: TrialTracker) -> list[Observation]:
             continue
         value = measured(tracker, record)
         if value is not None:
-            key = config_key(record.zero_section)
+            key = section_key(record.zero_section)
             found[(key, record.mbs)] = Observation(key, record.zero_stage, record.mbs, value)
     return list(found.values())
 
@@ -85,7 +79,7 @@ def denoised_score(tracker: TrialTracker) -> Score:
     metric = tracker.metric
 
     def score(record: TrialRecord) -> float:
-        key = config_key(record.zero_section)
+        key = section_key(record.zero_section)
         value = estimated.get((key, record.mbs)) or measured(tracker, record)
         if not value:
             return -math.inf if metric.smaller_is_better else 0.0

@@ -147,7 +147,7 @@ class SearchEnding:
         """Queue a run of the leader's configuration that shows where the OOMs begin, when that
         decides whether it may be handed over (usable_memory.memory_check)."""
         tracker = method.tracker
-        found = method.memory_check(leader)
+        found = method.memory_check()  # about ``leader``, the round's first
         if found is None:
             return None
         section, mbs = found

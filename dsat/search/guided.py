@@ -26,13 +26,12 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from dsat.memory import bucket_buffer_bytes
+from dsat.memory import section_bucket_bytes
 from dsat.search import aligned_micro_batches as aligned
 from dsat.search.concave_curve import NOISE as CURVE_NOISE
 from dsat.search.concave_curve import CurveEvidence, Gap, best_possible, next_gap
-from dsat.search.confirmation import leaders
-from dsat.search.confirmation import oriented as oriented_value
-from dsat.search.denoised_ranking import config_key, estimates, measured
+from dsat.search.confirmation import leaders, measurements
+from dsat.search.denoised_ranking import estimates, measured
 from dsat.search.measurement_noise import noise_scale, relative_noise, residuals_of
 from dsat.search.method import DsatSearchMethod
 from dsat.search.throughput_model import Observation
@@ -42,6 +41,7 @@ from dsat.zero_space import (
     explicit_zero_config,
     knob_steps,
     needs_no_less_memory,
+    section_key,
 )
 
 logger = logging.getLogger(__name__)
@@ -224,7 +224,7 @@ class GuidedSearch(DsatSearchMethod):
                 continue
             section = record.zero_section
             state = states.setdefault(
-                config_key(section), ConfigState(section, first_index=record.index)
+                section_key(section), ConfigState(section, first_index=record.index)
             )
             value = measured(self.tracker, record)
             if value is not None:
@@ -255,16 +255,13 @@ class GuidedSearch(DsatSearchMethod):
         """One measurement's relative noise, as this search saw it (measurement_noise)."""
         values = {(key, mbs): v for key, state in states.items() for mbs, v in state.values.items()}
         tracker = self.tracker
-        repeats = []
-        for record in tracker.records:
-            runs = tracker.confirmation_runs(record.request_id)
-            if runs and tracker.metric_value(record) is not None:
-                again = [tracker.confirmed_value(r) for r in runs]
-                repeats.append([tracker.metric_value(record), *again])
-        oriented = [
-            [oriented_value(v, tracker.metric) for v in runs if v is not None] for runs in repeats
+        repeats = [
+            measurements(tracker, record)
+            for record in tracker.records
+            if tracker.metric_value(record) is not None
+            and tracker.confirmation_runs(record.request_id)
         ]
-        return relative_noise(residuals_of(values, estimated), oriented)
+        return relative_noise(residuals_of(values, estimated), repeats)
 
     def ceiling(self, section: dict[str, Any], states: dict[str, ConfigState]) -> int | None:
         """The largest micro-batch not ruled out: below this configuration's smallest failure,
@@ -346,15 +343,7 @@ class GuidedSearch(DsatSearchMethod):
         return self._bucket_bytes(section, params) != self._bucket_bytes(state.section, params)
 
     def _bucket_bytes(self, section: dict[str, Any], num_params: int) -> int:
-        if int(section.get("stage", 0)) < 1:
-            return 0
-        return bucket_buffer_bytes(
-            int(section.get("reduce_bucket_size", 0)),
-            int(section.get("allgather_bucket_size", 0)),
-            bool(section.get("overlap_comm")),
-            self.precision,
-            num_params,
-        )
+        return section_bucket_bytes(section, self.precision, num_params)
 
     def incumbents(self, states: dict[str, ConfigState]) -> dict[int, ConfigState]:
         """Each stage's best configuration so far; among equals the first found, so that a
@@ -404,7 +393,7 @@ class GuidedSearch(DsatSearchMethod):
                 and any(m in other.values for m in state.values)
             ]
             if donors:
-                donor = max(donors, key=lambda d: (len(d.values), config_key(d.section)))
+                donor = max(donors, key=lambda d: (len(d.values), section_key(d.section)))
                 shared = [m for m in state.values if m in donor.values]
                 ratio = sum(state.values[m] / donor.values[m] for m in shared) / len(shared)
                 borrowed = {m: v * ratio for m, v in donor.values.items() if m <= reach}
@@ -483,7 +472,7 @@ class GuidedSearch(DsatSearchMethod):
 
         def curve(state: ConfigState) -> tuple[int, CurveEvidence, Gap | None]:
             """Its reach, its evidence and its next gap, worked out once per decision."""
-            key = config_key(state.section)
+            key = section_key(state.section)
             if key not in curves:
                 reach = self.reach(state, states)
                 evidence = self.evidence(state, reach, states, incumbents.get(state.stage, state))
@@ -534,7 +523,7 @@ class GuidedSearch(DsatSearchMethod):
                     )
                 else:
                     kind = _step_kind(knob, base.section[knob], value)
-                if config_key(section) in states or (paired_only and knob != PAIRED_STEP):
+                if section_key(section) in states or (paired_only and knob != PAIRED_STEP):
                     continue
                 changes_memory = knob != PAIRED_STEP and self.moves_memory(base, section)
                 if unsettled and changes_memory and not limit_seen:
@@ -662,10 +651,9 @@ class GuidedSearch(DsatSearchMethod):
         """A trial that shows where the OOMs begin, as soon as the leader sits near a limit that
         is not known closely enough (usable_memory.memory_check): the search then steers by the
         memory a run can use, not the device's total."""
-        leader = self.pick()
-        if leader is None or leader.kind is not TrialKind.SEARCH:
-            return None
-        check = self.memory_check(leader)
+        if self.tracker.confirmed_id is not None:
+            return None  # the search is over
+        check = self.memory_check()
         if check is None:
             return None
         section, mbs = check

@@ -29,7 +29,7 @@ from dsat.memory import (
     determined_max_micro_batch,
     log_estimates,
 )
-from dsat.search.confirmation import Score
+from dsat.search.confirmation import Score, leaders
 from dsat.search.denoised_ranking import denoised_score
 from dsat.search.ending import SearchEnding
 from dsat.search.method_settings import MethodSettings
@@ -37,7 +37,7 @@ from dsat.search.method_state import load_state_json, state_json
 from dsat.search.protocol import SearchMethod
 from dsat.search.tracker import TrialTracker, config_key
 from dsat.search.trial_builder import SearchSpec, TrialBuilder
-from dsat.search.usable_memory import memory_check
+from dsat.search.usable_memory import device_totals, limit_known, memory_check
 from dsat.trial import SearchRange, TrialKind, TrialOutcome, TrialRecord, TrialStatus
 from dsat.zero_space import random_zero_config
 
@@ -311,13 +311,22 @@ class DsatSearchMethod(SearchMethod):
         self.next_index += 1
         return record
 
-    def memory_check(self, leader: TrialRecord) -> tuple[dict[str, Any], int] | None:
+    def memory_check(self) -> tuple[dict[str, Any], int] | None:
         """The configuration and micro-batch that would show where the OOMs begin, when that
-        decides whether ``leader`` may be handed over (usable_memory.memory_check)."""
+        decides whether the leader (by ``leader_score``) may be handed over
+        (usable_memory.memory_check). Ranking the leaders is the costly part, so it waits until
+        the limit is known not to be known closely enough on every device size seen."""
         tracker = self.tracker
-        return memory_check(
-            tracker.records, tracker.usable_memory, leader, self.settings.memory_margin
+        records, usable, margin = (
+            tracker.records,
+            tracker.usable_memory,
+            self.settings.memory_margin,
         )
+        totals = device_totals(records)
+        if totals and all(limit_known(records, usable, margin, total) for total in totals):
+            return None
+        ranked = leaders(tracker, 1, self.leader_score())
+        return memory_check(records, usable, ranked[0], margin) if ranked else None
 
     def model_profile_failed(self) -> bool:
         record = self.tracker.model_profile

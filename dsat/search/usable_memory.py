@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import math
 import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from dsat.memory import Precision, bucket_buffer_bytes
+from dsat.memory import Precision, section_bucket_bytes
 from dsat.trial import TrialKind, TrialRecord, TrialStatus
-from dsat.zero_space import BUCKET_SIZES
+from dsat.zero_space import BUCKET_SIZES, section_key
 
 # An OOM that needed less than this share of the device says nothing of its memory either: not
 # this configuration's peak but something else ran out (another process on the device, a leak,
@@ -43,13 +42,12 @@ def _peak(record: TrialRecord) -> float | None:
 
 
 def _config(record: TrialRecord) -> str:
-    return json.dumps(record.zero_section, sort_keys=True)
+    return section_key(record.zero_section)
 
 
 def _rest(record: TrialRecord) -> str:
     """Its stage and every knob that moves memory in ways the bucket estimate does not see."""
-    section = {k: v for k, v in record.zero_section.items() if k not in BUCKET_KNOBS}
-    return json.dumps(section, sort_keys=True)
+    return section_key({k: v for k, v in record.zero_section.items() if k not in BUCKET_KNOBS})
 
 
 def _slope(points: list[tuple[int, float]]) -> float | None:
@@ -129,18 +127,10 @@ class PeakModel:
         return min(estimates)
 
     def _buckets(self, record: TrialRecord) -> float:
-        section = record.zero_section
-        if record.zero_stage < 1 or not isinstance(self.num_params, (int, float)):
+        if not isinstance(self.num_params, (int, float)):
             return 0.0
-        return float(
-            bucket_buffer_bytes(
-                int(section.get("reduce_bucket_size", 0)),
-                int(section.get("allgather_bucket_size", 0)),
-                bool(section.get("overlap_comm")),
-                Precision.of(record.ds_config),
-                int(self.num_params),
-            )
-        )
+        precision = Precision.of(record.ds_config)
+        return float(section_bucket_bytes(record.zero_section, precision, int(self.num_params)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,12 +161,7 @@ def usable_memory(records: Sequence[TrialRecord]) -> UsableMemory | None:
     if not failed:
         return None
     model = PeakModel(records)
-    totals = [
-        float(r.metrics["memory_total_bytes"])
-        for r in records
-        if isinstance(r.metrics.get("memory_total_bytes"), (int, float))
-    ]
-    total = min(totals, default=math.inf)
+    total = min(device_totals(records), default=math.inf)
     levels = [
         level
         for r in failed
@@ -186,6 +171,28 @@ def usable_memory(records: Sequence[TrialRecord]) -> UsableMemory | None:
         return None
     peaks = [p for points in model.points.values() for _, p in points]
     return UsableMemory(min(levels), max(peaks, default=None))
+
+
+def device_totals(records: Sequence[TrialRecord]) -> set[float]:
+    """The device memory the trials reported (one size, unless a cluster's nodes differ)."""
+    return {
+        float(r.metrics["memory_total_bytes"])
+        for r in records
+        if isinstance(r.metrics.get("memory_total_bytes"), (int, float))
+    }
+
+
+def limit_known(
+    records: Sequence[TrialRecord], usable: UsableMemory | None, margin: float, total: float
+) -> bool:
+    """Whether the usable memory of a ``total``-byte device is known closely enough that no
+    memory check could tell more, whatever the leader: with no OOM placed, a run used nearly
+    all of the device (the total is what is usable); with one, what ran and what failed are
+    within 2% of the device."""
+    if usable is None:
+        completed = [_peak(r) for r in records if r.kind is not TrialKind.MODEL_PROFILE]
+        return max((p for p in completed if p is not None), default=0.0) >= (1 - margin / 2) * total
+    return usable.failed - usable.bytes <= 0.02 * total
 
 
 def memory_check(
@@ -209,19 +216,18 @@ def memory_check(
     total = leader.metrics.get("memory_total_bytes")
     if not isinstance(peak, (int, float)) or not isinstance(total, (int, float)) or total <= 0:
         return None
+    if limit_known(records, usable, margin, total):
+        return None
     model = PeakModel(records)
     per_sample = model.per_sample(leader.zero_stage)
     if not per_sample:
         return None
     if usable is None:
-        completed = [_peak(r) for r in records if r.kind is not TrialKind.MODEL_PROFILE]
-        if max((p for p in completed if p is not None), default=0.0) >= (1 - margin / 2) * total:
-            return None  # a run used nearly all of it: the total is what is usable
         aim, floor, ceiling = 0.99 * total, float(total), float(total)
     else:
         floor = usable.bytes
-        if usable.failed - floor <= max(per_sample, 0.02 * total):
-            return None  # known to within a sample (or 2% of the device)
+        if usable.failed - floor <= per_sample:
+            return None  # known to within a sample
         aim, ceiling = (floor + usable.failed) / 2, usable.failed
     if peak < (1.0 - 2 * margin) * floor:
         return None

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from dsat.runners.simulated.runner import SimulatedRunner
-from dsat.search.confirmation import decide, label, planned_runs, winner
+from dsat.search.confirmation import decide, label, planned_runs
 from dsat.search_run import run_search
 from dsat.trial import TrialKind, TrialStatus
 from tests.search.helpers import PROFILE, method, run, search_settings, spec
@@ -99,17 +99,17 @@ def test_among_equals_the_one_with_more_memory_headroom_wins() -> None:
     fast = measured(m, 40, [100.0, 104.0], memory=0.9)  # its runs differ by 4%: the noise
     roomy = measured(m, 32, [101.0, 100.0], memory=0.6)  # 1.5% slower, within that noise
     slow = measured(m, 24, [90.0, 91.0], memory=0.3)  # 11% slower: not an equal
-    assert winner(m.tracker, [fast, roomy, slow]) is roomy
+    assert decide(m.tracker, [fast, roomy, slow]).chosen is roomy
     steady = method("binary", metric="throughput")
     # No noise measured: the runs tell them apart, even 0.5% apart, and the faster one wins.
     fast = measured(steady, 40, [100.5, 100.5], memory=0.9)
     roomy = measured(steady, 32, [100.0, 100.0], memory=0.6)
-    assert winner(steady.tracker, [fast, roomy]) is fast
+    assert decide(steady.tracker, [fast, roomy]).chosen is fast
     # Within the noise but hardly more headroom (2% of the device): the faster one stays.
     close = method("binary", metric="throughput")
     fast = measured(close, 40, [100.0, 104.0], memory=0.62)
     roomy = measured(close, 32, [101.0, 100.0], memory=0.60)
-    assert winner(close.tracker, [fast, roomy]) is fast
+    assert decide(close.tracker, [fast, roomy]).chosen is fast
 
 
 def test_a_configuration_that_leaves_too_little_memory_is_never_handed_over() -> None:
