@@ -13,8 +13,6 @@ from dsat.results.directory import BEST_CONFIG_FILE, ResultsWriter, TrialTiming
 from dsat.results.progress import SearchProgress
 from dsat.results.resume import write_settings
 from dsat.runners.driver import SearchDriver, TrialListener
-from dsat.runners.local.runner import LocalRunner
-from dsat.runners.ray.runner import RayRunner
 from dsat.runners.trial_runner import TrialRunner
 from dsat.search import MethodSettings, make_search_method
 from dsat.search.method import DsatSearchMethod
@@ -61,7 +59,7 @@ def run_search(
     """
     write_settings(settings, results_dir)
     method = make_search_method(MethodSettings.from_settings(settings, runner.slot_limit), spec)
-    writer = ResultsWriter(results_dir, slot_kind(runner))
+    writer = ResultsWriter(results_dir, runner.slot_kind)
     listeners: list[TrialListener] = [ResultsRecorder(method, writer)]
     progress = (
         SearchProgress(method.tracker, settings.metric.value) if runner.takes_real_time else None
@@ -84,16 +82,6 @@ def run_search(
         writer.write_summary(method.tracker, method.ending.handover_reason)
         save_state(method, results_dir)
     return method
-
-
-def slot_kind(runner: TrialRunner) -> str:
-    """What the runner's slots are, "GPU" or "CPU", for the cost: the local and Ray runners use
-    CPU slots where there is no GPU; the simulator models GPUs."""
-    if isinstance(runner, LocalRunner):
-        return "GPU" if runner.pool.on_gpu else "CPU"
-    if isinstance(runner, RayRunner):
-        return runner.layout.resource
-    return "GPU"
 
 
 def best_config_path(results_dir: Path) -> Path:

@@ -25,6 +25,10 @@ class TrialRunner(Protocol):
         """The slots trials may use at once here; None: only the method's own limits."""
 
     @property
+    def slot_kind(self) -> str:
+        """What its slots are, "GPU" or "CPU": the unit of what the search cost."""
+
+    @property
     def takes_real_time(self) -> bool:
         """Trials take real time: a line per finished trial, and how to resume, are worth
         printing."""

@@ -19,7 +19,6 @@ from dsat.runners.local.slots import SlotPool
 from dsat.runners.local.trial_timeout import TrialTimeout
 from dsat.runners.simulated.performance_models import gpt2_large_16xv100
 from dsat.runners.simulated.runner import SimulatedRunner
-from dsat.search_run import slot_kind
 from tests.conftest import REPO_ROOT
 
 SIMULATED = REPO_ROOT / "examples" / "simulated"
@@ -80,14 +79,14 @@ def test_a_resumed_search_on_other_slots_says_so() -> None:
 
 
 def test_slots_are_gpus_unless_the_local_runner_has_only_cpus(tmp_path: Path) -> None:
-    assert slot_kind(SimulatedRunner(gpt2_large_16xv100, 16)) == "GPU"  # simulated GPUs
+    assert SimulatedRunner(gpt2_large_16xv100, 16).slot_kind == "GPU"  # simulated GPUs
 
     def local(pool: SlotPool) -> LocalRunner:
         command = ["python3", "train.py"]
         return LocalRunner(command, tmp_path, (), tmp_path, pool, 1, TrialTimeout(None), warm=False)
 
-    assert slot_kind(local(SlotPool(["cpu0", "cpu1"], on_gpu=False))) == "CPU"
-    assert slot_kind(local(SlotPool(["0", "1"], on_gpu=True))) == "GPU"
+    assert local(SlotPool(["cpu0", "cpu1"], on_gpu=False)).slot_kind == "CPU"
+    assert local(SlotPool(["0", "1"], on_gpu=True)).slot_kind == "GPU"
 
 
 def simulated_search(results: Path, *flags: str) -> int:

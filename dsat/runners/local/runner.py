@@ -150,6 +150,10 @@ class LocalRunner:
     def slot_limit(self) -> int:
         return self.pool.size + sum(len(trial.slots) for trial in self.running.values())
 
+    @property
+    def slot_kind(self) -> str:
+        return "GPU" if self.pool.on_gpu else "CPU"
+
     def running_count(self) -> int:
         return len(self.running)
 

@@ -101,6 +101,10 @@ class RayRunner:
     def slot_limit(self) -> int:
         return self.total_slots
 
+    @property
+    def slot_kind(self) -> str:
+        return self.layout.resource
+
     def now(self) -> float:
         return time.monotonic() - self.started_at
 

@@ -43,6 +43,7 @@ class SimulatedRunner:
 
     slot_limit = None  # only the method's limits: the simulated cluster has the slots it needs
     takes_real_time = False
+    slot_kind = "GPU"  # the surfaces model GPUs
 
     def __init__(
         self,
