@@ -30,6 +30,8 @@ logger = logging.getLogger(__name__)
 READY_TIMEOUT_S = 600.0
 WORKER_LOG = "warm-worker-{slot}.log"
 LOST_RETURNCODE = 1
+# How long a closed worker's reader may take to read what the worker wrote before it exited.
+READER_JOIN_S = 5.0
 
 
 def warm_command(command: Sequence[str]) -> bool:
@@ -170,6 +172,9 @@ class WarmWorker:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+        # The reader ends the trials the worker still had running (their exit news died with
+        # it); once close returns, none of them polls as running.
+        self._reader.join(timeout=READER_JOIN_S)
         self._log.close()
 
 
