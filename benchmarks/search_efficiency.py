@@ -228,6 +228,7 @@ def run_one(
     seed: int,
     best: float,
     unbounded: float,
+    batch_per_rank: int | None = None,
 ) -> dict[str, Any]:
     slots, extra = CASES[model_name]
     # Each seed draws the surface's measurement noise afresh, as another run on the same
@@ -236,6 +237,8 @@ def run_one(
         MODELS[model_name], noise_seed=MODELS[model_name].noise_seed * 1000 + seed
     )
     ds_config = {"train_micro_batch_size_per_gpu": 1, **extra}
+    if batch_per_rank is not None:  # the user's global batch, which every trial must keep
+        ds_config["train_batch_size"] = batch_per_rank * slots
     with tempfile.TemporaryDirectory() as tmp:
         search = factory(method, seed, slots, ds_config, Path(tmp))
         picks = Picks(search)
@@ -254,7 +257,16 @@ def run_one(
         by_margin_rule = picks.configs[-1]
     else:  # the reference's trials, handed over as dsat would
         by_margin_rule = best_measured(driver.history, DEFAULT_MEMORY_MARGIN)
-    return measure(driver.history, picks.configs, model, slots, best, unbounded, by_margin_rule)
+    scores = measure(driver.history, picks.configs, model, slots, best, unbounded, by_margin_rule)
+    if batch_per_rank is not None:  # a hand-over that changed the user's batch is a failure
+        kept = [
+            t.ds_config.get("train_batch_size") == batch_per_rank * slots for t in driver.history
+        ]
+        handed = picks.configs[-1]
+        scores["batch_kept_in_every_trial"] = all(kept)
+        if handed is None or handed.get("train_batch_size") != batch_per_rank * slots:
+            scores["handed_over_safe_within_2pct"] = False
+    return scores
 
 
 def median(values: list[float]) -> float:
@@ -272,7 +284,9 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
         else math.inf
         for r in runs
     ]
+    kept = [r["batch_kept_in_every_trial"] for r in runs if "batch_kept_in_every_trial" in r]
     return {
+        **({"batch_kept_in_every_trial": sum(kept)} if kept else {}),
         "handed_over_safe_within_2pct": sum(r["handed_over_safe_within_2pct"] for r in runs),
         "handed_over_unsafe": sum(r["handed_over_unsafe"] for r in runs),
         "median_gpu_hours": median([r["gpu_hours"] for r in runs]),
@@ -358,7 +372,17 @@ def main() -> None:
     parser.add_argument(
         "--no-reference", action="store_true", help="dsat's methods only (its columns show -)"
     )
+    parser.add_argument(
+        "--batch-per-rank",
+        type=int,
+        default=None,
+        metavar="K",
+        help="a fixed global batch of K x the surface's GPUs in the user's config, kept by every "
+        "trial (dsat's methods only: the reference changes it)",
+    )
     options = parser.parse_args()
+    if options.batch_per_rank is not None:
+        options.no_reference = True
     if options.models is None:
         chosen = MODELS if options.surfaces == "all" else SURFACES[options.surfaces]
         options.models = list(chosen)
@@ -394,12 +418,20 @@ def main() -> None:
             (1, 2, 3),
             extra,
             DEFAULT_MEMORY_MARGIN,
+            None if options.batch_per_rank is None else options.batch_per_rank * slots,
         )
         model = MODELS[model_name]
         # The margin of the device's nominal memory, as the tables before 2026-11-25 scored.
         device_margin = 1.0 - (1.0 - DEFAULT_MEMORY_MARGIN) * model.gpu_mem / model.oom_bytes
         unbounded, _ = optimum(
-            model, slots, METRIC.file_key, False, (1, 2, 3), extra, device_margin
+            model,
+            slots,
+            METRIC.file_key,
+            False,
+            (1, 2, 3),
+            extra,
+            device_margin,
+            None if options.batch_per_rank is None else options.batch_per_rank * slots,
         )
         report["cases"][model_name] = {
             "optimum": best,
@@ -412,7 +444,10 @@ def main() -> None:
             entry: dict[str, Any] = {}
             for label, factory in factories:
                 runs = [
-                    run_one(factory, method, model_name, seed, best, unbounded) for seed in seeds
+                    run_one(
+                        factory, method, model_name, seed, best, unbounded, options.batch_per_rank
+                    )
+                    for seed in seeds
                 ]
                 entry[label] = {"summary": summarise(runs)}
                 if not options.summaries_only:

@@ -161,6 +161,15 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
         "and hand over the winner of that round (0 or 1: no confirmation round)",
     )
     parser.add_argument(
+        "--global-batch",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="keep the global batch (train_batch_size) at N in every trial and in the handed-over "
+        "config: the micro-batch divides it, gradient accumulation makes up the rest (default: "
+        'the config\'s numeric train_batch_size; with none or "auto" the batch is free)',
+    )
+    parser.add_argument(
         "--memory-margin",
         type=fraction,
         default=defaults.DEFAULT_MEMORY_MARGIN,

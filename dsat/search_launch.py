@@ -135,7 +135,9 @@ RUNNER_SETUPS: dict[RunnerKind, type[LocalSetup | RaySetup | SimulatedSetup | De
 def plan_search(
     settings: SearchSettings, environ: Mapping[str, str], now: datetime.datetime | None = None
 ) -> LaunchPlan:
-    experiment = load_experiment(settings.config_path, settings.model_dir, settings.include)
+    experiment = load_experiment(
+        settings.config_path, settings.model_dir, settings.include, settings.global_batch
+    )
     slots = experiment.slots_per_trial
     if settings.max_slots is not None and settings.max_slots < slots:
         raise DsatError(

@@ -79,7 +79,11 @@ def run_search(
     with progress or contextlib.nullcontext():
         driver.run(resume=resuming)
     if driver.shutdown is not None or not runner.running_count():
-        writer.write_summary(method.tracker, method.ending.handover_reason)
+        writer.write_summary(
+            method.tracker,
+            method.ending.handover_reason,
+            method.spec.batch_line(method.tracker.best()),
+        )
         save_state(method, results_dir)
     return method
 

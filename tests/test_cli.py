@@ -465,6 +465,31 @@ def test_inconsistent_batch_triple(tmp_path: Path, capsys: pytest.CaptureFixture
     )
 
 
+@pytest.mark.parametrize(
+    ("global_batch", "flags", "where", "fix"),
+    [
+        (9, [], "ds_config.json: train_batch_size 9", "make it a multiple of 2"),
+        (None, ["--global-batch", "1"], "--global-batch: train_batch_size 1", "raise it to 2"),
+    ],
+)
+def test_a_global_batch_no_configuration_can_keep(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    global_batch: int | None,
+    flags: list[str],
+    where: str,
+    fix: str,
+) -> None:
+    """Said in one line before any trial, naming the file or flag and the fix."""
+    ds_config: dict[str, object] = {"train_micro_batch_size_per_gpu": "auto"}
+    if global_batch is not None:
+        ds_config["train_batch_size"] = global_batch
+    path = write_experiment(
+        tmp_path / "m", config={"resources": {"slots_per_trial": 2}}, ds_config=ds_config
+    )
+    assert_one_line_error(capsys, ["asha", str(path), str(path.parent), *flags], where, fix)
+
+
 def test_missing_include(
     experiment_yaml: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -1,8 +1,11 @@
 """A consistent DeepSpeed batch triple for a given micro-batch and number of slots.
 
 DeepSpeed insists that ``train_batch_size == micro_batch * grad_accum * world_size``. dsat tunes
-the micro-batch, keeps the user's gradient accumulation (1 when absent or ``"auto"``, as HF
-writes it) and derives the train batch size, so every trial's config passes DeepSpeed's check.
+the micro-batch. When the user's config gives a numeric ``train_batch_size`` (or ``--global-batch``
+sets one), that global batch is the user's optimisation (learning rate and warm-up are set for it)
+and every trial keeps it: the micro-batch is one of the values that divide the batch per rank, and
+the gradient accumulation makes up the rest. Without one the batch is free: dsat keeps the user's
+accumulation (1 when absent or ``"auto"``, as HF writes it) and derives the train batch size.
 """
 
 from __future__ import annotations
@@ -24,20 +27,76 @@ def batch_value(config: Mapping[str, Any], key: str, source: str) -> int | None:
     return value
 
 
+def fixed_global_batch(config: Mapping[str, Any], source: str = "config") -> int | None:
+    """The global batch every trial keeps: a numeric ``train_batch_size``; None when free."""
+    return batch_value(config, TRAIN_BATCH_SIZE, source)
+
+
+def micro_batches_for(global_batch: int, slots: int) -> list[int]:
+    """The micro-batches that keep ``global_batch`` on ``slots`` data-parallel ranks, ascending:
+    the divisors of the batch per rank (the accumulation is the quotient)."""
+    per_rank = global_batch // slots
+    small = [d for d in range(1, int(per_rank**0.5) + 1) if per_rank % d == 0]
+    return sorted({*small, *(per_rank // d for d in small)})
+
+
+def check_global_batch(global_batch: int, slots: int, source: str) -> None:
+    """A global batch that no configuration can keep is the user's mistake, said before any trial."""
+    if global_batch % slots:
+        fix = f"make it a multiple of {slots}" if global_batch > slots else f"raise it to {slots}"
+        raise DsatError(
+            f"{source}: {TRAIN_BATCH_SIZE} {global_batch} cannot be split evenly over {slots} "
+            f'slots per trial (data-parallel ranks); {fix}, or set it to "auto" to let dsat '
+            "choose the batch"
+        )
+
+
+def with_global_batch(
+    ds_config: Mapping[str, Any], global_batch: int, slots: int, source: str
+) -> dict[str, Any]:
+    """``ds_config`` with its global batch fixed at ``global_batch`` (``--global-batch``): the
+    user's micro-batch stays where it divides the batch per rank, the accumulation is derived."""
+    check_global_batch(global_batch, slots, source)
+    config = {**ds_config, TRAIN_BATCH_SIZE: global_batch}
+    config.pop(GRAD_ACCUM_STEPS, None)
+    micro_batch = batch_value(ds_config, MICRO_BATCH_SIZE, source)
+    if micro_batch is None or (global_batch // slots) % micro_batch:
+        config.pop(MICRO_BATCH_SIZE, None)
+    else:
+        config[GRAD_ACCUM_STEPS] = global_batch // (slots * micro_batch)
+    return config
+
+
 def consistent_batch_sizes(
     ds_config: Mapping[str, Any], slots: int, micro_batch: int | None = None, source: str = "config"
 ) -> dict[str, int]:
     """The batch triple to merge into ``ds_config`` for a trial on ``slots`` data-parallel ranks.
 
     ``micro_batch`` is the value being tried; without it the config's own micro-batch is kept, or
-    derived from its train batch size, or 1 when the config gives neither.
+    derived from its train batch size, or 1 when the config gives neither. With a fixed global
+    batch a tried micro-batch must divide the batch per rank.
     """
     if slots <= 0:
         raise DsatError(f"{source}: slots_per_trial must be a positive integer, got {slots}")
+    train_batch = fixed_global_batch(ds_config, source)
+    if train_batch is not None:
+        check_global_batch(train_batch, slots, source)
+    if micro_batch is not None and micro_batch <= 0:
+        raise DsatError(f"{source}: micro-batch size must be positive, got {micro_batch}")
+    if micro_batch is not None and train_batch is not None:
+        if (train_batch // slots) % micro_batch:
+            raise ValueError(
+                f"micro-batch {micro_batch} does not divide {TRAIN_BATCH_SIZE} {train_batch} "
+                f"over {slots} slots"
+            )  # the search chooses among micro_batches_for; anything else is dsat's bug
+        return {
+            TRAIN_BATCH_SIZE: train_batch,
+            MICRO_BATCH_SIZE: micro_batch,
+            GRAD_ACCUM_STEPS: train_batch // (slots * micro_batch),
+        }
     gas = batch_value(ds_config, GRAD_ACCUM_STEPS, source) or GAS_DEFAULT
     if micro_batch is None:
         micro_batch = batch_value(ds_config, MICRO_BATCH_SIZE, source)
-        train_batch = batch_value(ds_config, TRAIN_BATCH_SIZE, source)
         if micro_batch is None and train_batch is not None:
             if train_batch % (gas * slots):
                 raise DsatError(
@@ -54,8 +113,6 @@ def consistent_batch_sizes(
                     f'or set {TRAIN_BATCH_SIZE} to "auto"'
                 )
         micro_batch = micro_batch or 1
-    elif micro_batch <= 0:
-        raise DsatError(f"{source}: micro-batch size must be positive, got {micro_batch}")
     return {
         TRAIN_BATCH_SIZE: micro_batch * gas * slots,
         MICRO_BATCH_SIZE: micro_batch,

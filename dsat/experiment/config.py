@@ -19,7 +19,7 @@ import yaml
 
 from dsat.constants import AUTO, AUTOTUNING_KEY, DS_CONFIG_KEY
 from dsat.errors import DsatError
-from dsat.experiment.batch_size import consistent_batch_sizes
+from dsat.experiment.batch_size import consistent_batch_sizes, with_global_batch
 
 # Entrypoint flags that name a DeepSpeed config: HF's `--deepspeed PATH` and DeepSpeed's own
 # `--deepspeed_config PATH` (DeepSpeed's bare `--deepspeed` is a switch with no value).
@@ -147,9 +147,13 @@ def same_relative_file(a: str, b: str) -> bool:
 
 
 def load_experiment(
-    config_path: str | Path, model_dir: str | Path, includes: Sequence[str | Path] = ()
+    config_path: str | Path,
+    model_dir: str | Path,
+    includes: Sequence[str | Path] = (),
+    global_batch: int | None = None,
 ) -> Experiment:
-    """Load and check an experiment; raises ``DsatError`` on the first user mistake."""
+    """Load and check an experiment; raises ``DsatError`` on the first user mistake.
+    ``global_batch`` (``--global-batch``) fixes the DeepSpeed config's ``train_batch_size``."""
     config_path, model_dir = Path(config_path), Path(model_dir)
     include_paths = tuple(Path(p) for p in includes)
     config = load_yaml_mapping(config_path)
@@ -183,6 +187,9 @@ def load_experiment(
             f"hyperparameters.{DS_CONFIG_KEY} is {relative}; make them name the same file"
         )
     ds_config = load_ds_json(ds_path, f"hyperparameters.{DS_CONFIG_KEY} in {config_path}")
+    if global_batch is not None:
+        slots = slots_per_trial(config, str(config_path))
+        ds_config = with_global_batch(ds_config, global_batch, slots, "--global-batch")
     experiment = Experiment(config_path, model_dir, config, ds_path, ds_config, include_paths)
     # Fail now, not in every trial, if the batch sizes cannot be made consistent.
     consistent_batch_sizes(ds_config, experiment.slots_per_trial, source=str(ds_path))

@@ -70,6 +70,7 @@ class SearchSettings:
     # dsat's own
     confirm_top: int = DEFAULT_CONFIRM_TOP
     memory_margin: float = DEFAULT_MEMORY_MARGIN
+    global_batch: int | None = None  # None: the config's numeric train_batch_size, if any
     runner: str = "auto"
     results_dir: str | None = None
     resume: str | None = None
@@ -116,6 +117,8 @@ class SearchSettings:
         }
         if self.max_slots is not None:
             positive["--max-slots"] = self.max_slots
+        if self.global_batch is not None:
+            positive["--global-batch"] = self.global_batch
         if self.early_stopping is not None:
             positive["--early-stopping"] = self.early_stopping
         if self.trial_timeout is not None:

@@ -147,10 +147,11 @@ class ResultsWriter:
             write_json_atomic(self.directory / BEST_METRICS_FILE, best.metrics)
             self._best_id = best.request_id
 
-    def write_summary(self, tracker: TrialTracker, why: str = "") -> str:
+    def write_summary(self, tracker: TrialTracker, why: str = "", batch: str = "") -> str:
         """The summary at the end, with why the handed-over configuration won (``why``, the
-        search's own words) and what the search cost, and the best config as the search
-        finally decided it (the confirmation round decides after its last trial is recorded)."""
+        search's own words), what became of the global batch (``batch``) and what the search
+        cost, and the best config as the search finally decided it (the confirmation round
+        decides after its last trial is recorded)."""
         self._write_best(tracker)
         cost = search_cost(self._lines, tracker.slots_per_trial, self.slot_kind)
         reason = f"{HANDED_OVER_PREFIX} {why}\n" if why else ""
@@ -159,6 +160,7 @@ class ResultsWriter:
             + confirmation_table(tracker)
             + "\n"
             + reason
+            + (f"{batch}\n" if batch else "")
             + cost.line()
             + "\n"
         )

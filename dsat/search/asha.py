@@ -21,7 +21,9 @@ class AshaSearch(DsatSearchMethod):
         return int(s.min_binary_search_trials * s.divisor ** (s.asha_early_stopping + rung))
 
     def search_used_up(self, latest: TrialRecord) -> bool:
-        return latest.status.finished and range_after(latest, self.tracker.too_large(latest)).empty
+        return latest.status.finished and self.used_up(
+            range_after(latest, self.tracker.too_large(latest))
+        )
 
     def completed_rung(self, lineage_id: str, rung: int) -> bool:
         latest = self.tracker.latest_in_lineage(lineage_id)

@@ -93,6 +93,8 @@ LEADER_MARGIN = 0.005
 # Estimates this close are equal (the fit's rounding): the first found stays the stage's best.
 TIE = 1e-4
 NEIGHBOURS = (-1, 1, -2, 2)
+# Trials of one configuration this many micro-batches apart or closer are near each other.
+NEAR = 2
 # A stage's steps used to wait until its best configuration's micro-batch curve was settled: on
 # noisy surfaces that took ten trials and more, while a step worth 5-10% (overlap on) waited. Now
 # a step runs once the best rests on EARLY_STEP_SUPPORT trials within 2 micro-batches of its best
@@ -171,6 +173,10 @@ class Action:
     reach: int
     kind: str = "curve"  # why: stage, curve, step, aligned, neighbour, memory check
 
+    @property
+    def search_range(self) -> SearchRange:
+        return SearchRange(1, max(self.reach, 1))
+
 
 class GuidedSearch(DsatSearchMethod):
     name = "guided"
@@ -206,7 +212,7 @@ class GuidedSearch(DsatSearchMethod):
                     TrialKind.SEARCH,
                     action.section,
                     action.mbs,
-                    search_range=SearchRange(1, max(action.reach, 1)),
+                    search_range=action.search_range,
                 )
             )
             if record is None:  # already tried: the evidence says otherwise; stop planning
@@ -507,11 +513,11 @@ class GuidedSearch(DsatSearchMethod):
             # well-supported best gets steps, and only those that keep bucket memory level (or
             # any, once a failure has shown where the memory holding it back runs out).
             unsettled = gap is not None
-            if unsettled and _support(base, best_mbs) < EARLY_STEP_SUPPORT:
+            if unsettled and self.support(base, best_mbs) < EARLY_STEP_SUPPORT:
                 continue
             stage_steps: list[Action] = []
             potential = best_possible(evidence)
-            held_back = best_mbs >= reach - HELD_BACK_WITHIN
+            held_back = self.held_back(best_mbs, reach)
             limit_seen = held_back and self.ceiling(base.section, states) is not None
             for knob, value, section in memory_aware_steps(base.section, held_back):
                 if knob == PAIRED_STEP:
@@ -561,10 +567,61 @@ class GuidedSearch(DsatSearchMethod):
         if probe is not None:
             actions.append(probe)
 
+        if self.spec.micro_batches is not None:
+            actions = self.keeping_the_batch(actions)
         worth = [a for a in actions if a.value > top * (1 + min(tolerance, curve_tolerance))]
         if not worth:
             return None
         return max(worth, key=lambda a: a.value)
+
+    # ------------------------------------------------------------------ nearby micro-batches
+    # Near means within 2 micro-batches; with a fixed global batch, where only the divisors of
+    # the batch per rank run (16, 32, 64, ...), the allowed ones next to each other.
+
+    def _allowed_index(self, mbs: int) -> int | None:
+        allowed = self.spec.micro_batches
+        return None if allowed is None or mbs not in allowed else allowed.index(mbs)
+
+    def near(self, one: int, other: int) -> bool:
+        i, j = self._allowed_index(one), self._allowed_index(other)
+        if i is None or j is None:
+            return abs(one - other) <= NEAR
+        return abs(i - j) <= 1
+
+    def support(self, state: ConfigState, mbs: int, with_pending: bool = False) -> int:
+        """How many of the configuration's trials ran (or, ``with_pending``, are running) near
+        ``mbs``."""
+        tried = [*state.values, *state.pending_mbs] if with_pending else list(state.values)
+        return sum(1 for m in tried if self.near(m, mbs))
+
+    def neighbours(self, mbs: int) -> list[int]:
+        """The micro-batches next to ``mbs``, nearest first."""
+        index, allowed = self._allowed_index(mbs), self.spec.micro_batches
+        if index is None or allowed is None:
+            return [mbs + offset for offset in NEIGHBOURS]
+        return [allowed[i] for i in (index - 1, index + 1) if 0 <= i < len(allowed)]
+
+    def held_back(self, best_mbs: int, reach: int) -> bool:
+        """Whether a stage's best micro-batch sits at what memory lets it reach."""
+        if self.spec.micro_batches is None:
+            return best_mbs >= reach - HELD_BACK_WITHIN
+        return self.spec.allowed_micro_batch(best_mbs + 1, best_mbs + 1, reach) is None
+
+    def keeping_the_batch(self, actions: list[Action]) -> list[Action]:
+        """With a fixed global batch, each action at the micro-batch it would run (the allowed
+        one nearest its own, within its reach: ``make_trial``); those that would repeat a trial
+        are dropped, so the next best is chosen instead."""
+        kept: list[Action] = []
+        for action in actions:
+            record = self.make_trial(
+                TrialKind.SEARCH,
+                action.section,
+                action.mbs,
+                search_range=action.search_range,
+            )
+            if record is not None and not self.tracker.is_repeat(record):
+                kept.append(dataclasses.replace(action, mbs=record.mbs))
+        return kept
 
     def probe(self, state: ConfigState, gap: Gap) -> int:
         """Where to try a gap: its middle, moved to the most aligned micro-batch near it
@@ -627,7 +684,7 @@ class GuidedSearch(DsatSearchMethod):
             if value < top * (1 - LEADER_SPAN * self.scale):
                 break
             state = states[key]
-            if _support(state, mbs, with_pending=True) >= SUPPORT:
+            if self.support(state, mbs, with_pending=True) >= SUPPORT:
                 anchor = value
                 break  # those below it cannot displace it without rising above it first
             if len(unsupported) < LEADERS:
@@ -637,8 +694,7 @@ class GuidedSearch(DsatSearchMethod):
             if value <= anchor * (1 + LEADER_MARGIN * self.scale):
                 continue  # level with a supported leader: either is as good to hand over
             reach = self.reach(state, states)
-            for offset in NEIGHBOURS:
-                probe = mbs + offset
+            for probe in self.neighbours(mbs):
                 if probe < 1 or probe > reach or probe in state.values:
                     continue
                 if probe in state.failed or probe in state.pending_mbs:
@@ -704,13 +760,6 @@ def _step_kind(knob: str, before: Any, after: Any) -> tuple[str, str]:
     if isinstance(after, bool):
         return knob, str(after)
     return knob, "up" if after > before else "down"
-
-
-def _support(state: ConfigState, mbs: int, with_pending: bool = False) -> int:
-    """How many of the configuration's trials ran (or, ``with_pending``, are running) within 2
-    micro-batches of ``mbs``."""
-    tried = [*state.values, *state.pending_mbs] if with_pending else list(state.values)
-    return sum(1 for m in tried if abs(m - mbs) <= 2)
 
 
 def _value_at(state: ConfigState, mbs: int) -> float:

@@ -256,10 +256,19 @@ class DsatSearchMethod(SearchMethod):
         configuration: where the binary searches' midpoints land against the memory cliff decides
         much of what asha and binary find (benchmarks/README.md)."""
         ceiling = self.micro_batch_ceiling(stage, determined_max_micro_batch)
-        return SearchRange(1, max(int(ceiling * self.settings.search_range_factor), 1))
+        hi = max(int(ceiling * self.settings.search_range_factor), 1)
+        if self.spec.micro_batches is not None:  # a fixed global batch: none runs above it
+            hi = min(hi, self.spec.micro_batches[-1])
+        return SearchRange(1, hi)
 
     def first_micro_batch(self, search_range: SearchRange) -> int:
         return search_range.midpoint
+
+    def used_up(self, search_range: SearchRange) -> bool:
+        """Whether ``search_range`` holds no micro-batch to run (with a fixed global batch, none
+        that keeps it)."""
+        lo, hi = search_range.lo, search_range.hi
+        return search_range.empty or self.spec.allowed_micro_batch(lo, lo, hi) is None
 
     def leader_score(self) -> Score | None:
         """How the confirmation round ranks its leaders and picks its winner (and so what is
@@ -297,10 +306,16 @@ class DsatSearchMethod(SearchMethod):
         parent: TrialRecord | None = None,
         search_range: SearchRange | None = None,
         rung: int = 0,
-    ) -> TrialRecord:
-        """The next trial's record (not yet registered): see TrialBuilder."""
+    ) -> TrialRecord | None:
+        """The next trial's record (not yet registered): see TrialBuilder. With a fixed global
+        batch it runs the allowed micro-batch nearest to ``mbs`` within ``search_range``
+        (SearchSpec.allowed_micro_batch); None when the range holds none."""
+        lo, hi = (search_range.lo, search_range.hi) if search_range is not None else (1, None)
+        allowed = self.spec.allowed_micro_batch(mbs, lo, hi)
+        if allowed is None:
+            return None
         return self.builder.make(
-            self.next_index, kind, zero_config, mbs, parent, search_range, rung
+            self.next_index, kind, zero_config, allowed, parent, search_range, rung
         )
 
     def register(self, record: TrialRecord | None) -> TrialRecord | None:
@@ -326,7 +341,9 @@ class DsatSearchMethod(SearchMethod):
         if totals and all(limit_known(records, usable, margin, total) for total in totals):
             return None
         ranked = leaders(tracker, 1, self.leader_score())
-        return memory_check(records, usable, ranked[0], margin) if ranked else None
+        if not ranked:
+            return None
+        return memory_check(records, usable, ranked[0], margin, self.spec.micro_batches)
 
     def model_profile_failed(self) -> bool:
         record = self.tracker.model_profile
@@ -366,7 +383,7 @@ class DsatSearchMethod(SearchMethod):
         self, parent: TrialRecord, search_range: SearchRange, mbs: int, rung: int | None = None
     ) -> TrialRecord | None:
         """The next trial of ``parent``'s lineage; None when that micro-batch already ran."""
-        if search_range.empty:
+        if self.used_up(search_range):
             return None
         zero_config = parent.ds_config.get("zero_optimization")
         record = self.make_trial(

@@ -164,7 +164,7 @@ class RandomSearch(DsatSearchMethod):
     def after_success(self, record: TrialRecord) -> list[TrialRecord]:
         assert record.search_range is not None
         remaining = SearchRange(record.mbs + 1, record.search_range.hi)
-        if remaining.empty:  # the memory model was too cautious: look higher
+        if self.used_up(remaining):  # the memory model was too cautious: look higher
             remaining = SearchRange(remaining.lo, 2 * remaining.lo)
         return self._continue(record, remaining)
 

@@ -72,6 +72,10 @@ class TrialTracker:
             self.enqueue([record.request_id])
         return True
 
+    def is_repeat(self, record: TrialRecord) -> bool:
+        """Whether ``record``'s configuration is registered already (``add`` would refuse it)."""
+        return config_key(record) in self._keys
+
     def enqueue(self, request_ids: list[str]) -> None:
         """Queue registered trials, to start in ``choose_next``'s order."""
         self.queue.extend(request_ids)

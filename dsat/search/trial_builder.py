@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import uuid
 from typing import Any
 
@@ -19,8 +20,13 @@ from dsat.constants import (
     MICRO_BATCH_SIZE,
     MODEL_INFO_FILE,
     OVERWRITE_KEY,
+    TRAIN_BATCH_SIZE,
 )
-from dsat.experiment.batch_size import consistent_batch_sizes
+from dsat.experiment.batch_size import (
+    consistent_batch_sizes,
+    fixed_global_batch,
+    micro_batches_for,
+)
 from dsat.experiment.config import deep_merge
 from dsat.training.step_clock import measured_window
 from dsat.trial import SearchRange, TrialKind, TrialRecord
@@ -45,6 +51,45 @@ class SearchSpec:
     hparams: dict[str, Any]  # the experiment's hyperparameters
     ds_config: dict[str, Any]  # the user's DeepSpeed config, as loaded
     slots_per_trial: int
+
+    @functools.cached_property
+    def global_batch(self) -> int | None:
+        """The global batch every trial keeps (the user's numeric ``train_batch_size``, in their
+        config or their overrides); None when the batch is free."""
+        overwrites = self.hparams.get(OVERWRITE_KEY) or {}
+        return fixed_global_batch({**self.ds_config, **overwrites})
+
+    @functools.cached_property
+    def micro_batches(self) -> list[int] | None:
+        """The micro-batches that keep the global batch; None when any may run."""
+        if self.global_batch is None:
+            return None
+        return micro_batches_for(self.global_batch, self.slots_per_trial)
+
+    def batch_line(self, handed_over: TrialRecord | None) -> str:
+        """The summary's line on the global batch: kept, or free and what it became."""
+        made = ""
+        if handed_over is not None:
+            made = (
+                f" (micro-batch {handed_over.mbs} x accumulation {handed_over.gas} x "
+                f"{self.slots_per_trial} ranks)"
+            )
+        if self.global_batch is not None:
+            return f"global batch: {self.global_batch}{made}, kept in every trial"
+        became = "" if handed_over is None else f" {handed_over.ds_config[TRAIN_BATCH_SIZE]}"
+        return (
+            f"global batch:{became}{made}, free: set train_batch_size or --global-batch N to "
+            "keep yours"
+        )
+
+    def allowed_micro_batch(self, wanted: int, lo: int = 1, hi: int | None = None) -> int | None:
+        """The micro-batch to run where a method wants ``wanted``: itself when the batch is free;
+        with a fixed one, the allowed micro-batch in [lo, hi] nearest to it (the smaller of two
+        as near: it needs less memory), or None when [lo, hi] holds none."""
+        if self.micro_batches is None:
+            return wanted
+        inside = [m for m in self.micro_batches if m >= lo and (hi is None or m <= hi)]
+        return min(inside, key=lambda m: (abs(m - wanted), m), default=None)
 
 
 @dataclasses.dataclass(frozen=True)

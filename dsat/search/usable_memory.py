@@ -196,7 +196,11 @@ def limit_known(
 
 
 def memory_check(
-    records: Sequence[TrialRecord], usable: UsableMemory | None, leader: TrialRecord, margin: float
+    records: Sequence[TrialRecord],
+    usable: UsableMemory | None,
+    leader: TrialRecord,
+    margin: float,
+    allowed: Sequence[int] | None = None,
 ) -> tuple[dict[str, Any], int] | None:
     """A configuration and micro-batch to run to learn where the OOMs begin, when that decides
     whether ``leader`` may be handed over; None when it does not.
@@ -210,7 +214,8 @@ def memory_check(
     buckets moved up or down the ladder and its micro-batch raised, whichever the measured
     peaks (and DeepSpeed's estimate of bucket memory) put nearest the aim: a sample can be a
     fifth of the device, a bucket moves memory in smaller steps. Only when the leader's peak is
-    within two margins of the limit: further below, where the limit lies does not matter.
+    within two margins of the limit: further below, where the limit lies does not matter. With
+    ``allowed`` (a fixed global batch), only those micro-batches.
     """
     peak = leader.metrics.get("memory_peak_bytes")
     total = leader.metrics.get("memory_total_bytes")
@@ -226,8 +231,10 @@ def memory_check(
         aim, floor, ceiling = 0.99 * total, float(total), float(total)
     else:
         floor = usable.bytes
-        if usable.failed - floor <= per_sample:
+        if allowed is None and usable.failed - floor <= per_sample:
             return None  # known to within a sample
+        if allowed is not None and usable.failed <= floor / (1 - margin):
+            return None  # nothing that ran can leave the margin: no check would change that
         aim, ceiling = (floor + usable.failed) / 2, usable.failed
     if peak < (1.0 - 2 * margin) * floor:
         return None
@@ -244,6 +251,8 @@ def memory_check(
         )
         for extra in range(0, 1 + max(1, math.ceil((aim - peak) / per_sample))):
             candidate = probe.replace(mbs=leader.mbs + extra)
+            if allowed is not None and candidate.mbs not in allowed:
+                continue
             need = model.needed(candidate)
             if need is None or need >= ceiling or (_config(candidate), candidate.mbs) in tried:
                 continue

@@ -37,7 +37,9 @@ def main() -> None:
             steps = int(hparams.get("steps", op.length))
             loss = torch.zeros(())
             with dsat.dsat_reporting_context(core_context, op):
-                for _ in range(steps):
+                # Optimizer steps, not micro-steps: with gradient accumulation (a fixed global
+                # batch) each takes several micro-batches.
+                while engine.global_steps < steps:
                     inputs, targets = synthetic_batch(
                         engine.train_micro_batch_size_per_gpu(), width, generator
                     )

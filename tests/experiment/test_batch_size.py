@@ -11,7 +11,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dsat.errors import DsatError
-from dsat.experiment.batch_size import consistent_batch_sizes
+from dsat.experiment.batch_size import (
+    consistent_batch_sizes,
+    micro_batches_for,
+    with_global_batch,
+)
 from dsat.experiment.ds_config_check import deepspeed_config_error
 from dsat.training.trial_config import get_ds_config_from_hparams
 
@@ -86,18 +90,19 @@ def test_inconsistent_configs_are_user_errors(
     micro_batch=st.integers(1, 512),
     gas=st.one_of(st.integers(1, 64), st.just("auto"), st.none()),
     slots=st.integers(1, 64),
-    user_train_batch=st.one_of(st.none(), st.just("auto"), st.integers(1, 10_000)),
+    user_train_batch=st.one_of(st.none(), st.just("auto")),
 )
 def test_trial_config_passes_deepspeeds_batch_check(
     tmp_path: Path, micro_batch: int, gas: Any, slots: int, user_train_batch: Any
 ) -> None:
-    """For any tried micro-batch, the config a trial gets from its hyperparameters satisfies
-    DeepSpeed's own train_batch == micro * gas * world_size check."""
+    """With a free batch, for any tried micro-batch, the config a trial gets from its
+    hyperparameters satisfies DeepSpeed's own train_batch == micro * gas * world_size check, and
+    keeps the user's accumulation."""
     base: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}}
     if gas is not None:
         base["gradient_accumulation_steps"] = gas
     if user_train_batch is not None:
-        base["train_batch_size"] = user_train_batch  # any stale value the user left is replaced
+        base["train_batch_size"] = user_train_batch
     (tmp_path / "ds.json").write_text(json.dumps(base))
     overwrites = consistent_batch_sizes(base, slots, micro_batch=micro_batch)
     hparams = {"deepspeed_config": "ds.json", "overwrite_deepspeed_args": overwrites}
@@ -106,6 +111,69 @@ def test_trial_config_passes_deepspeeds_batch_check(
     expected_gas = gas if isinstance(gas, int) else 1
     assert config["train_batch_size"] == micro_batch * expected_gas * slots
     assert config["train_micro_batch_size_per_gpu"] == micro_batch
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    per_rank=st.integers(1, 4096),
+    slots=st.integers(1, 64),
+    gas=st.one_of(st.integers(1, 64), st.just("auto"), st.none()),
+    choice=st.integers(0, 10_000),
+)
+def test_a_fixed_global_batch_is_kept_by_every_micro_batch_allowed(
+    tmp_path: Path, per_rank: int, slots: int, gas: Any, choice: int
+) -> None:
+    """With a numeric train_batch_size, every micro-batch the search may run keeps it exactly
+    (accumulation makes up the rest) and passes DeepSpeed's own check; every micro-batch that
+    keeps it is allowed."""
+    global_batch = per_rank * slots
+    base: dict[str, Any] = {"train_batch_size": global_batch, "zero_optimization": {"stage": 2}}
+    if gas is not None:
+        base["gradient_accumulation_steps"] = gas  # the user's, replaced where it must be
+    allowed = micro_batches_for(global_batch, slots)
+    assert allowed == [m for m in range(1, per_rank + 1) if per_rank % m == 0]
+    micro_batch = allowed[choice % len(allowed)]
+    (tmp_path / "ds.json").write_text(json.dumps(base))
+    overwrites = consistent_batch_sizes(base, slots, micro_batch=micro_batch)
+    hparams = {"deepspeed_config": "ds.json", "overwrite_deepspeed_args": overwrites}
+    config = get_ds_config_from_hparams(hparams, base_dir=tmp_path)
+    assert deepspeed_config_error(config, world_size=slots) is None
+    assert config["train_batch_size"] == global_batch
+    assert config["train_micro_batch_size_per_gpu"] == micro_batch
+    assert config["gradient_accumulation_steps"] == per_rank // micro_batch
+
+
+def test_a_micro_batch_that_breaks_a_fixed_batch_is_refused() -> None:
+    """The search never asks for one (SearchSpec.allowed_micro_batch); if it did, nothing runs."""
+    with pytest.raises(ValueError, match="does not divide"):
+        consistent_batch_sizes({"train_batch_size": 64}, 2, micro_batch=3)
+
+
+@pytest.mark.parametrize(
+    ("global_batch", "slots", "fix"),
+    [(10, 4, "make it a multiple of 4"), (2, 8, "raise it to 8")],
+)
+def test_a_global_batch_no_configuration_can_keep_is_one_clear_error(
+    global_batch: int, slots: int, fix: str
+) -> None:
+    with pytest.raises(DsatError, match=f"train_batch_size {global_batch} cannot be split.*{fix}"):
+        consistent_batch_sizes({"train_batch_size": global_batch}, slots, source="ds.json")
+
+
+def test_the_global_batch_flag_keeps_the_users_micro_batch_where_it_divides() -> None:
+    user = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 3}
+    kept = with_global_batch(user, 64, 2, "--global-batch")
+    assert consistent_batch_sizes(kept, 2) == {
+        "train_batch_size": 64,
+        "train_micro_batch_size_per_gpu": 8,
+        "gradient_accumulation_steps": 4,
+    }
+    dropped = with_global_batch({"train_micro_batch_size_per_gpu": 5}, 64, 2, "--global-batch")
+    assert consistent_batch_sizes(dropped, 2)["train_batch_size"] == 64
+    with pytest.raises(DsatError, match="--global-batch: train_batch_size 63 cannot be split"):
+        with_global_batch(user, 63, 2, "--global-batch")
 
 
 def test_deepspeed_check_catches_an_inconsistent_triple() -> None:

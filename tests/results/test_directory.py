@@ -85,7 +85,12 @@ def test_results_files(tmp_path: Path) -> None:
     assert (tmp_path / STATE_FILE).is_file() and (tmp_path / SETTINGS_FILE).is_file()
     summary = (tmp_path / SUMMARY_FILE).read_text()
     table = summary_table(method.tracker)  # type: ignore[attr-defined]
-    assert summary == table + "\n" + search_cost(rows).line() + "\n"  # then what it cost
+    batch = SPEC.batch_line(best)  # the batch was free: what it became
+    assert batch == (
+        f"global batch: {16 * best.mbs} (micro-batch {best.mbs} x accumulation 1 x 16 ranks), "
+        "free: set train_batch_size or --global-batch N to keep yours"
+    )
+    assert summary == table + "\n" + batch + "\n" + search_cost(rows).line() + "\n"  # and cost
     assert summary.startswith("| tuning_space | num_experiments | best_metric_val | best_exp_name")
     assert re.search(r"^\| global +\| +23 \|", summary, re.MULTILINE)  # the 23 search trials
     assert best.name in table.splitlines()[-1]

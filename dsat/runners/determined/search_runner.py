@@ -83,7 +83,10 @@ class CheckpointedSearchRunner(searcher.RemoteSearchRunner):  # type: ignore[mis
             if isinstance(op, searcher.Create):
                 self.started[str(op.request_id)] = now
             elif isinstance(op, searcher.Shutdown):
-                self.writer.write_summary(self.method.tracker)
+                tracker = self.method.tracker
+                self.writer.write_summary(
+                    tracker, batch=self.method.spec.batch_line(tracker.best())
+                )
         self.last_operations = ops
         return ops
 
@@ -129,6 +132,7 @@ def run(core_context: Any, workdir: Path, runner_experiment_id: int) -> DsatSear
         workdir / settings.config_path,
         workdir / settings.model_dir,
         [workdir / p for p in settings.include],
+        settings.global_batch,
     )
     exp_config = custom_experiment_config(experiment.config, settings, runner_experiment_id)
     spec = SearchSpec(

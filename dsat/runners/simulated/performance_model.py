@@ -13,7 +13,9 @@ them:
   buckets expensive, overlap that hides part of it, and ZeRO-3's extra parameter traffic;
 - optionally, memory pressure: steps slow down as memory fills (allocator retries, cache
   flushes), so throughput can peak below the largest micro-batch that fits;
-- a few percent of measurement noise, a deterministic function of the configuration and a seed.
+- a few percent of measurement noise, a deterministic function of the configuration and a seed;
+- gradient accumulation: an optimizer step computes every micro-step; ZeRO-0 and -1 reduce the
+  gradients once per optimizer step, ZeRO-2 and -3 at every micro-step (memory does not grow).
 
 And, each off unless a surface sets it, what real hardware does besides (docs/search.md,
 "Hardware-like surfaces"):
@@ -39,6 +41,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from dsat.experiment.batch_size import micro_batches_for
 from dsat.memory import ModelProfile, Precision, bucket_buffer_bytes, memory_per_gpu_per_stage
 from dsat.zero_space import zero_knobs
 
@@ -175,8 +178,11 @@ class PerformanceModel:
 
     # ---------------------------------------------------------------- time
 
-    def step_times(self, ds_config: Mapping[str, Any], slots: int) -> tuple[float, float, float]:
-        """Noise-free (forward, backward, optimizer step) seconds of one micro-step."""
+    def step_times(
+        self, ds_config: Mapping[str, Any], slots: int
+    ) -> tuple[float, float, float, float]:
+        """Noise-free seconds of (forward, backward, the communication the backward pass does not
+        hide, the optimizer step) of one micro-step."""
         zero = _zero(ds_config)
         stage = int(zero.get("stage", 0))
         mbs = int(ds_config["train_micro_batch_size_per_gpu"])
@@ -216,11 +222,10 @@ class PerformanceModel:
             if self.bucket_pipelining:  # the last bucket reduces after the backward pass
                 exposed = max(exposed, comm * min(1.0, reduce_bucket / self.num_params))
             exposed += self.overlap_contention * (comm - exposed)
-        backward += exposed
 
         optimizer_bytes = self.num_params * sum(self.precision.bytes_per_param)
         step = optimizer_bytes / (slots if stage >= 1 else 1) / self.optimizer_bandwidth
-        return forward, backward, step
+        return forward, backward, exposed, step
 
     def _pressure(self, ds_config: Mapping[str, Any], slots: int) -> float:
         if self.pressure_slowdown == 0.0:
@@ -263,12 +268,18 @@ class PerformanceModel:
         noisy: bool = True,
         run_id: str | None = None,
     ) -> dict[str, float]:
-        forward, backward, step = self.step_times(ds_config, slots)
+        forward, backward, exposed, step = self.step_times(ds_config, slots)
         gas = int(ds_config.get("gradient_accumulation_steps", 1))
         mbs = int(ds_config["train_micro_batch_size_per_gpu"])
         factor = self._noise_factor(ds_config, slots, run_id) if noisy else 1.0
-        forward, backward, step = forward * factor, backward * factor, step * factor
-        latency = (forward + backward + step) * gas
+        # With accumulation, every micro-step computes; ZeRO-0 and -1 reduce the gradients once,
+        # at the optimizer step, while ZeRO-2 reduces (and ZeRO-3 also gathers) at every one. A
+        # micro-step's backward carries its share of that communication.
+        communications = gas if int(_zero(ds_config).get("stage", 0)) >= 2 else 1
+        forward *= factor
+        backward = (backward + exposed * (communications / gas)) * factor
+        step *= factor
+        latency = (forward + backward) * gas + step
         return {
             "fwd": forward * 1000,
             "bwd": backward * 1000,
@@ -327,6 +338,7 @@ def optimum(
     stages: tuple[int, ...] = (0, 1, 2, 3),
     base: Mapping[str, Any] | None = None,
     memory_margin: float = 0.0,
+    global_batch: int | None = None,
 ) -> tuple[float, dict[str, Any]]:
     """The best noise-free metric over the whole search space among configurations that never
     run out of memory, and the config that reaches it.
@@ -336,7 +348,8 @@ def optimum(
     evaluated at its largest safe micro-batch and at 1 (tests check that property on sampled
     configurations); otherwise at every micro-batch that fits. With ``memory_margin``, only
     configurations that also leave that fraction of the device free count: the best a search
-    could safely hand over.
+    could safely hand over. With ``global_batch``, only the micro-batches that keep it, each
+    with the accumulation that makes it up (all of them are evaluated).
     """
     best_value: float | None = None
     best_config: dict[str, Any] = {}
@@ -346,8 +359,14 @@ def optimum(
         largest = model.max_micro_batch(config, slots, memory_margin)
         if largest == 0:
             continue
-        for mbs in range(1, largest + 1) if every else (1, largest):
+        sizes: list[int] = list(range(1, largest + 1)) if every else sorted({1, largest})
+        if global_batch is not None:
+            sizes = [m for m in micro_batches_for(global_batch, slots) if m <= largest]
+        for mbs in sizes:
             candidate = {**config, "train_micro_batch_size_per_gpu": mbs}
+            if global_batch is not None:
+                candidate["train_batch_size"] = global_batch
+                candidate["gradient_accumulation_steps"] = global_batch // (slots * mbs)
             value = model.metrics(candidate, slots, noisy=False)[metric_key]
             better = best_value is None or (
                 value < best_value if smaller_is_better else value > best_value

@@ -16,6 +16,7 @@ import psutil
 import pytest
 import yaml
 
+from dsat.experiment.ds_config_check import deepspeed_config_error
 from dsat.runners.local.runner import WARM_TRIAL_MARK as WARM_MARK
 from dsat.training.step_clock import MEASURED_STEPS
 from tests.conftest import copy_example
@@ -221,6 +222,30 @@ def test_oom_lowers_the_ceiling(tmp_path: Path) -> None:
         assert (row["status"] == "oom") == (row["mbs"] > OOM_ABOVE)
     assert rows[1]["mbs"] < rows[0]["mbs"]  # the lineage's ceiling came down
     assert any(row["status"] == "completed" for row in rows)
+
+
+def test_a_fixed_global_batch_is_kept_by_every_trial_and_the_hand_over(tmp_path: Path) -> None:
+    """--global-batch 64 on one slot, with micro-batches above 16 out of memory: every trial
+    trains at 64 samples per optimizer step, the micro-batches that fit with accumulation."""
+    run, results = binary_search(
+        tmp_path, 5, "--global-batch", "64", DSAT_TEST_BEHAVIOUR=f"oom_above:{4 * OOM_ABOVE}"
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = trials(results) + trials(results, confirmations=True)
+    for row in rows:
+        batch = row["overwrites"]
+        assert batch["train_batch_size"] == 64
+        assert batch["train_micro_batch_size_per_gpu"] * batch["gradient_accumulation_steps"] == 64
+    ran = [row for row in rows[1:] if row["status"] == "completed"]
+    assert ran and all(row["gas"] > 1 for row in ran)  # 16 at most fits: accumulation made up 64
+    assert all(row["metrics"]["measured_steps"] == MEASURED_STEPS for row in ran)
+    best = json.loads((results / "best_ds_config.json").read_text())
+    assert best["train_batch_size"] == 64
+    assert best["train_micro_batch_size_per_gpu"] <= 4 * OOM_ABOVE
+    assert best["train_micro_batch_size_per_gpu"] * best["gradient_accumulation_steps"] == 64
+    assert deepspeed_config_error(best, world_size=1) is None  # ready for deepspeed.initialize
+    assert "global batch: 64 (micro-batch" in (results / "summary.txt").read_text()
+    assert "kept in every trial" in run.stdout
 
 
 def test_crashing_trial_is_an_error_not_a_crash_of_the_search(tmp_path: Path) -> None:

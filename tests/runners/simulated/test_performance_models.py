@@ -85,6 +85,26 @@ def test_zero3_and_small_buckets_pay_for_communication() -> None:
     assert throughput(small) < 0.97 * throughput(large)
 
 
+@pytest.mark.parametrize(("stage", "reduced_every_micro_step"), [(1, False), (2, True), (3, True)])
+def test_accumulation_computes_every_micro_step_and_reduces_as_deepspeed_does(
+    stage: int, reduced_every_micro_step: bool
+) -> None:
+    """An optimizer step of 4 micro-steps: 4 forward and backward passes, one optimizer step;
+    ZeRO-1 reduces the gradients once, ZeRO-2 and -3 at every micro-step. Memory is unchanged."""
+    model, slots = BUILTIN_MODELS["gpt_1b_knobs_16xethernet"], 16
+    one = config({"stage": stage}, 8)
+    four = {**one, "gradient_accumulation_steps": 4}
+    forward, backward, exposed, _ = model.step_times(one, slots)
+    assert exposed > 0  # this surface's network shows
+    latency_one = model.metrics(one, slots, noisy=False)["latency"] / 1000
+    latency_four = model.metrics(four, slots, noisy=False)["latency"] / 1000
+    per_micro_step = forward + backward + (exposed if reduced_every_micro_step else 0.0)
+    assert latency_four - latency_one == pytest.approx(3 * per_micro_step)
+    assert model.memory_bytes(four, slots) == model.memory_bytes(one, slots)
+    samples = model.metrics(four, slots, noisy=False)["throughput"] * latency_four
+    assert samples == pytest.approx(8 * 4 * slots)
+
+
 def test_noise_is_seeded_and_small() -> None:
     model = BUILTIN_MODELS["gpt2_large_16xv100"]
     cfg = config({"stage": 1}, 2)
