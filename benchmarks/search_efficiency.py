@@ -410,28 +410,13 @@ def main() -> None:
         factories += (("reference", reference_method),)
     for model_name in options.models:
         slots, extra = CASES[model_name]
-        best, best_config = optimum(
-            MODELS[model_name],
-            slots,
-            METRIC.file_key,
-            False,
-            (1, 2, 3),
-            extra,
-            DEFAULT_MEMORY_MARGIN,
-            None if options.batch_per_rank is None else options.batch_per_rank * slots,
-        )
         model = MODELS[model_name]
+        batch = None if options.batch_per_rank is None else options.batch_per_rank * slots
         # The margin of the device's nominal memory, as the tables before 2026-11-25 scored.
         device_margin = 1.0 - (1.0 - DEFAULT_MEMORY_MARGIN) * model.gpu_mem / model.oom_bytes
-        unbounded, _ = optimum(
-            model,
-            slots,
-            METRIC.file_key,
-            False,
-            (1, 2, 3),
-            extra,
-            device_margin,
-            None if options.batch_per_rank is None else options.batch_per_rank * slots,
+        (best, best_config), (unbounded, _) = (
+            optimum(model, slots, METRIC.file_key, False, (1, 2, 3), extra, margin, batch)
+            for margin in (DEFAULT_MEMORY_MARGIN, device_margin)
         )
         report["cases"][model_name] = {
             "optimum": best,
