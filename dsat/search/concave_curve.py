@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 # Relative measurement noise allowed for when a chord is extended.
 NOISE = 0.005
@@ -152,11 +152,21 @@ def best_possible(evidence: CurveEvidence) -> float:
     return max([own, *(g.bound for g in gaps(evidence))])
 
 
-def next_gap(evidence: CurveEvidence, tolerance: float, target: float) -> Gap | None:
+def next_gap(
+    evidence: CurveEvidence,
+    tolerance: float,
+    target: float,
+    allowed: Sequence[int] | None = None,
+) -> Gap | None:
     """The gap to try next (its ``probe`` is the micro-batch, its ``bound`` what it may reach),
     or None when no untried micro-batch can beat ``target`` by more than ``tolerance``
-    (relative)."""
-    open_gaps = [g for g in gaps(evidence) if g.bound > target * (1 + tolerance)]
+    (relative). With ``allowed`` (a fixed global batch), only gaps that hold one of them."""
+    open_gaps = [
+        g
+        for g in gaps(evidence)
+        if g.bound > target * (1 + tolerance)
+        and (allowed is None or any(g.lo <= m <= g.hi for m in allowed))
+    ]
     if not open_gaps:
         return None
     return max(open_gaps, key=lambda g: (g.bound, -g.lo))

@@ -482,7 +482,8 @@ class GuidedSearch(DsatSearchMethod):
             if key not in curves:
                 reach = self.reach(state, states)
                 evidence = self.evidence(state, reach, states, incumbents.get(state.stage, state))
-                curves[key] = (reach, evidence, next_gap(evidence, curve_tolerance, top))
+                gap = next_gap(evidence, curve_tolerance, top, self.spec.micro_batches)
+                curves[key] = (reach, evidence, gap)
             return curves[key]
 
         for key in sorted(states):
@@ -627,6 +628,9 @@ class GuidedSearch(DsatSearchMethod):
         """Where to try a gap: its middle, moved to the most aligned micro-batch near it
         (aligned_micro_batches.snap); but right below a trial that ran over the margin, the
         largest micro-batch that may leave it, where a rising curve is best."""
+        if self.spec.micro_batches is not None:  # a fixed batch: the allowed one nearest its middle
+            middle = (gap.lo + gap.hi) // 2
+            return self.spec.allowed_micro_batch(middle, gap.lo, gap.hi) or middle
         if gap.hi + 1 not in state.over_margin:
             return aligned.snap(gap.lo, gap.hi)
         return max(gap.lo, gap.hi + 1 - self.margin_drop(state, gap.hi + 1))

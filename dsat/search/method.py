@@ -63,6 +63,7 @@ class DsatSearchMethod(SearchMethod):
             slots_per_trial=spec.slots_per_trial,
             memory_margin=settings.memory_margin,
         )
+        self.tracker.count_on_what_ran = spec.micro_batches is not None
         self.rng = np.random.default_rng(settings.random_seed)
         self.precision = Precision.of(spec.ds_config)
         self.builder = TrialBuilder(
@@ -341,9 +342,37 @@ class DsatSearchMethod(SearchMethod):
         if totals and all(limit_known(records, usable, margin, total) for total in totals):
             return None
         ranked = leaders(tracker, 1, self.leader_score())
-        if not ranked:
+        subject = ranked[0] if ranked else None
+        if self.spec.micro_batches is not None:
+            subject = self.held_back_by_the_margin(subject) or subject
+        if subject is None:
             return None
-        return memory_check(records, usable, ranked[0], margin, self.spec.micro_batches)
+        return memory_check(records, usable, subject, margin, self.spec.micro_batches)
+
+    def held_back_by_the_margin(self, leader: TrialRecord | None) -> TrialRecord | None:
+        """The best trial that ran but left less than the margin of the memory known to be
+        usable, when it beat ``leader``: with a fixed batch the micro-batch below it is often
+        half of it, so whether it may be handed over decides much, and only a run that shows
+        more memory usable can tell."""
+        tracker = self.tracker
+        over = [
+            (value, r)
+            for r in tracker.records
+            if r.kind is TrialKind.SEARCH
+            and (value := tracker.metric_value(r)) is not None
+            and not tracker.may_hand_over(r)
+            and not tracker.ran_out_of_memory_again(r)
+        ]
+        best: tuple[float, TrialRecord] | None = None
+        for value, record in over:
+            if best is None or tracker.metric.is_better(value, best[0]):
+                best = (value, record)
+        if best is None:
+            return None
+        leading = None if leader is None else tracker.metric_value(leader)
+        if leading is None or tracker.metric.is_better(best[0], leading):
+            return best[1]
+        return None
 
     def model_profile_failed(self) -> bool:
         record = self.tracker.model_profile

@@ -49,6 +49,10 @@ class TrialTracker:
         # The usable memory the OOMs show (usable_memory.py), worked out again after each outcome.
         self._usable: UsableMemory | None = None
         self._usable_stale = True
+        # With a fixed global batch, before any OOM: count only on what runs completed with,
+        # near the device's total (memory_limit). Set by the method; not state of its own.
+        self.count_on_what_ran = False
+        self._ran_peak: float | None = None
 
     # ------------------------------------------------------------------ registration
 
@@ -195,7 +199,16 @@ class TrialTracker:
     def usable_memory(self) -> UsableMemory | None:
         """Where the OOMs seen so far place the usable memory (None before any)."""
         if self._usable_stale:
-            self._usable = usable_memory(list(self._records.values()))
+            records = list(self._records.values())
+            self._usable = usable_memory(records)
+            peaks = [
+                float(r.metrics["memory_peak_bytes"])
+                for r in records
+                if r.kind in (TrialKind.SEARCH, TrialKind.CONFIRM)
+                and r.status is TrialStatus.COMPLETED
+                and isinstance(r.metrics.get("memory_peak_bytes"), (int, float))
+            ]
+            self._ran_peak = max(peaks, default=None)
             self._usable_stale = False
         return self._usable
 
@@ -203,8 +216,19 @@ class TrialTracker:
         """The most a configuration may use and be handed over, on a device of ``total`` bytes:
         ``--memory-margin`` of the memory that is usable (what the OOMs show, at most the
         device's total) left free."""
-        usable = self.usable_memory
-        return (1.0 - self.memory_margin) * (total if usable is None else min(total, usable.bytes))
+        usable, margin = self.usable_memory, self.memory_margin
+        if usable is not None:
+            return (1.0 - margin) * min(total, usable.bytes)
+        ran = self._ran_peak
+        if self.count_on_what_ran and ran is not None and ran < (1.0 - margin / 2) * total:
+            # No OOM, and no run near the total, shows how much of it is usable, and with a
+            # fixed batch no memory check may be able to (the micro-batch above is twice as
+            # large): near the total, only what ran is known to be usable. Below two margins
+            # of the total the limit does not matter.
+            return min(
+                (1.0 - margin) * total, max((1.0 - margin) * ran, (1.0 - 2 * margin) * total)
+            )
+        return (1.0 - margin) * total
 
     def leaves_margin(self, record: TrialRecord) -> bool:
         """Whether its peak memory leaves ``--memory-margin`` of the usable memory free (yes

@@ -233,8 +233,6 @@ def memory_check(
         floor = usable.bytes
         if allowed is None and usable.failed - floor <= per_sample:
             return None  # known to within a sample
-        if allowed is not None and usable.failed <= floor / (1 - margin):
-            return None  # nothing that ran can leave the margin: no check would change that
         aim, ceiling = (floor + usable.failed) / 2, usable.failed
     if peak < (1.0 - 2 * margin) * floor:
         return None
@@ -243,6 +241,10 @@ def memory_check(
         if need is not None and need >= (floor + aim) / 2:
             return None  # a run near the aim is on its way: it will tell
     tried = {(_config(r), r.mbs) for r in records}  # queued and running ones too
+    if allowed is not None:
+        return _check_at(
+            records, model, leader, tried, allowed, float(peak) / (1 - margin), aim, ceiling
+        )
     best: tuple[float, dict[str, Any], int] | None = None
     for section in _bucket_variants(leader.zero_section):
         probe = leader.replace(
@@ -262,6 +264,46 @@ def memory_check(
     if best is None or best[0] > 0.5 * per_sample + 0.005 * total:
         return None
     return best[1], best[2]
+
+
+def _check_at(
+    records: Sequence[TrialRecord],
+    model: PeakModel,
+    leader: TrialRecord,
+    tried: set[tuple[str, int]],
+    allowed: Sequence[int],
+    shows_margin: float,
+    aim: float,
+    ceiling: float,
+) -> tuple[dict[str, Any], int] | None:
+    """The memory check where only ``allowed`` micro-batches may run (a fixed global batch):
+    the next allowed one is often twice the leader's, far past the limit, so any configuration
+    the search ran (or the leader's with other buckets) at any allowed micro-batch may show it.
+    A run that completes needing ``shows_margin`` or more shows that the leader leaves the
+    margin; one that runs out of memory below ``ceiling`` lowers the known limit. The nearest
+    to ``aim`` of those is run; None when there is none."""
+    sections = {_config(leader): leader.zero_section}
+    for section in _bucket_variants(leader.zero_section):
+        sections.setdefault(section_key(section), section)
+    for record in records:
+        if record.kind is TrialKind.SEARCH and _peak(record) is not None:
+            sections.setdefault(_config(record), record.zero_section)
+    best: tuple[float, dict[str, Any], int] | None = None
+    for key, section in sections.items():
+        probe = leader.replace(
+            ds_config={**leader.ds_config, "zero_optimization": section},
+            hparams={},
+            zero_stage=int(section.get("stage", leader.zero_stage)),
+        )
+        for mbs in allowed:
+            if (key, mbs) in tried:
+                continue
+            need = model.needed(probe.replace(mbs=mbs))
+            if need is None or not shows_margin <= need < ceiling:
+                continue
+            if best is None or abs(need - aim) < best[0]:
+                best = (abs(need - aim), section, mbs)
+    return None if best is None else (best[1], best[2])
 
 
 def _bucket_variants(section: dict[str, Any]) -> list[dict[str, Any]]:
