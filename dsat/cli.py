@@ -170,6 +170,22 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
         'the config\'s numeric train_batch_size; with none or "auto" the batch is free)',
     )
     parser.add_argument(
+        "--seq-len",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="tokens per sample, to report tokens/s (default: the hyperparameter seq_len, "
+        "seq_length, sequence_length, max_seq_length or block_size, if any)",
+    )
+    parser.add_argument(
+        "--peak-tflops",
+        type=positive_float,
+        default=None,
+        metavar="T",
+        help="the GPU's peak TFLOPS at the trial's precision, to report MFU (default: from a "
+        "table of common GPUs, by the trial's device)",
+    )
+    parser.add_argument(
         "--memory-margin",
         type=fraction,
         default=defaults.DEFAULT_MEMORY_MARGIN,

@@ -12,6 +12,7 @@ from dsat.paths import shown
 from dsat.results.directory import BEST_CONFIG_FILE, ResultsWriter, TrialTiming
 from dsat.results.progress import SearchProgress
 from dsat.results.resume import write_settings
+from dsat.results.utilization import Utilization
 from dsat.runners.driver import SearchDriver, TrialListener
 from dsat.runners.trial_runner import TrialRunner
 from dsat.search import MethodSettings, make_search_method
@@ -59,7 +60,8 @@ def run_search(
     """
     write_settings(settings, results_dir)
     method = make_search_method(MethodSettings.from_settings(settings, runner.slot_limit), spec)
-    writer = ResultsWriter(results_dir, runner.slot_kind)
+    utilization = Utilization.of(spec.hparams, settings.seq_len, settings.peak_tflops)
+    writer = ResultsWriter(results_dir, runner.slot_kind, utilization)
     listeners: list[TrialListener] = [ResultsRecorder(method, writer)]
     progress = (
         SearchProgress(method.tracker, settings.metric.value) if runner.takes_real_time else None

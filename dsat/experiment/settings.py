@@ -71,6 +71,8 @@ class SearchSettings:
     confirm_top: int = DEFAULT_CONFIRM_TOP
     memory_margin: float = DEFAULT_MEMORY_MARGIN
     global_batch: int | None = None  # None: the config's numeric train_batch_size, if any
+    seq_len: int | None = None  # tokens per sample, for tokens/s (else a hyperparameter's)
+    peak_tflops: float | None = None  # the GPU's peak, for MFU (else the trial's GPU's)
     runner: str = "auto"
     results_dir: str | None = None
     resume: str | None = None
@@ -119,6 +121,10 @@ class SearchSettings:
             positive["--max-slots"] = self.max_slots
         if self.global_batch is not None:
             positive["--global-batch"] = self.global_batch
+        if self.seq_len is not None:
+            positive["--seq-len"] = self.seq_len
+        if self.peak_tflops is not None:
+            positive["--peak-tflops"] = self.peak_tflops
         if self.early_stopping is not None:
             positive["--early-stopping"] = self.early_stopping
         if self.trial_timeout is not None:

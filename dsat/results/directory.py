@@ -20,8 +20,9 @@ from dsat.atomic_file import write_json_atomic, write_text_atomic
 from dsat.constants import AUTOTUNING_KEY, DSAT_MODE_KEY, OVERWRITE_KEY
 from dsat.errors import DsatError
 from dsat.results.cost import search_cost
+from dsat.results.utilization import Utilization
 from dsat.search.tracker import TrialTracker
-from dsat.trial import TrialKind, TrialRecord
+from dsat.trial import TrialKind, TrialRecord, TrialStatus
 
 TRIALS_FILE = "trials.jsonl"
 BEST_CONFIG_FILE = "best_ds_config.json"
@@ -44,9 +45,18 @@ class TrialTiming:
 
 
 def trial_line(
-    number: int, record: TrialRecord, timing: TrialTiming, slots: int, slot_kind: str
+    number: int,
+    record: TrialRecord,
+    timing: TrialTiming,
+    slots: int,
+    slot_kind: str,
+    utilization: Utilization | None = None,
 ) -> dict[str, Any]:
-    """Its row in trials.jsonl; the slots it held, with its start and end, are its cost."""
+    """Its row in trials.jsonl; the slots it held, with its start and end, are its cost. Its
+    metrics carry tokens/s and MFU where ``utilization`` can work them out."""
+    metrics = record.metrics
+    if utilization is not None and record.status is TrialStatus.COMPLETED:
+        metrics = {**metrics, **utilization.derived(metrics)}
     return {
         "trial": number,
         "request_id": record.request_id,
@@ -57,7 +67,7 @@ def trial_line(
         "gas": record.gas,
         "name": record.name,
         "overwrites": record.hparams.get(OVERWRITE_KEY, {}),
-        "metrics": record.metrics,
+        "metrics": metrics,
         "error": record.error,
         "cause": None if record.cause is None else record.cause.value,  # whom a failure blames
         "log": record.log,
@@ -95,9 +105,12 @@ class ResultsWriter:
 
     ``slot_kind``: what the trials' slots are, "GPU" or "CPU", for the cost in the summary."""
 
-    def __init__(self, directory: Path, slot_kind: str = "GPU") -> None:
+    def __init__(
+        self, directory: Path, slot_kind: str = "GPU", utilization: Utilization | None = None
+    ) -> None:
         self.directory = Path(directory)
         self.slot_kind = slot_kind
+        self.utilization = utilization or Utilization()
         self.directory.mkdir(parents=True, exist_ok=True)
         self._lines: list[dict[str, Any]] = []
         path = self.directory / TRIALS_FILE
@@ -130,7 +143,9 @@ class ResultsWriter:
         lines = list(self._lines)
         earlier = [i for i, line in enumerate(lines) if line.get("request_id") == record.request_id]
         number = earlier[0] if earlier else len(lines)
-        line = trial_line(number, record, shifted, tracker.slots_per_trial, self.slot_kind)
+        line = trial_line(
+            number, record, shifted, tracker.slots_per_trial, self.slot_kind, self.utilization
+        )
         if earlier:
             lines[number] = line
         else:
@@ -144,7 +159,8 @@ class ResultsWriter:
         best = tracker.best()
         if best is not None and best.request_id != self._best_id:
             write_json_atomic(self.directory / BEST_CONFIG_FILE, best_ds_config(best))
-            write_json_atomic(self.directory / BEST_METRICS_FILE, best.metrics)
+            metrics = {**best.metrics, **self.utilization.derived(best.metrics)}
+            write_json_atomic(self.directory / BEST_METRICS_FILE, metrics)
             self._best_id = best.request_id
 
     def write_summary(self, tracker: TrialTracker, why: str = "", batch: str = "") -> str:
@@ -155,12 +171,14 @@ class ResultsWriter:
         self._write_best(tracker)
         cost = search_cost(self._lines, tracker.slots_per_trial, self.slot_kind)
         reason = f"{HANDED_OVER_PREFIX} {why}\n" if why else ""
+        best = tracker.best()
+        rate = "" if best is None else self.utilization.line(best.metrics)
         text = (
             summary_table(tracker)
             + confirmation_table(tracker)
             + "\n"
             + reason
-            + (f"{batch}\n" if batch else "")
+            + "".join(f"{line}\n" for line in (batch, rate) if line)
             + cost.line()
             + "\n"
         )

@@ -251,10 +251,17 @@ def page(results: SearchResults, results_dir: Path, png: bytes) -> str:
     text = summary.read_text() if summary.is_file() else stage_table(results) + "\n"
     if not any(line.startswith(COST_PREFIX) for line in text.splitlines()):  # none written yet
         text += "\n" + results.cost_line() + "\n"
+    # Tokens/s and MFU where the search could work them out (results/utilization.py).
+    shown_rates = [
+        (key, title)
+        for key, title in (("tokens_per_second", "tokens/s"), ("mfu", "MFU"))
+        if any(key in (row.get("metrics") or {}) for row in results.rows)
+    ]
     rows = []
     for row in results.rows:
         value = results.value(row)
-        peak = (row.get("metrics") or {}).get("memory_peak_bytes")
+        metrics = row.get("metrics") or {}
+        peak = metrics.get("memory_peak_bytes")
         cells = [
             row.get("trial"),
             row.get("kind"),
@@ -264,7 +271,11 @@ def page(results: SearchResults, results_dir: Path, png: bytes) -> str:
             "" if not peak else f"{peak / 2**30:.2f}",
             f"{float(row.get('end', 0.0)) - float(row.get('start', 0.0)):.1f}",
         ]
+        for key, _ in shown_rates:
+            rate = metrics.get(key)
+            cells.append("" if rate is None else f"{rate:.1%}" if key == "mfu" else f"{rate:.4g}")
         rows.append("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in cells) + "</tr>")
+    rate_headers = "".join(f"<th>{title}</th>" for _, title in shown_rates)
     image = base64.b64encode(png).decode()
     return f"""<!DOCTYPE html>
 <html><head><meta charset="utf-8"><title>dsat report: {html.escape(results_dir.name)}</title>
@@ -274,7 +285,7 @@ tr:nth-child(even){{background:#f4f4f4}}</style></head><body>
 <img alt="the search drawn" src="data:image/png;base64,{image}">
 <h2>Summary</h2><pre>{html.escape(text)}</pre>
 <h2>Trials</h2><table><tr><th>trial</th><th>kind</th><th>config</th><th>status</th>
-<th>{html.escape(results.metric.value)}</th><th>peak GiB</th><th>time, s</th></tr>
+<th>{html.escape(results.metric.value)}</th><th>peak GiB</th><th>time, s</th>{rate_headers}</tr>
 {"".join(rows)}
 </table></body></html>
 """

@@ -20,6 +20,7 @@ from dsat.constants import GRAD_ACCUM_STEPS, MICRO_BATCH_SIZE, OVERWRITE_KEY
 from dsat.errors import DsatError
 from dsat.experiment.batch_size import batch_value
 from dsat.experiment.config import deep_merge, load_ds_json
+from dsat.memory import Precision
 from dsat.training.step_clock import start_clock
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,16 @@ def _set_flag(args: list[str], flag: str, value: str) -> list[str]:
     return updated
 
 
+def hf_precision(args: Sequence[str], ds_config: Mapping[str, Any]) -> Precision:
+    """The trial's precision: HF's ``--bf16``/``--fp16`` switch (which fills in a JSON's
+    ``"auto"``), else the JSON's own."""
+    for flag, precision in (("--bf16", Precision.BF16), ("--fp16", Precision.FP16)):
+        index, value = _find_flag(args, flag)
+        if index >= 0 and (value is None or value.startswith("--") or value.lower() != "false"):
+            return precision
+    return Precision.of(ds_config)
+
+
 def merged_config_path(ds_config_path: Path) -> Path:
     stem = ds_config_path.name.removesuffix(".json")
     return ds_config_path.with_name(stem + MERGED_SUFFIX)
@@ -89,6 +100,7 @@ def get_hf_args_with_overwrites(args: Sequence[str], hparams: Mapping[str, Any])
     with filelock.FileLock(str(target) + ".lock"):
         merged = deep_merge(load_ds_json(source, "--deepspeed"), overwrites)
         write_json_atomic(target, merged)
+    start_clock(overwrites, hf_precision(args, merged))
     args = _set_flag(args, HF_DS_FLAG, str(target))
     for flag, key in HF_BATCH_FLAGS.items():
         number = batch_value(merged, key, str(target))

@@ -26,7 +26,7 @@ from dsat.constants import (
     TRIAL_OUTCOME_FILE,
 )
 from dsat.training.oom import is_out_of_memory
-from dsat.training.step_clock import current_clock, peak_memory
+from dsat.training.step_clock import current_clock, device_peak, peak_memory
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +118,8 @@ def report_result(
         return
     clock = current_clock()
     if result.kind == METRICS and clock is not None:
-        result = AutotuningResult(METRICS, {**clock.metrics(result.values), **peak_memory()})
+        measured = {**clock.metrics(result.values), **peak_memory(), **device_peak(clock.precision)}
+        result = AutotuningResult(METRICS, measured)
     write_json_atomic(
         directory / TRIAL_OUTCOME_FILE,
         {"status": "completed", "kind": result.kind, "values": result.values},

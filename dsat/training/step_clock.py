@@ -29,6 +29,8 @@ from typing import Any
 
 from dsat.atomic_file import write_json_atomic
 from dsat.constants import AUTOTUNING_KEY, TRIAL_OUTCOME_FILE
+from dsat.device_peaks import peak_flops
+from dsat.memory import Precision
 
 # Optimizer steps before the window opens: the first steps of a run allocate, compile and fill
 # caches (on an H100, GPT-2 medium took 1.4 s, 2.2 s, then 0.5 s a step).
@@ -57,6 +59,7 @@ class StepClock:
     marks: list[tuple[int, float]] = dataclasses.field(default_factory=list)
     train_batch_size: int | None = None
     steps_done: int = 0
+    precision: Precision | None = None  # the trial's, for its device's peak FLOPS (MFU)
 
     def mark(self, global_steps: int, train_batch_size: int) -> None:
         self.steps_done = global_steps
@@ -126,6 +129,17 @@ def peak_memory() -> dict[str, int]:
     }
 
 
+def device_peak(precision: Precision | None) -> dict[str, float]:
+    """The GPU's peak FLOPS at the trial's precision (dsat.device_peaks), where it is known: the
+    search works out MFU from it. Nothing on the CPU."""
+    import torch
+
+    if precision is None or not (torch.cuda.is_available() and torch.cuda.is_initialized()):  # type: ignore[no-untyped-call]
+        return {}
+    peak = peak_flops(torch.cuda.get_device_name(torch.cuda.current_device()), precision)
+    return {} if peak is None else {"device_peak_flops": peak}
+
+
 _clock: StepClock | None = None
 
 
@@ -140,9 +154,11 @@ def stop_clock() -> None:
     _clock = None
 
 
-def start_clock(overwrites: Mapping[str, Any] | None) -> StepClock | None:
+def start_clock(
+    overwrites: Mapping[str, Any] | None, precision: Precision | None = None
+) -> StepClock | None:
     """Start timing DeepSpeed's optimizer steps when ``overwrites`` make this a search trial (an
-    autotuning block with a metric window); idempotent."""
+    autotuning block with a metric window); idempotent. ``precision``: the trial's."""
     global _clock
     block = (overwrites or {}).get(AUTOTUNING_KEY)
     if not isinstance(block, Mapping) or "end_profile_step" not in block:
@@ -154,6 +170,8 @@ def start_clock(overwrites: Mapping[str, Any] | None) -> StepClock | None:
         _clock = StepClock(first, last)
         _time_engine_steps()
         atexit.register(_explain_missing_results, Path.cwd())
+    if precision is not None:
+        _clock.precision = precision
     return _clock
 
 

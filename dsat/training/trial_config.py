@@ -16,6 +16,7 @@ from typing import Any
 from dsat.constants import DS_CONFIG_KEY, ENV_HPARAMS_FILE, ENV_TRIAL_LENGTH, OVERWRITE_KEY
 from dsat.errors import DsatError
 from dsat.experiment.config import deep_merge, load_ds_json
+from dsat.memory import Precision
 from dsat.training.step_clock import start_clock
 
 
@@ -40,8 +41,9 @@ def get_ds_config_from_hparams(
         )
     base = load_ds_json(Path(base_dir) / relative, f"hyperparameters.{DS_CONFIG_KEY}")
     overwrites = hparams.get(OVERWRITE_KEY) or {}
-    start_clock(overwrites)  # a search trial: dsat times the steps itself
-    return deep_merge(base, overwrites)
+    merged = deep_merge(base, overwrites)
+    start_clock(overwrites, Precision.of(merged))  # a search trial: dsat times the steps itself
+    return merged
 
 
 def lengthen_offcluster_operations(length: int) -> None:

@@ -17,6 +17,7 @@ from dsat.results.directory import (
     full_experiment_hparams,
     summary_table,
 )
+from dsat.results.utilization import Utilization
 from dsat.runners.simulated.performance_models import gpt2_large_16xv100
 from dsat.runners.simulated.runner import SimulatedRunner
 from dsat.search.method import DsatSearchMethod
@@ -81,7 +82,10 @@ def test_results_files(tmp_path: Path) -> None:
         "type": "Adam"
     }
     assert deepspeed_config_error(config, world_size=16) is None  # ready for deepspeed.initialize
-    assert json.loads((tmp_path / BEST_METRICS_FILE).read_text()) == best.metrics
+    # The hand-over's metrics, with MFU worked out (the simulated GPU reports its peak).
+    derived = Utilization().derived(best.metrics)
+    assert set(derived) == {"mfu"}
+    assert json.loads((tmp_path / BEST_METRICS_FILE).read_text()) == {**best.metrics, **derived}
     assert (tmp_path / STATE_FILE).is_file() and (tmp_path / SETTINGS_FILE).is_file()
     summary = (tmp_path / SUMMARY_FILE).read_text()
     table = summary_table(method.tracker)  # type: ignore[attr-defined]
@@ -90,7 +94,11 @@ def test_results_files(tmp_path: Path) -> None:
         f"global batch: {16 * best.mbs} (micro-batch {best.mbs} x accumulation 1 x 16 ranks), "
         "free: set train_batch_size or --global-batch N to keep yours"
     )
-    assert summary == table + "\n" + batch + "\n" + search_cost(rows).line() + "\n"  # and cost
+    # The simulated GPUs report their peak, so the hand-over's MFU is known (no sequence length
+    # is, so no tokens/s).
+    rate = Utilization().line(best.metrics)
+    assert rate.startswith("handed-over throughput: MFU ") and "tokens/s" not in rate
+    assert summary == table + "\n" + batch + "\n" + rate + "\n" + search_cost(rows).line() + "\n"
     assert summary.startswith("| tuning_space | num_experiments | best_metric_val | best_exp_name")
     assert re.search(r"^\| global +\| +23 \|", summary, re.MULTILINE)  # the 23 search trials
     assert best.name in table.splitlines()[-1]

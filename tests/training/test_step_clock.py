@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
+from dsat.memory import Precision
+from dsat.training.hf_args import hf_precision
 from dsat.training.step_clock import (
     MEASURED_STEPS,
     WARMUP_STEPS,
     StepClock,
+    current_clock,
+    device_peak,
     flops_per_step,
     measured_window,
     spread,
+    stop_clock,
 )
+from dsat.training.trial_config import get_ds_config_from_hparams
 
 DEEPSPEED = {"throughput": 900.0, "latency": 10.0, "FLOPS_per_gpu": 4e12, "fwd": 3.0}
 
@@ -58,3 +67,37 @@ def test_a_window_still_warming_up_shows_as_spread() -> None:
 def test_without_a_window_deepspeeds_figures_stand() -> None:
     assert StepClock(5).metrics(DEEPSPEED) == {**DEEPSPEED, "measured_steps": 0}
     assert flops_per_step({"throughput": 1.0}) is None
+
+
+def test_a_trial_knows_its_precision_and_its_device_peak_only_on_a_known_gpu(
+    tmp_path: Path,
+) -> None:
+    """The trial's precision reaches the clock (for its GPU's peak, and so MFU); on the CPU no
+    peak is reported, so the search reports no MFU unless --peak-tflops gives one."""
+    (tmp_path / "ds.json").write_text(json.dumps({"bf16": {"enabled": True}}))
+    overwrites = {"autotuning": {"enabled": True, "start_profile_step": 3, "end_profile_step": 5}}
+    stop_clock()
+    try:
+        get_ds_config_from_hparams(
+            {"deepspeed_config": "ds.json", "overwrite_deepspeed_args": overwrites},
+            base_dir=tmp_path,
+        )
+        clock = current_clock()
+        assert clock is not None and clock.precision is Precision.BF16
+        assert device_peak(clock.precision) == {}  # no GPU here
+    finally:
+        stop_clock()
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--bf16"], Precision.BF16),
+        (["--fp16", "True", "--output_dir", "x"], Precision.FP16),
+        (["--bf16=false"], Precision.FP32),
+        (["--bf16", "--output_dir", "x"], Precision.BF16),
+        ([], Precision.FP32),
+    ],
+)
+def test_an_hf_trials_precision_is_its_switch(args: list[str], expected: Precision) -> None:
+    assert hf_precision(args, {"bf16": {"enabled": "auto"}}) is expected

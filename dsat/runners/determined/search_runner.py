@@ -34,6 +34,7 @@ from dsat.results.directory import (
     ResultsWriter,
     TrialTiming,
 )
+from dsat.results.utilization import Utilization
 from dsat.runners.determined.configs import (
     DSAT_PACKAGE,
     SETTINGS_UPLOAD,
@@ -57,13 +58,20 @@ class CheckpointedSearchRunner(searcher.RemoteSearchRunner):  # type: ignore[mis
     """Determined's RemoteSearchRunner, checkpointing JSON instead of pickle, and keeping dsat's
     results files current in the working directory and in every checkpoint."""
 
-    def __init__(self, method: DsatSearchMethod, context: Any, results_dir: Path) -> None:
+    def __init__(
+        self,
+        method: DsatSearchMethod,
+        context: Any,
+        results_dir: Path,
+        utilization: Utilization | None = None,
+    ) -> None:
         with warnings.catch_warnings():  # Determined marks custom searchers deprecated in 0.37
             warnings.simplefilter("ignore", FutureWarning)
             super().__init__(DsatSearcher(method), context)
         self.method = method
         self.results_dir = results_dir
-        self.writer = ResultsWriter(results_dir)
+        self.utilization = utilization
+        self.writer = ResultsWriter(results_dir, utilization=utilization)
         self.started: dict[str, float] = {}
         self.last_operations: list[searcher.Operation] = []
         self.full_experiment_id: int | None = None
@@ -112,7 +120,7 @@ class CheckpointedSearchRunner(searcher.RemoteSearchRunner):  # type: ignore[mis
                     shutil.copyfile(path / name, self.results_dir / name)
             if (path / FULL_EXPERIMENT_FILE).is_file():
                 self.full_experiment_id = int((path / FULL_EXPERIMENT_FILE).read_text())
-        self.writer = ResultsWriter(self.results_dir)
+        self.writer = ResultsWriter(self.results_dir, utilization=self.utilization)
         self.last_operations = operations
         return int(experiment_id), operations
 
@@ -139,7 +147,8 @@ def run(core_context: Any, workdir: Path, runner_experiment_id: int) -> DsatSear
         exp_config["hyperparameters"], experiment.ds_config, experiment.slots_per_trial
     )
     method = make_search_method(MethodSettings.from_settings(settings), spec)
-    runner = CheckpointedSearchRunner(method, core_context, workdir / "dsat-results")
+    utilization = Utilization.of(spec.hparams, settings.seq_len, settings.peak_tflops)
+    runner = CheckpointedSearchRunner(method, core_context, workdir / "dsat-results", utilization)
     includes = [*experiment.includes, workdir / DSAT_PACKAGE]  # trials `import dsat` too
     runner.run(exp_config, model_dir=str(experiment.model_dir), includes=includes)
     summary = runner.results_dir / SUMMARY_FILE

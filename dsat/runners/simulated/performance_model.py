@@ -316,6 +316,7 @@ class PerformanceModel:
         # hand-over reads them (--memory-margin, the confirmation round's headroom preference).
         result["memory_peak_bytes"] = peak
         result["memory_total_bytes"] = self.gpu_mem
+        result["device_peak_flops"] = self.peak_flops  # as a trial on a known GPU reports it
         result["seconds"] = self.startup_seconds + self.profiled_steps * result["latency"] / 1000
         return result
 

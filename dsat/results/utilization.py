@@ -1,0 +1,60 @@
+"""Tokens/s and MFU of a trial: how users compare training runs (torchtitan, NeMo), worked out
+from what a trial measured (samples/s, achieved FLOPS per GPU) and what the search knows.
+
+The sequence length comes from ``--seq-len`` or a hyperparameter that names it; the device's
+peak from ``--peak-tflops``, or what the trial reported for its GPU (dsat.device_peaks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+# Hyperparameters that name the sequence length, in the spellings training scripts use.
+SEQ_LEN_KEYS = ("seq_len", "seq_length", "sequence_length", "max_seq_length", "block_size")
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        return None
+    return float(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Utilization:
+    seq_len: int | None = None  # tokens per sample
+    peak_flops: float | None = None  # per GPU per second (--peak-tflops); else the trial's
+
+    @classmethod
+    def of(
+        cls, hparams: Mapping[str, Any], seq_len: int | None, peak_tflops: float | None
+    ) -> Utilization:
+        """From the flags, else the experiment's hyperparameters."""
+        if seq_len is None:
+            found = (_number(hparams.get(key)) for key in SEQ_LEN_KEYS)
+            seq_len = next((int(v) for v in found if v is not None), None)
+        return cls(seq_len, None if peak_tflops is None else peak_tflops * 1e12)
+
+    def derived(self, metrics: Mapping[str, Any]) -> dict[str, float]:
+        """``tokens_per_second`` (of the whole trial) and ``mfu`` (a fraction), where known."""
+        found: dict[str, float] = {}
+        throughput = _number(metrics.get("throughput"))
+        if self.seq_len and throughput is not None:
+            found["tokens_per_second"] = throughput * self.seq_len
+        flops = _number(metrics.get("FLOPS_per_gpu"))
+        peak = self.peak_flops or _number(metrics.get("device_peak_flops"))
+        if flops is not None and peak:
+            found["mfu"] = flops / peak
+        return found
+
+    def line(self, metrics: Mapping[str, Any]) -> str:
+        """The summary's line on the handed-over configuration; empty when neither is known."""
+        found = self.derived(metrics)
+        parts = []
+        if "tokens_per_second" in found:
+            parts.append(f"{found['tokens_per_second']:.4g} tokens/s (sequence {self.seq_len})")
+        if "mfu" in found:
+            peak = self.peak_flops or _number(metrics.get("device_peak_flops")) or 0.0
+            parts.append(f"MFU {found['mfu']:.1%} of {peak / 1e12:.4g} TFLOPS per GPU")
+        return f"handed-over throughput: {', '.join(parts)}" if parts else ""

@@ -1,0 +1,67 @@
+"""Tokens/s and MFU: worked out from a trial's samples/s and FLOPS, in trials.jsonl, the summary
+and the report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dsat.results.directory import SUMMARY_FILE, TRIALS_FILE
+from dsat.results.report import write_report
+from dsat.results.utilization import Utilization
+from dsat.runners.simulated.performance_models import BUILTIN_MODELS
+from dsat.runners.simulated.runner import SimulatedRunner
+from dsat.search.trial_builder import SearchSpec
+from dsat.search_run import run_search
+from tests.search.helpers import search_settings
+
+METRICS = {"throughput": 50.0, "FLOPS_per_gpu": 1.5e14, "device_peak_flops": 3.12e14}
+
+
+def test_tokens_per_second_and_mfu_from_a_trials_metrics() -> None:
+    found = Utilization(seq_len=1024).derived(METRICS)
+    assert found == {"tokens_per_second": 50.0 * 1024, "mfu": pytest.approx(1.5 / 3.12)}
+    # --peak-tflops overrides the device's; without a sequence length no tokens/s.
+    assert Utilization(peak_flops=3e14).derived(METRICS) == {"mfu": pytest.approx(0.5)}
+    assert Utilization().derived({"throughput": 50.0, "FLOPS_per_gpu": 1e12}) == {}
+    line = Utilization(seq_len=1024).line(METRICS)
+    assert (
+        line
+        == "handed-over throughput: 5.12e+04 tokens/s (sequence 1024), MFU 48.1% of 312 TFLOPS per GPU"
+    )
+    assert Utilization().line({"throughput": 50.0}) == ""
+
+
+def test_the_sequence_length_comes_from_the_flag_or_a_hyperparameter() -> None:
+    assert Utilization.of({"max_seq_length": 512}, None, None).seq_len == 512
+    assert Utilization.of({"block_size": 128, "seq_len": 256}, None, None).seq_len == 256
+    assert Utilization.of({"seq_len": 256}, 2048, 989.0) == Utilization(2048, 989e12)
+    assert Utilization.of({"seq_len": "long"}, None, None).seq_len is None
+
+
+def test_a_search_reports_them_in_its_rows_summary_and_report(tmp_path: Path) -> None:
+    model = BUILTIN_MODELS["gpt_1b_knobs_16xethernet"]
+    slots = model.gpus
+    spec = SearchSpec(
+        {"deepspeed_config": "ds.json", "seq_len": 2048},
+        {"train_micro_batch_size_per_gpu": 1, **model.base_ds_config},
+        slots,
+    )
+    run_search(
+        search_settings("binary", max_trials=8), spec, SimulatedRunner(model, slots), tmp_path
+    )
+    rows = [json.loads(line) for line in (tmp_path / TRIALS_FILE).read_text().splitlines()]
+    ran = [row for row in rows[1:] if row["status"] == "completed"]
+    assert ran
+    for row in ran:
+        metrics = row["metrics"]
+        assert metrics["tokens_per_second"] == pytest.approx(metrics["throughput"] * 2048)
+        assert metrics["mfu"] == pytest.approx(metrics["FLOPS_per_gpu"] / model.peak_flops)
+        assert 0 < metrics["mfu"] < 1
+    summary = (tmp_path / SUMMARY_FILE).read_text()
+    assert "handed-over throughput: " in summary and "tokens/s (sequence 2048), MFU " in summary
+    _, page = write_report(tmp_path)
+    html = page.read_text()
+    assert "<th>tokens/s</th><th>MFU</th>" in html
