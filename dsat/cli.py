@@ -170,6 +170,13 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
         'the config\'s numeric train_batch_size; with none or "auto" the batch is free)',
     )
     parser.add_argument(
+        "--no-baseline",
+        dest="baseline",
+        action="store_false",
+        help="do not run your own configuration once to compare the hand-over with (it runs "
+        "after the model profile, on top of --max-trials)",
+    )
+    parser.add_argument(
         "--seq-len",
         type=positive_int,
         default=None,

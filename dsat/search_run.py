@@ -81,11 +81,7 @@ def run_search(
     with progress or contextlib.nullcontext():
         driver.run(resume=resuming)
     if driver.shutdown is not None or not runner.running_count():
-        writer.write_summary(
-            method.tracker,
-            method.ending.handover_reason,
-            method.spec.batch_line(method.tracker.best()),
-        )
+        writer.write_summary(method.tracker, method.ending.handover_reason, method.summary_notes())
         save_state(method, results_dir)
     return method
 

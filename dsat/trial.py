@@ -47,6 +47,7 @@ class TrialKind(str, enum.Enum):
     MODEL_PROFILE = "model_profile"  # micro-batch 1, measures the model for the memory model
     SEARCH = "search"  # measures one DeepSpeed configuration
     CONFIRM = "confirm"  # runs a leading configuration again before it is handed over
+    BASELINE = "baseline"  # the user's own configuration as submitted, to compare the hand-over
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,6 +23,7 @@ KIND_WORDS = {
     TrialKind.MODEL_PROFILE.value: ("model profile", "model profiles"),
     TrialKind.SEARCH.value: ("search", "search"),
     TrialKind.CONFIRM.value: ("confirmation run", "confirmation runs"),
+    TrialKind.BASELINE.value: ("baseline", "baselines"),
 }
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -163,9 +163,10 @@ class ResultsWriter:
             write_json_atomic(self.directory / BEST_METRICS_FILE, metrics)
             self._best_id = best.request_id
 
-    def write_summary(self, tracker: TrialTracker, why: str = "", batch: str = "") -> str:
+    def write_summary(self, tracker: TrialTracker, why: str = "", notes: Sequence[str] = ()) -> str:
         """The summary at the end, with why the handed-over configuration won (``why``, the
-        search's own words), what became of the global batch (``batch``) and what the search
+        search's own words), the search's ``notes`` (what became of the global batch, the
+        user's own configuration against the hand-over), its throughput and what the search
         cost, and the best config as the search finally decided it (the confirmation round
         decides after its last trial is recorded)."""
         self._write_best(tracker)
@@ -178,7 +179,7 @@ class ResultsWriter:
             + confirmation_table(tracker)
             + "\n"
             + reason
-            + "".join(f"{line}\n" for line in (batch, rate) if line)
+            + "".join(f"{line}\n" for line in (*notes, rate) if line)
             + cost.line()
             + "\n"
         )

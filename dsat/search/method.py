@@ -29,6 +29,7 @@ from dsat.memory import (
     determined_max_micro_batch,
     log_estimates,
 )
+from dsat.search.baseline import baseline_line, baseline_trial
 from dsat.search.confirmation import Score, leaders
 from dsat.search.denoised_ranking import denoised_score
 from dsat.search.ending import SearchEnding
@@ -125,6 +126,8 @@ class DsatSearchMethod(SearchMethod):
             profile = self.profile
             if profile is not None:
                 log_estimates(profile, self.precision, self.spec.slots_per_trial)
+                if self.settings.baseline:
+                    self._queue(functools.partial(baseline_trial, self))
                 self._follow_up(self.initial_lineages)
         elif record.kind is TrialKind.SEARCH and self.tracker.too_large(record):
             # It ran, but leaves less than --memory-margin free: to the search, too large.
@@ -373,6 +376,10 @@ class DsatSearchMethod(SearchMethod):
         if leading is None or tracker.metric.is_better(best[0], leading):
             return best[1]
         return None
+
+    def summary_notes(self) -> list[str]:
+        """The summary's lines on the global batch and on the user's own configuration."""
+        return [self.spec.batch_line(self.tracker.best()), baseline_line(self)]
 
     def model_profile_failed(self) -> bool:
         record = self.tracker.model_profile

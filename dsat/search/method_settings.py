@@ -57,6 +57,9 @@ class MethodSettings:
     # the confirmation round
     confirm_top: int = DEFAULT_CONFIRM_TOP
     memory_margin: float = DEFAULT_MEMORY_MARGIN
+    # The user's own configuration run once, to compare (the CLI's default; off for a bare
+    # method, as tests and benchmarks of the search build one).
+    baseline: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.metric, Metric):

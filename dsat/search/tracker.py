@@ -186,6 +186,10 @@ class TrialTracker:
         """The searched metric of a completed confirmation run; None for anything else."""
         return self._value(record) if record.kind is TrialKind.CONFIRM else None
 
+    def baseline_value(self, record: TrialRecord) -> float | None:
+        """The searched metric of the user's own configuration's run; None for anything else."""
+        return self._value(record) if record.kind is TrialKind.BASELINE else None
+
     def _value(self, record: TrialRecord) -> float | None:
         if record.status is not TrialStatus.COMPLETED:
             return None
@@ -279,7 +283,11 @@ class TrialTracker:
         if stage is None and self.confirmed_id is not None:
             return self._records[self.confirmed_id]
         return self.best_of(
-            [r for r in self._records.values() if stage is None or r.zero_stage == stage]
+            [
+                r
+                for r in self._records.values()
+                if (stage is None or r.zero_stage == stage) and r.kind is not TrialKind.BASELINE
+            ]
         )
 
     # ------------------------------------------------------------------ lineages

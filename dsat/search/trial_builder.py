@@ -123,12 +123,13 @@ class TrialBuilder:
         index: int,
         kind: TrialKind,
         zero_config: dict[str, Any] | None,
-        mbs: int,
+        mbs: int | None,
         parent: TrialRecord | None = None,
         search_range: SearchRange | None = None,
         rung: int = 0,
     ) -> TrialRecord:
-        """The ``index``-th trial's record (not yet registered)."""
+        """The ``index``-th trial's record (not yet registered); ``zero_config`` and ``mbs``
+        None keep the user's own section and batch triple."""
         spec = self.spec
         user_overwrites = spec.hparams.get(OVERWRITE_KEY) or {}
         overwrites = deep_merge(user_overwrites, {AUTOTUNING_KEY: self.autotuning_block(kind)})

@@ -31,8 +31,10 @@ def settings(method: str = "binary", **overrides: Any) -> MethodSettings:
 
 
 def search_settings(method: str = "binary", **overrides: Any) -> SearchSettings:
-    """The settings of a whole search (for ``run_search``, which saves them for a resume)."""
+    """The settings of a whole search (for ``run_search``, which saves them for a resume):
+    without the user's-config baseline unless a test asks for it."""
     overrides.setdefault("confirm_top", 0)
+    overrides.setdefault("baseline", False)
     return SearchSettings(method=method, config_path="x.yaml", model_dir=".", **overrides)
 
 

@@ -91,10 +91,7 @@ class CheckpointedSearchRunner(searcher.RemoteSearchRunner):  # type: ignore[mis
             if isinstance(op, searcher.Create):
                 self.started[str(op.request_id)] = now
             elif isinstance(op, searcher.Shutdown):
-                tracker = self.method.tracker
-                self.writer.write_summary(
-                    tracker, batch=self.method.spec.batch_line(tracker.best())
-                )
+                self.writer.write_summary(self.method.tracker, notes=self.method.summary_notes())
         self.last_operations = ops
         return ops
 

@@ -1,0 +1,96 @@
+"""The user's own configuration, run once as submitted, so the summary can say how much faster
+the hand-over is (as DeepSpeed's autotuning tutorial reports against its baseline).
+
+It runs right after the model profile, on top of ``--max-trials`` like the confirmation round,
+and is never handed over. It is skipped (and the summary says why) when the user's config leaves
+the micro-batch to the training script (``"auto"``, as HF configs do) or when the memory model
+says it cannot fit; ``--no-baseline`` skips it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from dsat.constants import MICRO_BATCH_SIZE, OVERWRITE_KEY
+from dsat.experiment.batch_size import batch_value, consistent_batch_sizes, fixed_global_batch
+from dsat.experiment.config import deep_merge
+from dsat.trial import TrialKind, TrialRecord, TrialStatus
+
+if TYPE_CHECKING:
+    from dsat.search.method import DsatSearchMethod
+
+
+def user_micro_batch(method: DsatSearchMethod) -> tuple[int, int] | None:
+    """The user's (ZeRO stage, micro-batch), as their config sets them; None when it leaves the
+    micro-batch to the training script."""
+    spec = method.spec
+    merged = deep_merge(spec.ds_config, spec.hparams.get(OVERWRITE_KEY) or {})
+    micro = batch_value(merged, MICRO_BATCH_SIZE, "config")
+    if micro is None and fixed_global_batch(merged) is None:
+        return None
+    batch = consistent_batch_sizes(merged, spec.slots_per_trial)
+    zero = merged.get("zero_optimization")
+    stage = int(zero.get("stage", 0)) if isinstance(zero, dict) else 0
+    return stage, batch[MICRO_BATCH_SIZE]
+
+
+def why_no_baseline(method: DsatSearchMethod) -> str | None:
+    """Why the user's configuration is not run; None when it is (or will be)."""
+    found = user_micro_batch(method)
+    if found is None:
+        return "your DeepSpeed config leaves the micro-batch to the training script"
+    stage, micro = found
+    if method.profile is not None and micro > method.micro_batch_ceiling(stage):
+        return f"your config (ZeRO-{stage}, micro-batch {micro}) does not fit by the memory model"
+    return None
+
+
+def baseline_trial(method: DsatSearchMethod) -> list[TrialRecord]:
+    """The baseline trial to queue first once the model profile is in (registered, on top of
+    the budget); none when it is skipped."""
+    if why_no_baseline(method) is not None:
+        return []
+    record = method.register(method.builder.make(method.next_index, TrialKind.BASELINE, None, None))
+    if record is None:
+        return []
+    method.tracker.max_trials += 1
+    return [record]
+
+
+def describe(record: TrialRecord) -> str:
+    return f"ZeRO-{record.zero_stage} micro-batch {record.mbs}" + (
+        f" x accumulation {record.gas}" if record.gas > 1 else ""
+    )
+
+
+def baseline_line(method: DsatSearchMethod) -> str:
+    """The summary's line comparing the hand-over with the user's own configuration."""
+    if not method.settings.baseline:
+        return ""
+    tracker = method.tracker
+    runs = [r for r in tracker.records if r.kind is TrialKind.BASELINE]
+    if not runs:
+        why = why_no_baseline(method)
+        return f"your config: not run ({why})" if why else ""
+    baseline, handed = runs[-1], tracker.best()
+    mine = tracker.baseline_value(baseline)
+    if mine is None:
+        ended = "ran out of memory" if baseline.status is TrialStatus.OOM else baseline.status.value
+        return f"your config ({describe(baseline)}): {ended}"
+    runs_of_handed = (
+        []
+        if handed is None
+        else [
+            tracker.metric_value(handed),
+            *(tracker.confirmed_value(r) for r in tracker.confirmation_runs(handed.request_id)),
+        ]
+    )
+    measured = [v for v in runs_of_handed if v is not None]
+    if handed is None or not measured or not mine:
+        return f"your config ({describe(baseline)}): {mine:.4g} {tracker.metric.value}"
+    theirs = sum(measured) / len(measured)  # as the summary's global row shows it
+    speedup = mine / theirs if tracker.metric.smaller_is_better else theirs / mine
+    return (
+        f"{speedup:.2f}x your config ({tracker.metric.value} {mine:.4g}): "
+        f"{describe(baseline)} -> {describe(handed)}"
+    )

@@ -1,0 +1,88 @@
+"""The user's own configuration, run once as submitted: on top of the budget, never handed over,
+and the summary says how much faster the hand-over is, or why it did not run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from dsat.results.directory import SUMMARY_FILE, TRIALS_FILE
+from dsat.runners.simulated.performance_models import BUILTIN_MODELS
+from dsat.runners.simulated.runner import SimulatedRunner
+from dsat.search.method import DsatSearchMethod
+from dsat.search.trial_builder import SearchSpec
+from dsat.search_run import run_search
+from dsat.trial import TrialKind
+from tests.search.helpers import search_settings
+
+MODEL = BUILTIN_MODELS["gpt_1b_knobs_16xethernet"]
+SLOTS = MODEL.gpus
+USER = {
+    "train_micro_batch_size_per_gpu": 2,
+    "zero_optimization": {"stage": 1},
+    **MODEL.base_ds_config,
+}
+
+
+def search(
+    results: Path, ds_config: dict[str, Any], max_events: int | None = None, **flags: Any
+) -> DsatSearchMethod:
+    spec = SearchSpec({"deepspeed_config": "ds.json"}, ds_config, SLOTS)
+    settings = search_settings("binary", **{"max_trials": 10, "baseline": True, **flags})
+    return run_search(settings, spec, SimulatedRunner(MODEL, SLOTS), results, max_events)
+
+
+def rows(results: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (results / TRIALS_FILE).read_text().splitlines()]
+
+
+def test_the_users_config_runs_once_after_the_profile_and_the_summary_compares(
+    tmp_path: Path,
+) -> None:
+    method = search(tmp_path, USER)
+    found = rows(tmp_path)
+    assert [row["kind"] for row in found[:2]] == ["model_profile", "baseline"]
+    baseline = found[1]
+    assert (baseline["zero_stage"], baseline["mbs"]) == (1, 2)  # as submitted
+    assert "zero_optimization" not in baseline["overwrites"]  # the user's own section
+    # On top of --max-trials: the search still ran its 9 trials after the profile.
+    assert sum(row["kind"] == "search" for row in found) == 9
+    handed = method.tracker.best()
+    assert handed is not None and handed.kind is TrialKind.SEARCH  # never the baseline
+    mine = baseline["metrics"]["FLOPS_per_gpu"]
+    theirs = method.tracker.metric_value(handed)
+    assert theirs is not None and theirs > mine
+    summary = (tmp_path / SUMMARY_FILE).read_text()
+    line = next(x for x in summary.splitlines() if "your config" in x)
+    assert line.startswith(f"{theirs / mine:.2f}x your config (FLOPS_per_gpu {mine:.4g}): ")
+    assert line.endswith(
+        f"ZeRO-1 micro-batch 2 -> ZeRO-{handed.zero_stage} micro-batch {handed.mbs}"
+    )
+    assert "1 baseline" in summary  # and in the cost
+
+
+def test_a_search_stopped_after_the_baseline_resumes_to_the_same_trials(tmp_path: Path) -> None:
+    whole = search(tmp_path / "whole", USER)
+    search(tmp_path / "parts", USER, max_events=3)
+    resumed = search(tmp_path / "parts", USER)
+    assert [r.name for r in resumed.tracker.records] == [r.name for r in whole.tracker.records]
+
+
+def test_no_baseline_when_the_config_leaves_the_micro_batch_to_the_script(tmp_path: Path) -> None:
+    auto = {**USER, "train_micro_batch_size_per_gpu": "auto"}
+    search(tmp_path, auto)
+    assert "baseline" not in {row["kind"] for row in rows(tmp_path)}
+    summary = (tmp_path / SUMMARY_FILE).read_text()
+    assert "your config: not run (your DeepSpeed config leaves the micro-batch to the" in summary
+
+
+def test_no_baseline_when_it_cannot_fit_or_when_asked(tmp_path: Path) -> None:
+    huge = {**USER, "train_micro_batch_size_per_gpu": 4096}
+    search(tmp_path / "huge", huge)
+    assert "baseline" not in {row["kind"] for row in rows(tmp_path / "huge")}
+    summary = (tmp_path / "huge" / SUMMARY_FILE).read_text()
+    assert "your config: not run (your config (ZeRO-1, micro-batch 4096) does not fit" in summary
+    search(tmp_path / "off", USER, baseline=False)
+    assert "baseline" not in {row["kind"] for row in rows(tmp_path / "off")}
+    assert "your config" not in (tmp_path / "off" / SUMMARY_FILE).read_text()
