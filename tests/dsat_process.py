@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dsat.experiment.settings import SEARCH_METHODS
 from dsat.runners.local.entrypoint import interpreter_first
 from tests.conftest import REPO_ROOT
 
@@ -23,7 +24,13 @@ def env(**extra: str) -> dict[str, str]:
     return environ
 
 
-def dsat(*args: str, timeout: float = 540, **extra: str) -> subprocess.CompletedProcess[str]:
+def dsat(
+    *args: str, timeout: float = 540, baseline: bool = False, **extra: str
+) -> subprocess.CompletedProcess[str]:
+    """``python3 -m dsat ARGS``; a search without the user's-config baseline trial unless
+    ``baseline`` (the tests that count a search's trials count those of the search)."""
+    if args and args[0] in SEARCH_METHODS and not baseline:
+        args = (*args, "--no-baseline")
     return subprocess.run(
         [sys.executable, "-m", "dsat", *args],
         capture_output=True,

@@ -35,6 +35,7 @@ def cluster_trial_hparams(stage: int) -> tuple[dict[str, Any], dict[str, Any]]:
         config_path=str(EXAMPLE / "deepspeed.yaml"),
         model_dir=str(EXAMPLE),
         zero_stages=(stage,),
+        baseline=False,  # the first trial after the profile is then a search trial
     )
     experiment = load_experiment(settings.config_path, settings.model_dir)
     config = custom_experiment_config(experiment.config, settings, runner_experiment_id=1)

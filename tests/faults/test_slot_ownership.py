@@ -51,7 +51,7 @@ def stub_model(tmp_path: Path) -> Path:
 def command(model: Path, results: Path) -> list[str]:
     """A small binary search of the stub model."""
     args = ["binary", str(model), str(model.parent), "-z", "1", "--max-trials", str(TRIALS)]
-    args += ["--search-range-factor", "0.005", "--results-dir", str(results)]
+    args += ["--search-range-factor", "0.005", "--results-dir", str(results), "--no-baseline"]
     return [sys.executable, "-m", "dsat", *args]
 
 

@@ -51,11 +51,12 @@ class ScriptedTrials:
                 "activation_mem_per_gpu": 150_000_000,
                 "gpu_mem": 16 * 2**30,
             }
-        self.search_trials += 1
-        if self.search_trials == ERRORING_TRIAL:
+        baseline = "zero_optimization" not in overwrites  # the user's own section, as submitted
+        self.search_trials += 0 if baseline else 1
+        if self.search_trials == ERRORING_TRIAL and not baseline:
             raise RuntimeError("NCCL timeout")
         mbs = overwrites["train_micro_batch_size_per_gpu"]
-        stage = overwrites["zero_optimization"]["stage"]
+        stage = overwrites.get("zero_optimization", {"stage": 1})["stage"]  # the example's: 1
         if mbs > STAGE_CEILING[stage]:
             raise MemoryError("CUDA out of memory")
         throughput = STAGE_SPEED[stage] * 100 * mbs / (1 + mbs / 32)
@@ -156,10 +157,13 @@ def test_a_whole_search_runs_through_remote_search_runner(
     assert cluster.final_state is not None and cluster.final_state.name == "COMPLETED"
     lines = trial_lines(checkpoint)
     confirmations = [line for line in lines if line["kind"] == "confirm"]
-    searched = [line for line in lines if line["kind"] != "confirm"]
-    # --max-trials, the model profile included, then the confirmation round of the 3 leaders
-    assert len(searched) == 16 and len(confirmations) == 3
-    assert len(cluster.created_order) == 16 + 3
+    searched = [line for line in lines if line["kind"] not in ("confirm", "baseline")]
+    baselines = [line for line in lines if line["kind"] == "baseline"]
+    # --max-trials, the model profile included, then the confirmation round of the 3 leaders;
+    # the user's own config ran once on top, and the summary compares the hand-over with it
+    assert len(searched) == 16 and len(confirmations) == 3 and len(baselines) == 1
+    assert len(cluster.created_order) == 16 + 3 + 1
+    assert "x your config" in (checkpoint / "summary.txt").read_text()
     statuses = [line["status"] for line in searched]
     assert statuses.count("error") >= 1 and "completed" in statuses
     completed = [
@@ -312,7 +316,7 @@ def test_an_out_of_memory_trial_on_the_cluster_is_an_oom_and_lowers_the_ceiling(
     )
     method = run(core_context(monkeypatch, tmp_path / "ckpt", runner_id, None), workdir, runner_id)
     lines = trial_lines(tmp_path / "ckpt" / cluster.checkpoints[-1])
-    searched = lines[1:]
+    searched = [line for line in lines if line["kind"] == "search"]  # not the user's baseline
     crashed = searched.pop(ERRORING_TRIAL - 1)  # one at a time: the trials finish in order
     assert crashed["status"] == "error"  # a crash stays an error, whatever its size
     over = [line for line in searched if line["mbs"] > STAGE_CEILING[line["zero_stage"]]]

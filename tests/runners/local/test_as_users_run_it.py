@@ -167,7 +167,7 @@ def example_without_steps(tmp_path: Path, steps: int | None) -> Path:
 
 def small_search(example: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "dsat", "binary", "deepspeed.yaml", ".", "-z", "1"]
-    command += ["--max-trials", "2", "--search-range-factor", "0.005"]
+    command += ["--max-trials", "2", "--search-range-factor", "0.005", "--no-baseline"]
     command += ["--results-dir", str(tmp_path / "results")]
     return subprocess.run(
         command, cwd=example, env=env(), capture_output=True, text=True, timeout=540

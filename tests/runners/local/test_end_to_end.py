@@ -47,6 +47,7 @@ def binary_search(
     zero_stage: int = 1,
     range_factor: float = 0.005,
     config: dict[str, Any] | None = None,
+    baseline: bool = False,
     **extra: str,
 ) -> tuple[subprocess.CompletedProcess[str], Path]:
     """A small binary search of the test model (ZeRO-1 unless asked; ``config``: changes to its
@@ -66,6 +67,7 @@ def binary_search(
         "--results-dir",
         str(results),
         *flags,
+        baseline=baseline,
         **extra,
     )
     return run, results
@@ -246,6 +248,27 @@ def test_a_fixed_global_batch_is_kept_by_every_trial_and_the_hand_over(tmp_path:
     assert deepspeed_config_error(best, world_size=1) is None  # ready for deepspeed.initialize
     assert "global batch: 64 (micro-batch" in (results / "summary.txt").read_text()
     assert "kept in every trial" in run.stdout
+
+
+def test_the_users_own_config_runs_once_and_the_hand_over_is_compared_with_it(
+    tmp_path: Path,
+) -> None:
+    """The baseline, with real DeepSpeed: the example's own config (ZeRO-1, micro-batch 8) runs
+    once after the profile, on top of the trials, and the last lines on screen compare."""
+    run, results = binary_search(tmp_path, 4, baseline=True)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = trials(results)
+    assert [row["kind"] for row in rows[:2]] == ["model_profile", "baseline"]
+    # At most --max-trials 4, the profile included: the baseline is on top.
+    assert 1 <= sum(row["kind"] == "search" for row in rows) <= 3
+    baseline = rows[1]
+    assert baseline["status"] == "completed" and (baseline["zero_stage"], baseline["mbs"]) == (1, 8)
+    assert baseline["metrics"]["measured_steps"] == MEASURED_STEPS
+    line = next(x for x in run.stdout.splitlines() if "your config" in x)
+    assert re.match(
+        r"^\d+\.\d\dx your config \(FLOPS_per_gpu [0-9.e+]+\): ZeRO-1 micro-batch 8 -> ", line
+    )
+    assert "1 baseline" in (results / "summary.txt").read_text()
 
 
 def test_crashing_trial_is_an_error_not_a_crash_of_the_search(tmp_path: Path) -> None:

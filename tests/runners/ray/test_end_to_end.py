@@ -63,7 +63,16 @@ def start_hanging_search(tmp_path: Path, cluster: RayTestCluster) -> subprocess.
     args = search_args(tmp_path, cluster)
     (Path(args[1]) / "behaviour.txt").write_text("hang\n")  # travels with the model dir
     process = subprocess.Popen(
-        [sys.executable, "-m", "dsat", "binary", *args, "--search-range-factor", "0.005"],
+        [
+            sys.executable,
+            "-m",
+            "dsat",
+            "binary",
+            *args,
+            "--search-range-factor",
+            "0.005",
+            "--no-baseline",
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
