@@ -217,7 +217,12 @@ def search_here(plan: LaunchPlan, runner: TrialRunner) -> None:
     experiment = plan.experiment
     if runner.takes_real_time:
         print(f"dsat: if stopped, resume with: {resume_command(settings.method, plan.results_dir)}")
-    spec = SearchSpec(experiment.hparams, experiment.ds_config, experiment.slots_per_trial)
+    spec = SearchSpec(
+        experiment.hparams,
+        experiment.ds_config,
+        experiment.slots_per_trial,
+        experiment.config.get("entrypoint"),
+    )
     try:
         method = run_search(settings, spec, runner, plan.results_dir)
     except KeyboardInterrupt:

@@ -60,7 +60,9 @@ def run_search(
     """
     write_settings(settings, results_dir)
     method = make_search_method(MethodSettings.from_settings(settings, runner.slot_limit), spec)
-    utilization = Utilization.of(spec.hparams, settings.seq_len, settings.peak_tflops)
+    utilization = Utilization.of(
+        spec.hparams, settings.seq_len, settings.peak_tflops, spec.entrypoint
+    )
     writer = ResultsWriter(results_dir, runner.slot_kind, utilization)
     listeners: list[TrialListener] = [ResultsRecorder(method, writer)]
     progress = (

@@ -122,6 +122,12 @@ def resolve_ds_config_path(relative: str, model_dir: Path, includes: Sequence[Pa
 
 def entrypoint_ds_config(entrypoint: str | Sequence[str] | None) -> str | None:
     """The config path an entrypoint passes with ``--deepspeed``/``--deepspeed_config``, if any."""
+    return entrypoint_flag(entrypoint, ENTRYPOINT_DS_FLAGS)
+
+
+def entrypoint_flag(entrypoint: str | Sequence[str] | None, flags: Sequence[str]) -> str | None:
+    """The value an entrypoint passes with one of ``flags`` (``--flag value`` or
+    ``--flag=value``), if any."""
     if entrypoint is None:
         return None
     if isinstance(entrypoint, str):
@@ -133,7 +139,7 @@ def entrypoint_ds_config(entrypoint: str | Sequence[str] | None) -> str | None:
         tokens = [str(t) for t in entrypoint]
     for i, token in enumerate(tokens):
         flag, eq, value = token.partition("=")
-        if flag not in ENTRYPOINT_DS_FLAGS:
+        if flag not in flags:
             continue
         if eq:
             return value

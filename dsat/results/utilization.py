@@ -1,18 +1,25 @@
 """Tokens/s and MFU of a trial: how users compare training runs (torchtitan, NeMo), worked out
 from what a trial measured (samples/s, achieved FLOPS per GPU) and what the search knows.
 
-The sequence length comes from ``--seq-len`` or a hyperparameter that names it; the device's
+The sequence length comes from ``--seq-len``, a hyperparameter that names it, or the
+entrypoint's flag (HF's ``--max_seq_length``/``--block_size``); the device's
 peak from ``--peak-tflops``, or what the trial reported for its GPU (dsat.device_peaks).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+from dsat.experiment.config import entrypoint_flag
 
 # Hyperparameters that name the sequence length, in the spellings training scripts use.
 SEQ_LEN_KEYS = ("seq_len", "seq_length", "sequence_length", "max_seq_length", "block_size")
+# Entrypoint flags that do (HF's example scripts: --max_seq_length, --block_size).
+SEQ_LEN_FLAGS = tuple(f"--{key}" for key in SEQ_LEN_KEYS) + tuple(
+    f"--{key.replace('_', '-')}" for key in SEQ_LEN_KEYS if "_" in key
+)
 
 
 def _number(value: Any) -> float | None:
@@ -28,11 +35,18 @@ class Utilization:
 
     @classmethod
     def of(
-        cls, hparams: Mapping[str, Any], seq_len: int | None, peak_tflops: float | None
+        cls,
+        hparams: Mapping[str, Any],
+        seq_len: int | None,
+        peak_tflops: float | None,
+        entrypoint: str | Sequence[str] | None = None,
     ) -> Utilization:
-        """From the flags, else the experiment's hyperparameters."""
+        """From dsat's flags, else the experiment's hyperparameters, else its entrypoint's."""
         if seq_len is None:
-            found = (_number(hparams.get(key)) for key in SEQ_LEN_KEYS)
+            found = [_number(hparams.get(key)) for key in SEQ_LEN_KEYS]
+            given = entrypoint_flag(entrypoint, SEQ_LEN_FLAGS)
+            if given is not None and given.isdigit():
+                found.append(_number(int(given)))
             seq_len = next((int(v) for v in found if v is not None), None)
         return cls(seq_len, None if peak_tflops is None else peak_tflops * 1e12)
 

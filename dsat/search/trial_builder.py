@@ -51,6 +51,7 @@ class SearchSpec:
     hparams: dict[str, Any]  # the experiment's hyperparameters
     ds_config: dict[str, Any]  # the user's DeepSpeed config, as loaded
     slots_per_trial: int
+    entrypoint: str | list[str] | None = None  # its command, for what it says (a sequence length)
 
     @functools.cached_property
     def global_batch(self) -> int | None:

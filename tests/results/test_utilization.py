@@ -39,6 +39,13 @@ def test_the_sequence_length_comes_from_the_flag_or_a_hyperparameter() -> None:
     assert Utilization.of({"block_size": 128, "seq_len": 256}, None, None).seq_len == 256
     assert Utilization.of({"seq_len": 256}, 2048, 989.0) == Utilization(2048, 989e12)
     assert Utilization.of({"seq_len": "long"}, None, None).seq_len is None
+    # An HF script's own flag, in the experiment's entrypoint.
+    hf = "python3 train.py --deepspeed ds.json --max_seq_length 512 --output_dir out"
+    assert Utilization.of({}, None, None, hf).seq_len == 512
+    assert (
+        Utilization.of({}, None, None, ["python3", "run_clm.py", "--block_size=128"]).seq_len == 128
+    )
+    assert Utilization.of({"seq_len": 64}, None, None, hf).seq_len == 64  # the hyperparameter first
 
 
 def test_a_search_reports_them_in_its_rows_summary_and_report(tmp_path: Path) -> None:

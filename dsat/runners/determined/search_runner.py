@@ -141,10 +141,15 @@ def run(core_context: Any, workdir: Path, runner_experiment_id: int) -> DsatSear
     )
     exp_config = custom_experiment_config(experiment.config, settings, runner_experiment_id)
     spec = SearchSpec(
-        exp_config["hyperparameters"], experiment.ds_config, experiment.slots_per_trial
+        exp_config["hyperparameters"],
+        experiment.ds_config,
+        experiment.slots_per_trial,
+        experiment.config.get("entrypoint"),
     )
     method = make_search_method(MethodSettings.from_settings(settings), spec)
-    utilization = Utilization.of(spec.hparams, settings.seq_len, settings.peak_tflops)
+    utilization = Utilization.of(
+        spec.hparams, settings.seq_len, settings.peak_tflops, spec.entrypoint
+    )
     runner = CheckpointedSearchRunner(method, core_context, workdir / "dsat-results", utilization)
     includes = [*experiment.includes, workdir / DSAT_PACKAGE]  # trials `import dsat` too
     runner.run(exp_config, model_dir=str(experiment.model_dir), includes=includes)
