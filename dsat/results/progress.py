@@ -74,7 +74,11 @@ class SearchProgress:
 
     @staticmethod
     def trial_label(record: TrialRecord) -> str:
-        return "model profile" if record.kind is TrialKind.MODEL_PROFILE else record.name
+        if record.kind is TrialKind.MODEL_PROFILE:
+            return "model profile"
+        if record.kind is TrialKind.BASELINE:
+            return f"your config ({record.name})"
+        return record.name
 
     def trial_line(self, record: TrialRecord) -> str:
         """Its result; a failed one says why in one line, and where its log is."""

@@ -2,9 +2,10 @@
 the hand-over is (as DeepSpeed's autotuning tutorial reports against its baseline).
 
 It runs right after the model profile, on top of ``--max-trials`` like the confirmation round,
-and is never handed over. It is skipped (and the summary says why) when the user's config leaves
-the micro-batch to the training script (``"auto"``, as HF configs do) or when the memory model
-says it cannot fit; ``--no-baseline`` skips it.
+and is never handed over. Where the config leaves the micro-batch to an HF script (``"auto"``),
+the entrypoint's ``--per_device_train_batch_size`` (and accumulation) is the user's. It is skipped
+(and the summary says why) when neither sets it, or when the memory model says it cannot fit;
+``--no-baseline`` skips it.
 """
 
 from __future__ import annotations
@@ -13,33 +14,50 @@ from typing import TYPE_CHECKING
 
 from dsat.constants import MICRO_BATCH_SIZE, OVERWRITE_KEY
 from dsat.experiment.batch_size import batch_value, consistent_batch_sizes, fixed_global_batch
-from dsat.experiment.config import deep_merge
+from dsat.experiment.config import deep_merge, entrypoint_flag
+from dsat.training.hf_args import HF_BATCH_FLAGS
 from dsat.trial import TrialKind, TrialRecord, TrialStatus
 
 if TYPE_CHECKING:
     from dsat.search.method import DsatSearchMethod
 
 
-def user_micro_batch(method: DsatSearchMethod) -> tuple[int, int] | None:
-    """The user's (ZeRO stage, micro-batch), as their config sets them; None when it leaves the
-    micro-batch to the training script."""
+def script_batch(method: DsatSearchMethod) -> dict[str, int]:
+    """The micro-batch and accumulation the entrypoint passes an HF script
+    (``--per_device_train_batch_size``, ``--gradient_accumulation_steps``): what a config of
+    ``"auto"`` values trains with."""
+    found = {}
+    for flag, key in HF_BATCH_FLAGS.items():
+        value = entrypoint_flag(method.spec.entrypoint, (flag, flag.replace("_", "-")))
+        if value is not None and value.isdigit() and int(value) > 0:
+            found[key] = int(value)
+    return found
+
+
+def user_micro_batch(method: DsatSearchMethod) -> tuple[int, int, dict[str, int]] | None:
+    """The user's (ZeRO stage, micro-batch), as their config or their script sets them, and what
+    the script sets; None when neither says."""
     spec = method.spec
     merged = deep_merge(spec.ds_config, spec.hparams.get(OVERWRITE_KEY) or {})
+    from_script: dict[str, int] = {}
+    if batch_value(merged, MICRO_BATCH_SIZE, "config") is None:
+        from_script = script_batch(method)
+        merged = deep_merge(merged, from_script)
     micro = batch_value(merged, MICRO_BATCH_SIZE, "config")
     if micro is None and fixed_global_batch(merged) is None:
         return None
     batch = consistent_batch_sizes(merged, spec.slots_per_trial)
     zero = merged.get("zero_optimization")
     stage = int(zero.get("stage", 0)) if isinstance(zero, dict) else 0
-    return stage, batch[MICRO_BATCH_SIZE]
+    return stage, batch[MICRO_BATCH_SIZE], from_script
 
 
 def why_no_baseline(method: DsatSearchMethod) -> str | None:
     """Why the user's configuration is not run; None when it is (or will be)."""
     found = user_micro_batch(method)
     if found is None:
-        return "your DeepSpeed config leaves the micro-batch to the training script"
-    stage, micro = found
+        return "neither your DeepSpeed config nor your entrypoint sets the micro-batch"
+    stage, micro, _ = found
     if method.profile is not None and micro > method.micro_batch_ceiling(stage):
         return f"your config (ZeRO-{stage}, micro-batch {micro}) does not fit by the memory model"
     return None
@@ -48,9 +66,12 @@ def why_no_baseline(method: DsatSearchMethod) -> str | None:
 def baseline_trial(method: DsatSearchMethod) -> list[TrialRecord]:
     """The baseline trial to queue first once the model profile is in (registered, on top of
     the budget); none when it is skipped."""
-    if why_no_baseline(method) is not None:
+    found = user_micro_batch(method)
+    if found is None or why_no_baseline(method) is not None:
         return []
-    record = method.register(method.builder.make(method.next_index, TrialKind.BASELINE, None, None))
+    record = method.register(
+        method.builder.make(method.next_index, TrialKind.BASELINE, None, None, user_batch=found[2])
+    )
     if record is None:
         return []
     method.tracker.max_trials += 1

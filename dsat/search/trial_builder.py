@@ -128,11 +128,13 @@ class TrialBuilder:
         parent: TrialRecord | None = None,
         search_range: SearchRange | None = None,
         rung: int = 0,
+        user_batch: dict[str, int] | None = None,
     ) -> TrialRecord:
         """The ``index``-th trial's record (not yet registered); ``zero_config`` and ``mbs``
-        None keep the user's own section and batch triple."""
+        None keep the user's own section and batch triple (``user_batch``: where their script,
+        not their config, sets it)."""
         spec = self.spec
-        user_overwrites = spec.hparams.get(OVERWRITE_KEY) or {}
+        user_overwrites = deep_merge(spec.hparams.get(OVERWRITE_KEY) or {}, user_batch or {})
         overwrites = deep_merge(user_overwrites, {AUTOTUNING_KEY: self.autotuning_block(kind)})
         if zero_config is not None:
             overwrites = deep_merge(overwrites, {"zero_optimization": zero_config})

@@ -26,9 +26,13 @@ USER = {
 
 
 def search(
-    results: Path, ds_config: dict[str, Any], max_events: int | None = None, **flags: Any
+    results: Path,
+    ds_config: dict[str, Any],
+    max_events: int | None = None,
+    entrypoint: str | None = None,
+    **flags: Any,
 ) -> DsatSearchMethod:
-    spec = SearchSpec({"deepspeed_config": "ds.json"}, ds_config, SLOTS)
+    spec = SearchSpec({"deepspeed_config": "ds.json"}, ds_config, SLOTS, entrypoint)
     settings = search_settings("binary", **{"max_trials": 10, "baseline": True, **flags})
     return run_search(settings, spec, SimulatedRunner(MODEL, SLOTS), results, max_events)
 
@@ -69,12 +73,25 @@ def test_a_search_stopped_after_the_baseline_resumes_to_the_same_trials(tmp_path
     assert [r.name for r in resumed.tracker.records] == [r.name for r in whole.tracker.records]
 
 
-def test_no_baseline_when_the_config_leaves_the_micro_batch_to_the_script(tmp_path: Path) -> None:
+def test_an_hf_config_of_auto_values_runs_with_what_the_entrypoint_passes(
+    tmp_path: Path,
+) -> None:
+    auto = {**USER, "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}
+    hf = "python3 train.py --deepspeed ds.json --per_device_train_batch_size 4 --gradient_accumulation_steps 2"
+    search(tmp_path, auto, entrypoint=hf)
+    baseline = next(row for row in rows(tmp_path) if row["kind"] == "baseline")
+    assert (baseline["mbs"], baseline["gas"]) == (4, 2)
+    assert baseline["overwrites"]["train_batch_size"] == 4 * 2 * SLOTS
+
+
+def test_no_baseline_when_neither_config_nor_entrypoint_sets_the_micro_batch(
+    tmp_path: Path,
+) -> None:
     auto = {**USER, "train_micro_batch_size_per_gpu": "auto"}
-    search(tmp_path, auto)
+    search(tmp_path, auto, entrypoint="python3 train.py --deepspeed ds.json")
     assert "baseline" not in {row["kind"] for row in rows(tmp_path)}
     summary = (tmp_path / SUMMARY_FILE).read_text()
-    assert "your config: not run (your DeepSpeed config leaves the micro-batch to the" in summary
+    assert "your config: not run (neither your DeepSpeed config nor your entrypoint" in summary
 
 
 def test_no_baseline_when_it_cannot_fit_or_when_asked(tmp_path: Path) -> None:
