@@ -27,9 +27,10 @@ def env(**extra: str) -> dict[str, str]:
 def dsat(
     *args: str, timeout: float = 540, baseline: bool = False, **extra: str
 ) -> subprocess.CompletedProcess[str]:
-    """``python3 -m dsat ARGS``; a search without the user's-config baseline trial unless
-    ``baseline`` (the tests that count a search's trials count those of the search)."""
-    if args and args[0] in SEARCH_METHODS and not baseline:
+    """``python3 -m dsat ARGS``; a new search without the user's-config baseline trial unless
+    ``baseline`` (the tests that count a search's trials count those of the search); a resumed
+    one keeps its settings."""
+    if args and args[0] in SEARCH_METHODS and not baseline and "--resume" not in args:
         args = (*args, "--no-baseline")
     return subprocess.run(
         [sys.executable, "-m", "dsat", *args],

@@ -106,9 +106,14 @@ def resumed_settings(
         if now == before:
             continue
         if key not in ADJUSTABLE_ON_RESUME:
+            differs = (
+                f"{flag} differs from how the interrupted search ran"
+                if isinstance(value, bool)  # a switch: its value says nothing to the user
+                else f"{flag} {_display(value)} differs from the interrupted search's "
+                f"{_display(before)}"
+            )
             raise DsatError(
-                f"{flag} {_display(value)} differs from the interrupted search's "
-                f"{_display(before)} (its {SETTINGS_FILE}); a resumed search keeps its settings: "
+                f"{differs} (its {SETTINGS_FILE}); a resumed search keeps its settings: "
                 f"drop {flag}, or start a new search"
             )
         changes[key] = now

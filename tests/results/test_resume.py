@@ -104,6 +104,11 @@ def test_a_changed_flag_is_refused_and_a_safe_one_applied(
         capsys, ["asha", "--resume", str(results), "-z", "1"], "--zero-stages", SETTINGS_FILE
     )
     assert "0 1 2 3" in error
+    # A switch is named, not its value.
+    switched = assert_one_line_error(
+        capsys, ["asha", "--resume", str(results), "--no-baseline"], "--no-baseline differs from"
+    )
+    assert "False" not in switched and "True" not in switched
     assert_one_line_error(capsys, ["binary", "--resume", str(results)], "`asha`", "--resume")
     # Giving the original value again is no change.
     assert (

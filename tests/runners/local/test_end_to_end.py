@@ -264,7 +264,8 @@ def test_the_users_own_config_runs_once_and_the_hand_over_is_compared_with_it(
     baseline = rows[1]
     assert baseline["status"] == "completed" and (baseline["zero_stage"], baseline["mbs"]) == (1, 8)
     assert baseline["metrics"]["measured_steps"] == MEASURED_STEPS
-    line = next(x for x in run.stdout.splitlines() if "your config" in x)
+    assert "dsat: trial 1 your config (z1_gas1_tmbspg8): completed" in run.stdout
+    line = next(x for x in run.stdout.splitlines() if "x your config (" in x)
     assert re.match(
         r"^\d+\.\d\dx your config \(FLOPS_per_gpu [0-9.e+]+\): ZeRO-1 micro-batch 8 -> ", line
     )
