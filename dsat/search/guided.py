@@ -202,7 +202,7 @@ class GuidedSearch(DsatSearchMethod):
         tracker = self.tracker
         while (
             len(tracker.queue) + len(queued) + len(tracker.running) < limit
-            and len(tracker.queue) + len(queued) + tracker.num_started < self.settings.max_trials
+            and len(tracker.queue) + len(queued) + tracker.num_started < tracker.max_trials
         ):
             action = self.best_action()
             if action is None:

@@ -168,7 +168,8 @@ class DsatSearchMethod(SearchMethod):
         tracker = self.tracker
         if self.ending.confirming(self):
             return  # the search is over; only the confirmation round (and its checks) runs
-        room = len(tracker.queue) + tracker.num_started < self.settings.max_trials
+        # The budget: --max-trials, and the trials added on top of it (the user's baseline).
+        room = len(tracker.queue) + tracker.num_started < tracker.max_trials
         if room and self.ending.stop_reason(self) is None:
             self._queue(hook)
 

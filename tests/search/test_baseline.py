@@ -66,6 +66,15 @@ def test_the_users_config_runs_once_after_the_profile_and_the_summary_compares(
     assert "1 baseline" in summary  # and in the cost
 
 
+def test_the_baseline_takes_nothing_from_the_searchs_budget(tmp_path: Path) -> None:
+    """With --max-trials 2 the search still runs its one search trial (it once ran none: the
+    room for the first lineage was counted against --max-trials alone, the baseline queued)."""
+    method = search(tmp_path, USER, max_trials=2)
+    kinds = [r.kind for r in method.tracker.records]
+    assert kinds == [TrialKind.MODEL_PROFILE, TrialKind.BASELINE, TrialKind.SEARCH]
+    assert method.tracker.best() is not None and not method.search_failed
+
+
 def test_a_search_stopped_after_the_baseline_resumes_to_the_same_trials(tmp_path: Path) -> None:
     whole = search(tmp_path / "whole", USER)
     search(tmp_path / "parts", USER, max_events=3)
