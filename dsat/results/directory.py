@@ -200,12 +200,8 @@ def summary_table(tracker: TrialTracker) -> str:
     rows.append(_row("global", searched, tracker, tracker.best()))
     if tracker.confirmed_id is not None:
         chosen = tracker.get(tracker.confirmed_id)
-        values = [tracker.metric_value(chosen)] + [
-            tracker.confirmed_value(r) for r in tracker.confirmation_runs(chosen.request_id)
-        ]
-        ran = [v for v in values if v is not None]
-        if ran:
-            mean = sum(ran) / len(ran)
+        mean = tracker.mean_of_runs(chosen)
+        if mean is not None:
             rows[-1] = ("global", rows[-1][1], f"{mean:.6g}", f"{chosen.name} (handed over)")
     header = ("tuning_space", "num_experiments", "best_metric_val", "best_exp_name")
     widths = [max(len(header[i]), *(len(row[i]) for row in rows)) for i in range(4)]

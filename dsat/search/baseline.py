@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dsat.constants import MICRO_BATCH_SIZE, OVERWRITE_KEY
+from dsat.constants import MICRO_BATCH_SIZE
 from dsat.experiment.batch_size import batch_value, consistent_batch_sizes, fixed_global_batch
 from dsat.experiment.config import deep_merge, entrypoint_flag
 from dsat.training.hf_args import HF_BATCH_FLAGS
@@ -38,7 +38,7 @@ def user_micro_batch(method: DsatSearchMethod) -> tuple[int, int, dict[str, int]
     """The user's (ZeRO stage, micro-batch), as their config or their script sets them, and what
     the script sets; None when neither says."""
     spec = method.spec
-    merged = deep_merge(spec.ds_config, spec.hparams.get(OVERWRITE_KEY) or {})
+    merged = spec.user_config
     from_script: dict[str, int] = {}
     if batch_value(merged, MICRO_BATCH_SIZE, "config") is None:
         from_script = script_batch(method)
@@ -98,18 +98,9 @@ def baseline_line(method: DsatSearchMethod) -> str:
     if mine is None:
         ended = "ran out of memory" if baseline.status is TrialStatus.OOM else baseline.status.value
         return f"your config ({describe(baseline)}): {ended}"
-    runs_of_handed = (
-        []
-        if handed is None
-        else [
-            tracker.metric_value(handed),
-            *(tracker.confirmed_value(r) for r in tracker.confirmation_runs(handed.request_id)),
-        ]
-    )
-    measured = [v for v in runs_of_handed if v is not None]
-    if handed is None or not measured or not mine:
+    theirs = None if handed is None else tracker.mean_of_runs(handed)  # as the global row
+    if handed is None or theirs is None or not mine:
         return f"your config ({describe(baseline)}): {mine:.4g} {tracker.metric.value}"
-    theirs = sum(measured) / len(measured)  # as the summary's global row shows it
     speedup = mine / theirs if tracker.metric.smaller_is_better else theirs / mine
     return (
         f"{speedup:.2f}x your config ({tracker.metric.value} {mine:.4g}): "

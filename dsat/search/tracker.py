@@ -11,7 +11,7 @@ from typing import Any
 
 from dsat.constants import OVERWRITE_KEY
 from dsat.experiment.metric import Metric
-from dsat.search.usable_memory import UsableMemory, usable_memory
+from dsat.search.usable_memory import UsableMemory, fills_device, largest_peak, usable_memory
 from dsat.trial import TrialKind, TrialRecord, TrialStatus
 from dsat.trial_failure import FailureCause
 
@@ -186,6 +186,15 @@ class TrialTracker:
         """The searched metric of a completed confirmation run; None for anything else."""
         return self._value(record) if record.kind is TrialKind.CONFIRM else None
 
+    def mean_of_runs(self, record: TrialRecord) -> float | None:
+        """The mean metric of a search trial and its confirmation runs: what its configuration
+        measured (the summary's global row, the comparison with the user's config)."""
+        values = [self.metric_value(record)] + [
+            self.confirmed_value(r) for r in self.confirmation_runs(record.request_id)
+        ]
+        ran = [v for v in values if v is not None]
+        return sum(ran) / len(ran) if ran else None
+
     def baseline_value(self, record: TrialRecord) -> float | None:
         """The searched metric of the user's own configuration's run; None for anything else."""
         return self._value(record) if record.kind is TrialKind.BASELINE else None
@@ -205,14 +214,7 @@ class TrialTracker:
         if self._usable_stale:
             records = list(self._records.values())
             self._usable = usable_memory(records)
-            peaks = [
-                float(r.metrics["memory_peak_bytes"])
-                for r in records
-                if r.kind in (TrialKind.SEARCH, TrialKind.CONFIRM)
-                and r.status is TrialStatus.COMPLETED
-                and isinstance(r.metrics.get("memory_peak_bytes"), (int, float))
-            ]
-            self._ran_peak = max(peaks, default=None)
+            self._ran_peak = largest_peak(records)
             self._usable_stale = False
         return self._usable
 
@@ -224,7 +226,7 @@ class TrialTracker:
         if usable is not None:
             return (1.0 - margin) * min(total, usable.bytes)
         ran = self._ran_peak
-        if self.count_on_what_ran and ran is not None and ran < (1.0 - margin / 2) * total:
+        if self.count_on_what_ran and ran is not None and not fills_device(ran, margin, total):
             # No OOM, and no run near the total, shows how much of it is usable, and with a
             # fixed batch no memory check may be able to (the micro-batch above is twice as
             # large): near the total, only what ran is known to be usable. Below two margins

@@ -54,11 +54,15 @@ class SearchSpec:
     entrypoint: str | list[str] | None = None  # its command, for what it says (a sequence length)
 
     @functools.cached_property
+    def user_config(self) -> dict[str, Any]:
+        """The user's DeepSpeed config with their own overrides: what they train with."""
+        return deep_merge(self.ds_config, self.hparams.get(OVERWRITE_KEY) or {})
+
+    @functools.cached_property
     def global_batch(self) -> int | None:
         """The global batch every trial keeps (the user's numeric ``train_batch_size``, in their
         config or their overrides); None when the batch is free."""
-        overwrites = self.hparams.get(OVERWRITE_KEY) or {}
-        return fixed_global_batch({**self.ds_config, **overwrites})
+        return fixed_global_batch(self.user_config)
 
     @functools.cached_property
     def micro_batches(self) -> list[int] | None:

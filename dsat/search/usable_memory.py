@@ -41,6 +41,19 @@ def _peak(record: TrialRecord) -> float | None:
     return float(peak)
 
 
+def largest_peak(records: Sequence[TrialRecord]) -> float | None:
+    """The most memory any run completed with (the model profile aside): a lower bound on what is
+    usable."""
+    peaks = [_peak(r) for r in records if r.kind is not TrialKind.MODEL_PROFILE]
+    return max((p for p in peaks if p is not None), default=None)
+
+
+def fills_device(peak: float, margin: float, total: float) -> bool:
+    """Whether a run that completed with ``peak`` used nearly all of a ``total``-byte device, so
+    that, with no OOM placed, the total is what is usable."""
+    return peak >= (1 - margin / 2) * total
+
+
 def _config(record: TrialRecord) -> str:
     return section_key(record.zero_section)
 
@@ -169,8 +182,7 @@ def usable_memory(records: Sequence[TrialRecord]) -> UsableMemory | None:
     ]
     if not levels:
         return None
-    peaks = [p for points in model.points.values() for _, p in points]
-    return UsableMemory(min(levels), max(peaks, default=None))
+    return UsableMemory(min(levels), largest_peak(records))
 
 
 def device_totals(records: Sequence[TrialRecord]) -> set[float]:
@@ -190,8 +202,7 @@ def limit_known(
     all of the device (the total is what is usable); with one, what ran and what failed are
     within 2% of the device."""
     if usable is None:
-        completed = [_peak(r) for r in records if r.kind is not TrialKind.MODEL_PROFILE]
-        return max((p for p in completed if p is not None), default=0.0) >= (1 - margin / 2) * total
+        return fills_device(largest_peak(records) or 0.0, margin, total)
     return usable.failed - usable.bytes <= 0.02 * total
 
 
