@@ -42,7 +42,10 @@ def test_the_examples_own_command_with_the_default_results_dir(tmp_path: Path) -
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     [results] = (example / RESULTS_ROOT).iterdir()
-    assert [row["status"] for row in trials(results)] == ["completed"] * 3
+    # --max-trials 3 (the profile included), and the user's own config on top of it.
+    rows = trials(results)
+    assert [row["kind"] for row in rows] == ["model_profile", "baseline", "search", "search"]
+    assert [row["status"] for row in rows] == ["completed"] * 4
     assert json.loads((results / BEST_CONFIG_FILE).read_text())["train_micro_batch_size_per_gpu"]
     shown = f"best DeepSpeed config: {RESULTS_ROOT}/{results.name}/{BEST_CONFIG_FILE}"
     assert shown in run.stdout  # relative to where the user is
@@ -54,6 +57,7 @@ def test_after_kill_9_no_trial_is_left_and_the_printed_command_resumes(tmp_path:
     model_dir(tmp_path)  # tmp_path/model, with search trials that hang until killed
     args = ["binary", "model/deepspeed.yaml", "model", "-z", "1", "--max-trials", "4"]
     args += ["--max-slots", "2", "--search-range-factor", "0.005", "--results-dir", "results"]
+    args += ["--no-baseline"]  # the search trials hang; the count below is theirs
     process = subprocess.Popen(
         [sys.executable, "-m", "dsat", *args],
         cwd=tmp_path,
@@ -110,7 +114,7 @@ def test_a_stale_build_lock_is_removed_and_the_search_completes(tmp_path: Path) 
     path, directory = model_dir(tmp_path)
     start = time.monotonic()
     command = [sys.executable, "-m", "dsat", "binary", str(path), str(directory), "-z", "1"]
-    command += ["--max-trials", "3", "--search-range-factor", "0.005"]
+    command += ["--max-trials", "3", "--search-range-factor", "0.005", "--no-baseline"]
     command += ["--results-dir", str(tmp_path / "results")]
     run = subprocess.run(
         command,

@@ -364,6 +364,7 @@ def test_sigint_stops_every_trial_and_resume_finishes(tmp_path: Path) -> None:
         "2",
         "--search-range-factor",
         "0.005",
+        "--no-baseline",
     ]
     process = subprocess.Popen(
         [sys.executable, "-m", "dsat", *args, "--results-dir", str(results)],
