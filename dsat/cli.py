@@ -177,6 +177,20 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
         "after the model profile, on top of --max-trials)",
     )
     parser.add_argument(
+        "--offload",
+        action="store_true",
+        help="also try configurations that keep the optimizer's states (ZeRO 1-3) or the "
+        "parameters (ZeRO-3) on the CPU, even when the model fits without (they free memory "
+        "for a larger micro-batch); a model that does not fit gets them anyway",
+    )
+    parser.add_argument(
+        "--offload-nvme",
+        default=None,
+        metavar="PATH",
+        help="where a model that fits no other way may offload to NVMe: the last rung dsat "
+        "tries, after CPU offload (a fast local disk; it must exist on every node)",
+    )
+    parser.add_argument(
         "--seq-len",
         type=positive_int,
         default=None,

@@ -4,7 +4,9 @@ Counts as DeepSpeed's own autotuner does: with mixed precision (fp16 or bf16) a 
 bytes, its gradient 2, and the optimizer 16 (Adam's fp32 master copy, momentum and variance, plus
 the fp32 gradient copy its step makes); in fp32 it is 4 + 4 + 8.
 Stage 1 partitions the optimizer states across the trial's slots, stage 2 also the gradients,
-stage 3 also the parameters. Activations grow linearly with the micro-batch.
+stage 3 also the parameters. Offload moves the optimizer states (any stage from 1) or the
+parameters (stage 3) off the GPU, to the CPU or NVMe. Activations grow linearly with the
+micro-batch.
 """
 
 from __future__ import annotations
@@ -46,6 +48,22 @@ class Precision(str, enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True)
+class Offload:
+    """What a ZeRO section keeps off the GPU."""
+
+    optimizer: bool = False
+    params: bool = False
+
+    @classmethod
+    def of(cls, section: Mapping[str, Any] | None) -> Offload:
+        def off(key: str) -> bool:
+            target = (section or {}).get(key)
+            return isinstance(target, Mapping) and target.get("device") not in (None, "none")
+
+        return cls(off("offload_optimizer"), off("offload_param"))
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelProfile:
     num_params: int
     trainable_num_params: int
@@ -61,16 +79,23 @@ class ModelProfile:
 
 
 def memory_per_gpu_per_stage(
-    profile: ModelProfile, precision: Precision, slots: int
+    profile: ModelProfile, precision: Precision, slots: int, offload: Offload = Offload()
 ) -> dict[int, int]:
-    """Bytes per GPU at micro-batch 1 for each ZeRO stage."""
+    """Bytes per GPU at micro-batch 1 for each ZeRO stage. What ``offload`` keeps off the GPU
+    counts for nothing, as in DeepSpeed's own estimators: the optimizer's states, and from stage
+    2 the gradients, which go to the CPU as they are reduced; the parameters (stage 3 only)."""
     param_bytes, grad_bytes, optim_bytes = precision.bytes_per_param
     model_states = partitioned_states(
         profile.num_params * param_bytes,
         profile.trainable_num_params * grad_bytes,
-        profile.trainable_num_params * optim_bytes,
+        0 if offload.optimizer else profile.trainable_num_params * optim_bytes,
         slots,
     )
+    if offload.optimizer:  # the gradients go to the CPU as they are reduced (ZeRO-Offload)
+        for stage in (2, 3):
+            model_states[stage] -= profile.trainable_num_params * grad_bytes // slots
+    if offload.params:
+        model_states[3] -= profile.num_params * param_bytes // slots
     return {stage: mem + profile.activation_mem_per_gpu for stage, mem in model_states.items()}
 
 
@@ -117,13 +142,21 @@ def section_bucket_bytes(section: Mapping[str, Any], precision: Precision, num_p
 
 
 def approx_max_micro_batch(
-    profile: ModelProfile, precision: Precision, slots: int
+    profile: ModelProfile, precision: Precision, slots: int, offload: Offload = Offload()
 ) -> dict[int, int]:
     """The largest micro-batch per stage that fits by this model; at least 1."""
     return {
         stage: micro_batches_in(profile.gpu_mem - (mem - profile.activation_mem_per_gpu), profile)
-        for stage, mem in memory_per_gpu_per_stage(profile, precision, slots).items()
+        for stage, mem in memory_per_gpu_per_stage(profile, precision, slots, offload).items()
     }
+
+
+def fits_at_one(
+    profile: ModelProfile, precision: Precision, slots: int, offload: Offload = Offload()
+) -> dict[int, bool]:
+    """Whether each stage fits at micro-batch 1 by this model."""
+    memory = memory_per_gpu_per_stage(profile, precision, slots, offload)
+    return {stage: mem <= profile.gpu_mem for stage, mem in memory.items()}
 
 
 def micro_batches_in(spare: int, profile: ModelProfile) -> int:
@@ -156,20 +189,26 @@ def log_estimates(profile: ModelProfile, precision: Precision, slots: int) -> No
 
 
 def determined_max_micro_batch(
-    profile: ModelProfile, precision: Precision, slots: int
+    profile: ModelProfile, precision: Precision, slots: int, offload: Offload = Offload()
 ) -> dict[int, int]:
     """Determined DSAT's own estimate of the largest micro-batch per stage, for the methods kept
     as it defines them (asha, binary): their binary searches then start at its midpoints, and
     where a midpoint lands against the memory cliff decides much of what they find. It counts
     fp16 as 2 + 4 + 12 bytes a parameter and anything else, bf16 included, as 4 + 4 + 8, and
-    keeps one sample of activations free. At least 1."""
+    keeps one sample of activations free (offloaded state, which the reference never supported,
+    counts for nothing, as in dsat's own model). At least 1."""
     fp16 = precision is Precision.FP16
     model_states = partitioned_states(
         profile.num_params * (2 if fp16 else 4),
         profile.trainable_num_params * 4,
-        profile.trainable_num_params * ((4 if fp16 else 0) + 8),
+        0 if offload.optimizer else profile.trainable_num_params * ((4 if fp16 else 0) + 8),
         slots,
     )
+    if offload.optimizer:
+        for stage in (2, 3):
+            model_states[stage] -= profile.trainable_num_params * 4 // slots
+    if offload.params:
+        model_states[3] -= profile.num_params * (2 if fp16 else 4) // slots
     activation = max(profile.activation_mem_per_gpu, 1)  # as the reference divides by it
     return {
         stage: micro_batches_in(profile.gpu_mem - states - activation, profile)

@@ -72,6 +72,8 @@ class SearchSettings:
     memory_margin: float = DEFAULT_MEMORY_MARGIN
     global_batch: int | None = None  # None: the config's numeric train_batch_size, if any
     baseline: bool = True  # run the user's own configuration once, to compare (--no-baseline)
+    offload: bool = False  # offload configurations in the space even when the model fits
+    offload_nvme: str | None = None  # a path for NVMe offload, the ladder's last rung
     seq_len: int | None = None  # tokens per sample, for tokens/s (else a hyperparameter's)
     peak_tflops: float | None = None  # the GPU's peak, for MFU (else the trial's GPU's)
     runner: str = "auto"

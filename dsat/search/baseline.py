@@ -54,6 +54,8 @@ def user_micro_batch(method: DsatSearchMethod) -> tuple[int, int, dict[str, int]
 
 def why_no_baseline(method: DsatSearchMethod) -> str | None:
     """Why the user's configuration is not run; None when it is (or will be)."""
+    if method.fit_rung.profile_stage is not None:
+        return "it ran out of memory at micro-batch 1, in the model profile"
     found = user_micro_batch(method)
     if found is None:
         return "neither your DeepSpeed config nor your entrypoint sets the micro-batch"

@@ -19,10 +19,17 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def profile_failure(profile: TrialRecord) -> str:
+def profile_failure(profile: TrialRecord, tried: list[str] | None = None) -> str:
     """Why the search cannot start, quoting the model-profile trial's own reason; "fix the
-    config" only where the config is the cause."""
+    config" only where the config is the cause. ``tried``: the fit ladder's rungs whose
+    profiles ran out of memory, when there was more than the user's own config to try."""
     reason, log = first_line(profile.error), log_note(profile.log)
+    if profile.status is TrialStatus.OOM and tried and len(tried) > 1:
+        return (
+            f"the model does not fit at micro-batch 1 in any way dsat tried ({'; '.join(tried)}): "
+            f"the last ran out of memory ({reason}){log}; give each trial more GPUs (resources.slots_per_trial), "
+            "--offload-nvme PATH where NVMe offload was not tried, or a smaller model"
+        )
     if profile.status is TrialStatus.OOM:
         return (
             f"the model-profile trial ran out of memory at micro-batch 1 ({reason}){log}: the "
@@ -74,7 +81,8 @@ class SearchEnding:
         if method.model_profile_failed():
             profile = method.tracker.model_profile
             assert profile is not None  # it failed
-            return profile_failure(profile)
+            climbed = sum(1 for r in method.tracker.records if r.kind is TrialKind.MODEL_PROFILE)
+            return profile_failure(profile, [r.name for r in method.fit_rungs[:climbed]])
         repeated = repeated_script_failure(method.tracker.finished)
         if repeated is not None:
             return repeated

@@ -26,7 +26,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from dsat.memory import section_bucket_bytes
+from dsat.memory import Offload, section_bucket_bytes
 from dsat.search import aligned_micro_batches as aligned
 from dsat.search.concave_curve import NOISE as CURVE_NOISE
 from dsat.search.concave_curve import CurveEvidence, Gap, best_possible, next_gap
@@ -293,16 +293,17 @@ class GuidedSearch(DsatSearchMethod):
         if ceiling is not None:
             return ceiling
         largest = max(state.values, default=0)
+        offload = Offload.of(state.section)
         learned = [
             mbs - 1 + max(0, self.samples_freed(other.section, state.section))
             for other in states.values()
-            if other.stage == state.stage
+            if other.stage == state.stage and Offload.of(other.section) == offload
             for mbs, status in other.failed.items()
             if status is TrialStatus.OOM
         ]
         if learned:
             return max(min(learned), largest, 1)
-        estimate = self.micro_batch_ceiling(state.stage)
+        estimate = self.micro_batch_ceiling(state.stage, offload=offload)
         return max(estimate if largest < estimate else 2 * largest, 1)
 
     def samples_freed(
@@ -467,12 +468,16 @@ class GuidedSearch(DsatSearchMethod):
         top = max(estimated.values(), default=0.0)
         actions: list[Action] = []
 
-        for stage in self.settings.zero_stages:
-            if any(s.stage == stage for s in states.values()):
-                continue
-            reach = max(self.micro_batch_ceiling(stage), 1)
-            section = explicit_zero_config(self._user_zero_section(), stage)
-            actions.append(Action(math.inf, section, (1 + reach) // 2, reach, "stage"))
+        for stage in self.zero_stages:
+            for offload in self.offload_space(stage):
+                section = explicit_zero_config({**self._user_zero_section(), **offload}, stage)
+                if any(
+                    s.stage == stage and Offload.of(s.section) == Offload.of(section)
+                    for s in states.values()
+                ):
+                    continue
+                reach = max(self.micro_batch_ceiling(stage, offload=Offload.of(section)), 1)
+                actions.append(Action(math.inf, section, (1 + reach) // 2, reach, "stage"))
 
         curves: dict[str, tuple[int, CurveEvidence, Gap | None]] = {}
 
@@ -728,10 +733,6 @@ class GuidedSearch(DsatSearchMethod):
             return self.tracker.best()
         ranked = leaders(self.tracker, 1, self.leader_score())
         return ranked[0] if ranked else None
-
-    def _user_zero_section(self) -> dict[str, Any]:
-        section = self.spec.ds_config.get("zero_optimization")
-        return dict(section) if isinstance(section, dict) else {}
 
 
 def memory_aware_steps(

@@ -24,15 +24,18 @@ import numpy as np
 from dsat.memory import (
     ModelProfile,
     ModelProfileError,
+    Offload,
     Precision,
     approx_max_micro_batch,
     determined_max_micro_batch,
+    fits_at_one,
     log_estimates,
 )
 from dsat.search.baseline import baseline_line, baseline_trial
 from dsat.search.confirmation import Score, leaders
 from dsat.search.denoised_ranking import denoised_score
 from dsat.search.ending import SearchEnding
+from dsat.search.fit_ladder import FitRung, ladder, offload_choices, offload_level
 from dsat.search.method_settings import MethodSettings
 from dsat.search.method_state import load_state_json, state_json
 from dsat.search.protocol import SearchMethod
@@ -45,7 +48,7 @@ from dsat.zero_space import random_zero_config
 logger = logging.getLogger(__name__)
 
 # A memory model's largest micro-batch per stage, from the profile (dsat.memory).
-CeilingEstimate = Callable[[ModelProfile, Precision, int], dict[int, int]]
+CeilingEstimate = Callable[[ModelProfile, Precision, int, Offload], dict[int, int]]
 # Bounds the draws for a configuration that was not tried yet, once the space runs dry.
 MAX_DRAWS = 50
 
@@ -69,6 +72,10 @@ class DsatSearchMethod(SearchMethod):
         self.precision = Precision.of(spec.ds_config)
         self.builder = TrialBuilder(
             spec, settings.random_seed, settings.start_profile_step, settings.end_profile_step
+        )
+        # What it takes to fit, tried in order while the model profile runs out of memory.
+        self.fit_rungs = ladder(
+            spec.user_config, spec.hparams, settings.zero_stages, settings.offload_nvme
         )
         self.next_index = 0
         self.ending = SearchEnding()
@@ -118,6 +125,8 @@ class DsatSearchMethod(SearchMethod):
             )
             if record.kind is TrialKind.SEARCH:
                 self._follow_up(lambda: self.after_failure(record))
+            elif record.kind is TrialKind.MODEL_PROFILE and self.next_fit_rung() is not None:
+                self._follow_up(self.climb)
             return
         record = self.tracker.mark_finished(
             request_id, TrialStatus.COMPLETED, outcome.metrics, log=outcome.log
@@ -239,7 +248,7 @@ class DsatSearchMethod(SearchMethod):
         configurations ran out of memory at micro-batch 1 and none ran (the model's states alone
         do not fit; buckets cannot make up for that). All of them if none is left."""
         dead = set()
-        for stage in self.settings.zero_stages:
+        for stage in self.zero_stages:
             in_stage = [
                 r
                 for r in self.tracker.records
@@ -248,9 +257,7 @@ class DsatSearchMethod(SearchMethod):
             at_one = {config_key(r) for r in in_stage if r.status is TrialStatus.OOM and r.mbs == 1}
             if len(at_one) >= 2 and stage not in self.tracker.successful_stages:
                 dead.add(stage)
-        return [s for s in self.settings.zero_stages if s not in dead] or list(
-            self.settings.zero_stages
-        )
+        return [s for s in self.zero_stages if s not in dead] or list(self.zero_stages)
 
     def untried_stage(self) -> int | None:
         """A stage a new configuration must take before any other is chosen; None for any."""
@@ -294,14 +301,29 @@ class DsatSearchMethod(SearchMethod):
             return None
 
     def micro_batch_ceiling(
-        self, stage: int, estimate: CeilingEstimate = approx_max_micro_batch
+        self,
+        stage: int,
+        estimate: CeilingEstimate = approx_max_micro_batch,
+        offload: Offload | None = None,
     ) -> int:
         """The largest micro-batch ``estimate`` (dsat's memory model unless told) allows at
-        ``stage``; 1 before the model profile is known."""
+        ``stage`` with ``offload`` (the fit rung's least unless told); 1 before the model
+        profile is known."""
         profile = self.profile
         if profile is None:
             return 1
-        return estimate(profile, self.precision, self.spec.slots_per_trial)[stage]
+        offload = self.fit_rung.offload if offload is None else offload
+        return estimate(profile, self.precision, self.spec.slots_per_trial, offload)[stage]
+
+    def offload_space(self, stage: int) -> list[dict[str, Any]]:
+        """What a new configuration at ``stage`` may keep off the GPU: on an offload rung of the
+        fit ladder, or with ``--offload``, every choice keeping at least the rung's off (more
+        frees memory for a larger micro-batch); else only the rung's own."""
+        rung = self.fit_rung
+        level = offload_level(rung.zero)
+        if not self.settings.offload and level == 0:
+            return [rung.zero]
+        return offload_choices(stage, level, self.settings.offload_nvme) or [rung.zero]
 
     def make_trial(
         self,
@@ -311,16 +333,32 @@ class DsatSearchMethod(SearchMethod):
         parent: TrialRecord | None = None,
         search_range: SearchRange | None = None,
         rung: int = 0,
+        fit: FitRung | None = None,
     ) -> TrialRecord | None:
         """The next trial's record (not yet registered): see TrialBuilder. With a fixed global
         batch it runs the allowed micro-batch nearest to ``mbs`` within ``search_range``
-        (SearchSpec.allowed_micro_batch); None when the range holds none."""
+        (SearchSpec.allowed_micro_batch); None when the range holds none. On a rung of the fit
+        ladder (``fit``, else the search's) it carries that rung's settings."""
         lo, hi = (search_range.lo, search_range.hi) if search_range is not None else (1, None)
         allowed = self.spec.allowed_micro_batch(mbs, lo, hi)
         if allowed is None:
             return None
+        fit = self.fit_rung if fit is None else fit
+        hparams: dict[str, Any] = {}
+        if fit.profile_stage is not None:
+            zero_config = zero_config or self._user_zero_section()
+            if offload_level(zero_config) < offload_level(fit.zero):  # else it offloads more
+                zero_config = {**zero_config, **fit.zero}
+            hparams = fit.hparams
         return self.builder.make(
-            self.next_index, kind, zero_config, allowed, parent, search_range, rung
+            self.next_index,
+            kind,
+            zero_config,
+            allowed,
+            parent,
+            search_range,
+            rung,
+            extra_hparams=hparams,
         )
 
     def register(self, record: TrialRecord | None) -> TrialRecord | None:
@@ -380,11 +418,86 @@ class DsatSearchMethod(SearchMethod):
 
     def summary_notes(self) -> list[str]:
         """The summary's lines on the global batch and on the user's own configuration."""
-        return [self.spec.batch_line(self.tracker.best()), baseline_line(self)]
+        return [
+            self.spec.batch_line(self.tracker.best()),
+            self.fit_line(self.tracker.best()),
+            baseline_line(self),
+        ]
+
+    def fit_line(self, handed_over: TrialRecord | None) -> str:
+        """The summary's line on what it took to fit, when the model did not as submitted."""
+        rung = self.fit_rung
+        if rung.profile_stage is None or handed_over is None:
+            return ""
+        return (
+            f"to fit: {rung.name} (the model ran out of memory at micro-batch 1 as submitted; "
+            f"handed over at ZeRO-{handed_over.zero_stage})"
+        )
 
     def model_profile_failed(self) -> bool:
+        """Whether the last model profile failed with no rung left to climb to."""
         record = self.tracker.model_profile
-        return record is not None and record.status.finished and self.profile is None
+        if record is None or not record.status.finished or self.profile is not None:
+            return False
+        return record.status is not TrialStatus.OOM or self.next_fit_rung() is None
+
+    # ------------------------------------------------------------------ what it takes to fit
+
+    @property
+    def fit_rung(self) -> FitRung:
+        """The rung of the fit ladder this search is on: one per model profile it ran."""
+        climbed = sum(1 for r in self.tracker.records if r.kind is TrialKind.MODEL_PROFILE)
+        return self.fit_rungs[min(max(climbed - 1, 0), len(self.fit_rungs) - 1)]
+
+    def next_fit_rung(self) -> FitRung | None:
+        climbed = sum(1 for r in self.tracker.records if r.kind is TrialKind.MODEL_PROFILE)
+        return self.fit_rungs[climbed] if climbed < len(self.fit_rungs) else None
+
+    def climb(self) -> list[TrialRecord]:
+        """The model profile of the next rung, after this one's ran out of memory."""
+        rung = self.next_fit_rung()
+        assert rung is not None and rung.profile_stage is not None  # only the first is the user's
+        logger.info(
+            "the model did not fit at micro-batch 1 (%s); trying %s",
+            self.fit_rung.name,
+            rung.name,
+        )
+        section = {**self._user_zero_section(), "stage": rung.profile_stage}
+        record = self.register(self.make_trial(TrialKind.MODEL_PROFILE, section, 1, fit=rung))
+        return [] if record is None else [record]
+
+    @property
+    def zero_stages(self) -> tuple[int, ...]:
+        """The stages a configuration may take: ``--zero-stages``, or on a rung above the first,
+        those that can carry it, that fit at micro-batch 1 by the memory model, and at which no
+        model profile with as much offloaded ran out of memory (a lower stage needs more)."""
+        rung = self.fit_rung
+        if rung.profile_stage is None:
+            return self.settings.zero_stages
+        profile = self.profile
+        fits = (
+            fits_at_one(profile, self.precision, self.spec.slots_per_trial, rung.offload)
+            if profile is not None
+            else {}
+        )
+        level = offload_level(rung.zero)
+        failed = [
+            r.zero_stage
+            for r in self.tracker.records
+            if r.kind is TrialKind.MODEL_PROFILE
+            and r.status is TrialStatus.OOM
+            and offload_level(r.ds_config.get("zero_optimization")) >= level
+        ]
+        stages = tuple(
+            s
+            for s in rung.stages
+            if s == rung.profile_stage or (fits.get(s, False) and s > max(failed, default=-1))
+        )
+        return stages
+
+    def _user_zero_section(self) -> dict[str, Any]:
+        section = self.spec.ds_config.get("zero_optimization")
+        return dict(section) if isinstance(section, dict) else {}
 
     @property
     def shutdown_reason(self) -> str | None:
@@ -395,8 +508,13 @@ class DsatSearchMethod(SearchMethod):
         return self.ending.search_failed(self)
 
     def draw_zero_config(self, stage: int) -> dict[str, Any]:
-        """A ZeRO section for a new lineage, every knob drawn at random as the reference does."""
-        return random_zero_config(stage, self.rng)
+        """A ZeRO section for a new lineage, every knob drawn at random as the reference does
+        (and what it offloads, when there is a choice)."""
+        section = random_zero_config(stage, self.rng)
+        choices = self.offload_space(stage)
+        if len(choices) > 1:
+            section.update(choices[int(self.rng.integers(len(choices)))])
+        return section
 
     def new_lineage(self, stage: int | None = None) -> TrialRecord | None:
         """A new configuration, not tried before, at its first micro-batch."""

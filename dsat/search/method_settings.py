@@ -60,6 +60,10 @@ class MethodSettings:
     # The user's own configuration run once, to compare (the CLI's default; off for a bare
     # method, as tests and benchmarks of the search build one).
     baseline: bool = False
+    # Models that do not fit (fit_ladder.py): offload in the space even when the model fits
+    # (--offload), and where NVMe offload may put its files (--offload-nvme PATH).
+    offload: bool = False
+    offload_nvme: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.metric, Metric):

@@ -25,7 +25,7 @@ class RandomSearch(DsatSearchMethod):
 
     def untried_stage(self) -> int | None:
         """Each stage of ``--zero-stages`` gets one configuration before any gets a second."""
-        untried = sorted(set(self.settings.zero_stages) - self.tracker.tried_stages())
+        untried = sorted(set(self.zero_stages) - self.tracker.tried_stages())
         return int(untried[int(self.rng.integers(len(untried)))]) if untried else None
 
     def draw_micro_batch(self, search_range: SearchRange) -> int:
@@ -35,7 +35,7 @@ class RandomSearch(DsatSearchMethod):
         return self.draw_micro_batch(search_range)
 
     def choose_stage(self) -> int:
-        preferred = LOWER_STAGES & self.tracker.successful_stages & set(self.settings.zero_stages)
+        preferred = LOWER_STAGES & self.tracker.successful_stages & set(self.zero_stages)
         if preferred and self.stage_three_worth_a_new_configuration():
             preferred.add(MEMORY_ONLY_STAGE)
         stages = sorted(preferred) or self.live_stages()
@@ -56,7 +56,7 @@ class RandomSearch(DsatSearchMethod):
         what they completed. The reference drops stage 3 as soon as stage 1 or 2 works, which
         loses every model whose best configuration is ZeRO-3 at a micro-batch the lower stages
         cannot hold."""
-        stages = self.settings.zero_stages
+        stages = self.zero_stages
         if MEMORY_ONLY_STAGE not in stages:
             return False
         limited = any(

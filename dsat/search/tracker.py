@@ -11,6 +11,7 @@ from typing import Any
 
 from dsat.constants import OVERWRITE_KEY
 from dsat.experiment.metric import Metric
+from dsat.search.fit_ladder import CHECKPOINTING_HPARAM
 from dsat.search.usable_memory import UsableMemory, fills_device, largest_peak, usable_memory
 from dsat.trial import TrialKind, TrialRecord, TrialStatus
 from dsat.trial_failure import FailureCause
@@ -21,7 +22,11 @@ def config_key(record: TrialRecord) -> str:
     (a confirmation run measures it again on purpose, so each has its own)."""
     if record.kind is TrialKind.CONFIRM:
         return f"confirm:{record.request_id}"
-    return json.dumps(record.hparams.get(OVERWRITE_KEY, {}), sort_keys=True)
+    overwrites = record.hparams.get(OVERWRITE_KEY, {})
+    switch = record.hparams.get(CHECKPOINTING_HPARAM)
+    if switch is not None:  # the script's own switch, which the fit ladder may set
+        return json.dumps({OVERWRITE_KEY: overwrites, CHECKPOINTING_HPARAM: switch}, sort_keys=True)
+    return json.dumps(overwrites, sort_keys=True)
 
 
 class TrialTracker:
@@ -144,7 +149,10 @@ class TrialTracker:
 
     @property
     def model_profile(self) -> TrialRecord | None:
-        return next((r for r in self._records.values() if r.kind is TrialKind.MODEL_PROFILE), None)
+        """The last model profile: the one the search runs on (an earlier one ran out of
+        memory, and the fit ladder climbed)."""
+        profiles = [r for r in self._records.values() if r.kind is TrialKind.MODEL_PROFILE]
+        return profiles[-1] if profiles else None
 
     @property
     def running(self) -> list[TrialRecord]:

@@ -130,10 +130,12 @@ class TrialBuilder:
         search_range: SearchRange | None = None,
         rung: int = 0,
         user_batch: dict[str, int] | None = None,
+        extra_hparams: dict[str, Any] | None = None,
     ) -> TrialRecord:
         """The ``index``-th trial's record (not yet registered); ``zero_config`` and ``mbs``
         None keep the user's own section and batch triple (``user_batch``: where their script,
-        not their config, sets it)."""
+        not their config, sets it); ``extra_hparams`` set switches of the script's own (the fit
+        ladder's activation checkpointing)."""
         spec = self.spec
         user_overwrites = deep_merge(spec.hparams.get(OVERWRITE_KEY) or {}, user_batch or {})
         overwrites = deep_merge(user_overwrites, {AUTOTUNING_KEY: self.autotuning_block(kind)})
@@ -142,7 +144,11 @@ class TrialBuilder:
         merged = deep_merge(spec.ds_config, overwrites)
         batch = consistent_batch_sizes(merged, spec.slots_per_trial, micro_batch=mbs)
         overwrites = deep_merge(overwrites, batch)
-        hparams = {**copy.deepcopy(spec.hparams), OVERWRITE_KEY: overwrites}
+        hparams = {
+            **copy.deepcopy(spec.hparams),
+            **(extra_hparams or {}),
+            OVERWRITE_KEY: overwrites,
+        }
         ds_config = deep_merge(spec.ds_config, overwrites)
         request_id = self.request_id(index)
         zero = ds_config.get("zero_optimization")

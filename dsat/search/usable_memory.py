@@ -86,7 +86,8 @@ class PeakModel:
             key = _config(record)
             self.points.setdefault(key, []).append((record.mbs, peak))
             self.sections.setdefault(key, record)
-        profile = next((r for r in records if r.kind is TrialKind.MODEL_PROFILE), None)
+        profiles = [r for r in records if r.kind is TrialKind.MODEL_PROFILE]
+        profile = profiles[-1] if profiles else None  # the fit ladder's last
         metrics: dict[str, Any] = profile.metrics if profile is not None else {}
         self.num_params = metrics.get("num_params")
         self.profile_per_sample = metrics.get("activation_mem_per_gpu")

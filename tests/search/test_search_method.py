@@ -119,12 +119,36 @@ def test_failed_model_profile_stops_with_advice(name: str) -> None:
     def no_memory(ds_config: dict[str, Any], slots: int) -> dict[str, Any]:
         raise MemoryError("even micro-batch 1 does not fit")
 
-    m = method(name)
+    m = method(name, zero_stages=(0,))  # nothing to climb to: no ZeRO stage with offload
     driver = run(m, no_memory)
     assert len(driver.history) == 1 and driver.shutdown is not None and driver.shutdown.failure
     reason = m.shutdown_reason
     assert reason is not None and "ran out of memory at micro-batch 1" in reason
     assert "even micro-batch 1 does not fit" in reason and "fix the config" in reason
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_a_model_that_fits_no_way_climbs_every_rung_then_says_what_it_tried(name: str) -> None:
+    def no_memory(ds_config: dict[str, Any], slots: int) -> dict[str, Any]:
+        raise MemoryError("does not fit")
+
+    m = method(name)
+    driver = run(m, no_memory)
+    rungs = [rung.name for rung in m.fit_rungs]
+    assert rungs == [
+        "as submitted",
+        "ZeRO-3",
+        "ZeRO-3, optimizer states on the CPU",
+        "ZeRO-3, optimizer states and parameters on the CPU",
+    ]
+    assert len(driver.history) == len(rungs) and driver.shutdown is not None
+    assert driver.shutdown.failure
+    profiles = [r for r in m.tracker.records if r.kind is TrialKind.MODEL_PROFILE]
+    assert profiles[0].zero_stage < 3 and [r.zero_stage for r in profiles[1:]] == [3, 3, 3]
+    assert "offload_param" in profiles[-1].ds_config["zero_optimization"]
+    reason = m.shutdown_reason
+    assert reason is not None and "in any way dsat tried" in reason
+    assert all(rung in reason for rung in rungs) and "--offload-nvme" in reason
 
 
 def test_profile_without_model_info_fails_the_same_way() -> None:

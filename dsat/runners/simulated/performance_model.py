@@ -28,7 +28,14 @@ And, each off unless a surface sets it, what real hardware does besides (docs/se
   faster than their neighbours, so throughput is not concave in the micro-batch;
 - knob effects of either sign: overlap that slows compute (copy contention on PCIe), and a
   reduce bucket whose best size lies inside the ladder (small: latency; large: the last bucket's
-  reduction cannot overlap).
+  reduction cannot overlap);
+- a model profile that runs out of memory, as a real one does when the model does not fit at
+  micro-batch 1 as submitted (``profile_can_oom``; the older surfaces' users submit ZeRO-0, which
+  those surfaces let profile anyway).
+
+Offload is always modelled: offloaded state takes no GPU memory (dsat.memory), the optimizer
+step of offloaded states runs on the CPU after the gradients cross PCIe and before the
+parameters cross back, and offloaded parameters cross PCIe in every forward and backward pass.
 """
 
 from __future__ import annotations
@@ -42,7 +49,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from dsat.experiment.batch_size import micro_batches_for
-from dsat.memory import ModelProfile, Precision, bucket_buffer_bytes, memory_per_gpu_per_stage
+from dsat.memory import (
+    ModelProfile,
+    Offload,
+    Precision,
+    bucket_buffer_bytes,
+    memory_per_gpu_per_stage,
+)
 from dsat.zero_space import zero_knobs
 
 GB = 10**9
@@ -112,6 +125,12 @@ class PerformanceModel:
     aligned_speedups: tuple[tuple[int, float], ...] = ()
     overlap_contention: float = 0.0  # compute slowed by this share of the overlapped traffic
     bucket_pipelining: bool = False  # with overlap, the last reduce bucket's traffic is exposed
+    profile_can_oom: bool = (
+        False  # the model profile runs out of memory where the model does not fit
+    )
+    # ---- offload
+    pcie_bandwidth: float = 20e9  # bytes/s between one GPU and the CPU
+    cpu_optimizer_bandwidth: float = 25e9  # bytes/s of optimizer state one GPU's CPU share steps
 
     # ---------------------------------------------------------------- memory
 
@@ -132,7 +151,8 @@ class PerformanceModel:
         true_profile = dataclasses.replace(
             self.profile(), activation_mem_per_gpu=self.activation_per_sample
         )
-        states = memory_per_gpu_per_stage(true_profile, self.precision, slots)[stage]
+        offload = Offload.of(zero)
+        states = memory_per_gpu_per_stage(true_profile, self.precision, slots, offload)[stage]
         _, grad_bytes, _ = self.precision.bytes_per_param
         buffers = 0
         if stage >= 1:
@@ -224,7 +244,15 @@ class PerformanceModel:
             exposed += self.overlap_contention * (comm - exposed)
 
         optimizer_bytes = self.num_params * sum(self.precision.bytes_per_param)
-        step = optimizer_bytes / (slots if stage >= 1 else 1) / self.optimizer_bandwidth
+        partition = slots if stage >= 1 else 1
+        offload = Offload.of(zero)
+        if offload.optimizer:  # gradients to the CPU, the step there, parameters back
+            step = (grads + params) / partition / self.pcie_bandwidth
+            step += optimizer_bytes / partition / self.cpu_optimizer_bandwidth
+        else:
+            step = optimizer_bytes / partition / self.optimizer_bandwidth
+        if offload.params and stage == 3:  # each pass fetches this rank's partition
+            exposed += 2 * params / slots / self.pcie_bandwidth
         return forward, backward, exposed, step
 
     def _pressure(self, ds_config: Mapping[str, Any], slots: int) -> float:
@@ -306,6 +334,9 @@ class PerformanceModel:
         self, ds_config: Mapping[str, Any], slots: int, run_id: str | None = None
     ) -> dict[str, Any]:
         if is_model_profile(ds_config):
+            at_one = {**ds_config, "train_micro_batch_size_per_gpu": 1}
+            if self.profile_can_oom and self.memory_bytes(at_one, slots) > self.oom_bytes:
+                raise MemoryError(f"{self.name}: out of memory in the model profile")
             profile = self.profile()
             return {**dataclasses.asdict(profile), "seconds": self.startup_seconds}
         peak = self.memory_bytes(ds_config, slots)
@@ -321,13 +352,30 @@ class PerformanceModel:
         return result
 
 
-def configurations(stages: tuple[int, ...]) -> list[dict[str, Any]]:
-    """Every ``zero_optimization`` section the search space holds for ``stages``."""
+OFFLOAD_CPU = {"device": "cpu", "pin_memory": True}
+
+
+def offload_variants(stage: int) -> list[dict[str, Any]]:
+    """What a ZeRO section at ``stage`` may keep on the CPU: nothing, the optimizer's states
+    (from stage 1), the parameters too (stage 3)."""
+    variants: list[dict[str, Any]] = [{}]
+    if stage >= 1:
+        variants.append({"offload_optimizer": OFFLOAD_CPU})
+    if stage == 3:
+        variants.append({"offload_optimizer": OFFLOAD_CPU, "offload_param": OFFLOAD_CPU})
+    return variants
+
+
+def configurations(stages: tuple[int, ...], offload: bool = False) -> list[dict[str, Any]]:
+    """Every ``zero_optimization`` section the search space holds for ``stages`` (with
+    ``offload``, each with every offload it may take)."""
     sections: list[dict[str, Any]] = []
     for stage in stages:
         knobs = zero_knobs(stage)
         for values in itertools.product(*knobs.values()):
-            sections.append({"stage": stage, **dict(zip(knobs, values, strict=True))})
+            section = {"stage": stage, **dict(zip(knobs, values, strict=True))}
+            for variant in offload_variants(stage) if offload else [{}]:
+                sections.append({**section, **variant})
     return sections
 
 
@@ -340,6 +388,7 @@ def optimum(
     base: Mapping[str, Any] | None = None,
     memory_margin: float = 0.0,
     global_batch: int | None = None,
+    offload: bool = False,
 ) -> tuple[float, dict[str, Any]]:
     """The best noise-free metric over the whole search space among configurations that never
     run out of memory, and the config that reaches it.
@@ -350,12 +399,13 @@ def optimum(
     configurations); otherwise at every micro-batch that fits. With ``memory_margin``, only
     configurations that also leave that fraction of the device free count: the best a search
     could safely hand over. With ``global_batch``, only the micro-batches that keep it, each
-    with the accumulation that makes it up (all of them are evaluated).
+    with the accumulation that makes it up (all of them are evaluated). With ``offload``, also
+    every configuration with the optimizer's states, or the parameters too, on the CPU.
     """
     best_value: float | None = None
     best_config: dict[str, Any] = {}
     every = bool(model.pressure_slowdown or model.aligned_speedups)
-    for section in configurations(stages):
+    for section in configurations(stages, offload):
         config = {**(base or {}), "zero_optimization": section, "train_micro_batch_size_per_gpu": 1}
         largest = model.max_micro_batch(config, slots, memory_margin)
         if largest == 0:

@@ -24,6 +24,7 @@ __all__ = [
     "DEFAULT_BUCKET",
     "GB",
     "HARDWARE_MODELS",
+    "OFFLOAD_MODELS",
     "STRESS_MODELS",
     "PerformanceModel",
     "configurations",
@@ -377,6 +378,86 @@ HARDWARE_MODELS: dict[str, PerformanceModel] = {
     "gpt_760m_aligned_8xa100": gpt_760m_aligned_8xa100,
     "gpt_2b_pcie_knobs_8xl40": gpt_2b_pcie_knobs_8xl40,
     "gpt_3b_hardware_4xa100": gpt_3b_hardware_4xa100,
+}
+
+# ---------------------------------------------------------------- models that do not fit
+# Each runs out of memory in the model profile as submitted (ZeRO-0, micro-batch 1), so the
+# search must climb dsat's fit ladder (dsat.search.fit_ladder) to run at all.
+
+# A 13B model (bf16, sequence 2048) on 8 A100-80GB: ZeRO-0 and -1 do not fit, ZeRO-2 does after
+# the ZeRO-3 rung's profile shows the model; ZeRO-2's lighter traffic makes it the best.
+gpt_13b_no_zero0_8xa100 = PerformanceModel(
+    name="13b-no-zero0-8xA100",
+    num_params=13_000_000_000,
+    precision=Precision.BF16,
+    gpu_mem=80 * 2**30,
+    activation_per_sample=int(2.2 * GB),
+    activation_reported_fraction=0.85,
+    flops_per_sample=8 * 13e9 * 2048,
+    peak_flops=312e12,
+    max_efficiency=0.55,
+    half_efficiency_mbs=1.5,
+    bandwidth=150e9,
+    call_latency=40e-6,
+    stage_overhead=(0.0, 0.0, 0.03, 0.12),
+    profile_can_oom=True,
+    startup_seconds=300.0,
+    noise_seed=61,
+    gpus=8,
+)
+
+# A 70B model (bf16, sequence 4096) on 8 H100-80GB: even ZeRO-3 holds 175 GB of states per GPU,
+# so the optimizer's states go to the CPU, where the step takes seconds; a larger micro-batch
+# amortises it until memory runs out. 2% run-to-run noise.
+llama_70b_offload_8xh100 = PerformanceModel(
+    name="70b-offload-8xH100",
+    num_params=70_000_000_000,
+    precision=Precision.BF16,
+    gpu_mem=80 * 2**30,
+    activation_per_sample=int(3.5 * GB),
+    activation_reported_fraction=0.85,
+    flops_per_sample=8 * 70e9 * 4096,
+    peak_flops=989e12,
+    max_efficiency=0.5,
+    half_efficiency_mbs=1.0,
+    bandwidth=200e9,
+    call_latency=40e-6,
+    stage_overhead=(0.0, 0.0, 0.03, 0.12),
+    usable_memory_fraction=0.95,
+    run_noise=0.02,
+    profile_can_oom=True,
+    startup_seconds=600.0,
+    noise_seed=62,
+    gpus=8,
+)
+
+# A 13B model on one L4-24GB: only the last CPU rung fits (optimizer states and parameters on the
+# CPU), where every pass fetches the parameters over PCIe.
+gpt_13b_param_offload_1xl4 = PerformanceModel(
+    name="13b-param-offload-1xL4",
+    num_params=13_000_000_000,
+    precision=Precision.BF16,
+    gpu_mem=24 * 2**30,
+    activation_per_sample=int(1.1 * GB),
+    activation_reported_fraction=0.85,
+    flops_per_sample=8 * 13e9 * 1024,
+    peak_flops=121e12,
+    max_efficiency=0.5,
+    half_efficiency_mbs=2.0,
+    bandwidth=20e9,
+    call_latency=40e-6,
+    stage_overhead=(0.0, 0.0, 0.0, 0.05),
+    pcie_bandwidth=12e9,
+    profile_can_oom=True,
+    startup_seconds=300.0,
+    noise_seed=63,
+    gpus=1,
+)
+
+OFFLOAD_MODELS: dict[str, PerformanceModel] = {
+    "gpt_13b_no_zero0_8xa100": gpt_13b_no_zero0_8xa100,
+    "llama_70b_offload_8xh100": llama_70b_offload_8xh100,
+    "gpt_13b_param_offload_1xl4": gpt_13b_param_offload_1xl4,
 }
 
 BUILTIN_MODELS: dict[str, PerformanceModel] = {

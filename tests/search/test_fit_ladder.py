@@ -1,0 +1,140 @@
+"""The fit ladder: what dsat climbs when the model does not run at micro-batch 1 as submitted."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from dsat.memory import Offload
+from dsat.runners.driver import SearchDriver
+from dsat.runners.simulated.performance_models import OFFLOAD_MODELS, PerformanceModel
+from dsat.runners.simulated.runner import SimulatedRunner
+from dsat.search import make_search_method
+from dsat.search.fit_ladder import CHECKPOINTING_HPARAM, ladder, offload_choices, offload_level
+from dsat.search.method import DsatSearchMethod
+from dsat.search.trial_builder import SearchSpec
+from dsat.trial import TrialKind, TrialStatus
+from tests.search.helpers import PROFILE, cliff_function, settings
+
+CPU = {"device": "cpu", "pin_memory": True}
+
+
+def names(user: dict[str, Any], hparams: dict[str, Any] | None = None, **kw: Any) -> list[str]:
+    stages = kw.pop("zero_stages", (1, 2, 3))
+    return [r.name for r in ladder(user, hparams or {}, stages, **kw)]
+
+
+def test_the_ladder_climbs_zero3_then_the_optimizer_then_the_parameters_then_nvme() -> None:
+    assert names({}) == [
+        "as submitted",
+        "ZeRO-3",
+        "ZeRO-3, optimizer states on the CPU",
+        "ZeRO-3, optimizer states and parameters on the CPU",
+    ]
+    with_nvme = names({}, nvme_path="/local_nvme")
+    assert with_nvme[-1] == "ZeRO-3, optimizer states and parameters on NVMe (/local_nvme)"
+    rungs = ladder({}, {}, (1, 2, 3), "/local_nvme")
+    assert [offload_level(r.zero) for r in rungs] == [0, 0, 1, 2, 3]
+    assert [r.profile_stage for r in rungs] == [None, 3, 3, 3, 3]
+    assert rungs[-1].zero["offload_param"]["nvme_path"] == "/local_nvme"
+
+
+def test_activation_checkpointing_is_a_rung_where_the_script_has_the_switch() -> None:
+    rungs = ladder({}, {CHECKPOINTING_HPARAM: False}, (1, 2, 3))
+    assert [r.name for r in rungs][1:3] == ["ZeRO-3", "ZeRO-3, activation checkpointing"]
+    assert all(r.hparams == {CHECKPOINTING_HPARAM: True} for r in rungs[2:])
+    assert rungs[-1].name.endswith(", activation checkpointing")
+    # A script whose switch is already on, or that has none, gets no such rung.
+    assert "ZeRO-3, activation checkpointing" not in names({}, {CHECKPOINTING_HPARAM: True})
+
+
+def test_rungs_that_keep_no_more_off_the_gpu_than_the_users_config_are_left_out() -> None:
+    user = {"zero_optimization": {"stage": 3, "offload_optimizer": CPU}}
+    assert names(user) == ["as submitted", "ZeRO-3, optimizer states and parameters on the CPU"]
+    # Without stage 3 only the optimizer can go, at the highest stage allowed.
+    assert names({}, zero_stages=(1, 2)) == ["as submitted", "ZeRO-2, optimizer states on the CPU"]
+    assert names({}, zero_stages=(0,)) == ["as submitted"]
+
+
+def test_offload_choices_keep_at_least_the_rungs_and_fit_the_stage() -> None:
+    assert offload_choices(0, 0) == [{}]
+    assert [offload_level(c) for c in offload_choices(3, 1)] == [1, 2]
+    assert [offload_level(c) for c in offload_choices(3, 0, "/nvme")] == [0, 1, 2, 3]
+    assert [offload_level(c) for c in offload_choices(2, 1)] == [1]
+
+
+def search_on(model: PerformanceModel, method: str, seed: int = 0, **kw: Any) -> DsatSearchMethod:
+    spec = SearchSpec(
+        {"deepspeed_config": "ds.json"},
+        {"train_micro_batch_size_per_gpu": 1, **model.base_ds_config},
+        model.gpus,
+    )
+    m = make_search_method(settings(method, random_seed=seed, max_trials=24, **kw), spec)
+    SearchDriver(m, SimulatedRunner(model, model.gpus)).run()
+    return m
+
+
+@pytest.mark.parametrize("method", ["guided", "asha", "random"])
+def test_a_model_that_needs_offload_is_searched_with_it_and_handed_over_with_it(
+    method: str,
+) -> None:
+    model = OFFLOAD_MODELS["llama_70b_offload_8xh100"]
+    m = search_on(model, method)
+    profiles = [r for r in m.tracker.records if r.kind is TrialKind.MODEL_PROFILE]
+    assert [r.status for r in profiles] == [TrialStatus.OOM, TrialStatus.OOM, TrialStatus.COMPLETED]
+    assert m.fit_rung.name == "ZeRO-3, optimizer states on the CPU"
+    searched = [r for r in m.tracker.records if r.kind is TrialKind.SEARCH]
+    assert searched and all(Offload.of(r.zero_section).optimizer for r in searched)
+    best = m.tracker.best()
+    assert best is not None and Offload.of(best.ds_config["zero_optimization"]).optimizer
+    assert model.is_safe(best.ds_config, model.gpus, m.settings.memory_margin)
+    line = m.fit_line(best)
+    assert line.startswith("to fit: ZeRO-3, optimizer states on the CPU (the model ran out")
+
+
+def test_on_the_zero3_rung_a_lower_stage_the_profile_shows_fits_is_searched_too() -> None:
+    model = OFFLOAD_MODELS["gpt_13b_no_zero0_8xa100"]
+    m = search_on(model, "guided")
+    assert m.fit_rung.name == "ZeRO-3"
+    assert m.zero_stages == (1, 2, 3)  # each fits at micro-batch 1 by the ZeRO-3 profile
+    best = m.tracker.best()
+    assert best is not None and best.zero_stage == 2
+    assert not Offload.of(best.ds_config["zero_optimization"]).optimizer
+
+
+def test_offload_puts_offload_in_the_space_when_the_model_fits() -> None:
+    spec = SearchSpec({"deepspeed_config": "ds.json"}, {"train_micro_batch_size_per_gpu": 1}, 1)
+    m = make_search_method(settings("guided", offload=True, max_trials=30), spec)
+    SearchDriver(m, SimulatedRunner(cliff_function(8), 1)).run()
+    tried = {offload_level(r.zero_section) for r in m.tracker.records if r.kind is TrialKind.SEARCH}
+    assert tried >= {0, 1, 2}
+    assert m.fit_rung.profile_stage is None  # it fitted as submitted
+
+
+def test_the_ladders_switch_reaches_the_scripts_hyperparameters() -> None:
+    calls = {"profiles": 0}
+
+    def fits_with_checkpointing(ds_config: dict[str, Any], slots: int) -> dict[str, Any]:
+        if ds_config.get("autotuning", {}).get("model_info", {}).get("profile"):
+            calls["profiles"] += 1
+            if calls["profiles"] <= 2:  # as submitted, and ZeRO-3 alone
+                raise MemoryError("out of memory")
+            return dict(PROFILE)
+        return cliff_function(4)(ds_config, slots)
+
+    spec = SearchSpec(
+        {"deepspeed_config": "ds.json", CHECKPOINTING_HPARAM: False},
+        {"train_micro_batch_size_per_gpu": 1},
+        1,
+    )
+    m = make_search_method(settings("binary", max_trials=8, baseline=True), spec)
+    SearchDriver(m, SimulatedRunner(fits_with_checkpointing, 1)).run()
+    assert m.fit_rung.name == "ZeRO-3, activation checkpointing"
+    searched = [r for r in m.tracker.records if r.kind is TrialKind.SEARCH]
+    assert searched and all(r.hparams[CHECKPOINTING_HPARAM] is True for r in searched)
+    assert all(r.zero_stage == 3 for r in searched)
+    # The user's own config ran out of memory in the profile: no baseline, and the summary
+    # says why.
+    assert not any(r.kind is TrialKind.BASELINE for r in m.tracker.records)
+    assert "ran out of memory at micro-batch 1" in m.summary_notes()[-1]
