@@ -39,3 +39,6 @@ RESULTS_ROOT = "dsat-results"
 # In a results directory: the settings a search runs with, and its method's state.
 SETTINGS_FILE = "settings.json"
 STATE_FILE = "dsat_search_state.json"
+# The hyperparameter a training script reads to turn on activation checkpointing (HF Trainer's
+# name): where a script has it, the fit ladder may set it (dsat.search.fit_ladder).
+CHECKPOINTING_HPARAM = "gradient_checkpointing"

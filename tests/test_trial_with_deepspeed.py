@@ -18,6 +18,7 @@ from dsat.constants import ENV_HPARAMS_FILE, OVERWRITE_KEY, TRIAL_OUTCOME_FILE
 from dsat.memory import ModelProfile
 from dsat.runners.local.entrypoint import interpreter_first
 from dsat.search import MethodSettings, make_search_method
+from dsat.search.fit_ladder import offload_choices, offload_level
 from dsat.search.trial_builder import SearchSpec
 from dsat.training.step_clock import MEASURED_STEPS
 from dsat.trial import TrialKind
@@ -168,3 +169,17 @@ def test_full_run_without_autotuning_trains(tmp_path: Path) -> None:
     result = run_example_trial(tmp_path / "trial", batch)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert not (tmp_path / "trial" / TRIAL_OUTCOME_FILE).exists()
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_the_fit_ladders_offload_runs_with_deepspeed_on_the_cpu(tmp_path: Path, level: int) -> None:
+    """A search trial with what the offload rungs set (the optimizer's states, then the
+    parameters too, on the CPU) trains and reports like any other."""
+    offload = next(c for c in offload_choices(3, level) if offload_level(c) == level)
+    overrides = dsat_overrides(TrialKind.SEARCH, 1, stage=3, mbs=4)
+    overrides["zero_optimization"] = {**overrides["zero_optimization"], **offload}
+    result = run_example_trial(tmp_path / "trial", overrides)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    outcome = _outcome(tmp_path / "trial")
+    assert outcome["status"] == "completed" and outcome["values"]["throughput"] > 0
+    assert outcome["values"]["measured_steps"] == MEASURED_STEPS

@@ -20,9 +20,10 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from dsat.constants import CHECKPOINTING_HPARAM
 from dsat.memory import Offload
 
-CHECKPOINTING_HPARAM = "gradient_checkpointing"
+__all__ = ["CHECKPOINTING_HPARAM", "FitRung", "ladder", "offload_choices", "offload_level"]
 # A rung's stages: parameter offload needs ZeRO-3, optimizer offload any stage from 1.
 _OFFLOAD_STAGES = (1, 2, 3)
 

@@ -9,9 +9,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from dsat.constants import OVERWRITE_KEY
+from dsat.constants import CHECKPOINTING_HPARAM, OVERWRITE_KEY
 from dsat.experiment.metric import Metric
-from dsat.search.fit_ladder import CHECKPOINTING_HPARAM
 from dsat.search.usable_memory import UsableMemory, fills_device, largest_peak, usable_memory
 from dsat.trial import TrialKind, TrialRecord, TrialStatus
 from dsat.trial_failure import FailureCause

@@ -16,7 +16,12 @@ from typing import Any
 import filelock
 
 from dsat.atomic_file import write_json_atomic
-from dsat.constants import GRAD_ACCUM_STEPS, MICRO_BATCH_SIZE, OVERWRITE_KEY
+from dsat.constants import (
+    CHECKPOINTING_HPARAM,
+    GRAD_ACCUM_STEPS,
+    MICRO_BATCH_SIZE,
+    OVERWRITE_KEY,
+)
 from dsat.errors import DsatError
 from dsat.experiment.batch_size import batch_value
 from dsat.experiment.config import deep_merge, load_ds_json
@@ -106,4 +111,6 @@ def get_hf_args_with_overwrites(args: Sequence[str], hparams: Mapping[str, Any])
         number = batch_value(merged, key, str(target))
         if number is not None:  # "auto" is left for HF to fill in from its own arguments
             args = _set_flag(args, flag, str(number))
+    if hparams.get(CHECKPOINTING_HPARAM) is True:  # the fit ladder's rung: HF Trainer's switch
+        args = _set_flag(args, "--gradient_checkpointing", "true")
     return args

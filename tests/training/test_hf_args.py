@@ -104,3 +104,13 @@ def test_missing_deepspeed_flag(ds_path: Path) -> None:
         )
     with pytest.raises(DsatError, match="no --deepspeed PATH"):
         get_hf_args_with_overwrites(["--deepspeed"], _hparams(train_micro_batch_size_per_gpu=2))
+
+
+def test_the_fit_ladders_checkpointing_rung_turns_on_hf_gradient_checkpointing(
+    ds_path: Path,
+) -> None:
+    args = ["--deepspeed", str(ds_path), "--gradient_checkpointing", "false"]
+    on = {**_hparams(zero_optimization={"stage": 3}), "gradient_checkpointing": True}
+    assert _value(get_hf_args_with_overwrites(args, on), "--gradient_checkpointing") == "true"
+    off = {**_hparams(zero_optimization={"stage": 3}), "gradient_checkpointing": False}
+    assert _value(get_hf_args_with_overwrites(args, off), "--gradient_checkpointing") == "false"
