@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 from dsat.search.confirmation import Score, oriented
+from dsat.search.fit_ladder import offload_level
 from dsat.search.throughput_model import Observation, estimate
 from dsat.search.tracker import TrialTracker
 from dsat.trial import TrialKind, TrialRecord
@@ -52,7 +53,9 @@ def observations(tracker: TrialTracker) -> list[Observation]:
         value = measured(tracker, record)
         if value is not None:
             key = section_key(record.zero_section)
-            found[(key, record.mbs)] = Observation(key, record.zero_stage, record.mbs, value)
+            # Grouped by stage and what it offloads: each offload has a curve of its own.
+            group = (record.zero_stage, offload_level(record.zero_section))
+            found[(key, record.mbs)] = Observation(key, group, record.mbs, value)
     return list(found.values())
 
 

@@ -32,6 +32,7 @@ from dsat.search.concave_curve import NOISE as CURVE_NOISE
 from dsat.search.concave_curve import CurveEvidence, Gap, best_possible, next_gap
 from dsat.search.confirmation import leaders, measurements
 from dsat.search.denoised_ranking import estimates, measured
+from dsat.search.fit_ladder import offload_level
 from dsat.search.measurement_noise import noise_scale, relative_noise, residuals_of
 from dsat.search.method import DsatSearchMethod
 from dsat.search.throughput_model import Observation
@@ -150,6 +151,13 @@ class ConfigState:
         return int(self.section["stage"])
 
     @property
+    def family(self) -> tuple[int, int]:
+        """Its stage and how much it offloads (fit_ladder.offload_level): configurations that
+        differ in what they offload have memory limits apart, so each family has its own best
+        and explores its own curve, as a stage does."""
+        return self.stage, offload_level(self.section)
+
+    @property
     def pending(self) -> bool:
         return bool(self.pending_mbs)
 
@@ -249,7 +257,7 @@ class GuidedSearch(DsatSearchMethod):
         """The denoised metric of every trial measured near the best (denoised_ranking)."""
         return estimates(
             [
-                Observation(key, state.stage, mbs, value)
+                Observation(key, state.family, mbs, value)
                 for key, state in states.items()
                 for mbs, value in state.values.items()
             ]
@@ -352,33 +360,34 @@ class GuidedSearch(DsatSearchMethod):
     def _bucket_bytes(self, section: dict[str, Any], num_params: int) -> int:
         return section_bucket_bytes(section, self.precision, num_params)
 
-    def incumbents(self, states: dict[str, ConfigState]) -> dict[int, ConfigState]:
-        """Each stage's best configuration so far; among equals the first found, so that a
-        plateau of equal results does not keep moving it (and its steps)."""
-        best: dict[int, ConfigState] = {}
+    def incumbents(self, states: dict[str, ConfigState]) -> dict[tuple[int, int], ConfigState]:
+        """Each family's (stage's, with what it offloads) best configuration so far; among
+        equals the first found, so that a plateau of equal results does not keep moving it (and
+        its steps)."""
+        best: dict[tuple[int, int], ConfigState] = {}
         for state in sorted(states.values(), key=lambda s: s.first_index):
             if state.best is None:
                 continue
-            current = best.get(state.stage)
+            current = best.get(state.family)
             if current is None or state.best > (current.best or 0.0) * (1 + TIE):
-                best[state.stage] = state
+                best[state.family] = state
         return best
 
     @staticmethod
     def step_bases(
-        incumbents: dict[int, ConfigState], states: dict[str, ConfigState]
+        incumbents: dict[tuple[int, int], ConfigState], states: dict[str, ConfigState]
     ) -> list[ConfigState]:
         """The configurations knob steps start from: each stage's best, and its runner-up when
         that is within RUNNER_UP_SPAN of it (the first found among equals)."""
         bases: list[ConfigState] = []
-        for stage in sorted(incumbents):
-            best = incumbents[stage]
+        for family in sorted(incumbents):
+            best = incumbents[family]
             bases.append(best)
             floor = (best.best or 0.0) * (1 - RUNNER_UP_SPAN)
             rivals = [
                 s
                 for s in states.values()
-                if s.stage == stage and s is not best and s.best is not None and s.best >= floor
+                if s.family == family and s is not best and s.best is not None and s.best >= floor
             ]
             if rivals:
                 bases.append(max(rivals, key=lambda s: (s.best or 0.0, -s.first_index)))
@@ -396,7 +405,7 @@ class GuidedSearch(DsatSearchMethod):
                 other
                 for other in states.values()
                 if other is not state
-                and other.stage == state.stage
+                and other.family == state.family
                 and any(m in other.values for m in state.values)
             ]
             if donors:
@@ -486,14 +495,14 @@ class GuidedSearch(DsatSearchMethod):
             key = section_key(state.section)
             if key not in curves:
                 reach = self.reach(state, states)
-                evidence = self.evidence(state, reach, states, incumbents.get(state.stage, state))
+                evidence = self.evidence(state, reach, states, incumbents.get(state.family, state))
                 gap = next_gap(evidence, curve_tolerance, top, self.spec.micro_batches)
                 curves[key] = (reach, evidence, gap)
             return curves[key]
 
         for key in sorted(states):
             state = states[key]
-            incumbent = incumbents.get(state.stage)
+            incumbent = incumbents.get(state.family)
             if state.pending:
                 continue
             if state.values and incumbent is not None and state is not incumbent:
@@ -506,7 +515,6 @@ class GuidedSearch(DsatSearchMethod):
 
         scores = self.step_scores(states)
         for base in self.step_bases(incumbents, states):
-            stage = base.stage
             best_mbs, best_value = base.best_micro_batch, base.best
             assert best_mbs is not None and best_value is not None
             if base.pending and len(base.values) < PAIRED_STEP_TRIALS:
@@ -563,7 +571,9 @@ class GuidedSearch(DsatSearchMethod):
             if (unsettled or paired_only) and stage_steps:
                 # One at a time: each is a bet on a best micro-batch that may still move (the
                 # base's own probe aside, which the paired step does not depend on).
-                busy = any(s.pending for s in states.values() if s.stage == stage and s is not base)
+                busy = any(
+                    s.pending for s in states.values() if s.family == base.family and s is not base
+                )
                 stage_steps = [] if busy else [max(stage_steps, key=lambda a: a.value)]
             actions.extend(stage_steps)
 
@@ -643,7 +653,7 @@ class GuidedSearch(DsatSearchMethod):
     def aligned_actions(
         self,
         states: dict[str, ConfigState],
-        incumbents: dict[int, ConfigState],
+        incumbents: dict[tuple[int, int], ConfigState],
         top: float,
         curve: Callable[[ConfigState], tuple[int, CurveEvidence, Gap | None]],
     ) -> list[Action]:
