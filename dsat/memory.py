@@ -166,10 +166,12 @@ def micro_batches_in(spare: int, profile: ModelProfile) -> int:
     return int(min(max(spare // activation, 1), MAX_MICRO_BATCH))
 
 
-def log_estimates(profile: ModelProfile, precision: Precision, slots: int) -> None:
+def log_estimates(
+    profile: ModelProfile, precision: Precision, slots: int, offload: Offload = Offload()
+) -> None:
     gib = 2**30
-    memory = memory_per_gpu_per_stage(profile, precision, slots)
-    ceilings = approx_max_micro_batch(profile, precision, slots)
+    memory = memory_per_gpu_per_stage(profile, precision, slots, offload)
+    ceilings = approx_max_micro_batch(profile, precision, slots, offload)
     logger.info(
         "model: %.3g parameters (%.3g trainable), %s, %.3g GiB activations per sample, "
         "%.3g GiB per GPU",

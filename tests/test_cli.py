@@ -598,10 +598,40 @@ def test_search_with_no_working_config_exits_1(tmp_path: Path) -> None:
     )
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
-        "dsat: search failed: the model-profile trial ran out of memory at micro-batch 1 "
-        "(MemoryError: nothing fits): the model must fit at micro-batch 1 with the submitted "
-        "DeepSpeed config; fix the config (a higher ZeRO stage, offload) and try again"
+        "dsat: search failed: the model does not fit at micro-batch 1 in any way dsat tried (as "
+        "submitted; ZeRO-3; ZeRO-3, optimizer states on the CPU; ZeRO-3, optimizer states and "
+        "parameters on the CPU): the last ran out of memory (MemoryError: nothing fits); give "
+        "each trial more GPUs (resources.slots_per_trial), --offload-nvme PATH where NVMe "
+        "offload was not tried, or a smaller model"
     ]
+
+
+def test_a_model_that_fits_only_with_offload_is_handed_over_with_it(tmp_path: Path) -> None:
+    results = tmp_path / "r"
+    result = run_cli(
+        "guided",
+        str(SIMULATED / "llama_70b.yaml"),
+        str(SIMULATED),
+        "--runner",
+        "simulated",
+        "--simulator",
+        "dsat.runners.simulated.performance_models:llama_70b_offload_8xh100",
+        "--max-trials",
+        "16",
+        "--results-dir",
+        str(results),
+    )
+    assert result.returncode == 0, result.stderr
+    assert "dsat: the model fits at micro-batch 1 with ZeRO-3, optimizer states on the CPU" in (
+        result.stdout + result.stderr
+    )
+    summary = (results / "summary.txt").read_text()
+    assert "to fit: ZeRO-3, optimizer states" in summary
+    assert "ran out of memory as submitted and with ZeRO-3)" in summary
+    assert "your config: not run (it ran out of memory at micro-batch 1" in summary
+    best = json.loads((results / "best_ds_config.json").read_text())
+    assert best["zero_optimization"]["stage"] == 3
+    assert best["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
 
 
 def test_sigusr1_prints_where_each_thread_is_and_dsat_goes_on(

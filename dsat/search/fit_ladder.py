@@ -23,7 +23,14 @@ from typing import Any
 from dsat.constants import CHECKPOINTING_HPARAM
 from dsat.memory import Offload
 
-__all__ = ["CHECKPOINTING_HPARAM", "FitRung", "ladder", "offload_choices", "offload_level"]
+__all__ = [
+    "CHECKPOINTING_HPARAM",
+    "FitRung",
+    "ladder",
+    "offload_choices",
+    "offload_level",
+    "what_it_takes",
+]
 # A rung's stages: parameter offload needs ZeRO-3, optimizer offload any stage from 1.
 _OFFLOAD_STAGES = (1, 2, 3)
 
@@ -52,6 +59,23 @@ def offload_level(section: Mapping[str, Any] | None) -> int:
         for key in ("offload_optimizer", "offload_param")
     )
     return 3 if on_nvme else 2 if offload.params else 1 if offload.optimizer else 0
+
+
+OFFLOADED = (
+    "",
+    "optimizer states on the CPU",
+    "optimizer states and parameters on the CPU",
+    "optimizer states and parameters on NVMe",
+)
+
+
+def what_it_takes(section: Mapping[str, Any], hparams: Mapping[str, Any]) -> str:
+    """What a configuration needs to fit, in the summary's words: its stage, what it offloads,
+    and activation checkpointing when the fit ladder turned it on."""
+    parts = [f"ZeRO-{int(section.get('stage', 0))}", OFFLOADED[offload_level(section)]]
+    if hparams.get(CHECKPOINTING_HPARAM) is True:
+        parts.append("activation checkpointing")
+    return ", ".join(p for p in parts if p)
 
 
 def _device(device: str, nvme_path: str | None = None) -> dict[str, Any]:

@@ -35,7 +35,13 @@ from dsat.search.baseline import baseline_line, baseline_trial
 from dsat.search.confirmation import Score, leaders
 from dsat.search.denoised_ranking import denoised_score
 from dsat.search.ending import SearchEnding
-from dsat.search.fit_ladder import FitRung, ladder, offload_choices, offload_level
+from dsat.search.fit_ladder import (
+    FitRung,
+    ladder,
+    offload_choices,
+    offload_level,
+    what_it_takes,
+)
 from dsat.search.method_settings import MethodSettings
 from dsat.search.method_state import load_state_json, state_json
 from dsat.search.protocol import SearchMethod
@@ -134,7 +140,10 @@ class DsatSearchMethod(SearchMethod):
         if record.kind is TrialKind.MODEL_PROFILE:
             profile = self.profile
             if profile is not None:
-                log_estimates(profile, self.precision, self.spec.slots_per_trial)
+                rung = self.fit_rung
+                if rung.profile_stage is not None:
+                    logger.info("the model fits at micro-batch 1 with %s", rung.name)
+                log_estimates(profile, self.precision, self.spec.slots_per_trial, rung.offload)
                 if self.settings.baseline:
                     self._queue(functools.partial(baseline_trial, self))
                 self._follow_up(self.initial_lineages)
@@ -426,12 +435,16 @@ class DsatSearchMethod(SearchMethod):
 
     def fit_line(self, handed_over: TrialRecord | None) -> str:
         """The summary's line on what it took to fit, when the model did not as submitted."""
-        rung = self.fit_rung
-        if rung.profile_stage is None or handed_over is None:
+        if self.fit_rung.profile_stage is None or handed_over is None:
             return ""
+        climbed = sum(1 for r in self.tracker.records if r.kind is TrialKind.MODEL_PROFILE)
+        failed = [
+            rung.name if rung.profile_stage is None else f"with {rung.name}"
+            for rung in self.fit_rungs[: climbed - 1]
+        ]
         return (
-            f"to fit: {rung.name} (the model ran out of memory at micro-batch 1 as submitted; "
-            f"handed over at ZeRO-{handed_over.zero_stage})"
+            f"to fit: {what_it_takes(handed_over.zero_section, handed_over.hparams)} (at "
+            f"micro-batch 1 the model ran out of memory {' and '.join(failed)})"
         )
 
     def model_profile_failed(self) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -11,7 +12,13 @@ from dsat.runners.driver import SearchDriver
 from dsat.runners.simulated.performance_models import OFFLOAD_MODELS, PerformanceModel
 from dsat.runners.simulated.runner import SimulatedRunner
 from dsat.search import make_search_method
-from dsat.search.fit_ladder import CHECKPOINTING_HPARAM, ladder, offload_choices, offload_level
+from dsat.search.fit_ladder import (
+    CHECKPOINTING_HPARAM,
+    ladder,
+    offload_choices,
+    offload_level,
+    what_it_takes,
+)
 from dsat.search.method import DsatSearchMethod
 from dsat.search.trial_builder import SearchSpec
 from dsat.trial import TrialKind, TrialStatus
@@ -90,7 +97,9 @@ def test_a_model_that_needs_offload_is_searched_with_it_and_handed_over_with_it(
     assert best is not None and Offload.of(best.ds_config["zero_optimization"]).optimizer
     assert model.is_safe(best.ds_config, model.gpus, m.settings.memory_margin)
     line = m.fit_line(best)
-    assert line.startswith("to fit: ZeRO-3, optimizer states on the CPU (the model ran out")
+    assert line.startswith(f"to fit: {what_it_takes(best.zero_section, best.hparams)} (at ")
+    assert line.endswith("ran out of memory as submitted and with ZeRO-3)")
+    assert "optimizer states" in line
 
 
 def test_on_the_zero3_rung_a_lower_stage_the_profile_shows_fits_is_searched_too() -> None:
@@ -138,3 +147,37 @@ def test_the_ladders_switch_reaches_the_scripts_hyperparameters() -> None:
     # says why.
     assert not any(r.kind is TrialKind.BASELINE for r in m.tracker.records)
     assert "ran out of memory at micro-batch 1" in m.summary_notes()[-1]
+
+
+@pytest.mark.parametrize("method", ["guided", "binary"])
+def test_a_search_interrupted_on_the_ladder_resumes_on_the_same_rung(method: str) -> None:
+    """The rung is how many model profiles ran: a search rebuilt from its JSON state at any
+    point of the climb proposes the same trials as one never interrupted."""
+    model = OFFLOAD_MODELS["llama_70b_offload_8xh100"]
+    spec = SearchSpec(
+        {"deepspeed_config": "ds.json"},
+        {"train_micro_batch_size_per_gpu": 1, **model.base_ds_config},
+        model.gpus,
+    )
+
+    def fresh() -> DsatSearchMethod:
+        return make_search_method(settings(method, random_seed=3, max_trials=12), spec)
+
+    def names_of(driver: SearchDriver) -> list[tuple[str, str]]:
+        return [
+            (t.outcome.request_id, json.dumps(t.ds_config, sort_keys=True)) for t in driver.history
+        ]
+
+    whole = SearchDriver(fresh(), SimulatedRunner(model, model.gpus))
+    whole.run()
+    for k in (1, 2, 3, 5):
+        first = fresh()
+        driver = SearchDriver(first, SimulatedRunner(model, model.gpus), max_events=k)
+        driver.run()
+        saved = json.loads(json.dumps(first.state_json()))
+        second = fresh()
+        second.load_state_json(saved)
+        assert second.fit_rung == first.fit_rung
+        driver.method, driver.max_events = second, None
+        driver.loop()
+        assert names_of(driver) == names_of(whole), f"diverged after resuming at event {k}"
