@@ -226,6 +226,34 @@ def test_oom_lowers_the_ceiling(tmp_path: Path) -> None:
     assert any(row["status"] == "completed" for row in rows)
 
 
+def test_a_model_that_fits_only_offloaded_climbs_the_ladder_with_real_deepspeed(
+    tmp_path: Path,
+) -> None:
+    """Every trial without the optimizer's states on the CPU runs out of memory, the model
+    profile too: the search profiles again with ZeRO-3, then with CPU offload, and searches and
+    hands over offloaded configurations that DeepSpeed trains on the CPU."""
+    run, results = binary_search(
+        tmp_path, 5, zero_stage=3, range_factor=0.002, DSAT_TEST_BEHAVIOUR="fits_offloaded"
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = trials(results)
+    profiles = [row for row in rows if row["kind"] == "model_profile"]
+    assert [row["status"] for row in profiles] == ["oom", "oom", "completed"]
+    offloads = [
+        row["overwrites"].get("zero_optimization", {}).get("offload_optimizer") for row in profiles
+    ]
+    assert offloads[:2] == [None, None] and offloads[2]["device"] == "cpu"
+    searched = [row for row in rows if row["kind"] == "search"]
+    assert searched and all(
+        row["overwrites"]["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+        for row in searched
+    )
+    assert any(row["status"] == "completed" for row in searched)
+    best = json.loads((results / "best_ds_config.json").read_text())
+    assert best["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert "to fit: ZeRO-3, optimizer states" in (results / "summary.txt").read_text()
+
+
 def test_a_fixed_global_batch_is_kept_by_every_trial_and_the_hand_over(tmp_path: Path) -> None:
     """--global-batch 64 on one slot, with micro-batches above 16 out of memory: every trial
     trains at 64 samples per optimizer step, the micro-batches that fit with accumulation."""
