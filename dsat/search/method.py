@@ -272,11 +272,12 @@ class DsatSearchMethod(SearchMethod):
         """A stage a new configuration must take before any other is chosen; None for any."""
         return None
 
-    def initial_range(self, stage: int) -> SearchRange:
+    def initial_range(self, stage: int, offload: Offload | None = None) -> SearchRange:
         """The whole range of Determined DSAT's own memory estimate, as the reference starts every
         configuration: where the binary searches' midpoints land against the memory cliff decides
-        much of what asha and binary find (benchmarks/README.md)."""
-        ceiling = self.micro_batch_ceiling(stage, determined_max_micro_batch)
+        much of what asha and binary find (benchmarks/README.md). ``offload``: what the
+        configuration keeps off the GPU (the fit rung's unless told)."""
+        ceiling = self.micro_batch_ceiling(stage, determined_max_micro_batch, offload)
         hi = max(int(ceiling * self.settings.search_range_factor), 1)
         if self.spec.micro_batches is not None:  # a fixed global batch: none runs above it
             hi = min(hi, self.spec.micro_batches[-1])
@@ -323,6 +324,12 @@ class DsatSearchMethod(SearchMethod):
             return 1
         offload = self.fit_rung.offload if offload is None else offload
         return estimate(profile, self.precision, self.spec.slots_per_trial, offload)[stage]
+
+    def offload_of(self, section: dict[str, Any]) -> Offload:
+        """What a configuration drawn as ``section`` will keep off the GPU once ``make_trial``
+        gives it the fit rung's settings."""
+        rung = self.fit_rung.zero
+        return Offload.of(section if offload_level(section) >= offload_level(rung) else rung)
 
     def offload_space(self, stage: int) -> list[dict[str, Any]]:
         """What a new configuration at ``stage`` may keep off the GPU: on an offload rung of the
@@ -536,7 +543,7 @@ class DsatSearchMethod(SearchMethod):
             if chosen is None:
                 chosen = self.choose_stage()
             zero_config = self.draw_zero_config(chosen)
-            search_range = self.initial_range(chosen)
+            search_range = self.initial_range(chosen, self.offload_of(zero_config))
             record = self.make_trial(
                 TrialKind.SEARCH,
                 zero_config,

@@ -12,6 +12,7 @@ ran, and only while they hit a memory limit below its reach (the reference drops
 
 from __future__ import annotations
 
+from dsat.memory import Offload
 from dsat.search.method import DsatSearchMethod
 from dsat.trial import SearchRange, TrialKind, TrialRecord
 
@@ -93,11 +94,11 @@ class RandomSearch(DsatSearchMethod):
             self.tracker.metric_value(ours) or 0.0, self.tracker.metric_value(theirs) or 0.0
         )
 
-    def initial_range(self, stage: int) -> SearchRange:
+    def initial_range(self, stage: int, offload: Offload | None = None) -> SearchRange:
         """Below the memory model's estimate until the stage has a best trial; then from that trial's
         micro-batch (other knobs may be faster there) up to the smallest micro-batch that ran
         out of memory in this stage, or, with none yet, twice as high."""
-        return self.above_lower_stages(stage, self._stage_range(stage))
+        return self.above_lower_stages(stage, self._stage_range(stage, offload))
 
     def above_lower_stages(self, stage: int, search_range: SearchRange) -> SearchRange:
         """Stage 3's part of ``search_range``: above the largest micro-batch stage 1 or 2 ran,
@@ -107,13 +108,14 @@ class RandomSearch(DsatSearchMethod):
             return search_range
         return SearchRange(max(search_range.lo, reach + 1), search_range.hi)
 
-    def _stage_range(self, stage: int) -> SearchRange:
+    def _stage_range(self, stage: int, offload: Offload | None = None) -> SearchRange:
         best = self.tracker.best(stage)
         if best is None or best.search_range is None:
             # One sample of activations short of the memory model's estimate (the reference's own
             # estimate): the profile under-reports activations, and every draw above the real
             # cliff costs a whole trial here, where a binary search would halve the range.
-            return SearchRange(1, max(self.micro_batch_ceiling(stage) - 1, 1))
+            ceiling = self.micro_batch_ceiling(stage, offload=offload)
+            return SearchRange(1, max(ceiling - 1, 1))
         lo = best.mbs
         failed_above = [
             r.mbs
