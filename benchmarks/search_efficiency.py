@@ -42,6 +42,7 @@ from dsat.runners.driver import FinishedTrial, SearchDriver
 from dsat.runners.simulated.performance_models import (
     BUILTIN_MODELS,
     OFFLOAD_MODELS,
+    ZERO3_KNOB_MODELS,
     PerformanceModel,
     is_model_profile,
     optimum,
@@ -59,12 +60,14 @@ SURFACES = {
     "heldout": HELDOUT_MODELS,
     "heldout-hardware": HELDOUT_HARDWARE_MODELS,
     "offload": OFFLOAD_MODELS,
+    "zero3-knobs": ZERO3_KNOB_MODELS,
 }
 MODELS: dict[str, PerformanceModel] = {
     **BUILTIN_MODELS,
     **HELDOUT_MODELS,
     **HELDOUT_HARDWARE_MODELS,
     **OFFLOAD_MODELS,
+    **ZERO3_KNOB_MODELS,
 }
 # Every surface, on the GPUs it is built for, with its precision in the user's config.
 CASES: dict[str, tuple[int, dict[str, Any]]] = {

@@ -129,16 +129,21 @@ def bucket_buffer_bytes(
 
 def section_bucket_bytes(section: Mapping[str, Any], precision: Precision, num_params: int) -> int:
     """``bucket_buffer_bytes`` of a ZeRO section with every knob spelled out (none below stage
-    1): what one configuration's buckets take, for comparing two."""
+    1): what one configuration's buckets take, for comparing two. At stage 3 with
+    ``stage3_prefetch_bucket_size`` set, the parameters fetched ahead count too."""
     if int(section.get("stage", 0)) < 1:
         return 0
-    return bucket_buffer_bytes(
+    buckets = bucket_buffer_bytes(
         int(section.get("reduce_bucket_size", 0)),
         int(section.get("allgather_bucket_size", 0)),
         bool(section.get("overlap_comm")),
         precision,
         num_params,
     )
+    prefetch = section.get("stage3_prefetch_bucket_size")
+    if int(section.get("stage", 0)) == 3 and isinstance(prefetch, (int, float)):
+        buckets += int(min(prefetch, num_params)) * precision.bytes_per_param[0]
+    return buckets
 
 
 def approx_max_micro_batch(

@@ -49,6 +49,29 @@ def space_size(stage: int) -> int:
     return size
 
 
+# ZeRO-3's own knobs, which guided steps (the reference's methods draw only the knobs above):
+# how many parameter elements are fetched ahead of use, and below what size a parameter is not
+# partitioned at all (stage3_knobs.py says where they start).
+PREFETCH_SIZES = (1_000_000, 5_000_000, 10_000_000, 50_000_000, 100_000_000, 500_000_000)
+
+
+def stage3_ladders(hidden: int) -> dict[str, tuple[Any, ...]]:
+    """ZeRO-3's knobs and their ladders for a model of hidden size ``hidden``. The persistence
+    threshold matters only where it crosses a tensor's size, so its rungs lie past those sizes
+    in a decoder: persist nothing, the vectors (HF's 10 h), also the attention matrices (h^2),
+    every matrix (the MLP's 4 h^2); twice the size, so that a hidden size estimated 30% off
+    still crosses the same tensors."""
+    return {
+        "stage3_prefetch_bucket_size": PREFETCH_SIZES,
+        "stage3_param_persistence_threshold": (
+            min(1_000, hidden - 1),
+            10 * hidden,
+            2 * hidden * hidden,
+            8 * hidden * hidden,
+        ),
+    }
+
+
 # DeepSpeed's values for knobs a config leaves out (overlap_comm is on by default at stage 3).
 DEEPSPEED_DEFAULTS: dict[str, Any] = {
     "reduce_bucket_size": 500_000_000,
@@ -56,9 +79,18 @@ DEEPSPEED_DEFAULTS: dict[str, Any] = {
     "reduce_scatter": True,
     "contiguous_gradients": True,
     "allgather_partitions": True,
+    "stage3_prefetch_bucket_size": 50_000_000,
+    "stage3_param_persistence_threshold": 100_000,
 }
-# Knobs whose larger value (or True) never needs less memory: bucket buffers, overlap's copies.
-MEMORY_MONOTONE_KNOBS = ("reduce_bucket_size", "allgather_bucket_size", "overlap_comm")
+# Knobs whose larger value (or True) never needs less memory: bucket buffers, overlap's copies,
+# the prefetched and the persistent (unpartitioned) parameters.
+MEMORY_MONOTONE_KNOBS = (
+    "reduce_bucket_size",
+    "allgather_bucket_size",
+    "overlap_comm",
+    "stage3_prefetch_bucket_size",
+    "stage3_param_persistence_threshold",
+)
 
 
 def explicit_zero_config(section: dict[str, Any], stage: int) -> dict[str, Any]:
@@ -77,11 +109,18 @@ def section_key(section: dict[str, Any]) -> str:
     return json.dumps(section, sort_keys=True)
 
 
-def knob_steps(config: dict[str, Any]) -> list[tuple[str, Any]]:
+def knob_steps(
+    config: dict[str, Any], stage3: dict[str, tuple[Any, ...]] | None = None
+) -> list[tuple[str, Any]]:
     """Every single-knob step from ``config``: a bucket size one or two rungs up or down the
-    ladder, a switch flipped. Returned as (knob, new value)."""
+    ladder, a switch flipped; at stage 3 also ZeRO-3's own knobs that ``config`` sets, on the
+    ladders ``stage3`` gives (stage3_ladders). Returned as (knob, new value)."""
     steps: list[tuple[str, Any]] = []
-    for knob, choices in zero_knobs(int(config.get("stage", 0))).items():
+    stage = int(config.get("stage", 0))
+    knobs = zero_knobs(stage)
+    if stage == 3:
+        knobs.update({k: v for k, v in (stage3 or {}).items() if k in config})
+    for knob, choices in knobs.items():
         value = config.get(knob)
         if all(isinstance(c, bool) for c in choices):
             steps.append((knob, not bool(value)))

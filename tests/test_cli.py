@@ -634,6 +634,27 @@ def test_a_model_that_fits_only_with_offload_is_handed_over_with_it(tmp_path: Pa
     assert best["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
 
 
+def test_zero3_knobs_reach_the_handed_over_config(tmp_path: Path) -> None:
+    results = tmp_path / "r"
+    result = run_cli(
+        "guided",
+        str(SIMULATED / "gpt_20b.yaml"),
+        str(SIMULATED),
+        "--runner",
+        "simulated",
+        "--simulator",
+        "dsat.runners.simulated.performance_models:gpt_20b_zero3_knobs_32xa100",
+        "--results-dir",
+        str(results),
+    )
+    assert result.returncode == 0, result.stderr
+    zero = json.loads((results / "best_ds_config.json").read_text())["zero_optimization"]
+    assert zero["stage"] == 3
+    # Stepped from where the hidden size (6144, the experiment's hyperparameter) starts them.
+    assert zero["stage3_param_persistence_threshold"] in (1_000, 61_440)
+    assert zero["stage3_prefetch_bucket_size"] > 50_000_000
+
+
 def test_sigusr1_prints_where_each_thread_is_and_dsat_goes_on(
     capfd: pytest.CaptureFixture[str],
 ) -> None:

@@ -35,6 +35,7 @@ from dsat.search.denoised_ranking import estimates, measured
 from dsat.search.fit_ladder import offload_level
 from dsat.search.measurement_noise import noise_scale, relative_noise, residuals_of
 from dsat.search.method import DsatSearchMethod
+from dsat.search.stage3_knobs import hidden_size, stage3_start
 from dsat.search.throughput_model import Observation
 from dsat.trial import SearchRange, TrialKind, TrialRecord, TrialStatus
 from dsat.zero_space import (
@@ -43,6 +44,7 @@ from dsat.zero_space import (
     knob_steps,
     needs_no_less_memory,
     section_key,
+    stage3_ladders,
 )
 
 logger = logging.getLogger(__name__)
@@ -70,6 +72,10 @@ MEMORY_STEP = "reduce_bucket_size+allgather_bucket_size"
 # comes first among untried steps; with overlap off, the paired step above (memory kept level)
 # comes first, and shrinking both buckets is an ordinary bucket step.
 OVERLAPPED_MEMORY_STEP_OPTIMISM = 0.06
+# ZeRO-3's own knobs come after the rest: on most hardware their defaults (or the hidden-size
+# rules they start from) are near their best, and stepping them first delayed the steps that
+# decide a stage (overlap on the knobs surface, from the 20th to the 43rd trial).
+ZERO3_STEP_OPTIMISM = 0.02
 # Overlap switched on with a smaller reduce bucket comes before the plain switches: overlap alone
 # keeps 4.5 reduce buckets and often runs out of memory (or runs at a smaller micro-batch) where
 # the paired step keeps memory level, and once overlap alone became the stage's best the paired
@@ -350,10 +356,15 @@ class GuidedSearch(DsatSearchMethod):
         return float(self._bucket_bytes(before, params) - self._bucket_bytes(after, params))
 
     def moves_memory(self, state: ConfigState, section: dict[str, Any]) -> bool:
-        """Whether ``section`` keeps more or less bucket memory than ``state``'s configuration."""
+        """Whether ``section`` keeps more or less bucket memory than ``state``'s configuration,
+        or persists more or fewer parameters (which the memory model cannot count: it does not
+        know the tensors' sizes)."""
         profile = self.profile
         if profile is None:
             return False
+        knob = "stage3_param_persistence_threshold"
+        if section.get(knob) != state.section.get(knob):
+            return True
         params = profile.num_params
         return self._bucket_bytes(section, params) != self._bucket_bytes(state.section, params)
 
@@ -457,6 +468,8 @@ class GuidedSearch(DsatSearchMethod):
         gains = scores.get(kind, [])
         mean = sum(gains) / len(gains) if gains else 0.0
         prior = STEP_OPTIMISM if kind[1] in ("True", "False") else BUCKET_STEP_OPTIMISM
+        if kind[0].startswith("stage3_"):
+            prior = ZERO3_STEP_OPTIMISM
         if kind == (MEMORY_STEP, "overlapped"):
             prior = OVERLAPPED_MEMORY_STEP_OPTIMISM
         if kind == (PAIRED_STEP, "True"):
@@ -480,6 +493,14 @@ class GuidedSearch(DsatSearchMethod):
         for stage in self.zero_stages:
             for offload in self.offload_space(stage):
                 section = explicit_zero_config({**self._user_zero_section(), **offload}, stage)
+                if stage == 3:  # ZeRO-3's own knobs, from the hidden size where the user set none
+                    start = self.stage3_start()
+                    mine = {
+                        k: v
+                        for k, v in section.items()
+                        if k not in start or (isinstance(v, (int, float)) and v > 0)
+                    }  # HF's "auto" is a value guided cannot step
+                    section = {**start, **mine}
                 if any(
                     s.stage == stage and Offload.of(s.section) == Offload.of(section)
                     for s in states.values()
@@ -533,7 +554,9 @@ class GuidedSearch(DsatSearchMethod):
             potential = best_possible(evidence)
             held_back = self.held_back(best_mbs, reach)
             limit_seen = held_back and self.ceiling(base.section, states) is not None
-            for knob, value, section in memory_aware_steps(base.section, held_back):
+            for knob, value, section in memory_aware_steps(
+                base.section, held_back, self.stage3_ladders()
+            ):
                 if knob == PAIRED_STEP:
                     kind: tuple[str, str] = (PAIRED_STEP, "True")
                 elif knob == MEMORY_STEP:
@@ -734,6 +757,17 @@ class GuidedSearch(DsatSearchMethod):
         section, mbs = check
         return Action(math.inf, section, mbs, mbs, "memory check")
 
+    def hidden_size(self) -> int:
+        profile = self.profile
+        return hidden_size(self.spec.hparams, profile.num_params if profile is not None else 0)
+
+    def stage3_start(self) -> dict[str, Any]:
+        """ZeRO-3's knobs where guided starts them: from the model's hidden size."""
+        return stage3_start(self.hidden_size())
+
+    def stage3_ladders(self) -> dict[str, tuple[Any, ...]]:
+        return stage3_ladders(self.hidden_size())
+
     # ------------------------------------------------------------------ handing over
 
     def pick(self) -> TrialRecord | None:
@@ -746,14 +780,16 @@ class GuidedSearch(DsatSearchMethod):
 
 
 def memory_aware_steps(
-    config: dict[str, Any], held_back: bool = False
+    config: dict[str, Any],
+    held_back: bool = False,
+    stage3: dict[str, tuple[Any, ...]] | None = None,
 ) -> list[tuple[str, Any, dict[str, Any]]]:
     """Every single-knob step, plus overlap switched on with a reduce bucket small enough that
     the bucket memory stays the same: overlap keeps 4.5 copies of the reduce bucket, so alone
     it often runs out of memory where it would help. When ``held_back`` (the configuration's
     best micro-batch is at or just below its memory limit), also both buckets two rungs down at
     once, so that enough memory is freed for a larger micro-batch."""
-    steps = [(knob, value, {**config, knob: value}) for knob, value in knob_steps(config)]
+    steps = [(knob, value, {**config, knob: value}) for knob, value in knob_steps(config, stage3)]
     if config.get("overlap_comm") is False and "reduce_bucket_size" in config:
         smaller = [b for b in BUCKET_SIZES if b <= config["reduce_bucket_size"] / 4.5]
         if smaller:

@@ -56,7 +56,7 @@ from dsat.memory import (
     bucket_buffer_bytes,
     memory_per_gpu_per_stage,
 )
-from dsat.zero_space import zero_knobs
+from dsat.zero_space import stage3_ladders, zero_knobs
 
 GB = 10**9
 DEFAULT_BUCKET = 500_000_000  # DeepSpeed's default reduce/allgather bucket size (elements)
@@ -129,6 +129,11 @@ class PerformanceModel:
         False  # the model profile runs out of memory where the model does not fit
     )
     # ---- offload
+    # ---- ZeRO-3's own knobs (stage3_prefetch_bucket_size, stage3_param_persistence_threshold)
+    # have effects only where a surface gives the model's hidden size; at DeepSpeed's defaults
+    # every figure is what it is without them.
+    hidden: int = 0
+    prefetch_knee: float = 0.0  # prefetch elements below which fetching cannot keep ahead
     pcie_bandwidth: float = 20e9  # bytes/s between one GPU and the CPU
     cpu_optimizer_bandwidth: float = 25e9  # bytes/s of optimizer state one GPU's CPU share steps
 
@@ -165,7 +170,52 @@ class PerformanceModel:
             )
         if stage >= 2 and zero.get("contiguous_gradients", True) is False:
             buffers += self.num_params * grad_bytes // (4 * slots)  # fragmentation
+        if stage == 3 and self.hidden:
+            buffers += int(self._stage3_memory(zero, slots) - self._stage3_memory({}, slots))
         return states + (mbs - 1) * self.activation_per_sample + buffers
+
+    # ---------------------------------------------------------------- ZeRO-3's knobs
+
+    def _stage3_knobs(self, zero: Mapping[str, Any]) -> tuple[float, float]:
+        return (
+            float(zero.get("stage3_prefetch_bucket_size", 50_000_000)),
+            float(zero.get("stage3_param_persistence_threshold", 100_000)),
+        )
+
+    def _layers(self) -> float:
+        return self.num_params / (12 * self.hidden**2)
+
+    def _persisted(self, threshold: float) -> tuple[float, float]:
+        """(elements, tensors) a persistence threshold keeps whole on every GPU, for a decoder
+        with per layer 4 vectors of h, 4 matrices of h^2 and 2 of 4 h^2."""
+        layers, h = self._layers(), self.hidden
+        elements = tensors = 0.0
+        for count, size in ((4, h), (4, h * h), (2, 4 * h * h)):
+            if size <= threshold:
+                elements += layers * count * size
+                tensors += layers * count
+        return elements, tensors
+
+    def _stage3_memory(self, zero: Mapping[str, Any], slots: int) -> float:
+        """What the prefetched and the persistent parameters take."""
+        prefetch, threshold = self._stage3_knobs(zero)
+        param_bytes = self.precision.bytes_per_param[0]
+        persisted, _ = self._persisted(threshold)
+        share = (slots - 1) / slots if slots > 1 else 0.0
+        return min(prefetch, self.num_params) * param_bytes + persisted * param_bytes * share
+
+    def _stage3_seconds(self, zero: Mapping[str, Any], slots: int) -> float:
+        """The parameter fetches a micro-step cannot hide: a call per tensor that is not
+        persistent in each pass, and the gathered traffic, more of it exposed with a prefetch
+        bucket too small to keep ahead or so large that the first fetch waits for it."""
+        prefetch, threshold = self._stage3_knobs(zero)
+        persisted, kept_tensors = self._persisted(threshold)
+        tensors = self._layers() * 10 - kept_tensors
+        share = (slots - 1) / slots if slots > 1 else 0.0
+        traffic = 2 * share * (self.num_params - persisted) * self.precision.bytes_per_param[0]
+        exposure = 0.1 + self.prefetch_knee / (self.prefetch_knee + prefetch)
+        exposure += 8 * min(1.0, prefetch / self.num_params)
+        return 2 * tensors * self.call_latency + exposure * traffic / self.bandwidth
 
     @property
     def oom_bytes(self) -> float:
@@ -253,6 +303,9 @@ class PerformanceModel:
             step = optimizer_bytes / partition / self.optimizer_bandwidth
         if offload.params and stage == 3:  # each pass fetches this rank's partition
             exposed += 2 * params / slots / self.pcie_bandwidth
+        if stage == 3 and self.hidden:
+            knobs = self._stage3_seconds(zero, slots) - self._stage3_seconds({}, slots)
+            exposed = max(0.0, exposed + knobs)
         return forward, backward, exposed, step
 
     def _pressure(self, ds_config: Mapping[str, Any], slots: int) -> float:
@@ -270,12 +323,13 @@ class PerformanceModel:
         return {self.precision.value: {"enabled": True}}
 
     def _key(self, ds_config: Mapping[str, Any], slots: int) -> list[Any]:
-        return [
-            self.noise_seed,
-            slots,
-            ds_config.get("train_micro_batch_size_per_gpu"),
-            _zero(ds_config),
-        ]
+        """What a configuration's noise is drawn from: the knobs that act on this surface (a
+        knob without effect here, ZeRO-3's own where no hidden size is given, leaves the
+        configuration the one it was)."""
+        zero = _zero(ds_config)
+        if not self.hidden:
+            zero = {k: v for k, v in zero.items() if not str(k).startswith("stage3_")}
+        return [self.noise_seed, slots, ds_config.get("train_micro_batch_size_per_gpu"), zero]
 
     def _noise_factor(
         self, ds_config: Mapping[str, Any], slots: int, run_id: str | None = None
@@ -366,12 +420,17 @@ def offload_variants(stage: int) -> list[dict[str, Any]]:
     return variants
 
 
-def configurations(stages: tuple[int, ...], offload: bool = False) -> list[dict[str, Any]]:
+def configurations(
+    stages: tuple[int, ...], offload: bool = False, hidden: int = 0
+) -> list[dict[str, Any]]:
     """Every ``zero_optimization`` section the search space holds for ``stages`` (with
-    ``offload``, each with every offload it may take)."""
+    ``offload``, each with every offload it may take; given the model's ``hidden`` size,
+    ZeRO-3's own knobs on their ladders, which guided steps)."""
     sections: list[dict[str, Any]] = []
     for stage in stages:
         knobs = zero_knobs(stage)
+        if stage == 3 and hidden:
+            knobs.update(stage3_ladders(hidden))
         for values in itertools.product(*knobs.values()):
             section = {"stage": stage, **dict(zip(knobs, values, strict=True))}
             for variant in offload_variants(stage) if offload else [{}]:
@@ -405,7 +464,7 @@ def optimum(
     best_value: float | None = None
     best_config: dict[str, Any] = {}
     every = bool(model.pressure_slowdown or model.aligned_speedups)
-    for section in configurations(stages, offload):
+    for section in configurations(stages, offload, model.hidden):
         config = {**(base or {}), "zero_optimization": section, "train_micro_batch_size_per_gpu": 1}
         largest = model.max_micro_batch(config, slots, memory_margin)
         if largest == 0:

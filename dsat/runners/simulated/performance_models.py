@@ -26,6 +26,7 @@ __all__ = [
     "HARDWARE_MODELS",
     "OFFLOAD_MODELS",
     "STRESS_MODELS",
+    "ZERO3_KNOB_MODELS",
     "PerformanceModel",
     "configurations",
     "is_model_profile",
@@ -453,6 +454,66 @@ gpt_13b_param_offload_1xl4 = PerformanceModel(
     noise_seed=63,
     gpus=1,
 )
+
+# ---------------------------------------------------------------- ZeRO-3's own knobs
+# Models that only ZeRO-3 fits, where its prefetch bucket and persistence threshold matter: a
+# call per unpersisted tensor, prefetching too little or too much, and persistent parameters
+# that cost memory.
+
+# A 20B model (bf16, hidden 6144) on 32 A100-40GB over a slow inter-node network: the prefetch
+# bucket that keeps the fetches ahead is several times DeepSpeed's default (and its hidden-size
+# rule), and persisting more than the small tensors costs micro-batches it cannot spare.
+gpt_20b_zero3_knobs_32xa100 = PerformanceModel(
+    name="20b-zero3-knobs-32xA100-40GB",
+    num_params=20_000_000_000,
+    precision=Precision.BF16,
+    gpu_mem=40 * 2**30,
+    activation_per_sample=int(3 * GB),
+    activation_reported_fraction=0.85,
+    flops_per_sample=8 * 20e9 * 2048,
+    peak_flops=312e12,
+    max_efficiency=0.5,
+    half_efficiency_mbs=2.0,
+    bandwidth=12.5e9,
+    call_latency=2e-3,
+    stage_overhead=(0.0, 0.0, 0.03, 0.12),
+    hidden=6144,
+    prefetch_knee=1.5e8,
+    startup_seconds=300.0,
+    noise_seed=71,
+    gpus=32,
+)
+
+# A 4.5B model (fp16, hidden 3072, long sequences) on 64 V100-16GB over a slow network: ZeRO-3
+# fits two samples a GPU where ZeRO-2 fits one, and at two samples every fetch counts: persisting
+# the attention matrices (3 GB a GPU) saves 40% of the calls and a third of the traffic and still
+# fits two samples; persisting every matrix costs one. 1.5% run-to-run noise.
+gpt_4b_zero3_persistence_64xv100 = PerformanceModel(
+    name="4.5b-zero3-persistence-64xV100-16GB",
+    num_params=4_500_000_000,
+    precision=Precision.FP16,
+    gpu_mem=16 * 2**30,
+    activation_per_sample=int(5.0 * GB),
+    activation_reported_fraction=0.85,
+    flops_per_sample=6 * 4.5e9 * 8192,
+    peak_flops=125e12,
+    max_efficiency=0.45,
+    half_efficiency_mbs=0.5,
+    bandwidth=12.5e9,
+    call_latency=2e-3,
+    stage_overhead=(0.0, 0.0, 0.03, 0.12),
+    hidden=3072,
+    prefetch_knee=3e7,
+    run_noise=0.015,
+    startup_seconds=240.0,
+    noise_seed=72,
+    gpus=64,
+)
+
+ZERO3_KNOB_MODELS: dict[str, PerformanceModel] = {
+    "gpt_20b_zero3_knobs_32xa100": gpt_20b_zero3_knobs_32xa100,
+    "gpt_4b_zero3_persistence_64xv100": gpt_4b_zero3_persistence_64xv100,
+}
 
 OFFLOAD_MODELS: dict[str, PerformanceModel] = {
     "gpt_13b_no_zero0_8xa100": gpt_13b_no_zero0_8xa100,
