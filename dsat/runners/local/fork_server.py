@@ -74,17 +74,24 @@ def is_local(name: str, local: set[str]) -> bool:
     return name.partition(".")[0] in local
 
 
-def import_quietly(names: Iterable[str]) -> None:
-    """Import what can be imported; a module that fails here fails again, visibly, in the trial."""
+def import_quietly(names: Iterable[str]) -> list[str]:
+    """Import what can be imported; a module that fails here fails again, visibly, in the trial.
+    Returns the imports after which this process had more threads, so that a worker that goes
+    cold can say which to blame (one whose threads stop for a fork may be among them)."""
+    started: list[str] = []
     for name in names:
         if name in sys.modules:
             continue
+        before = thread_count()
         try:
             importlib.import_module(name)
         except Stop:  # dsat is stopping this worker
             raise
         except (Exception, SystemExit):  # the trial reports its own import errors
-            continue
+            pass
+        if thread_count() > before:
+            started.append(name)
+    return started
 
 
 def thread_count() -> int:
@@ -93,6 +100,37 @@ def thread_count() -> int:
         return len(os.listdir("/proc/self/task"))
     except OSError:
         return threading.active_count()
+
+
+def thread_names() -> list[str]:
+    """The names of this process's threads other than the main one: Python's own where it
+    started them, else the system's (a native thread's ``comm``), as ``ps -L`` shows them."""
+    python = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+    names = []
+    try:
+        tids = sorted(int(tid) for tid in os.listdir("/proc/self/task"))
+    except OSError:
+        tids = sorted(python)
+    for tid in tids:
+        if tid == os.getpid():
+            continue
+        name = python.get(tid)
+        if name is None:
+            with contextlib.suppress(OSError):
+                name = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+        names.append(name or str(tid))
+    return names
+
+
+def cuda_driver_loaded() -> bool:
+    """Whether the CUDA driver library is mapped into this process: an import that asks whether
+    CUDA works (Triton, DeepSpeed's accelerator check) loads and initialises it, which
+    ``torch.cuda.is_initialized()`` does not see, and a forked child cannot use it."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return False
+    return "libcuda.so" in maps
 
 
 def threads_left_by_a_fork() -> int:
@@ -105,15 +143,18 @@ def threads_left_by_a_fork() -> int:
     return thread_count()
 
 
-def unsafe_to_fork() -> str | None:
-    """Why forking now could hand a trial a broken process, or None."""
+def unsafe_to_fork(blamed: Sequence[str] = ()) -> str | None:
+    """Why forking now could hand a trial a broken process, or None; ``blamed``: the imports
+    after which threads appeared, named in the reason."""
+    by = f" ({', '.join(blamed[:3])})" if blamed else ""
     torch = sys.modules.get("torch")
     cuda = getattr(torch, "cuda", None)
     if cuda is not None and getattr(cuda, "is_initialized", lambda: False)():
-        return "an import started CUDA, which a forked process cannot use"
+        return f"an import{by} started CUDA, which a forked process cannot use"
     if thread_count() > 1 and threads_left_by_a_fork() > 1:
-        names = ", ".join(t.name for t in threading.enumerate() if t is not threading.main_thread())
-        return f"an import started threads ({names or 'native'}), which a fork would not copy"
+        names = ", ".join(thread_names()) or "native"
+        driver = "; the CUDA driver is loaded" if cuda_driver_loaded() else ""
+        return f"an import{by} started threads ({names}{driver}), which a fork would not copy"
     return None
 
 
@@ -239,8 +280,8 @@ class ForkServer:
 
     def warm_up(self, names: Iterable[str]) -> bool:
         """Import ``names``; False (and a cold event) when forking is no longer safe."""
-        import_quietly(names)
-        reason = unsafe_to_fork()
+        blamed = import_quietly(names)
+        reason = unsafe_to_fork(blamed)
         if reason is not None:
             self.send({"event": "cold", "reason": reason})
             return False

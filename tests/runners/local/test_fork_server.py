@@ -141,7 +141,25 @@ def test_an_import_that_starts_a_thread_makes_the_worker_cold(tmp_path: Path) ->
     with warm_worker(tmp_path, model, env) as worker:
         assert worker.run([sys.executable, "job.py"], model, env, model / "t.log") is None
         assert worker.cold_reason is not None and "started threads" in worker.cold_reason
+        assert "(threaded_lib)" in worker.cold_reason  # the import to blame
         assert not worker.alive
+
+
+def test_a_cold_worker_names_a_native_thread_and_the_import_that_started_it(
+    tmp_path: Path,
+) -> None:
+    """A thread started in C (faulthandler's watchdog here; CUDA's or a driver's on a GPU) is
+    not in ``threading.enumerate()``: the reason names it as the system does, and the import."""
+    model, site, env = setup(tmp_path, "import json, native_threaded\n")
+    (site / "native_threaded.py").write_text(
+        "import faulthandler\nfaulthandler.dump_traceback_later(3600)\n"
+    )
+    with warm_worker(tmp_path, model, env) as worker:
+        assert worker.run([sys.executable, "job.py"], model, env, model / "t.log") is None
+        reason = worker.cold_reason
+        assert reason is not None and "an import (native_threaded) started threads (" in reason
+        named = reason.split("started threads (")[1].split(")")[0]
+        assert named and named != "native"  # the system's name for it, not a placeholder
 
 
 def test_threads_a_library_stops_for_a_fork_keep_the_worker_warm(tmp_path: Path) -> None:
