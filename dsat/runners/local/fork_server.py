@@ -239,9 +239,24 @@ def become_trial(request: dict[str, Any], channels: list[int], worker: int) -> N
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    set_trial_threads()
     numpy = sys.modules.get("numpy")
     if numpy is not None:  # a fresh interpreter seeds numpy's global generator afresh
         numpy.random.seed()
+
+
+def set_trial_threads() -> None:
+    """The trial's own thread count for torch's CPU work: its ``OMP_NUM_THREADS`` (a CPU slot's
+    share of the cores), else every core this process may use, as a fresh process would start.
+    The worker itself runs with one, so that no OpenMP pool exists when it forks (libgomp has no
+    fork handler: a child forked after a parallel op in the parent hangs at its next one)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return  # a trial that imports torch itself reads OMP_NUM_THREADS then
+    wanted = os.environ.get("OMP_NUM_THREADS", "")
+    threads = int(wanted) if wanted.isdigit() and int(wanted) > 0 else len(os.sched_getaffinity(0))
+    with contextlib.suppress(Exception):
+        torch.set_num_threads(threads)
 
 
 def trial_child(
@@ -375,6 +390,9 @@ def main(argv: list[str]) -> None:
     os.dup2(2, 1)  # what imports print must not mix with the events
     sys.path[:] = [p for p in sys.path if p and Path(p).resolve() != Path.cwd().resolve()]
     includes = [Path(p) for p in argv[3:split]]
+    # One OpenMP thread for the worker's own imports (read as libgomp loads); each trial sets
+    # its own count (set_trial_threads), from the environment its request carries.
+    os.environ["OMP_NUM_THREADS"] = "1"
     server = ForkServer(argv[split + 1 :], Path(argv[2]), includes, out_fd)
     try:
         try:

@@ -253,3 +253,21 @@ def test_a_sigterm_while_the_worker_stops_leaves_no_traceback(tmp_path: Path) ->
         timeout=60,
     )
     assert stopped.returncode == 0 and "Traceback" not in stopped.stderr, stopped.stderr
+
+
+def test_the_worker_runs_one_openmp_thread_and_each_trial_sets_its_own(tmp_path: Path) -> None:
+    """The worker imports torch with one OpenMP thread, so no pool exists when it forks; each
+    trial gets its own count: its OMP_NUM_THREADS, else every core it may use."""
+    script = (
+        "import os, sys, torch\n"
+        "from pathlib import Path\n"
+        "Path(f'threads{sys.argv[1]}.txt').write_text(str(torch.get_num_threads()))\n"
+    )
+    model, _, env = setup(tmp_path, script)
+    cores = len(os.sched_getaffinity(0))
+    with warm_worker(tmp_path, model, env) as worker:
+        assert run_trial(worker, model, env, 1, OMP_NUM_THREADS=str(cores + 1)).wait(60) == 0
+        assert run_trial(worker, model, env, 2).wait(60) == 0
+        assert worker.cold_reason is None and worker.alive
+    assert (model / "threads1.txt").read_text() == str(cores + 1)
+    assert (model / "threads2.txt").read_text() == str(cores)
