@@ -88,25 +88,29 @@ def memory_per_gpu_per_stage(
     model_states = partitioned_states(
         profile.num_params * param_bytes,
         profile.trainable_num_params * grad_bytes,
-        0 if offload.optimizer else profile.trainable_num_params * optim_bytes,
+        profile.trainable_num_params * optim_bytes,
         slots,
+        offload,
     )
-    if offload.optimizer:  # the gradients go to the CPU as they are reduced (ZeRO-Offload)
-        for stage in (2, 3):
-            model_states[stage] -= profile.trainable_num_params * grad_bytes // slots
-    if offload.params:
-        model_states[3] -= profile.num_params * param_bytes // slots
     return {stage: mem + profile.activation_mem_per_gpu for stage, mem in model_states.items()}
 
 
-def partitioned_states(params: int, grads: int, optim: int, slots: int) -> dict[int, int]:
+def partitioned_states(
+    params: int, grads: int, optim: int, slots: int, offload: Offload = Offload()
+) -> dict[int, int]:
     """Model-state bytes per GPU for each ZeRO stage: 1 partitions the optimizer states across
-    the slots, 2 the gradients too, 3 the parameters too."""
+    the slots, 2 the gradients too, 3 the parameters too. What ``offload`` keeps off the GPU
+    counts for nothing: the optimizer's states, and with them from stage 2 the gradients, which
+    go to the CPU as they are reduced (ZeRO-Offload); the parameters at stage 3."""
+    if offload.optimizer:
+        optim = 0
+    reduced = 0 if offload.optimizer else grads  # the gradients a partition keeps, from stage 2
+    gathered = 0 if offload.params else params  # the parameters a partition keeps at stage 3
     return {
         0: params + grads + optim,
         1: params + grads + optim // slots,
-        2: params + (grads + optim) // slots,
-        3: (params + grads + optim) // slots,
+        2: params + (reduced + optim) // slots,
+        3: (gathered + reduced + optim) // slots,
     }
 
 
@@ -208,14 +212,10 @@ def determined_max_micro_batch(
     model_states = partitioned_states(
         profile.num_params * (2 if fp16 else 4),
         profile.trainable_num_params * 4,
-        0 if offload.optimizer else profile.trainable_num_params * ((4 if fp16 else 0) + 8),
+        profile.trainable_num_params * ((4 if fp16 else 0) + 8),
         slots,
+        offload,
     )
-    if offload.optimizer:
-        for stage in (2, 3):
-            model_states[stage] -= profile.trainable_num_params * 4 // slots
-    if offload.params:
-        model_states[3] -= profile.num_params * (2 if fp16 else 4) // slots
     activation = max(profile.activation_mem_per_gpu, 1)  # as the reference divides by it
     return {
         stage: micro_batches_in(profile.gpu_mem - states - activation, profile)

@@ -81,7 +81,7 @@ class SearchEnding:
         if method.model_profile_failed():
             profile = method.tracker.model_profile
             assert profile is not None  # it failed
-            climbed = sum(1 for r in method.tracker.records if r.kind is TrialKind.MODEL_PROFILE)
+            climbed = len(method.tracker.model_profiles)
             return profile_failure(profile, [r.name for r in method.fit_rungs[:climbed]])
         repeated = repeated_script_failure(method.tracker.finished)
         if repeated is not None:

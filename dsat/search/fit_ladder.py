@@ -30,6 +30,7 @@ __all__ = [
     "offload_choices",
     "offload_level",
     "what_it_takes",
+    "with_offload_of",
 ]
 # A rung's stages: parameter offload needs ZeRO-3, optimizer offload any stage from 1.
 _OFFLOAD_STAGES = (1, 2, 3)
@@ -59,6 +60,14 @@ def offload_level(section: Mapping[str, Any] | None) -> int:
         for key in ("offload_optimizer", "offload_param")
     )
     return 3 if on_nvme else 2 if offload.params else 1 if offload.optimizer else 0
+
+
+def with_offload_of(section: dict[str, Any], rung: Mapping[str, Any]) -> dict[str, Any]:
+    """``section`` keeping at least what ``rung`` (a rung's part of a ZeRO section) keeps off the
+    GPU: as it is where it keeps as much or more, else with the rung's offload."""
+    if offload_level(section) >= offload_level(rung):
+        return section
+    return {**section, **rung}
 
 
 OFFLOADED = (
@@ -107,26 +116,14 @@ def ladder(
     if switch:
         steps.append((f"ZeRO-{top}, activation checkpointing", {}, switch, tuple(zero_stages)))
     with_switch = ", activation checkpointing" if switch else ""
-    cpu = _device("cpu")
-    steps.append(
-        (
-            f"ZeRO-{top}, optimizer states on the CPU{with_switch}",
-            {"offload_optimizer": cpu},
-            switch,
-            offload_stages,
-        )
-    )
+    # The offload rungs keep off the GPU what the choices at their level do (offload_choices).
+    offloads = {offload_level(c): c for c in offload_choices(3, 1, nvme_path)}
+    steps.append((f"ZeRO-{top}, {OFFLOADED[1]}{with_switch}", offloads[1], switch, offload_stages))
     if top == 3:
-        both = {"offload_optimizer": cpu, "offload_param": cpu}
-        name = f"ZeRO-3, optimizer states and parameters on the CPU{with_switch}"
-        steps.append((name, both, switch, (3,)))
+        steps.append((f"ZeRO-3, {OFFLOADED[2]}{with_switch}", offloads[2], switch, (3,)))
         if nvme_path:
-            nvme = {
-                "offload_optimizer": _device("nvme", nvme_path),
-                "offload_param": _device("nvme", nvme_path),
-            }
-            name = f"ZeRO-3, optimizer states and parameters on NVMe ({nvme_path}){with_switch}"
-            steps.append((name, nvme, switch, (3,)))
+            name = f"ZeRO-3, {OFFLOADED[3]} ({nvme_path}){with_switch}"
+            steps.append((name, offloads[3], switch, (3,)))
 
     rungs = [FitRung("as submitted", {}, {}, tuple(zero_stages), None)]
     for name, zero, switches, stages in steps:

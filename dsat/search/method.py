@@ -41,6 +41,7 @@ from dsat.search.fit_ladder import (
     offload_choices,
     offload_level,
     what_it_takes,
+    with_offload_of,
 )
 from dsat.search.method_settings import MethodSettings
 from dsat.search.method_state import load_state_json, state_json
@@ -328,8 +329,7 @@ class DsatSearchMethod(SearchMethod):
     def offload_of(self, section: dict[str, Any]) -> Offload:
         """What a configuration drawn as ``section`` will keep off the GPU once ``make_trial``
         gives it the fit rung's settings."""
-        rung = self.fit_rung.zero
-        return Offload.of(section if offload_level(section) >= offload_level(rung) else rung)
+        return Offload.of(with_offload_of(section, self.fit_rung.zero))
 
     def offload_space(self, stage: int) -> list[dict[str, Any]]:
         """What a new configuration at ``stage`` may keep off the GPU: on an offload rung of the
@@ -362,9 +362,7 @@ class DsatSearchMethod(SearchMethod):
         fit = self.fit_rung if fit is None else fit
         hparams: dict[str, Any] = {}
         if fit.profile_stage is not None:
-            zero_config = zero_config or self._user_zero_section()
-            if offload_level(zero_config) < offload_level(fit.zero):  # else it offloads more
-                zero_config = {**zero_config, **fit.zero}
+            zero_config = with_offload_of(zero_config or self._user_zero_section(), fit.zero)
             hparams = fit.hparams
         return self.builder.make(
             self.next_index,
@@ -444,7 +442,7 @@ class DsatSearchMethod(SearchMethod):
         """The summary's line on what it took to fit, when the model did not as submitted."""
         if self.fit_rung.profile_stage is None or handed_over is None:
             return ""
-        climbed = sum(1 for r in self.tracker.records if r.kind is TrialKind.MODEL_PROFILE)
+        climbed = len(self.tracker.model_profiles)
         failed = [
             rung.name if rung.profile_stage is None else f"with {rung.name}"
             for rung in self.fit_rungs[: climbed - 1]
@@ -466,11 +464,11 @@ class DsatSearchMethod(SearchMethod):
     @property
     def fit_rung(self) -> FitRung:
         """The rung of the fit ladder this search is on: one per model profile it ran."""
-        climbed = sum(1 for r in self.tracker.records if r.kind is TrialKind.MODEL_PROFILE)
+        climbed = len(self.tracker.model_profiles)
         return self.fit_rungs[min(max(climbed - 1, 0), len(self.fit_rungs) - 1)]
 
     def next_fit_rung(self) -> FitRung | None:
-        climbed = sum(1 for r in self.tracker.records if r.kind is TrialKind.MODEL_PROFILE)
+        climbed = len(self.tracker.model_profiles)
         return self.fit_rungs[climbed] if climbed < len(self.fit_rungs) else None
 
     def climb(self) -> list[TrialRecord]:
@@ -503,17 +501,15 @@ class DsatSearchMethod(SearchMethod):
         level = offload_level(rung.zero)
         failed = [
             r.zero_stage
-            for r in self.tracker.records
-            if r.kind is TrialKind.MODEL_PROFILE
-            and r.status is TrialStatus.OOM
+            for r in self.tracker.model_profiles
+            if r.status is TrialStatus.OOM
             and offload_level(r.ds_config.get("zero_optimization")) >= level
         ]
-        stages = tuple(
+        return tuple(
             s
             for s in rung.stages
             if s == rung.profile_stage or (fits.get(s, False) and s > max(failed, default=-1))
         )
-        return stages
 
     def _user_zero_section(self) -> dict[str, Any]:
         section = self.spec.ds_config.get("zero_optimization")

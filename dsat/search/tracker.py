@@ -147,10 +147,15 @@ class TrialTracker:
         ]
 
     @property
+    def model_profiles(self) -> list[TrialRecord]:
+        """Every model profile, in order: one per rung of the fit ladder the search climbed."""
+        return [r for r in self._records.values() if r.kind is TrialKind.MODEL_PROFILE]
+
+    @property
     def model_profile(self) -> TrialRecord | None:
         """The last model profile: the one the search runs on (an earlier one ran out of
         memory, and the fit ladder climbed)."""
-        profiles = [r for r in self._records.values() if r.kind is TrialKind.MODEL_PROFILE]
+        profiles = self.model_profiles
         return profiles[-1] if profiles else None
 
     @property

@@ -93,7 +93,6 @@ def get_hf_args_with_overwrites(args: Sequence[str], hparams: Mapping[str, Any])
     args = list(args)
     if not overwrites:
         return args
-    start_clock(overwrites)  # a search trial: dsat times the steps itself
     index, value = _find_flag(args, HF_DS_FLAG)
     if index < 0 or not value:
         raise DsatError(
@@ -105,7 +104,7 @@ def get_hf_args_with_overwrites(args: Sequence[str], hparams: Mapping[str, Any])
     with filelock.FileLock(str(target) + ".lock"):
         merged = deep_merge(load_ds_json(source, "--deepspeed"), overwrites)
         write_json_atomic(target, merged)
-    start_clock(overwrites, hf_precision(args, merged))
+    start_clock(overwrites, hf_precision(args, merged))  # a search trial: dsat times its steps
     args = _set_flag(args, HF_DS_FLAG, str(target))
     for flag, key in HF_BATCH_FLAGS.items():
         number = batch_value(merged, key, str(target))

@@ -56,12 +56,18 @@ from dsat.memory import (
     bucket_buffer_bytes,
     memory_per_gpu_per_stage,
 )
-from dsat.zero_space import stage3_ladders, zero_knobs
+from dsat.search.fit_ladder import offload_choices
+from dsat.zero_space import DEEPSPEED_DEFAULTS, stage3_ladders, zero_knobs
 
 GB = 10**9
 DEFAULT_BUCKET = 500_000_000  # DeepSpeed's default reduce/allgather bucket size (elements)
 # Run-to-run noise is clipped at this many standard deviations (a normal draw, not a heavy tail).
 RUN_NOISE_CLIP = 3.0
+
+
+def _share(slots: int) -> float:
+    """The share of a collective's data a rank sends or receives over the network."""
+    return (slots - 1) / slots if slots > 1 else 0.0
 
 
 def _zero(ds_config: Mapping[str, Any]) -> dict[str, Any]:
@@ -125,17 +131,16 @@ class PerformanceModel:
     aligned_speedups: tuple[tuple[int, float], ...] = ()
     overlap_contention: float = 0.0  # compute slowed by this share of the overlapped traffic
     bucket_pipelining: bool = False  # with overlap, the last reduce bucket's traffic is exposed
-    profile_can_oom: bool = (
-        False  # the model profile runs out of memory where the model does not fit
-    )
+    # The model profile runs out of memory where the model does not fit.
+    profile_can_oom: bool = False
     # ---- offload
+    pcie_bandwidth: float = 20e9  # bytes/s between one GPU and the CPU
+    cpu_optimizer_bandwidth: float = 25e9  # bytes/s of optimizer state one GPU's CPU share steps
     # ---- ZeRO-3's own knobs (stage3_prefetch_bucket_size, stage3_param_persistence_threshold)
     # have effects only where a surface gives the model's hidden size; at DeepSpeed's defaults
     # every figure is what it is without them.
     hidden: int = 0
     prefetch_knee: float = 0.0  # prefetch elements below which fetching cannot keep ahead
-    pcie_bandwidth: float = 20e9  # bytes/s between one GPU and the CPU
-    cpu_optimizer_bandwidth: float = 25e9  # bytes/s of optimizer state one GPU's CPU share steps
 
     # ---------------------------------------------------------------- memory
 
@@ -177,9 +182,10 @@ class PerformanceModel:
     # ---------------------------------------------------------------- ZeRO-3's knobs
 
     def _stage3_knobs(self, zero: Mapping[str, Any]) -> tuple[float, float]:
+        prefetch, persistence = "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"
         return (
-            float(zero.get("stage3_prefetch_bucket_size", 50_000_000)),
-            float(zero.get("stage3_param_persistence_threshold", 100_000)),
+            float(zero.get(prefetch, DEEPSPEED_DEFAULTS[prefetch])),
+            float(zero.get(persistence, DEEPSPEED_DEFAULTS[persistence])),
         )
 
     def _layers(self) -> float:
@@ -201,7 +207,7 @@ class PerformanceModel:
         prefetch, threshold = self._stage3_knobs(zero)
         param_bytes = self.precision.bytes_per_param[0]
         persisted, _ = self._persisted(threshold)
-        share = (slots - 1) / slots if slots > 1 else 0.0
+        share = _share(slots)
         return min(prefetch, self.num_params) * param_bytes + persisted * param_bytes * share
 
     def _stage3_seconds(self, zero: Mapping[str, Any], slots: int) -> float:
@@ -211,7 +217,7 @@ class PerformanceModel:
         prefetch, threshold = self._stage3_knobs(zero)
         persisted, kept_tensors = self._persisted(threshold)
         tensors = self._layers() * 10 - kept_tensors
-        share = (slots - 1) / slots if slots > 1 else 0.0
+        share = _share(slots)
         traffic = 2 * share * (self.num_params - persisted) * self.precision.bytes_per_param[0]
         exposure = 0.1 + self.prefetch_knee / (self.prefetch_knee + prefetch)
         exposure += 8 * min(1.0, prefetch / self.num_params)
@@ -269,7 +275,7 @@ class PerformanceModel:
         forward, backward = compute / 3, 2 * compute / 3
 
         param_bytes, grad_bytes, _ = self.precision.bytes_per_param
-        share = (slots - 1) / slots if slots > 1 else 0.0
+        share = _share(slots)
         grads = self.num_params * grad_bytes
         params = self.num_params * param_bytes
         reduce_bucket = int(zero.get("reduce_bucket_size", DEFAULT_BUCKET))
@@ -406,20 +412,6 @@ class PerformanceModel:
         return result
 
 
-OFFLOAD_CPU = {"device": "cpu", "pin_memory": True}
-
-
-def offload_variants(stage: int) -> list[dict[str, Any]]:
-    """What a ZeRO section at ``stage`` may keep on the CPU: nothing, the optimizer's states
-    (from stage 1), the parameters too (stage 3)."""
-    variants: list[dict[str, Any]] = [{}]
-    if stage >= 1:
-        variants.append({"offload_optimizer": OFFLOAD_CPU})
-    if stage == 3:
-        variants.append({"offload_optimizer": OFFLOAD_CPU, "offload_param": OFFLOAD_CPU})
-    return variants
-
-
 def configurations(
     stages: tuple[int, ...], offload: bool = False, hidden: int = 0
 ) -> list[dict[str, Any]]:
@@ -433,7 +425,7 @@ def configurations(
             knobs.update(stage3_ladders(hidden))
         for values in itertools.product(*knobs.values()):
             section = {"stage": stage, **dict(zip(knobs, values, strict=True))}
-            for variant in offload_variants(stage) if offload else [{}]:
+            for variant in offload_choices(stage, 0) if offload else [{}]:
                 sections.append({**section, **variant})
     return sections
 
