@@ -307,17 +307,16 @@ class GuidedSearch(DsatSearchMethod):
         if ceiling is not None:
             return ceiling
         largest = max(state.values, default=0)
-        offload = Offload.of(state.section)
         learned = [
             mbs - 1 + max(0, self.samples_freed(other.section, state.section))
             for other in states.values()
-            if other.stage == state.stage and Offload.of(other.section) == offload
+            if other.family == state.family
             for mbs, status in other.failed.items()
             if status is TrialStatus.OOM
         ]
         if learned:
             return max(min(learned), largest, 1)
-        estimate = self.micro_batch_ceiling(state.stage, offload=offload)
+        estimate = self.micro_batch_ceiling(state.stage, offload=Offload.of(state.section))
         return max(estimate if largest < estimate else 2 * largest, 1)
 
     def samples_freed(
@@ -501,10 +500,7 @@ class GuidedSearch(DsatSearchMethod):
                         if k not in start or (isinstance(v, (int, float)) and v > 0)
                     }  # HF's "auto" is a value guided cannot step
                     section = {**start, **mine}
-                if any(
-                    s.stage == stage and Offload.of(s.section) == Offload.of(section)
-                    for s in states.values()
-                ):
+                if any(s.family == (stage, offload_level(section)) for s in states.values()):
                     continue
                 reach = max(self.micro_batch_ceiling(stage, offload=Offload.of(section)), 1)
                 actions.append(Action(math.inf, section, (1 + reach) // 2, reach, "stage"))

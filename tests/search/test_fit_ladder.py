@@ -77,7 +77,8 @@ def search_on(model: PerformanceModel, method: str, seed: int = 0, **kw: Any) ->
         {"train_micro_batch_size_per_gpu": 1, **model.base_ds_config},
         model.gpus,
     )
-    m = make_search_method(settings(method, random_seed=seed, max_trials=24, **kw), spec)
+    kw.setdefault("max_trials", 24)
+    m = make_search_method(settings(method, random_seed=seed, **kw), spec)
     SearchDriver(m, SimulatedRunner(model, model.gpus)).run()
     return m
 
@@ -181,3 +182,15 @@ def test_a_search_interrupted_on_the_ladder_resumes_on_the_same_rung(method: str
         driver.method, driver.max_events = second, None
         driver.loop()
         assert names_of(driver) == names_of(whole), f"diverged after resuming at event {k}"
+
+
+def test_guided_starts_each_offload_family_nvme_apart_from_the_cpu() -> None:
+    """With --offload-nvme, on an offload rung, keeping both on NVMe is a family of its own
+    (fit_ladder.offload_level), not the CPU one: both keep the same state off the GPU, but guided
+    once took them for one family and never ran the NVMe one."""
+    model = OFFLOAD_MODELS["llama_70b_offload_8xh100"]
+    m = search_on(model, "guided", max_trials=30, offload_nvme="/local_nvme")
+    searched = [r for r in m.tracker.records if r.kind is TrialKind.SEARCH]
+    assert {offload_level(r.zero_section) for r in searched} == {1, 2, 3}
+    nvme = [r for r in searched if offload_level(r.zero_section) == 3]
+    assert nvme[0].zero_section["offload_param"]["nvme_path"] == "/local_nvme"
