@@ -221,8 +221,9 @@ def memory_check(
     context, fragmentation), and only an OOM says how much less. With no OOM placed yet, the
     check aims at 99% of the device's total (if it completes, the total is nearly all usable);
     with more than a sample (or 2% of the device) between the most a run completed with and the
-    least an OOM needed, at the middle of that gap; none while a run near the aim is on its
-    way. It runs the leader's configuration, its
+    least an OOM needed, at the middle of that gap (a gap within a sample only when the leader's
+    next micro-batch leaves the margin at one end of it and not at the other); none while a run
+    near the aim is on its way. It runs the leader's configuration, its
     buckets moved up or down the ladder and its micro-batch raised, whichever the measured
     peaks (and DeepSpeed's estimate of bucket memory) put nearest the aim: a sample can be a
     fifth of the device, a bucket moves memory in smaller steps. Only when the leader's peak is
@@ -244,7 +245,11 @@ def memory_check(
     else:
         floor = usable.bytes
         if allowed is None and usable.failed - floor <= per_sample:
-            return None  # known to within a sample
+            # Known to within a sample, unless that sample is the leader's next one: whether
+            # the micro-batch above it leaves the margin turns on where in the gap the limit is.
+            above = model.needed(leader.replace(mbs=leader.mbs + 1))
+            if above is None or not (1 - margin) * floor < above < (1 - margin) * usable.failed:
+                return None
         aim, ceiling = (floor + usable.failed) / 2, usable.failed
     if peak < (1.0 - 2 * margin) * floor:
         return None

@@ -194,7 +194,9 @@ REACHED = {
     # either sign): 5, 2, 6, 5 and 2 of 20 before the search learned the usable memory, tried
     # aligned micro-batches and scaled its tolerances with the noise it measured.
     "gpt_1b_run_noise_8xa100": 16,
-    "llama_8b_flaky_oom_8xh100": 15,
+    # 15 until a memory check may split a gap narrower than a sample (2026-11-26): one then
+    # runs in the flaky band, and its OOM reorders the search (at seeds 20-39, 17 either way).
+    "llama_8b_flaky_oom_8xh100": 14,
     "gpt_760m_aligned_8xa100": 19,
     "gpt_2b_pcie_knobs_8xl40": 19,
     "gpt_3b_hardware_4xa100": 14,

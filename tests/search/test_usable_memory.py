@@ -6,7 +6,7 @@ from typing import Any
 
 from dsat.experiment.metric import Metric
 from dsat.search.tracker import TrialTracker
-from dsat.search.usable_memory import PeakModel, usable_memory
+from dsat.search.usable_memory import PeakModel, memory_check, usable_memory
 from dsat.trial import TrialKind, TrialRecord, TrialStatus
 
 GIB = 2**30
@@ -94,6 +94,30 @@ def test_an_oom_of_another_configuration_is_moved_by_its_bucket_memory() -> None
     # A configuration that differs in a knob the bucket estimate does not see is not used.
     other = record(4, 20, None, TrialStatus.OOM, contiguous_gradients=False)
     assert PeakModel([*records, other]).needed(other) is None
+
+
+def test_a_limit_known_to_a_sample_is_checked_when_the_leaders_next_sample_turns_on_it() -> None:
+    """2 GiB a sample; 60 GiB ran, 62 GiB did not. Whether micro-batch 29 (58 GiB) leaves 5%
+    free turns on where in that gap the limit lies (57 GiB if at 60, 58.9 if at 62): a check
+    aims at its middle, with buckets moving memory by less than a sample. With the leader
+    further below, the gap does not matter."""
+    buckets = {"reduce_bucket_size": 5 * 10**8, "allgather_bucket_size": 5 * 10**8}
+    ran = [record(i, 10 * i, 20.0 * i, overlap_comm=False, **buckets) for i in (1, 2, 3)]
+    oom = record(4, 31, None, TrialStatus.OOM, overlap_comm=False, **buckets)
+    for leader_mbs, checked in ((28, True), (26, False)):
+        leader = record(5, leader_mbs, 2.0 * leader_mbs, overlap_comm=False, **buckets)
+        records = [profile(), *ran, oom, leader]
+        usable = usable_memory(records)
+        assert usable is not None and (usable.bytes, usable.failed) == (60 * GIB, 62 * GIB)
+        check = memory_check(records, usable, leader, 0.05)
+        assert (check is not None) is checked
+        if check is not None:
+            section, mbs = check
+            probe = leader.replace(
+                mbs=mbs, ds_config={**leader.ds_config, "zero_optimization": section}
+            )
+            need = PeakModel(records).needed(probe)
+            assert need is not None and 60 * GIB < need < 62 * GIB
 
 
 def test_the_margin_applies_to_what_the_ooms_show_is_usable() -> None:
