@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from dsat.runners.local.entrypoint import interpreter_first
-from dsat.training.step_clock import stop_clock
+from dsat.training.step_clock import MEASURED_STEPS, MIN_MEASURED_STEPS, stop_clock
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_DIR = REPO_ROOT / "examples" / "core_api_mlp"
@@ -44,6 +44,14 @@ def no_trial_clock_between_tests() -> Iterator[None]:
     test starts without it, as a new trial process would."""
     yield
     stop_clock()
+
+
+def measured_a_window(metrics: dict[str, Any]) -> bool:
+    """Whether a trial's metrics come from a window of the length dsat's rule allows: more
+    than MIN_MEASURED_STEPS (closed early, its mean known) up to MEASURED_STEPS, with the
+    standard error it reached."""
+    steps = metrics.get("measured_steps", 0)
+    return MIN_MEASURED_STEPS < steps <= MEASURED_STEPS and metrics["step_time_stderr"] >= 0
 
 
 def gpu_available() -> bool:

@@ -19,6 +19,7 @@ import atexit
 import contextlib
 import dataclasses
 import itertools
+import math
 import os
 import resource
 import statistics
@@ -32,11 +33,18 @@ from dsat.constants import AUTOTUNING_KEY, TRIAL_OUTCOME_FILE
 from dsat.device_peaks import peak_flops
 from dsat.memory import Precision
 
-# Optimizer steps before the window opens: the first steps of a run allocate, compile and fill
-# caches (on an H100, GPT-2 medium took 1.4 s, 2.2 s, then 0.5 s a step).
+# Optimizer steps before the window opens at the latest: the first steps of a run allocate,
+# compile and fill caches (on an H100, GPT-2 medium took 1.4 s, 2.2 s, then 0.5 s a step). It opens
+# earlier, from MIN_WARMUP_STEPS on, once a step is no longer faster than the one before by more
+# than SETTLED.
 WARMUP_STEPS = 5
-# Steps in the window at the least; the trial ends (DeepSpeed's autotuning exit) after them.
+MIN_WARMUP_STEPS = 2
+SETTLED = 0.05
+# Steps in the window at the most; it closes earlier, after MIN_MEASURED_STEPS, once the mean step
+# time is known to KNOWN_TO (its standard error, relative), and the trial ends then.
 MEASURED_STEPS = 10
+MIN_MEASURED_STEPS = 4
+KNOWN_TO = 0.01
 DEEPSPEED_PREFIX = "deepspeed_"
 # DeepSpeed's figures that dsat replaces with its own measurement.
 REMEASURED = ("throughput", "latency", "FLOPS_per_gpu")
@@ -52,34 +60,75 @@ def measured_window(start_profile_step: int, end_profile_step: int) -> tuple[int
 
 @dataclasses.dataclass
 class StepClock:
-    """Ends of optimizer steps, as (DeepSpeed's global step count after it, seconds)."""
+    """Ends of optimizer steps, as (DeepSpeed's global step count after it, seconds), and the
+    window over them.
 
-    first_step: int
+    With ``settle`` (dsat's own window, not a longer one the user asked for), the window opens
+    when the steps stop getting faster and closes when their mean is known to ``KNOWN_TO``:
+    a trial then runs as few steps as its measurement needs. Otherwise it spans ``first_step``
+    to DeepSpeed's exit after ``last_step``."""
+
+    first_step: int  # the window opens when this step ends, at the latest
     last_step: int = 0  # DeepSpeed ends the trial when step last_step + 1 ends
     marks: list[tuple[int, float]] = dataclasses.field(default_factory=list)
     train_batch_size: int | None = None
     steps_done: int = 0
     precision: Precision | None = None  # the trial's, for its device's peak FLOPS (MFU)
+    settle: bool = False
+    earliest_step: int = 0  # with ``settle``, the window may open when this step ends
+    opened_at: int | None = None  # the step whose end opened the window
 
-    def mark(self, global_steps: int, train_batch_size: int) -> None:
+    def mark(self, global_steps: int, train_batch_size: int) -> bool:
+        """Note the end of an optimizer step; True once the window is complete with the next
+        step (the trial may end after it)."""
         self.steps_done = global_steps
-        if global_steps >= self.first_step:
-            self.marks.append((global_steps, time.perf_counter()))
+        self.marks.append((global_steps, time.perf_counter()))
+        if self.opened_at is None and self._warmed_up(global_steps):
+            self.opened_at = global_steps
+        if self.opened_at is not None:
             self.train_batch_size = train_batch_size
+        return self.complete()
+
+    def _warmed_up(self, global_steps: int) -> bool:
+        if global_steps >= self.first_step:
+            return True
+        if not self.settle or global_steps < max(self.earliest_step, MIN_WARMUP_STEPS):
+            return False
+        durations = [b[1] - a[1] for a, b in itertools.pairwise(self.marks)]
+        return len(durations) >= 2 and durations[-1] >= (1 - SETTLED) * durations[-2]
+
+    def window(self) -> list[tuple[int, float]]:
+        if self.opened_at is None:
+            return []
+        return [(step, at) for step, at in self.marks if step >= self.opened_at]
 
     def seconds_per_step(self) -> list[float]:
-        return [b[1] - a[1] for a, b in itertools.pairwise(self.marks)]
+        return [b[1] - a[1] for a, b in itertools.pairwise(self.window())]
+
+    def complete(self) -> bool:
+        """Whether the window has what it needs once the next step (the trial's last: DeepSpeed
+        ends it there) is in: with ``settle``, the mean step time known to ``KNOWN_TO`` after
+        at least MIN_MEASURED_STEPS, or MEASURED_STEPS steps."""
+        if not self.settle:
+            return False
+        durations = self.seconds_per_step()
+        if len(durations) + 1 >= MEASURED_STEPS:
+            return True
+        return len(durations) >= MIN_MEASURED_STEPS and relative_stderr(durations) <= KNOWN_TO
 
     def metrics(self, deepspeed: Mapping[str, Any]) -> dict[str, Any]:
         """dsat's metrics from the window, with DeepSpeed's kept beside them."""
+        window = self.window()
         durations = self.seconds_per_step()
         if not durations or not self.train_batch_size:
             return {**deepspeed, "measured_steps": 0}  # nothing to measure: DeepSpeed's figures
-        seconds = (self.marks[-1][1] - self.marks[0][1]) / (self.marks[-1][0] - self.marks[0][0])
+        seconds = (window[-1][1] - window[0][1]) / (window[-1][0] - window[0][0])
         ours: dict[str, Any] = {
             "throughput": self.train_batch_size / seconds,
             "latency": seconds * 1000.0,  # ms per iteration, DeepSpeed's unit
+            "warmup_steps": window[0][0],
             "measured_steps": len(durations),
+            "step_time_stderr": relative_stderr(durations),
             "step_time_spread": spread(durations),
         }
         flops = flops_per_step(deepspeed)
@@ -87,6 +136,14 @@ class StepClock:
             ours["FLOPS_per_gpu"] = flops / seconds
         kept = {f"{DEEPSPEED_PREFIX}{k}": deepspeed[k] for k in REMEASURED if k in deepspeed}
         return {**deepspeed, **kept, **ours}
+
+
+def relative_stderr(durations: list[float]) -> float:
+    """The standard error of the mean step time, as a share of it (infinite from one step)."""
+    if len(durations) < 2:
+        return math.inf
+    mean = statistics.fmean(durations)
+    return statistics.stdev(durations) / math.sqrt(len(durations)) / mean if mean > 0 else 0.0
 
 
 def spread(durations: list[float]) -> float:
@@ -164,10 +221,12 @@ def start_clock(
     if not isinstance(block, Mapping) or "end_profile_step" not in block:
         return None
     if _clock is None:
-        first, last = measured_window(
-            int(block.get("start_profile_step", 0)), int(block["end_profile_step"])
-        )
-        _clock = StepClock(first, last)
+        start = int(block.get("start_profile_step", 0))
+        first, last = measured_window(start, int(block["end_profile_step"]))
+        # dsat's own window settles; one the user asked to start later or run longer is kept.
+        # It opens after the step DeepSpeed's FLOPs profiler slows (the one from ``start``).
+        settle = start <= WARMUP_STEPS and last - first + 1 <= MEASURED_STEPS
+        _clock = StepClock(first, last, settle=settle, earliest_step=start + 1)
         _time_engine_steps()
         atexit.register(_explain_missing_results, Path.cwd())
     if precision is not None:
@@ -191,7 +250,8 @@ def _explain_missing_results(directory: Path) -> None:
 
 def _time_engine_steps() -> None:
     """Wrap ``DeepSpeedEngine.step`` so the end of every optimizer step is marked, the device
-    synchronised, even when DeepSpeed ends the trial inside that step."""
+    synchronised, even when DeepSpeed ends the trial inside that step; and once the window is
+    complete, have DeepSpeed end the trial after the next step."""
     from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.engine import DeepSpeedEngine
 
@@ -200,14 +260,43 @@ def _time_engine_steps() -> None:
         return
     accelerator = get_accelerator()
 
+    def mark(engine: Any, before: int, decide: bool) -> bool:
+        if engine.global_steps == before or _clock is None:
+            return False
+        accelerator.synchronize()
+        complete = _clock.mark(int(engine.global_steps), int(engine.train_batch_size()))
+        if not decide or not _clock.settle:
+            return False
+        if engine.global_steps < MIN_WARMUP_STEPS + MIN_MEASURED_STEPS:
+            return False  # no window can be complete yet, on any rank
+        return _rank_zeros(complete, accelerator)
+
     def step(engine: Any, *args: Any, **kwargs: Any) -> Any:
         before = engine.global_steps
         try:
-            return original(engine, *args, **kwargs)
-        finally:
-            if engine.global_steps != before and _clock is not None:
-                accelerator.synchronize()
-                _clock.mark(int(engine.global_steps), int(engine.train_batch_size()))
+            result = original(engine, *args, **kwargs)
+        except BaseException:  # DeepSpeed's own end of the trial among them
+            mark(engine, before, decide=False)
+            raise
+        if mark(engine, before, decide=True) and engine.autotuning_enabled():
+            # DeepSpeed ends the trial after the next step, as after its last profile step (its
+            # timers for this one are already reset, so its metrics could not be written now).
+            engine._config.autotuning_config.end_profile_step = int(engine.global_steps)
+        return result
 
     step._dsat_timed = True  # type: ignore[attr-defined]
     DeepSpeedEngine.step = step
+
+
+def _rank_zeros(complete: bool, accelerator: Any) -> bool:
+    """Rank 0's ``complete``, on every rank: ranks time their steps apart, and one that ended
+    alone would leave the others waiting in the next collective. Every rank calls this at the
+    same steps."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return complete
+    flag = torch.tensor([1.0 if complete else 0.0], device=accelerator.current_device_name())
+    dist.broadcast(flag, src=0)
+    return bool(flag.item())

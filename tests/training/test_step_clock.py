@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from unittest.mock import patch
 
 import pytest
 
 from dsat.memory import Precision
 from dsat.training.hf_args import hf_precision
 from dsat.training.step_clock import (
+    KNOWN_TO,
     MEASURED_STEPS,
+    MIN_MEASURED_STEPS,
     WARMUP_STEPS,
     StepClock,
     current_clock,
@@ -31,7 +34,7 @@ def test_the_window_opens_after_the_warm_up_and_is_long_enough() -> None:
 
 
 def clock_with(step_seconds: list[float], first: int = 5, batch: int = 8) -> StepClock:
-    clock = StepClock(first)
+    clock = StepClock(first, opened_at=first)
     now = 100.0
     clock.marks.append((first, now))
     for number, seconds in enumerate(step_seconds, start=first + 1):
@@ -49,14 +52,77 @@ def test_metrics_come_from_the_wall_clock_and_deepspeeds_are_kept() -> None:
     assert values["FLOPS_per_gpu"] == pytest.approx(flops / 0.5)
     assert values["deepspeed_throughput"] == 900.0 and values["deepspeed_latency"] == 10.0
     assert values["fwd"] == 3.0 and values["measured_steps"] == 10
+    assert values["warmup_steps"] == 5
     assert values["step_time_spread"] == pytest.approx(0.0)
+    assert values["step_time_stderr"] == pytest.approx(0.0)
 
 
 def test_steps_before_the_window_do_not_count() -> None:
     clock = StepClock(first_step=5)
     for step in range(1, 8):
         clock.mark(step, train_batch_size=4)
-    assert [number for number, _ in clock.marks] == [5, 6, 7]
+    assert [number for number, _ in clock.window()] == [5, 6, 7]
+
+
+def run_steps(clock: StepClock, step_seconds: list[float]) -> int:
+    """Feed ``clock`` steps of these durations (step 1 ends at t=0) until it is complete and
+    one step more (DeepSpeed's last); the last step run."""
+    now, complete = 0.0, False
+    for number, seconds in enumerate([0.0, *step_seconds], start=1):
+        now += seconds
+        with patch("time.perf_counter", return_value=now):
+            if complete:
+                clock.mark(number, train_batch_size=8)
+                return number
+            complete = clock.mark(number, train_batch_size=8)
+    return 0
+
+
+def settling_clock() -> StepClock:
+    return StepClock(WARMUP_STEPS, WARMUP_STEPS + MEASURED_STEPS - 1, settle=True, earliest_step=4)
+
+
+def test_the_window_opens_when_the_steps_stop_falling_and_closes_when_the_mean_is_known() -> None:
+    """GPT-2 medium on an H100 took 1.4 s, 2.2 s, then 0.5 s a step: the window opens at the
+    first step no faster than the one before (not before the step after DeepSpeed's profiled
+    one), and closes after the least steps once they agree."""
+    clock = settling_clock()
+    ended = run_steps(clock, [2.2, 1.0] + [0.5] * 12)
+    assert clock.opened_at == 5  # step 4 (0.5 s) was still faster than step 3 (1.0 s)
+    assert ended == 5 + MIN_MEASURED_STEPS + 1
+    values = clock.metrics(DEEPSPEED)
+    assert values["measured_steps"] == MIN_MEASURED_STEPS + 1 and values["warmup_steps"] == 5
+    assert values["throughput"] == pytest.approx(8 / 0.5)
+
+
+def test_a_level_start_opens_the_window_after_the_profiled_step() -> None:
+    clock = settling_clock()
+    run_steps(clock, [0.5] * 12)
+    assert clock.opened_at == 4
+
+
+def test_noisy_steps_are_measured_until_known_or_for_at_most_the_full_window() -> None:
+    noisy = [0.5, 0.6] * 10  # 9% apart: the mean is not known to 1% within ten steps
+    clock = settling_clock()
+    ended = run_steps(clock, noisy)
+    assert ended == clock.opened_at + MEASURED_STEPS
+    assert clock.metrics(DEEPSPEED)["measured_steps"] == MEASURED_STEPS
+    assert clock.metrics(DEEPSPEED)["step_time_stderr"] > KNOWN_TO
+    # A little noise: known to 1% after a few more steps than the least.
+    slightly = [0.5, 0.51, 0.49, 0.52, 0.48, 0.5, 0.5, 0.51, 0.49, 0.5, 0.5, 0.5, 0.5, 0.5]
+    clock = settling_clock()
+    ended = run_steps(clock, slightly)
+    assert clock.opened_at is not None
+    assert clock.opened_at + MIN_MEASURED_STEPS < ended < clock.opened_at + MEASURED_STEPS
+    assert clock.metrics(DEEPSPEED)["step_time_stderr"] <= KNOWN_TO
+
+
+def test_a_window_the_user_asked_for_is_kept_whole() -> None:
+    """Without ``settle`` (a later start or a longer window asked for), the window opens at its
+    first step and never closes early: DeepSpeed ends the trial after its last."""
+    clock = StepClock(8, 40)
+    assert run_steps(clock, [0.5] * 45) == 0
+    assert clock.opened_at == 8 and clock.metrics(DEEPSPEED)["measured_steps"] == 38
 
 
 def test_a_window_still_warming_up_shows_as_spread() -> None:
