@@ -36,9 +36,31 @@ class DsatArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         raise DsatError(f"{message} (see `python3 -m dsat {self._subcommand()}--help`)")
 
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        """As argparse's, but a flag the method does not take points to that method's help
+        (argparse reports it from the top parser, whose help lists no method flags)."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            method = getattr(parsed, "method", None)
+            where = f"{method} " if isinstance(method, str) else ""
+            raise DsatError(
+                f"unrecognized arguments: {' '.join(extras)} (see `python3 -m dsat {where}--help`)"
+            )
+        return parsed
+
     def _subcommand(self) -> str:
         parts = self.prog.split()
         return f"{parts[-1]} " if len(parts) > 1 else ""
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's default in its help, except a switch's: "--no-baseline ... (default: True)"
+    reads as if the baseline were off."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.nargs == 0 and isinstance(action.default, bool):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def _typed(kind: Callable[[str], float], minimum: float, what: str) -> Callable[[str], float]:
@@ -142,8 +164,9 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=defaults.DEFAULT_END_PROFILE_STEP,
         help="training step at which DeepSpeed stops profiling and the trial ends; dsat's own "
-        "measurement needs a warm-up and a window, so a trial runs at least "
-        f"{WARMUP_STEPS + MEASURED_STEPS} steps",
+        f"measurement needs a warm-up and a window: a trial runs up to {WARMUP_STEPS + MEASURED_STEPS} "
+        "steps, fewer once its step time is steady (a longer window asked for here is measured "
+        "whole)",
     )
     parser.add_argument(
         "-r",
@@ -173,8 +196,8 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
         "--no-baseline",
         dest="baseline",
         action="store_false",
-        help="do not run your own configuration once to compare the hand-over with (it runs "
-        "after the model profile, on top of --max-trials)",
+        help="do not run your own configuration once to compare the hand-over with (by default "
+        "it runs after the model profile, on top of --max-trials)",
     )
     parser.add_argument(
         "--offload",
@@ -291,7 +314,7 @@ def _add_range_factor(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    formatter = argparse.ArgumentDefaultsHelpFormatter
+    formatter = HelpFormatter
     parser = DsatArgumentParser(
         prog=PROG,
         formatter_class=formatter,
@@ -329,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
         "report",
         formatter_class=formatter,
         help="draw a search's results (report.png, report.html in RESULTS_DIR); needs "
-        "matplotlib: pip install 'dsat[report]'",
+        "matplotlib (pip install matplotlib)",
     )
     report.add_argument("report_dir", metavar="RESULTS_DIR", help="the directory a search wrote")
     random.add_argument(
@@ -346,6 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="stop after N trials in a row without improvement",
     )
     _add_range_factor(binary)
+    _add_range_factor(guided)
     asha.add_argument(
         "--max-rungs",
         type=positive_int,

@@ -46,9 +46,11 @@ from dsat.runners.local.setup import LocalSetup
 from dsat.runners.ray.setup import RaySetup
 from dsat.runners.simulated.setup import SimulatedSetup
 from dsat.runners.trial_runner import RunnerSetup, TrialRunner
+from dsat.search.baseline import describe, speedup_over_yours
 from dsat.search.method import DsatSearchMethod
 from dsat.search.trial_builder import SearchSpec
 from dsat.search_run import best_config_path, run_search
+from dsat.zero_space import knob_tags
 
 
 class SearchFailed(Exception):
@@ -236,7 +238,7 @@ def search_here(plan: LaunchPlan, runner: TrialRunner) -> None:
         raise SearchStopped(failure, settings.method, plan.results_dir) from None
     finally:
         runner.close()
-    report_end(method, plan.results_dir)
+    report_end(method, plan.results_dir, settings.run_full_experiment)
     if settings.run_full_experiment:
         best = method.tracker.best()
         assert best is not None  # report_end raised SearchFailed otherwise
@@ -252,7 +254,7 @@ def search_here(plan: LaunchPlan, runner: TrialRunner) -> None:
             ) from None
 
 
-def report_end(method: DsatSearchMethod, results_dir: Path) -> None:
+def report_end(method: DsatSearchMethod, results_dir: Path, full_run: bool = False) -> None:
     """Print the summary; a search with no successful trial is an error for the caller."""
     summary = results_dir / SUMMARY_FILE
     if summary.is_file():
@@ -269,4 +271,33 @@ def report_end(method: DsatSearchMethod, results_dir: Path) -> None:
         print(f"dsat: no report drawn: cannot write it ({err.strerror or err})")
     if method.search_failed:
         raise SearchFailed(method.shutdown_reason or "no trial succeeded")
-    print(f"dsat: best DeepSpeed config: {shown(best_config_path(results_dir))}")
+    for line in closing_lines(method, results_dir, full_run):
+        print(line)
+
+
+def closing_lines(method: DsatSearchMethod, results_dir: Path, full_run: bool) -> list[str]:
+    """The last lines a user reads: what was found (and how much faster than their own config,
+    where that ran), the file to train with, and what to do next."""
+    best = method.tracker.best()
+    assert best is not None  # a search that found nothing failed above
+    found = describe(best)
+    knobs = knob_tags(best.zero_section, best.zero_stage)
+    if knobs:
+        found += f" ({', '.join(knobs)})"
+    speedup = speedup_over_yours(method)
+    if speedup is not None:
+        found += f": {speedup:.2f}x your config's {method.tracker.metric.value}"
+    path = shown(best_config_path(results_dir))
+    if full_run:
+        nxt = "the full training run with it starts now"
+    else:
+        nxt = (
+            f"pass it as your DeepSpeed config (deepspeed.initialize(..., config={path!r})), or "
+            f"have dsat train with it: {resume_command(method.settings.method, results_dir)} "
+            "--run-full-experiment"
+        )
+    return [
+        f"dsat: found {found}",
+        f"dsat: best DeepSpeed config: {path}",
+        f"dsat: next: {nxt}",
+    ]

@@ -65,9 +65,7 @@ def run_search(
     )
     writer = ResultsWriter(results_dir, runner.slot_kind, utilization)
     listeners: list[TrialListener] = [ResultsRecorder(method, writer)]
-    progress = (
-        SearchProgress(method.tracker, settings.metric.value) if runner.takes_real_time else None
-    )
+    progress = SearchProgress(method.tracker) if runner.takes_real_time else None
     if progress is not None:
         listeners.append(progress)
     driver = SearchDriver(method, runner, listeners, max_events)

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from dsat.trial_failure import FailureCause
-from dsat.zero_space import explicit_zero_config
+from dsat.zero_space import explicit_zero_config, knob_tags
 
 
 def peak_memory_fraction(metrics: Mapping[str, Any]) -> float | None:
@@ -120,8 +120,14 @@ class TrialRecord:
 
     @property
     def name(self) -> str:
-        """Like DeepSpeed's autotuner names its experiments."""
-        return f"z{self.zero_stage}_gas{self.gas}_tmbspg{self.mbs}"
+        """Its stage, micro-batch per GPU, gradient accumulation (when more than 1) and every
+        ZeRO knob it sets apart from DeepSpeed's default (zero_space.knob_tags):
+        ``z2_mb16_gas4_rb5e7_overlap``."""
+        parts = [f"z{self.zero_stage}", f"mb{self.mbs}"]
+        if self.gas > 1:
+            parts.append(f"gas{self.gas}")
+        parts.extend(knob_tags(self.zero_section, self.zero_stage))
+        return "_".join(parts)
 
     def replace(self, **changes: Any) -> TrialRecord:
         return dataclasses.replace(self, **changes)

@@ -93,6 +93,55 @@ MEMORY_MONOTONE_KNOBS = (
 )
 
 
+# How a trial's name shows a knob that differs from DeepSpeed's default.
+_SIZE_TAGS = {
+    "reduce_bucket_size": "rb",
+    "allgather_bucket_size": "ag",
+    "stage3_prefetch_bucket_size": "prefetch",
+    "stage3_param_persistence_threshold": "persist",
+}
+_SWITCH_TAGS = {
+    "overlap_comm": "overlap",
+    "reduce_scatter": "reduce-scatter",
+    "contiguous_gradients": "contiguous",
+    "allgather_partitions": "allgather-partitions",
+}
+
+
+def knob_tags(section: dict[str, Any], stage: int) -> list[str]:
+    """What a ZeRO section changes from DeepSpeed's defaults, one short tag a knob (``rb5e7``,
+    ``overlap``, ``no-contiguous``, ``offload-opt-cpu``), so that two configurations a search
+    ran never look alike. Empty at stage 0, where no ZeRO knob acts."""
+    if stage == 0:
+        return []
+    tags = []
+    for knob, tag in _SIZE_TAGS.items():
+        value = section.get(knob)
+        if knob.startswith("stage3_") and stage != 3:
+            continue
+        if isinstance(value, (int, float)) and value != DEEPSPEED_DEFAULTS[knob]:
+            tags.append(f"{tag}{size_text(value)}")
+    for knob, tag in _SWITCH_TAGS.items():
+        default = stage == 3 if knob == "overlap_comm" else DEEPSPEED_DEFAULTS[knob]
+        if knob in zero_knobs(stage) and knob in section and bool(section[knob]) != default:
+            tags.append(tag if section[knob] else f"no-{tag}")
+    for knob, tag in (("offload_optimizer", "offload-opt"), ("offload_param", "offload-param")):
+        device = (
+            section.get(knob, {}).get("device") if isinstance(section.get(knob), dict) else None
+        )
+        if device not in (None, "none"):
+            tags.append(f"{tag}-{device}")
+    return tags
+
+
+def size_text(value: float) -> str:
+    """A bucket size or threshold as a user writes it: 5e7, 1.5e5, 1000."""
+    if value < 10_000:
+        return f"{value:g}"
+    mantissa, exponent = f"{value:.2e}".split("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+
+
 def explicit_zero_config(section: dict[str, Any], stage: int) -> dict[str, Any]:
     """``section`` at ``stage`` with every knob of that stage spelled out, DeepSpeed's defaults
     where the user set none, so that one step changes one known value."""

@@ -140,6 +140,30 @@ def test_help_shows_defaults() -> None:
         assert "(default: FLOPS_per_gpu)" in result.stdout
 
 
+def test_guided_takes_the_range_factor_and_a_switchs_help_shows_no_default(
+    experiment_yaml: Path,
+) -> None:
+    """The local-runner guide recommends --search-range-factor on a CPU, for every method."""
+    settings = parse_settings(
+        ["guided", str(experiment_yaml), ".", "--search-range-factor", "0.05"]
+    )
+    assert settings.search_range_factor == 0.05
+    helped = run_cli("guided", "--help").stdout
+    assert "--no-baseline" in helped and "(default: True)" not in helped
+    assert "(default: 1.0)" in helped  # the range factor's
+
+
+def test_a_flag_the_method_does_not_take_points_to_the_methods_help(
+    capsys: pytest.CaptureFixture[str], experiment_yaml: Path
+) -> None:
+    assert_one_line_error(
+        capsys,
+        ["random", str(experiment_yaml), ".", "--max-rungs", "3"],
+        "unrecognized arguments: --max-rungs 3",
+        "`python3 -m dsat random --help`",
+    )
+
+
 # ---------------------------------------------------------------- runner choice
 
 
@@ -554,11 +578,23 @@ def test_simulated_search_prints_the_summary_and_leaves_results(tmp_path: Path) 
     assert "| tuning_space | num_experiments | best_metric_val | best_exp_name" in first.stdout
     assert "approx. max micro-batch" in first.stdout  # the memory model's estimates are logged
     assert f"best DeepSpeed config: {results / 'best_ds_config.json'}" in first.stdout
+    # The last lines say what was found, against the user's own config, and what to do next.
+    *_, found, path_line, next_line = first.stdout.splitlines()
+    best = json.loads((results / "best_ds_config.json").read_text())
+    stage, mbs = best["zero_optimization"]["stage"], best["train_micro_batch_size_per_gpu"]
+    assert re.match(
+        rf"^dsat: found ZeRO-{stage} micro-batch {mbs}( \(.+\))?"
+        r"(: [\d.]+x your config's FLOPS_per_gpu)?$",
+        found,
+    ), found
+    assert path_line == f"dsat: best DeepSpeed config: {results / 'best_ds_config.json'}"
+    assert next_line.startswith("dsat: next: pass it as your DeepSpeed config")
+    assert next_line.endswith(f"-m dsat asha --resume {results} --run-full-experiment")
     # What the search cost, 16 simulated GPUs per trial (tests/results/test_cost.py checks it).
     assert re.search(r"^cost: \d+ trials .* GPU-hours \(16 GPUs per trial x ", first.stdout, re.M)
     assert re.search(r"^dsat: \d+ trials, [\d.]+ GPU-hours; search ended: ", first.stdout, re.M)
     # Why the handed-over configuration won, in plain words, named as the summary names it.
-    handed = re.search(r"^handed over: (z\d_gas\d+_tmbspg\d+)[ :]", first.stdout, re.M)
+    handed = re.search(r"^handed over: (z\d_mb[\w.-]+)[ :]", first.stdout, re.M)
     assert handed and f"{handed.group(1)} (handed over)" in first.stdout
     assert "handed over: " in (results / "summary.txt").read_text()
     for name in (

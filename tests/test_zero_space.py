@@ -7,8 +7,10 @@ import numpy as np
 from dsat.zero_space import (
     explicit_zero_config,
     knob_steps,
+    knob_tags,
     needs_no_less_memory,
     random_zero_config,
+    size_text,
     space_size,
     zero_knobs,
 )
@@ -69,3 +71,25 @@ def test_memory_order_covers_buckets_and_overlap_only() -> None:
     other_switch = {**bigger, "contiguous_gradients": False}
     assert not needs_no_less_memory(other_switch, base)  # its memory effect is not known
     assert not needs_no_less_memory(explicit_zero_config({}, 3), base)  # another stage
+
+
+def test_a_trial_name_shows_every_knob_set_apart_from_deepspeeds_defaults() -> None:
+    """Two configurations a search ran never share a name: knob_tags shows what differs from
+    DeepSpeed's defaults (nothing at stage 0, where no ZeRO knob acts)."""
+    section = explicit_zero_config(
+        {
+            "reduce_bucket_size": 50_000_000,
+            "overlap_comm": True,
+            "contiguous_gradients": False,
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        },
+        2,
+    )
+    assert knob_tags(section, 2) == ["rb5e7", "overlap", "no-contiguous", "offload-opt-cpu"]
+    assert knob_tags(explicit_zero_config({}, 2), 2) == []
+    stage3 = explicit_zero_config(
+        {"overlap_comm": False, "stage3_param_persistence_threshold": 90_880}, 3
+    )
+    assert knob_tags(stage3, 3) == ["persist9.09e4", "no-overlap"]
+    assert knob_tags({"reduce_bucket_size": 1}, 0) == []
+    assert [size_text(v) for v in (5e8, 1_000, 150_000, 1e6)] == ["5e8", "1000", "1.5e5", "1e6"]

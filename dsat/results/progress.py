@@ -35,12 +35,10 @@ class SearchProgress:
     def __init__(
         self,
         tracker: TrialTracker,
-        metric_name: str,
         console: Console | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.tracker = tracker
-        self.metric_name = metric_name
         self.console = console or Console(highlight=False, soft_wrap=True)
         self.clock = clock
         self.started_at = clock()
@@ -81,11 +79,11 @@ class SearchProgress:
         return record.name
 
     def trial_line(self, record: TrialRecord) -> str:
-        """Its result; a failed one says why in one line, and where its log is."""
+        """Its result, with its unit; a failed one says why in one line, and where its log is."""
         text = f"trial {record.index} {self.trial_label(record)}: {record.status.value}"
-        value = self.tracker.metric_value(record)
+        value = self.tracker.measured_value(record)
         if value is not None:
-            text += f", {self.metric_name} {value:.4g}"
+            text += f", {self.tracker.metric.describe(value)}"
         if record.status.failed:
             reason = first_line(record.error)
             text += (f": {reason}" if reason else "") + log_note(record.log)
@@ -95,16 +93,17 @@ class SearchProgress:
         counts = self.counts()
         done = counts[TrialStatus.COMPLETED]
         failed = counts[TrialStatus.ERROR] + counts[TrialStatus.TIMEOUT]
+        finished = sum(counts.values())
         parts = [
             f"running {len(self.tracker.running)}",
             f"done {done}",
             f"oom {counts[TrialStatus.OOM]}",
-            f"error {failed}",
+            f"error {failed} ({finished} of at most {self.tracker.max_trials} trials)",
         ]
         best = self.tracker.best()
         value = self.tracker.metric_value(best) if best is not None else None
         if best is not None and value is not None:
-            parts.append(f"best {best.name} {self.metric_name} {value:.4g}")
+            parts.append(f"best {best.name} {self.tracker.metric.describe(value)}")
         parts.append(format_elapsed(self.clock() - self.started_at))
         return ", ".join(parts)
 

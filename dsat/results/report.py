@@ -26,7 +26,7 @@ from dsat.results.resume import saved_settings
 
 REPORT_PNG = "report.png"
 REPORT_HTML = "report.html"
-INSTALL_HINT = "pip install 'dsat[report]' (or: pip install matplotlib)"
+INSTALL_HINT = "pip install matplotlib (or reinstall dsat from its clone with the extra: pip install -e '/path/to/dsat[report]')"
 FAILED_MARKERS = {
     "oom": ("x", "out of memory"),
     "error": ("^", "error"),

@@ -86,6 +86,19 @@ def describe(record: TrialRecord) -> str:
     )
 
 
+def speedup_over_yours(method: DsatSearchMethod) -> float | None:
+    """How many times faster the hand-over measured than the user's own config (the mean of its
+    runs, as the summary's global row), where both were measured."""
+    tracker = method.tracker
+    runs = [r for r in tracker.records if r.kind is TrialKind.BASELINE]
+    handed = tracker.best()
+    mine = tracker.baseline_value(runs[-1]) if runs else None
+    theirs = None if handed is None else tracker.mean_of_runs(handed)
+    if not mine or theirs is None:
+        return None
+    return mine / theirs if tracker.metric.smaller_is_better else theirs / mine
+
+
 def baseline_line(method: DsatSearchMethod) -> str:
     """The summary's line comparing the hand-over with the user's own configuration."""
     if not method.settings.baseline:
@@ -100,10 +113,9 @@ def baseline_line(method: DsatSearchMethod) -> str:
     if mine is None:
         ended = "ran out of memory" if baseline.status is TrialStatus.OOM else baseline.status.value
         return f"your config ({describe(baseline)}): {ended}"
-    theirs = None if handed is None else tracker.mean_of_runs(handed)  # as the global row
-    if handed is None or theirs is None or not mine:
+    speedup = speedup_over_yours(method)
+    if handed is None or speedup is None:
         return f"your config ({describe(baseline)}): {mine:.4g} {tracker.metric.value}"
-    speedup = mine / theirs if tracker.metric.smaller_is_better else theirs / mine
     return (
         f"{speedup:.2f}x your config ({tracker.metric.value} {mine:.4g}): "
         f"{describe(baseline)} -> {describe(handed)}"

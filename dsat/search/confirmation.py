@@ -75,23 +75,6 @@ def planned_runs(candidates: Sequence[TrialRecord], search_trials: int) -> list[
     return [candidate for _ in range(rounds) for candidate in candidates]
 
 
-def label(record: TrialRecord, other: TrialRecord) -> str:
-    """``record``'s name, with the knobs in which it differs from ``other`` (trial names show
-    the stage and micro-batch only, and two leaders often share both)."""
-    mine, theirs = record.zero_section, other.zero_section
-    differing = [k for k in mine if k != "stage" and mine[k] != theirs.get(k)]
-    if not differing or record.zero_stage != other.zero_stage:
-        return record.name
-    shown = ", ".join(f"{k} {_knob(mine[k])}" for k in differing)
-    return f"{record.name} ({shown})"
-
-
-def _knob(value: object) -> str:
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    return f"{value:.0e}".replace("e+0", "e") if isinstance(value, int) else str(value)
-
-
 @dataclasses.dataclass(frozen=True)
 class Verdict:
     """What the round decided: the configuration handed over and, in plain words, why; or the
@@ -146,7 +129,7 @@ def decide(
                 return Verdict(None, "", (by_estimate, by_runs))
             return Verdict(
                 by_runs,
-                f"measured {lead:.1%} faster than {label(by_estimate, by_runs)} over "
+                f"measured {lead:.1%} faster than {by_estimate.name} over "
                 f"{n1} and {n2} runs, more than the noise ({noise:.1%} a run), though its "
                 "neighbours' trials said otherwise",
             )
@@ -170,7 +153,7 @@ def decide(
     if roomiest is not best and freed >= HEADROOM_STEP:
         return Verdict(
             roomiest,
-            f"level with {label(best, roomiest)} within the noise ({spread:.1%}), and leaves "
+            f"level with {best.name} within the noise ({spread:.1%}), and leaves "
             f"{freed:.0%} more of the device's memory free",
         )
     rivals = [c for c in pool if c is not best]
@@ -181,6 +164,6 @@ def decide(
     how = "by its trials and its neighbours'" if score is not None else "in its runs"
     return Verdict(
         best,
-        f"the fastest {how}: {ahead:.1%} ahead of {label(second, best)}"
+        f"the fastest {how}: {ahead:.1%} ahead of {second.name}"
         + (" (within the noise: either is as good)" if ahead <= spread else ""),
     )

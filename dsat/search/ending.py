@@ -9,7 +9,7 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
-from dsat.search.confirmation import EXTRA_ROUNDS, decide, label, leaders, planned_runs
+from dsat.search.confirmation import EXTRA_ROUNDS, decide, leaders, planned_runs
 from dsat.trial import TrialKind, TrialRecord, TrialStatus
 from dsat.trial_failure import SCRIPT_FAILURES_TO_STOP, FailureCause, first_line, log_note
 
@@ -214,9 +214,7 @@ class SearchEnding:
             reason = "no leader ran again safely; the best of the search that may be handed over"
             logger.info("confirmation round: no leader ran again safely; keeping %s", chosen.name)
         tracker.confirmed_id = chosen.request_id
-        others = [tracker.get(i) for i in self.confirmation_candidates if i != chosen.request_id]
-        name = label(chosen, others[0]) if others else chosen.name
-        self.handover_reason = f"{name}: {reason}"
+        self.handover_reason = f"{chosen.name}: {reason}"
         self.shutdown_reason = f"{self.search_end_reason}; confirmed {chosen.name}"
         return True
 

@@ -316,8 +316,15 @@ class GuidedSearch(DsatSearchMethod):
         ]
         if learned:
             return max(min(learned), largest, 1)
-        estimate = self.micro_batch_ceiling(state.stage, offload=Offload.of(state.section))
+        estimate = self.model_reach(state.stage, Offload.of(state.section))
         return max(estimate if largest < estimate else 2 * largest, 1)
+
+    def model_reach(self, stage: int, offload: Offload) -> int:
+        """The memory model's largest micro-batch, scaled by --search-range-factor (below 1 on
+        a CPU, where all of the RAM counts as the device's memory and the model allows
+        thousands); at least 1."""
+        estimate = self.micro_batch_ceiling(stage, offload=offload)
+        return max(int(estimate * self.settings.search_range_factor), 1)
 
     def samples_freed(
         self, before: dict[str, Any], after: dict[str, Any], per_sample: float = 1.0
@@ -502,7 +509,7 @@ class GuidedSearch(DsatSearchMethod):
                     section = {**start, **mine}
                 if any(s.family == (stage, offload_level(section)) for s in states.values()):
                     continue
-                reach = max(self.micro_batch_ceiling(stage, offload=Offload.of(section)), 1)
+                reach = self.model_reach(stage, Offload.of(section))
                 actions.append(Action(math.inf, section, (1 + reach) // 2, reach, "stage"))
 
         curves: dict[str, tuple[int, CurveEvidence, Gap | None]] = {}

@@ -194,6 +194,11 @@ class TrialTracker:
             return None
         return self._value(record)
 
+    def measured_value(self, record: TrialRecord) -> float | None:
+        """The searched metric of any completed trial that measures it: a search trial, the
+        user's own config, a confirmation run."""
+        return None if record.kind is TrialKind.MODEL_PROFILE else self._value(record)
+
     def confirmed_value(self, record: TrialRecord) -> float | None:
         """The searched metric of a completed confirmation run; None for anything else."""
         return self._value(record) if record.kind is TrialKind.CONFIRM else None

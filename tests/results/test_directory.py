@@ -101,7 +101,10 @@ def test_results_files(tmp_path: Path) -> None:
     assert summary == table + "\n" + batch + "\n" + rate + "\n" + search_cost(rows).line() + "\n"
     assert summary.startswith("| tuning_space | num_experiments | best_metric_val | best_exp_name")
     assert re.search(r"^\| global +\| +23 \|", summary, re.MULTILINE)  # the 23 search trials
-    assert best.name in table.splitlines()[-1]
+    assert best.name in table.splitlines()[-2]
+    assert table.splitlines()[-1].startswith(
+        "best_metric_val: FLOPS_per_gpu, in FLOP/s per GPU, a stage's best trial"
+    )
 
 
 def test_the_global_row_names_what_is_handed_over(tmp_path: Path) -> None:
@@ -114,9 +117,10 @@ def test_the_global_row_names_what_is_handed_over(tmp_path: Path) -> None:
         key=lambda r: tracker.metric_value(r) or 0.0,
     )
     tracker.confirmed_id = other.request_id  # as a confirmation round that chose it would
-    global_row = summary_table(tracker).splitlines()[-1]
+    *_, global_row, note = summary_table(tracker).splitlines()
     assert other.name in global_row and best.name not in global_row
     assert f"{tracker.metric_value(other):.6g}" in global_row
+    assert note.endswith("global: the mean of every run of the handed-over configuration")
 
 
 def test_an_interrupted_search_resumes_from_its_results(tmp_path: Path) -> None:

@@ -45,7 +45,7 @@ def test_plain_lines_count_every_outcome_and_name_the_best() -> None:
     for rid, mbs in [("p", 1), ("a", 2), ("b", 4), ("c", 8), ("d", 16)]:
         kind = TrialKind.MODEL_PROFILE if rid == "p" else TrialKind.SEARCH
         t.add(record(rid, mbs, kind=kind))
-    progress = SearchProgress(t, "throughput", Console(file=out, width=300), clock)
+    progress = SearchProgress(t, Console(file=out, width=300), clock)
     with progress:
         assert progress._live is None  # a StringIO is not a terminal
         for rid in "pabcd":
@@ -59,12 +59,13 @@ def test_plain_lines_count_every_outcome_and_name_the_best() -> None:
     lines = out.getvalue().splitlines()
     assert (
         lines[0]
-        == "dsat: trial 0 model profile: completed | running 4, done 1, oom 0, error 0, 01:15"
+        == "dsat: trial 0 model profile: completed | running 4, done 1, oom 0, error 0 (1 of at most "
+        "10 trials), 01:15"
     )
-    assert lines[2].startswith("dsat: trial 0 z1_gas1_tmbspg4: completed, throughput 30 |")
-    assert lines[2].endswith("best z1_gas1_tmbspg4 throughput 30, 01:15")
-    assert lines[4].startswith("dsat: trial 0 z1_gas1_tmbspg16: timeout |")
-    assert "running 0, done 3, oom 1, error 1" in lines[4]
+    assert lines[2].startswith("dsat: trial 0 z1_mb4: completed, 30 samples/s |")
+    assert lines[2].endswith("best z1_mb4 30 samples/s, 01:15")
+    assert lines[4].startswith("dsat: trial 0 z1_mb16: timeout |")
+    assert "running 0, done 3, oom 1, error 1 (5 of at most 10 trials)" in lines[4]
     assert "\x1b[" not in out.getvalue()
 
 
@@ -72,7 +73,7 @@ def test_a_failed_trial_says_why_and_where_its_log_is_and_a_retry_says_so() -> N
     out = io.StringIO()
     t = tracker(Metric.THROUGHPUT)
     t.add(record("a", 8))
-    progress = SearchProgress(t, "throughput", Console(file=out, width=400), FakeClock())
+    progress = SearchProgress(t, Console(file=out, width=400), FakeClock())
     start(progress, "a")
     port = TrialOutcome(
         "a", TrialStatus.ERROR, {}, "a port was taken (EADDRINUSE)\ntail", 0.0, 1.0,
@@ -84,12 +85,12 @@ def test_a_failed_trial_says_why_and_where_its_log_is_and_a_retry_says_so() -> N
     progress.trial_finished("a", outcome("a", TrialStatus.ERROR))
     retried, failed = out.getvalue().splitlines()
     assert retried == (
-        "dsat: trial 0 z1_gas1_tmbspg8: the machine failed it, not its configuration: a port was "
+        "dsat: trial 0 z1_mb8: the machine failed it, not its configuration: a port was "
         f"taken (EADDRINUSE) (log: /r/logs/001-a.log); running it again (attempt 2 of "
         f"{MACHINE_ATTEMPTS})"
     )
     assert failed.startswith(
-        "dsat: trial 0 z1_gas1_tmbspg8: error: ValueError: bad shape (exit code 1) "
+        "dsat: trial 0 z1_mb8: error: ValueError: bad shape (exit code 1) "
         "(log: /r/logs/002-a.log) | "
     )
 
@@ -98,11 +99,11 @@ def test_smaller_is_better_best_so_far() -> None:
     t = tracker(Metric.LATENCY)
     t.add(record("a", 2))
     t.add(record("b", 4))
-    progress = SearchProgress(t, "latency", Console(file=io.StringIO()), FakeClock())
+    progress = SearchProgress(t, Console(file=io.StringIO()), FakeClock())
     for rid, value in [("a", 5.0), ("b", 9.0)]:
         t.mark_running(t.dequeue(rid).request_id)
         t.mark_finished(rid, TrialStatus.COMPLETED, {"latency": value})
-    assert "best z1_gas1_tmbspg2 latency 5" in progress.status_line()
+    assert "best z1_mb2 5 ms a step" in progress.status_line()
 
 
 def test_terminal_gets_a_live_line_that_is_gone_at_the_end() -> None:
@@ -110,14 +111,14 @@ def test_terminal_gets_a_live_line_that_is_gone_at_the_end() -> None:
     t = tracker()
     t.add(record("a", 2))
     console = Console(file=out, force_terminal=True, width=200)
-    progress = SearchProgress(t, "throughput", console, FakeClock())
+    progress = SearchProgress(t, console, FakeClock())
     with progress:
         assert progress._live is not None
         start(progress, "a")
         finish(progress, "a", TrialStatus.COMPLETED, 3.0)
     assert progress._live is None
     text = out.getvalue()
-    assert "trial 0 z1_gas1_tmbspg2: completed, throughput 3" in text
+    assert "trial 0 z1_mb2: completed, 3 samples/s" in text
     assert "running 1, done 0" in text  # the live line as it was while the trial ran
     assert "\x1b[" in text  # cursor control: the live line is redrawn in place
 
@@ -125,3 +126,18 @@ def test_terminal_gets_a_live_line_that_is_gone_at_the_end() -> None:
 def test_elapsed_format() -> None:
     assert format_elapsed(5) == "00:05"
     assert format_elapsed(3725) == "1:02:05"
+
+
+def test_the_users_own_config_and_a_confirmation_run_show_what_they_measured() -> None:
+    out = io.StringIO()
+    t = tracker(Metric.FLOPS_PER_GPU)
+    t.add(record("y", 8, kind=TrialKind.BASELINE))
+    t.add(record("c", 16, kind=TrialKind.CONFIRM))
+    progress = SearchProgress(t, Console(file=out, width=300), FakeClock())
+    for rid, value in (("y", 6.113e10), ("c", 2.5e13)):
+        start(progress, rid)
+        t.mark_finished(rid, TrialStatus.COMPLETED, {"FLOPS_per_gpu": value})
+        progress.trial_finished(rid, outcome(rid, TrialStatus.COMPLETED))
+    lines = out.getvalue().splitlines()
+    assert "your config (z1_mb8): completed, 61.1 GFLOP/s per GPU |" in lines[0]
+    assert ": completed, 25 TFLOP/s per GPU |" in lines[1]

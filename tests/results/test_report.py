@@ -81,7 +81,7 @@ def test_without_matplotlib_the_search_runs_and_report_says_how_to_install(
     assert code == 0 and (results / "best_ds_config.json").is_file()
     assert "no report drawn: the report needs matplotlib" in capsys.readouterr().out
     assert not (results / REPORT_PNG).exists()
-    assert_one_line_error(capsys, ["report", str(results)], "pip install 'dsat[report]'")
+    assert_one_line_error(capsys, ["report", str(results)], "pip install matplotlib")
 
 
 def test_a_missing_or_damaged_results_dir_is_one_line(

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from dsat.runners.simulated.runner import SimulatedRunner
-from dsat.search.confirmation import decide, label, planned_runs
+from dsat.search.confirmation import decide, planned_runs
 from dsat.search_run import run_search
 from dsat.trial import TrialKind, TrialStatus
 from tests.search.helpers import PROFILE, method, run, search_settings, spec
@@ -68,7 +68,7 @@ def test_a_lucky_measurement_is_not_handed_over() -> None:
     assert best is not None and best.mbs == 38 and best.kind is TrialKind.SEARCH
     runs = confirm_runs(m)
     assert runs and {r.parent_id for r in runs} >= {searched_best.request_id, best.request_id}
-    assert "confirmed z1_gas1_tmbspg38" in (m.shutdown_reason or "")
+    assert "confirmed z1_mb38" in (m.shutdown_reason or "")
     assert not m.search_failed
 
 
@@ -171,14 +171,14 @@ def test_runs_that_disagree_with_the_estimate_are_measured_again_then_decide() -
     assert again.chosen is None and {r.request_id for r in again.again} == {"at-40", "at-32"}
     verdict = decide(m.tracker, [pooled, fast], score)
     assert verdict.chosen is fast
-    assert "faster than z1_gas1_tmbspg40" in verdict.reason and "noise" in verdict.reason
+    assert "faster than z1_mb40" in verdict.reason and "noise" in verdict.reason
     # Runs within the noise of each other: the estimate decides, as before.
     close = method("binary", metric="throughput")
     pooled = measured(close, 40, [100.0, 104.0], memory=0.5, searched=102.0)
     level = measured(close, 32, [101.0, 103.0], memory=0.5, searched=103.0)
     estimate = {pooled.request_id: 120.0, level.request_id: 105.0}
     verdict = decide(close.tracker, [pooled, level], score, measure_again=True)
-    assert verdict.chosen is pooled and "ahead of z1_gas1_tmbspg32" in verdict.reason
+    assert verdict.chosen is pooled and "ahead of z1_mb32" in verdict.reason
 
 
 def test_the_reason_names_what_the_leaders_differ_in() -> None:
@@ -187,11 +187,11 @@ def test_the_reason_names_what_the_leaders_differ_in() -> None:
     roomy = measured(m, 32, [101.0, 100.0], memory=0.6)
     verdict = decide(m.tracker, [fast, roomy])
     assert verdict.chosen is roomy
-    assert verdict.reason.startswith("level with z1_gas1_tmbspg40 within the noise")
+    assert verdict.reason.startswith("level with z1_mb40 within the noise")
     assert "30% more of the device's memory free" in verdict.reason
+    # Two leaders that share a stage and micro-batch are told apart by their knobs.
     a = fast.replace(ds_config={**fast.ds_config, "zero_optimization": {"stage": 1}})
     b = fast.replace(
         ds_config={**fast.ds_config, "zero_optimization": {"stage": 1, "reduce_bucket_size": 10**7}}
     )
-    assert label(a, b) == "z1_gas1_tmbspg40 (reduce_bucket_size 5e8)"
-    assert label(a, a) == "z1_gas1_tmbspg40"
+    assert (a.name, b.name) == ("z1_mb40", "z1_mb40_rb1e7")

@@ -24,7 +24,15 @@ from dsat.search.guided import ConfigState
 from dsat.search.method import DsatSearchMethod
 from dsat.trial import TrialKind, TrialRecord, TrialStatus
 from dsat.zero_space import needs_no_less_memory
-from tests.search.helpers import cliff_function, history, method, run, settings, spec
+from tests.search.helpers import (
+    cliff_function,
+    history,
+    method,
+    run,
+    settings,
+    spec,
+    start_profile,
+)
 
 
 def test_it_ends_when_nothing_untried_can_beat_the_best() -> None:
@@ -481,3 +489,19 @@ def test_a_step_from_a_best_over_the_margin_runs_where_its_freed_memory_leaves_i
     no_memory = {**section, "contiguous_gradients": False}
     assert guided.bytes_freed(section, no_memory) == 0
     assert guided.margin_step_mbs(base, 4, no_memory) == 3
+
+
+def test_the_range_factor_scales_where_each_stage_starts() -> None:
+    """--search-range-factor scales the memory model's largest micro-batch that guided starts a
+    stage from (on a CPU the model allows thousands): the first trial of each stage lands
+    in the scaled range."""
+    first: dict[float, dict[int, int]] = {}
+    for factor in (1.0, 0.1):
+        m = method(
+            "guided", zero_stages=(1, 2), max_concurrent_trials=4, search_range_factor=factor
+        )
+        first[factor] = {r.zero_stage: r.mbs for r in start_profile(m)}
+        reach = {s: m.micro_batch_ceiling(s) for s in (1, 2)}
+        assert all(mbs <= max(int(reach[s] * factor), 1) for s, mbs in first[factor].items())
+    assert first[1.0].keys() == first[0.1].keys() == {1, 2}
+    assert all(first[0.1][s] < first[1.0][s] for s in (1, 2))

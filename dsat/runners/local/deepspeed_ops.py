@@ -23,6 +23,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -36,6 +37,8 @@ logger = logging.getLogger(__name__)
 LOCK_NAME = "lock"  # torch.utils.file_baton's file in each extension's build directory
 BUILD_CLAIM = "dsat-op-build.lock"  # dsat's claim on building into the extensions root
 BUILD_TIMEOUT_S = 1800.0
+# How often a running build says how long it has taken (it prints nothing for minutes).
+BUILD_CLOCK_S = 30.0
 REPORT = "dsat-op:"  # the build process's lines for dsat, among the compiler's
 
 # Run in the trials' environment: load each op named on the command line as BUILDER=BUILT
@@ -239,18 +242,24 @@ def _build(
             pass_fds=claim,
         )
         assert process.stdout is not None  # stdout=PIPE above
+        done = threading.Event()
+        clock = threading.Thread(
+            target=_build_clock, args=(process, names, started, done), daemon=True
+        )
+        clock.start()
         try:
             for line in process.stdout:
                 log.write(line)
                 log.flush()
                 _report(line.decode(errors="replace").split(), log_path)
-                if time.monotonic() - started > BUILD_TIMEOUT_S:
-                    process.kill()
             code = process.wait()
         except BaseException:  # Ctrl-C or SIGTERM: the build stops with dsat
             process.kill()
             process.wait()
             raise
+        finally:
+            done.set()
+            clock.join()
     if code != 0:
         logger.info(
             "could not build DeepSpeed's ops %s (see %s); trials will try on their own",
@@ -258,6 +267,22 @@ def _build(
             shown(log_path),
         )
     return code == 0
+
+
+def _build_clock(
+    process: subprocess.Popen[bytes], names: list[str], started: float, done: threading.Event
+) -> None:
+    """Every BUILD_CLOCK_S, say how long the build has taken (it prints nothing while it
+    compiles); past BUILD_TIMEOUT_S, stop it, whether or not it prints."""
+    while not done.wait(BUILD_CLOCK_S):
+        elapsed = time.monotonic() - started
+        if elapsed > BUILD_TIMEOUT_S:
+            process.kill()
+            return
+        minutes, seconds = divmod(int(elapsed), 60)
+        logger.info(
+            "building DeepSpeed's %s op: %d:%02d so far", ", ".join(names), minutes, seconds
+        )
 
 
 def _report(words: list[str], log_path: Path) -> None:

@@ -26,7 +26,10 @@ from dsat.runners.ray.model_archive import model_archive
 from dsat.runners.ray.placement import node_capacities, slot_resource, trial_layout
 from dsat.runners.ray.runner import RayRunner
 
-INSTALL_HINT = "--runner ray needs Ray on this machine and the cluster's: pip install 'dsat[ray]'"
+INSTALL_HINT = (
+    "--runner ray needs Ray on this machine and the cluster's: pip install 'ray>=2.9' "
+    "(or reinstall dsat from its clone with the extra: pip install -e '/path/to/dsat[ray]')"
+)
 # What dsat's own environment passes on to every trial (DeepSpeed's accelerator choice: `cpu`
 # runs trials on CPUs, as the tests do).
 FORWARDED_VARIABLES = ("DS_ACCELERATOR",)

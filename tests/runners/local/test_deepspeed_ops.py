@@ -6,6 +6,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -159,3 +160,21 @@ def test_a_build_under_way_elsewhere_is_waited_for_and_not_repeated(
         f"waiting for the DeepSpeed op build under way in pid 4242 (log: {tmp_path / 'ops.log'})"
     ]
     assert not log.exists()  # the other search built it: no build process was started
+
+
+def test_a_silent_build_shows_a_clock_and_is_stopped_past_its_time_limit(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A build compiles for minutes without a line: dsat says how long it has taken, and stops
+    one past BUILD_TIMEOUT_S even though it never prints (the limit was checked per line)."""
+    monkeypatch.setattr(deepspeed_ops, "BUILD_CLOCK_S", 0.2)
+    monkeypatch.setattr(deepspeed_ops, "BUILD_TIMEOUT_S", 0.7)
+    silent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    done = threading.Event()
+    started = time.monotonic()
+    with caplog.at_level(logging.INFO, logger=deepspeed_ops.logger.name):
+        deepspeed_ops._build_clock(silent, ["CPUAdamBuilder"], started, done)
+    assert silent.wait(timeout=10) != 0  # killed
+    assert time.monotonic() - started < 5
+    clock = [r.getMessage() for r in caplog.records if "so far" in r.getMessage()]
+    assert clock and clock[0] == "building DeepSpeed's CPUAdamBuilder op: 0:00 so far"

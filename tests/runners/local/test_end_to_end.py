@@ -18,8 +18,7 @@ import yaml
 
 from dsat.experiment.ds_config_check import deepspeed_config_error
 from dsat.runners.local.runner import WARM_TRIAL_MARK as WARM_MARK
-from dsat.training.step_clock import MEASURED_STEPS
-from tests.conftest import copy_example
+from tests.conftest import copy_example, measured_a_window
 from tests.dsat_process import dsat, env, trials
 
 pytestmark = pytest.mark.slow
@@ -107,7 +106,7 @@ def test_small_search_writes_a_best_config_deepspeed_accepts(tmp_path: Path) -> 
     assert len(rows) == 7 and all(row["status"] == "completed" for row in rows)
     # The leaders ran again; the handed-over config is one of them, measured by dsat itself.
     assert len(confirmations) >= 2 and "confirmation round" in run.stdout
-    assert all(row["metrics"]["measured_steps"] == MEASURED_STEPS for row in rows[1:])
+    assert all(measured_a_window(row["metrics"]) for row in rows[1:])
     assert rows[0]["kind"] == "model_profile" and rows[0]["metrics"]["num_params"] > 0
     # Trials were forked from warm workers (one per slot); the full run started fresh.
     trial_logs = sorted((results / "logs").glob("[0-9]*.log"))
@@ -204,7 +203,7 @@ def test_guided_search_runs_real_trials_and_hands_over_a_config(tmp_path: Path) 
     assert handed
     global_row = (results / "summary.txt").read_text().splitlines()
     global_row = [line for line in global_row if line.startswith("| global")]
-    assert f"z{best['zero_optimization']['stage']}_gas1_tmbspg{handed[0]['mbs']}" in global_row[0]
+    assert f"z{best['zero_optimization']['stage']}_mb{handed[0]['mbs']}" in global_row[0]
     assert any(f"{row['metrics']['FLOPS_per_gpu']:.6g}" in global_row[0] for row in handed)
     assert "-m dsat guided --resume" in run.stdout  # the resume hint names the method
 
@@ -268,7 +267,7 @@ def test_a_fixed_global_batch_is_kept_by_every_trial_and_the_hand_over(tmp_path:
         assert batch["train_micro_batch_size_per_gpu"] * batch["gradient_accumulation_steps"] == 64
     ran = [row for row in rows[1:] if row["status"] == "completed"]
     assert ran and all(row["gas"] > 1 for row in ran)  # 16 at most fits: accumulation made up 64
-    assert all(row["metrics"]["measured_steps"] == MEASURED_STEPS for row in ran)
+    assert all(measured_a_window(row["metrics"]) for row in ran)
     best = json.loads((results / "best_ds_config.json").read_text())
     assert best["train_batch_size"] == 64
     assert best["train_micro_batch_size_per_gpu"] <= 4 * OOM_ABOVE
@@ -291,8 +290,12 @@ def test_the_users_own_config_runs_once_and_the_hand_over_is_compared_with_it(
     assert 1 <= sum(row["kind"] == "search" for row in rows) <= 3
     baseline = rows[1]
     assert baseline["status"] == "completed" and (baseline["zero_stage"], baseline["mbs"]) == (1, 8)
-    assert baseline["metrics"]["measured_steps"] == MEASURED_STEPS
-    assert "dsat: trial 1 your config (z1_gas1_tmbspg8): completed" in run.stdout
+    assert measured_a_window(baseline["metrics"])
+    assert "dsat: trial 1 your config (z1_mb8): completed" in run.stdout
+    found = re.search(
+        r"^dsat: found .*: (\d+\.\d\d)x your config's FLOPS_per_gpu$", run.stdout, re.M
+    )
+    assert found and f"{found.group(1)}x your config (" in run.stdout  # as the summary says
     line = next(x for x in run.stdout.splitlines() if "x your config (" in x)
     assert re.match(
         r"^\d+\.\d\dx your config \(FLOPS_per_gpu [0-9.e+]+\): ZeRO-1 micro-batch 8 -> ", line

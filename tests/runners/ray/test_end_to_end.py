@@ -180,6 +180,7 @@ def test_without_ray_installed_the_runner_is_one_line_saying_how_to_install_it(
     )
     assert run.returncode == 2
     assert run.stderr.strip().splitlines() == [
-        "dsat: error: --runner ray needs Ray on this machine and the cluster's: "
-        "pip install 'dsat[ray]'"
+        "dsat: error: --runner ray needs Ray on this machine and the cluster's: pip install "
+        "'ray>=2.9' (or reinstall dsat from its clone with the extra: pip install -e "
+        "'/path/to/dsat[ray]')"
     ]
