@@ -32,11 +32,11 @@ lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff format --check dsat tests examples benchmarks
 	$(VENV)/bin/mypy
 
-# The main job: a real local autotune of the CPU example, 2 trials at a time (about 20 s on
+# The main job: a real local guided autotune of the CPU example, 2 trials at a time (about 20 s on
 # 2 cores). On a CPU the memory model sees all of RAM; --search-range-factor keeps micro-batches
 # small enough for quick trials. DEMO_ARGS adds flags (the benchmarks pass --results-dir).
 demo: $(STAMP)
-	DS_ACCELERATOR=cpu $(PY) -m dsat asha examples/core_api_mlp/deepspeed.yaml examples/core_api_mlp \
+	DS_ACCELERATOR=cpu $(PY) -m dsat guided examples/core_api_mlp/deepspeed.yaml examples/core_api_mlp \
 		--zero-stages 0 1 2 3 --max-trials 20 --max-slots 2 --search-range-factor 0.05 $(DEMO_ARGS)
 
 demo-simulated: $(STAMP)
