@@ -24,17 +24,23 @@ class Metric(str, enum.Enum):
         """The key under which DeepSpeed's metric file stores this metric (it abbreviates two)."""
         return {Metric.FORWARD: "fwd", Metric.BACKWARD: "bwd"}.get(self, self.value)
 
+    @property
+    def unit(self) -> str:
+        """Its unit: DeepSpeed's, whose times are in ms."""
+        return {
+            Metric.FLOPS_PER_GPU: "FLOP/s per GPU",
+            Metric.THROUGHPUT: "samples/s",
+            Metric.LATENCY: "ms a step",
+        }.get(self, "ms a pass")
+
     def describe(self, value: float) -> str:
-        """``value`` with its unit, as the progress lines and the summary show it: rates
-        scaled (61.1 GFLOP/s per GPU), times in ms (DeepSpeed's unit)."""
+        """``value`` with its unit, as the progress lines show it (61.1 GFLOP/s per GPU)."""
         if self is Metric.FLOPS_PER_GPU:
             for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M")):
                 if abs(value) >= scale:
-                    return f"{value / scale:.3g} {prefix}FLOP/s per GPU"
-            return f"{value:.3g} FLOP/s per GPU"
-        if self is Metric.THROUGHPUT:
-            return f"{value:.4g} samples/s"
-        return f"{value:.4g} ms {'a step' if self is Metric.LATENCY else 'a pass'}"
+                    return f"{value / scale:.3g} {prefix}{self.unit}"
+            return f"{value:.3g} {self.unit}"
+        return f"{value:.4g} {self.unit}"
 
     def is_better(self, candidate: float, incumbent: float) -> bool:
         return candidate < incumbent if self.smaller_is_better else candidate > incumbent

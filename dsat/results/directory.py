@@ -222,8 +222,9 @@ def summary_table(tracker: TrialTracker) -> str:
         )
         + " |"
     )
-    unit = tracker.metric.describe(1.0).split(" ", 1)[1]
-    note = f"best_metric_val: {tracker.metric.value}, in {unit}, a stage's best trial"
+    note = (
+        f"best_metric_val: {tracker.metric.value}, in {tracker.metric.unit}, a stage's best trial"
+    )
     if tracker.confirmed_id is not None:
         note += "; global: the mean of every run of the handed-over configuration"
     return "\n".join([fmt(header), rule, *(fmt(row) for row in rows), note]) + "\n"

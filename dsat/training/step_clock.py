@@ -128,9 +128,11 @@ class StepClock:
             "latency": seconds * 1000.0,  # ms per iteration, DeepSpeed's unit
             "warmup_steps": window[0][0],
             "measured_steps": len(durations),
-            "step_time_stderr": relative_stderr(durations),
             "step_time_spread": spread(durations),
         }
+        stderr = relative_stderr(durations)
+        if math.isfinite(stderr):  # JSON has no infinity
+            ours["step_time_stderr"] = stderr
         flops = flops_per_step(deepspeed)
         if flops is not None:
             ours["FLOPS_per_gpu"] = flops / seconds
