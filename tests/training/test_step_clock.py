@@ -132,6 +132,8 @@ def test_a_window_still_warming_up_shows_as_spread() -> None:
 
 def test_without_a_window_deepspeeds_figures_stand() -> None:
     assert StepClock(5).metrics(DEEPSPEED) == {**DEEPSPEED, "measured_steps": 0}
+    one = clock_with([0.5]).metrics(DEEPSPEED)  # one step: no standard error (JSON has no inf)
+    assert one["measured_steps"] == 1 and "step_time_stderr" not in one
     assert flops_per_step({"throughput": 1.0}) is None
 
 
