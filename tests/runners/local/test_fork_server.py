@@ -271,3 +271,31 @@ def test_the_worker_runs_one_openmp_thread_and_each_trial_sets_its_own(tmp_path:
         assert worker.cold_reason is None and worker.alive
     assert (model / "threads1.txt").read_text() == str(cores + 1)
     assert (model / "threads2.txt").read_text() == str(cores)
+
+
+def test_a_trial_forked_after_the_worker_ran_an_openmp_op_does_not_hang(tmp_path: Path) -> None:
+    """libgomp's pool has no fork handler: a child forked after a parallel op in its parent
+    hangs at its next one. A library the worker learns runs one on import (as some do); its
+    one OpenMP thread leaves no pool, so the trials forked after it, each with several
+    threads, run theirs."""
+    script = (
+        "import importlib, os, sys, torch\n"
+        "importlib.import_module(os.environ['LIBRARY'])\n"
+        "torch.set_num_threads(2)\n"
+        "x = torch.ones(512, 512)\n"
+        "for _ in range(20):\n"
+        "    x = torch.tanh(x @ x / 512)\n"
+        "open(f'done{sys.argv[1]}.txt', 'w').write(str(torch.get_num_threads()))\n"
+    )
+    model, site, env = setup(tmp_path, script)
+    (site / "parallel_on_import.py").write_text(
+        RECORDS_IMPORT + "import torch\nx = torch.ones(512, 512)\ny = (x @ x).sum()\n"
+    )
+    env["LIBRARY"] = "parallel_on_import"
+    with warm_worker(tmp_path, model, env) as worker:
+        assert run_trial(worker, model, env, 1).wait(60) == 0
+        second = run_trial(worker, model, env, 2)
+        assert second.wait(60) == 0  # a hang would time out here
+        assert worker.process.pid in imports_seen(tmp_path)  # the worker ran the op
+        assert worker.cold_reason is None
+    assert (model / "done2.txt").read_text() == "2"
