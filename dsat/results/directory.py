@@ -51,12 +51,14 @@ def trial_line(
     slots: int,
     slot_kind: str,
     utilization: Utilization | None = None,
+    flops: float | None = None,
 ) -> dict[str, Any]:
     """Its row in trials.jsonl; the slots it held, with its start and end, are its cost. Its
-    metrics carry tokens/s and MFU where ``utilization`` can work them out."""
+    metrics carry tokens/s and MFU where ``utilization`` can work them out (MFU from ``flops``,
+    the model's FLOPs counted once, where given)."""
     metrics = record.metrics
     if utilization is not None and record.status is TrialStatus.COMPLETED:
-        metrics = {**metrics, **utilization.derived(metrics)}
+        metrics = {**metrics, **utilization.derived(metrics, flops)}
     return {
         "trial": number,
         "request_id": record.request_id,
@@ -144,7 +146,13 @@ class ResultsWriter:
         earlier = [i for i, line in enumerate(lines) if line.get("request_id") == record.request_id]
         number = earlier[0] if earlier else len(lines)
         line = trial_line(
-            number, record, shifted, tracker.slots_per_trial, self.slot_kind, self.utilization
+            number,
+            record,
+            shifted,
+            tracker.slots_per_trial,
+            self.slot_kind,
+            self.utilization,
+            tracker.model_flops(record),
         )
         if earlier:
             lines[number] = line
@@ -159,7 +167,8 @@ class ResultsWriter:
         best = tracker.best()
         if best is not None and best.request_id != self._best_id:
             write_json_atomic(self.directory / BEST_CONFIG_FILE, best_ds_config(best))
-            metrics = {**best.metrics, **self.utilization.derived(best.metrics)}
+            derived = self.utilization.derived(best.metrics, tracker.model_flops(best))
+            metrics = {**best.metrics, **derived}
             write_json_atomic(self.directory / BEST_METRICS_FILE, metrics)
             self._best_id = best.request_id
 
@@ -173,7 +182,9 @@ class ResultsWriter:
         cost = search_cost(self._lines, tracker.slots_per_trial, self.slot_kind)
         reason = f"{HANDED_OVER_PREFIX} {why}\n" if why else ""
         best = tracker.best()
-        rate = "" if best is None else self.utilization.line(best.metrics)
+        rate = (
+            "" if best is None else self.utilization.line(best.metrics, tracker.model_flops(best))
+        )
         text = (
             summary_table(tracker)
             + confirmation_table(tracker)

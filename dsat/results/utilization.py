@@ -50,21 +50,23 @@ class Utilization:
             seq_len = next((int(v) for v in found if v is not None), None)
         return cls(seq_len, None if peak_tflops is None else peak_tflops * 1e12)
 
-    def derived(self, metrics: Mapping[str, Any]) -> dict[str, float]:
-        """``tokens_per_second`` (of the whole trial) and ``mfu`` (a fraction), where known."""
+    def derived(self, metrics: Mapping[str, Any], flops: float | None = None) -> dict[str, float]:
+        """``tokens_per_second`` (of the whole trial) and ``mfu`` (a fraction), where known;
+        ``flops``: its FLOPS_per_gpu counting the model once (TrialTracker.model_flops), else
+        the trial's own."""
         found: dict[str, float] = {}
         throughput = _number(metrics.get("throughput"))
         if self.seq_len and throughput is not None:
             found["tokens_per_second"] = throughput * self.seq_len
-        flops = _number(metrics.get("FLOPS_per_gpu"))
+        flops = _number(metrics.get("FLOPS_per_gpu")) if flops is None else flops
         peak = self.peak_flops or _number(metrics.get("device_peak_flops"))
         if flops is not None and peak:
             found["mfu"] = flops / peak
         return found
 
-    def line(self, metrics: Mapping[str, Any]) -> str:
+    def line(self, metrics: Mapping[str, Any], flops: float | None = None) -> str:
         """The summary's line on the handed-over configuration; empty when neither is known."""
-        found = self.derived(metrics)
+        found = self.derived(metrics, flops)
         parts = []
         if "tokens_per_second" in found:
             parts.append(f"{found['tokens_per_second']:.4g} tokens/s (sequence {self.seq_len})")

@@ -1,6 +1,6 @@
 """Core API training loop, tuned by dsat: the user guide's pattern, runnable on a CPU.
 
-Run it through dsat (`python3 -m dsat asha deepspeed.yaml .`) or on a Determined cluster; the
+Run it through dsat (`python3 -m dsat guided deepspeed.yaml .`) or on a Determined cluster; the
 only dsat-specific lines are get_hparams, get_ds_config_from_hparams and dsat_reporting_context.
 """
 

@@ -167,3 +167,29 @@ def test_a_trial_over_the_memory_margin_is_too_large_and_never_the_best() -> Non
     best = t.best()
     assert best is not None and best.request_id == "roomy"  # 8.0 is faster, but too tight
     assert TrialTracker(Metric.THROUGHPUT, 10, 4, None, 1).leaves_margin(tight)  # no margin
+
+
+def test_flops_count_the_model_once_so_zero3_does_not_win_on_a_double_count() -> None:
+    """DeepSpeed's profiler counted a small GPT's ZeRO-3 trials at 365.5 MFLOPs a sample and its
+    ZeRO-0/1/2 trials at 189.4 (a new user's search handed over a ZeRO-3 configuration 25%
+    slower). Ranked by FLOPS_per_gpu, a trial counts the least FLOPs a sample any trial gave."""
+    t = tracker(Metric.FLOPS_PER_GPU)
+    figures = {
+        "z1": (1, 48, 345.0, 189.4e6),
+        "z3": (3, 48, 306.0, 365.5e6),
+        "z3b": (3, 40, 290.0, 365.5e6),
+    }
+    for rid, (stage, mbs, throughput, per_sample) in figures.items():
+        t.add(record(rid, mbs, stage=stage))
+        t.mark_running(t.dequeue(rid).request_id)
+        metrics = {"throughput": throughput, "FLOPS_per_gpu": throughput * per_sample}
+        t.mark_finished(rid, TrialStatus.COMPLETED, metrics)
+    assert t.best() is t.get("z1")
+    assert t.metric_value(t.get("z3")) == 306.0 * 189.4e6
+    assert t.metric_value(t.get("z1")) == 345.0 * 189.4e6  # its own figure, untouched
+    # Among configurations that count alike, the ranking is the trials' own figures'.
+    assert t.best_of([t.get("z3"), t.get("z3b")]) is t.get("z3")
+    # A resumed search counts alike.
+    again = tracker(Metric.FLOPS_PER_GPU)
+    again.load_json(t.to_json())
+    assert again.metric_value(again.get("z3")) == 306.0 * 189.4e6
