@@ -221,9 +221,9 @@ class TrialTracker:
         return self._value(record) if record.kind is TrialKind.BASELINE else None
 
     def model_flops(self, record: TrialRecord) -> float | None:
-        """Its FLOPS_per_gpu counting the model's FLOPs once: DeepSpeed's profiler counts ZeRO-3's
-        linear layers twice (ZeRO-3's own linear and the matmul inside it: 1.9x on a small GPT)
-        and counts activation checkpointing's recompute, so its figure ranks such
+        """Its FLOPS_per_gpu counting the model's FLOPs once: DeepSpeed's profiler counts 1.9x
+        the FLOPs under ZeRO-3 on a small GPT (likely its linear layers twice: ZeRO-3's own linear
+        and the matmul inside it) and counts activation checkpointing's recompute, so its figure ranks such
         configurations above faster ones. A trial whose FLOPs a sample exceed the least any
         trial gave by more than 1% is counted at that least: what its throughput does."""
         flops, throughput = (
