@@ -26,12 +26,13 @@ class Metric(str, enum.Enum):
 
     @property
     def unit(self) -> str:
-        """Its unit: DeepSpeed's, whose times are in ms."""
+        """Its unit: dsat measures latency in ms; forward and backward are DeepSpeed's timers,
+        in microseconds (its get_mean scales their ms by 1000)."""
         return {
             Metric.FLOPS_PER_GPU: "FLOP/s per GPU",
             Metric.THROUGHPUT: "samples/s",
             Metric.LATENCY: "ms a step",
-        }.get(self, "ms a pass")
+        }.get(self, "µs a pass")
 
     def describe(self, value: float) -> str:
         """``value`` with its unit, as the progress lines show it (61.1 GFLOP/s per GPU)."""

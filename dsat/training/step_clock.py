@@ -125,7 +125,7 @@ class StepClock:
         seconds = (window[-1][1] - window[0][1]) / (window[-1][0] - window[0][0])
         ours: dict[str, Any] = {
             "throughput": self.train_batch_size / seconds,
-            "latency": seconds * 1000.0,  # ms per iteration, DeepSpeed's unit
+            "latency": seconds * 1000.0,  # ms per iteration (DeepSpeed's own is in µs)
             "warmup_steps": window[0][0],
             "measured_steps": len(durations),
             "step_time_spread": spread(durations),

@@ -29,3 +29,13 @@ def test_file_keys_match_deepspeeds_metric_file() -> None:
     assert Metric.FORWARD.file_key == FORWARD_GLOBAL_TIMER
     assert Metric.BACKWARD.file_key == BACKWARD_GLOBAL_TIMER
     assert Metric.LATENCY.file_key == "latency" and Metric.FLOPS_PER_GPU.file_key == "FLOPS_per_gpu"
+
+
+def test_values_read_with_their_units() -> None:
+    """dsat's latency is ms an iteration; forward and backward are DeepSpeed's timers, which
+    its get_mean reports in microseconds (its throughput is batch x 1e6 / latency)."""
+    assert Metric.FLOPS_PER_GPU.describe(6.113e10) == "61.1 GFLOP/s per GPU"
+    assert Metric.FLOPS_PER_GPU.describe(512.0) == "512 FLOP/s per GPU"
+    assert Metric.THROUGHPUT.describe(30.0) == "30 samples/s"
+    assert Metric.LATENCY.describe(5.7) == "5.7 ms a step"
+    assert Metric.FORWARD.describe(510.9) == "510.9 µs a pass"
