@@ -34,7 +34,8 @@ class DsatArgumentParser(argparse.ArgumentParser):
     """argparse, but its usage errors become a one-line ``DsatError`` instead of usage + exit."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        raise DsatError(f"{message} (see `python3 -m dsat {self._subcommand()}--help`)")
+        parts = self.prog.split()
+        self._fail(message, parts[-1] if len(parts) > 1 else None)
 
     def parse_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
         """As argparse's, but a flag the method does not take points to that method's help
@@ -42,15 +43,16 @@ class DsatArgumentParser(argparse.ArgumentParser):
         parsed, extras = self.parse_known_args(args, namespace)
         if extras:
             method = getattr(parsed, "method", None)
-            where = f"{method} " if isinstance(method, str) else ""
-            raise DsatError(
-                f"unrecognized arguments: {' '.join(extras)} (see `python3 -m dsat {where}--help`)"
+            self._fail(
+                f"unrecognized arguments: {' '.join(extras)}",
+                method if isinstance(method, str) else None,
             )
         return parsed
 
-    def _subcommand(self) -> str:
-        parts = self.prog.split()
-        return f"{parts[-1]} " if len(parts) > 1 else ""
+    @staticmethod
+    def _fail(message: str, subcommand: str | None) -> None:
+        where = f"{subcommand} " if subcommand else ""
+        raise DsatError(f"{message} (see `python3 -m dsat {where}--help`)")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

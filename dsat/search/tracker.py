@@ -222,28 +222,24 @@ class TrialTracker:
 
     def model_flops(self, record: TrialRecord) -> float | None:
         """Its FLOPS_per_gpu counting the model's FLOPs once: DeepSpeed's profiler counts 1.9x
-        the FLOPs under ZeRO-3 on a small GPT (likely its linear layers twice: ZeRO-3's own linear
-        and the matmul inside it) and counts activation checkpointing's recompute, so its figure ranks such
-        configurations above faster ones. A trial whose FLOPs a sample exceed the least any
-        trial gave by more than 1% is counted at that least: what its throughput does."""
-        flops, throughput = (
-            _number(record.metrics.get("FLOPS_per_gpu")),
-            _number(record.metrics.get("throughput")),
-        )
-        if record.status is not TrialStatus.COMPLETED or flops is None:
+        the FLOPs under ZeRO-3 on a small GPT (likely its linear layers twice: ZeRO-3's own
+        linear and the matmul inside it) and counts activation checkpointing's recompute, so its
+        figure ranks such configurations above faster ones. A trial whose FLOPs a sample exceed
+        the least any trial gave by more than 1% is counted at that least: what its throughput
+        does."""
+        if record.status is not TrialStatus.COMPLETED:
             return None
+        flops, measured = _number(record.metrics.get("FLOPS_per_gpu")), _flops_and_rate(record)
         least = self._flops_per_sample
-        if throughput is None or not throughput > 0 or least is None:
+        if measured is None or least is None:
             return flops
+        flops, throughput = measured
         return flops if flops / throughput <= 1.01 * least else least * throughput
 
     def _note_flops(self, record: TrialRecord) -> None:
-        flops, throughput = (
-            _number(record.metrics.get("FLOPS_per_gpu")),
-            _number(record.metrics.get("throughput")),
-        )
-        if record.status is TrialStatus.COMPLETED and flops and throughput and throughput > 0:
-            ratio = flops / throughput
+        measured = _flops_and_rate(record) if record.status is TrialStatus.COMPLETED else None
+        if measured is not None and measured[0]:
+            ratio = measured[0] / measured[1]
             if self._flops_per_sample is None or ratio < self._flops_per_sample:
                 self._flops_per_sample = ratio
 
@@ -253,9 +249,9 @@ class TrialTracker:
         if self.metric is Metric.FLOPS_PER_GPU and "FLOPS_per_gpu" in record.metrics:
             return self.model_flops(record)
         for key in (self.metric.file_key, self.metric.value):
-            value = record.metrics.get(key)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                return float(value)
+            value = _number(record.metrics.get(key))
+            if value is not None:
+                return value
         return None
 
     @property
@@ -392,6 +388,15 @@ class TrialTracker:
         self._flops_per_sample = None
         for record in self._records.values():
             self._note_flops(record)
+
+
+def _flops_and_rate(record: TrialRecord) -> tuple[float, float] | None:
+    """Its FLOPS_per_gpu and throughput, where it reports both (a positive throughput)."""
+    flops = _number(record.metrics.get("FLOPS_per_gpu"))
+    throughput = _number(record.metrics.get("throughput"))
+    if flops is None or throughput is None or not throughput > 0:
+        return None
+    return flops, throughput
 
 
 def _number(value: Any) -> float | None:
