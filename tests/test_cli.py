@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -560,6 +561,24 @@ SIMULATED = Path(__file__).resolve().parents[1] / "examples" / "simulated"
 GPT2 = "dsat.runners.simulated.performance_models:gpt2_large_16xv100"
 
 
+def run_simulated(
+    method: str, experiment: str, simulator: str, results: Path, *extra: str
+) -> subprocess.CompletedProcess[str]:
+    """The CLI on an examples/simulated experiment, its trials run by ``simulator``."""
+    return run_cli(
+        method,
+        str(SIMULATED / experiment),
+        str(SIMULATED),
+        "--runner",
+        "simulated",
+        "--simulator",
+        simulator,
+        "--results-dir",
+        str(results),
+        *extra,
+    )
+
+
 def test_simulated_search_prints_the_summary_and_leaves_results(tmp_path: Path) -> None:
     results = tmp_path / "results"
     args = [
@@ -621,17 +640,7 @@ def test_simulated_search_prints_the_summary_and_leaves_results(tmp_path: Path) 
 def test_search_with_no_working_config_exits_1(tmp_path: Path) -> None:
     sim = tmp_path / "sim.py"
     sim.write_text("def perf(ds_config, slots):\n    raise MemoryError('nothing fits')\n")
-    result = run_cli(
-        "binary",
-        str(SIMULATED / "bert_base.yaml"),
-        str(SIMULATED),
-        "--runner",
-        "simulated",
-        "--simulator",
-        f"{sim}:perf",
-        "--results-dir",
-        str(tmp_path / "r"),
-    )
+    result = run_simulated("binary", "bert_base.yaml", f"{sim}:perf", tmp_path / "r")
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
         "dsat: search failed: the model does not fit at micro-batch 1 in any way dsat tried (as "
@@ -644,18 +653,13 @@ def test_search_with_no_working_config_exits_1(tmp_path: Path) -> None:
 
 def test_a_model_that_fits_only_with_offload_is_handed_over_with_it(tmp_path: Path) -> None:
     results = tmp_path / "r"
-    result = run_cli(
+    result = run_simulated(
         "guided",
-        str(SIMULATED / "llama_70b.yaml"),
-        str(SIMULATED),
-        "--runner",
-        "simulated",
-        "--simulator",
+        "llama_70b.yaml",
         "dsat.runners.simulated.performance_models:llama_70b_offload_8xh100",
+        results,
         "--max-trials",
         "16",
-        "--results-dir",
-        str(results),
     )
     assert result.returncode == 0, result.stderr
     assert "dsat: the model fits at micro-batch 1 with ZeRO-3, optimizer states on the CPU" in (
@@ -672,16 +676,11 @@ def test_a_model_that_fits_only_with_offload_is_handed_over_with_it(tmp_path: Pa
 
 def test_zero3_knobs_reach_the_handed_over_config(tmp_path: Path) -> None:
     results = tmp_path / "r"
-    result = run_cli(
+    result = run_simulated(
         "guided",
-        str(SIMULATED / "gpt_20b.yaml"),
-        str(SIMULATED),
-        "--runner",
-        "simulated",
-        "--simulator",
+        "gpt_20b.yaml",
         "dsat.runners.simulated.performance_models:gpt_20b_zero3_knobs_32xa100",
-        "--results-dir",
-        str(results),
+        results,
     )
     assert result.returncode == 0, result.stderr
     zero = json.loads((results / "best_ds_config.json").read_text())["zero_optimization"]
