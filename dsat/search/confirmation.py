@@ -28,6 +28,9 @@ SHARE_OF_SEARCH = 0.15
 REPEATS = 2
 # Among equals, more headroom wins only when it is this much of the device's memory or more.
 HEADROOM_STEP = 0.05
+# ... and equals are never further apart than this: the range of a few noisy runs can span
+# several percent, and a user trades at most this much speed for headroom they did not ask for.
+MOST_GIVEN_FOR_HEADROOM = 0.01
 
 
 # A method's estimate of a search trial's metric, in the metric's own units and direction.
@@ -147,13 +150,14 @@ def decide(
         ]
         spread = max([spread, *(float(w) for w in window if isinstance(w, (int, float)))])
     top = estimate[best.request_id]
-    equals = [c for c in pool if abs(estimate[c.request_id] - top) <= spread * abs(top)]
+    tie = min(spread, MOST_GIVEN_FOR_HEADROOM)
+    equals = [c for c in pool if abs(estimate[c.request_id] - top) <= tie * abs(top)]
     roomiest = min(equals, key=lambda c: c.memory_fraction or 0.0)
     freed = (best.memory_fraction or 0.0) - (roomiest.memory_fraction or 0.0)
     if roomiest is not best and freed >= HEADROOM_STEP:
         return Verdict(
             roomiest,
-            f"level with {best.name} within the noise ({spread:.1%}), and leaves "
+            f"level with {best.name} within the noise ({tie:.1%}), and leaves "
             f"{freed:.0%} more of the device's memory free",
         )
     rivals = [c for c in pool if c is not best]
