@@ -134,6 +134,14 @@ def knob_tags(section: dict[str, Any], stage: int) -> list[str]:
     return tags
 
 
+def setting_tags(section: dict[str, Any]) -> tuple[str, ...]:
+    """The knob settings that shift a configuration's throughput by a factor (knob_tags without
+    the offload, which gives a curve of its own): what the throughput model pools across
+    configurations."""
+    tags = knob_tags(section, int(section.get("stage", 0)))
+    return tuple(t for t in tags if not t.startswith("offload-"))
+
+
 def size_text(value: float) -> str:
     """A bucket size or threshold as a user writes it: 5e7, 1.5e5, 1000."""
     if value < 10_000:

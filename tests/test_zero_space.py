@@ -10,6 +10,7 @@ from dsat.zero_space import (
     knob_tags,
     needs_no_less_memory,
     random_zero_config,
+    setting_tags,
     size_text,
     space_size,
     zero_knobs,
@@ -93,3 +94,6 @@ def test_a_trial_name_shows_every_knob_set_apart_from_deepspeeds_defaults() -> N
     assert knob_tags(stage3, 3) == ["persist9.09e4", "no-overlap"]
     assert knob_tags({"reduce_bucket_size": 1}, 0) == []
     assert [size_text(v) for v in (5e8, 1_000, 150_000, 1e6)] == ["5e8", "1000", "1.5e5", "1e6"]
+    # What the throughput model pools: the knob settings, not the offload (a curve of its own).
+    assert setting_tags({**section, "stage": 2}) == ("rb5e7", "overlap", "no-contiguous")
+    assert setting_tags({"stage": 0, "reduce_bucket_size": 1}) == ()

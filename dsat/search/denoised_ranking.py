@@ -18,7 +18,7 @@ from dsat.search.fit_ladder import offload_level
 from dsat.search.throughput_model import Observation, estimate
 from dsat.search.tracker import TrialTracker
 from dsat.trial import TrialKind, TrialRecord
-from dsat.zero_space import section_key
+from dsat.zero_space import section_key, setting_tags
 
 # Only trials measured within this of the best (about four times one measurement's noise) are
 # estimated: pooling moves a trial by a fraction of its noise, never past this.
@@ -55,7 +55,9 @@ def observations(tracker: TrialTracker) -> list[Observation]:
             key = section_key(record.zero_section)
             # Grouped by stage and what it offloads: each offload has a curve of its own.
             group = (record.zero_stage, offload_level(record.zero_section))
-            found[(key, record.mbs)] = Observation(key, group, record.mbs, value)
+            found[(key, record.mbs)] = Observation(
+                key, group, record.mbs, value, setting_tags(record.zero_section)
+            )
     return list(found.values())
 
 
