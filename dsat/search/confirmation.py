@@ -30,7 +30,7 @@ REPEATS = 2
 HEADROOM_STEP = 0.05
 # ... and equals are never further apart than this: the range of a few noisy runs can span
 # several percent, and a user trades at most this much speed for headroom they did not ask for.
-MOST_GIVEN_FOR_HEADROOM = 0.01
+MOST_GIVEN_FOR_HEADROOM = 0.005
 
 
 # A method's estimate of a search trial's metric, in the metric's own units and direction.
