@@ -187,26 +187,29 @@ def test_no_trial_above_an_oom_that_already_decides_it(name: str) -> None:
 # a miss: by that rule the search before handed over 57 of these 200 safe and within 2% (the
 # first ten); now 190, none unsafe (fp32 17, bucket memory 17 and 14B 18: the limit the search
 # may count on, the most a run completed with, is up to a sample below the true one).
+# Since the hand-over's ranking pools knob settings and the headroom preference gives up at most
+# 0.5% (2026-11-26), 276 of these 300 (was 275): run noise 16 -> 15 and flaky OOM 14 -> 13 here,
+# where the benchmark's 40 seeds went 32 -> 36 and 30 -> 34 (benchmarks/README.md).
 REACHED = {
     "bert_base_16xv100": 20,
     "bert_large_fp32_2xv100": 17,
     "gpt2_large_16xv100": 20,
     "gpt_1b_knobs_16xethernet": 19,
     "gpt_1b_underreported_4xa10": 20,
-    "gpt_2b_bucket_memory_8xa100": 17,
+    "gpt_2b_bucket_memory_8xa100": 19,
     "gpt_350m_pressure_2x4090": 20,
     "gpt_6b_zero3_wins_16xa100": 20,
-    "llama_14b_no_low_stages_8xa100": 18,
-    "llama_7b_8xa100": 19,
+    "llama_14b_no_low_stages_8xa100": 19,
+    "llama_7b_8xa100": 20,
     # The hardware-like surfaces (run-to-run noise, flaky OOMs, aligned micro-batches, knobs of
     # either sign): 5, 2, 6, 5 and 2 of 20 before the search learned the usable memory, tried
     # aligned micro-batches and scaled its tolerances with the noise it measured.
-    "gpt_1b_run_noise_8xa100": 16,
+    "gpt_1b_run_noise_8xa100": 15,
     # 15 until a memory check may split a gap narrower than a sample (2026-11-26): one then
     # runs in the flaky band, and its OOM reorders the search (at seeds 20-39, 17 either way).
-    "llama_8b_flaky_oom_8xh100": 14,
-    "gpt_760m_aligned_8xa100": 19,
-    "gpt_2b_pcie_knobs_8xl40": 19,
+    "llama_8b_flaky_oom_8xh100": 13,
+    "gpt_760m_aligned_8xa100": 20,
+    "gpt_2b_pcie_knobs_8xl40": 20,
     "gpt_3b_hardware_4xa100": 14,
 }
 
