@@ -78,10 +78,8 @@ def estimate(observations: Sequence[Observation], config: Hashable, mbs: int) ->
         return None
     configs = sorted({o.config for o, _ in used}, key=repr)
     # A setting is fitted where some configurations have it and some do not.
-    settings = sorted(
-        {s for o, _ in used for s in o.settings}
-        - set.intersection(*(set(o.settings) for o, _ in used))
-    )
+    everywhere = {s for s in used[0][0].settings if all(s in o.settings for o, _ in used)}
+    settings = sorted({s for o, _ in used for s in o.settings} - everywhere)
     own_spread = BEYOND_SETTINGS_SPREAD if settings else EFFECT_SPREAD
     # An alignment is fitted where some trials have it and some do not.
     tiles = [
