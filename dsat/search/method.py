@@ -74,7 +74,6 @@ class DsatSearchMethod(SearchMethod):
             slots_per_trial=spec.slots_per_trial,
             memory_margin=settings.memory_margin,
         )
-        self.tracker.count_on_what_ran = spec.micro_batches is not None
         self.rng = np.random.default_rng(settings.random_seed)
         self.precision = Precision.of(spec.ds_config)
         self.builder = TrialBuilder(

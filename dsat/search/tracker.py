@@ -53,9 +53,6 @@ class TrialTracker:
         # The usable memory the OOMs show (usable_memory.py), worked out again after each outcome.
         self._usable: UsableMemory | None = None
         self._usable_stale = True
-        # With a fixed global batch, before any OOM: count only on what runs completed with,
-        # near the device's total (memory_limit). Set by the method; not state of its own.
-        self.count_on_what_ran = False
         self._ran_peak: float | None = None
         # The least FLOPs a sample any trial's figures gave (model_flops), kept as trials finish.
         self._flops_per_sample: float | None = None
@@ -272,11 +269,11 @@ class TrialTracker:
         if usable is not None:
             return (1.0 - margin) * min(total, usable.bytes)
         ran = self._ran_peak
-        if self.count_on_what_ran and ran is not None and not fills_device(ran, margin, total):
-            # No OOM, and no run near the total, shows how much of it is usable, and with a
-            # fixed batch no memory check may be able to (the micro-batch above is twice as
-            # large): near the total, only what ran is known to be usable. Below two margins
-            # of the total the limit does not matter.
+        if ran is not None and not fills_device(ran, margin, total):
+            # No OOM, and no run near the total, shows how much of it is usable, and a memory
+            # check may not be able to (a sample can be half the device, the micro-batch above
+            # twice as large with a fixed batch): near the total, only what ran is known to be
+            # usable. Below two margins of the total the limit does not matter.
             return min(
                 (1.0 - margin) * total, max((1.0 - margin) * ran, (1.0 - 2 * margin) * total)
             )

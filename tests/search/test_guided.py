@@ -189,17 +189,19 @@ def test_no_trial_above_an_oom_that_already_decides_it(name: str) -> None:
 # may count on, the most a run completed with, is up to a sample below the true one).
 # Since the hand-over's ranking pools knob settings and the headroom preference gives up at most
 # 0.5% (2026-11-26), 276 of these 300 (was 275): run noise 16 -> 15 and flaky OOM 14 -> 13 here,
-# where the benchmark's 40 seeds went 32 -> 36 and 30 -> 34 (benchmarks/README.md).
+# where the benchmark's 40 seeds went 32 -> 36 and 30 -> 34 (benchmarks/README.md). Counting
+# only on what ran near the device's total until an OOM shows more: 279 (under-reported 20 -> 19,
+# bucket memory 19 -> 18).
 REACHED = {
     "bert_base_16xv100": 20,
-    "bert_large_fp32_2xv100": 17,
+    "bert_large_fp32_2xv100": 20,
     "gpt2_large_16xv100": 20,
-    "gpt_1b_knobs_16xethernet": 19,
-    "gpt_1b_underreported_4xa10": 20,
-    "gpt_2b_bucket_memory_8xa100": 19,
+    "gpt_1b_knobs_16xethernet": 20,
+    "gpt_1b_underreported_4xa10": 19,
+    "gpt_2b_bucket_memory_8xa100": 18,
     "gpt_350m_pressure_2x4090": 20,
     "gpt_6b_zero3_wins_16xa100": 20,
-    "llama_14b_no_low_stages_8xa100": 19,
+    "llama_14b_no_low_stages_8xa100": 20,
     "llama_7b_8xa100": 20,
     # The hardware-like surfaces (run-to-run noise, flaky OOMs, aligned micro-batches, knobs of
     # either sign): 5, 2, 6, 5 and 2 of 20 before the search learned the usable memory, tried

@@ -34,8 +34,10 @@ REQUIRED = 10
 # device: what these methods can know of the limit (the most a run completed with) puts it just
 # below, and they hand over one micro-batch less, 5-7% slower. Measured: asha 1, binary 1, random
 # 6 of 20 (by the device's margin, before: 12, 12, 13; without the confirmation round's memory
-# check, 5, 5 and 2 of 20 hand-overs were not safe by this rule).
-REQUIRED_ON = {"gpt2_large_16xv100": {"asha": 1, "binary": 1, "random": 6}}
+# check, 5, 5 and 2 of 20 hand-overs were not safe by this rule). Random 6 -> 5 since, until an
+# OOM shows more, only what ran counts as usable near the device's total (2026-11-26): two of its
+# 20 hand-overs there had been unsafe, now none.
+REQUIRED_ON = {"gpt2_large_16xv100": {"asha": 1, "binary": 1, "random": 5}}
 
 
 def regret(name: str, method: str, seed: int) -> float:

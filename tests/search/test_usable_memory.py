@@ -124,8 +124,8 @@ def test_the_margin_applies_to_what_the_ooms_show_is_usable() -> None:
     tracker = TrialTracker(Metric.FLOPS_PER_GPU, 64, 4, None, 1, memory_margin=0.05)
     for r in (profile(), record(1, 10, 40.0), record(2, 20, 60.0), record(3, 35, 74.0)):
         tracker.add(r, queue=False)
-    # No OOM yet: 5% of the device's 80 GiB, so 74 GiB (92.5%) may be handed over.
-    assert tracker.may_hand_over(tracker.get("t3"))
+    # No OOM yet and nothing ran above 74 GiB: 5% of that is left free (below).
+    assert not tracker.may_hand_over(tracker.get("t3"))
     tracker.add(record(4, 36, None, TrialStatus.QUEUED), queue=False)
     tracker.mark_finished("t4", TrialStatus.OOM)
     # 74 GiB ran, about 76 GiB did not: 5% of 74 GiB is left free at 70.3 GiB and below.
@@ -138,15 +138,14 @@ def test_the_margin_applies_to_what_the_ooms_show_is_usable() -> None:
     assert tracker.best() is tracker.get("t2")
 
 
-def test_with_a_fixed_batch_and_no_oom_only_what_ran_counts_near_the_total() -> None:
-    """With a fixed batch no memory check may reach the device's total (the micro-batch above is
-    twice as large), so before any OOM a configuration near the total must leave the margin of
-    what the search's runs completed with; further below, the limit does not matter."""
+def test_with_no_oom_only_what_ran_counts_near_the_total() -> None:
+    """A memory check may not reach the device's total (a sample can be half the device; with a
+    fixed batch the micro-batch above is twice as large), so before any OOM a configuration near
+    the total must leave the margin of what the search's runs completed with; further below, the
+    limit does not matter."""
     tracker = TrialTracker(Metric.FLOPS_PER_GPU, 64, 4, None, 1, memory_margin=0.05)
     for r in (profile(), record(1, 8, 40.0), record(2, 16, 70.0), record(3, 32, 74.0)):
         tracker.add(r, queue=False)
-    assert tracker.may_hand_over(tracker.get("t3"))  # a free batch: 5% of the device's total
-    tracker.count_on_what_ran = True
     assert not tracker.may_hand_over(tracker.get("t3"))  # 74 GiB is all that is known to fit
     # 5% of 74 GiB left free, but never less than two margins below the device's total.
     assert tracker.memory_limit(TOTAL) == max(0.95 * 74 * GIB, 0.90 * TOTAL)
@@ -157,7 +156,6 @@ def test_with_a_fixed_batch_and_no_oom_only_what_ran_counts_near_the_total() -> 
     assert tracker.may_hand_over(tracker.get("t3"))
     # Below two margins of the total, nothing ran that high is needed.
     low = TrialTracker(Metric.FLOPS_PER_GPU, 64, 4, None, 1, memory_margin=0.05)
-    low.count_on_what_ran = True
     for r in (profile(), record(1, 8, 30.0), record(2, 16, 50.0)):
         low.add(r, queue=False)
     assert low.may_hand_over(low.get("t2"))
