@@ -16,7 +16,7 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from dsat.errors import USAGE_EXIT_CODE, DsatError
 from dsat.experiment import settings as defaults
@@ -50,7 +50,7 @@ class DsatArgumentParser(argparse.ArgumentParser):
         return parsed
 
     @staticmethod
-    def _fail(message: str, subcommand: str | None) -> None:
+    def _fail(message: str, subcommand: str | None) -> NoReturn:
         where = f"{subcommand} " if subcommand else ""
         raise DsatError(f"{message} (see `python3 -m dsat {where}--help`)")
 

@@ -226,10 +226,9 @@ class TrialTracker:
         does."""
         if record.status is not TrialStatus.COMPLETED:
             return None
-        flops, measured = _number(record.metrics.get("FLOPS_per_gpu")), _flops_and_rate(record)
-        least = self._flops_per_sample
+        measured, least = _flops_and_rate(record), self._flops_per_sample
         if measured is None or least is None:
-            return flops
+            return _number(record.metrics.get("FLOPS_per_gpu"))
         flops, throughput = measured
         return flops if flops / throughput <= 1.01 * least else least * throughput
 
