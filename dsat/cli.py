@@ -280,7 +280,7 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="resume the interrupted search in DIR with the settings it ran with; of the other "
         "flags only --max-trials, --max-slots, --max-concurrent-trials, --trial-timeout, "
-        "--fresh-processes, --ray-address and --run-full-experiment may change",
+        "--fresh-processes, --trial-host, --ray-address and --run-full-experiment may change",
     )
     parser.add_argument(
         "--trial-timeout",
@@ -297,6 +297,13 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
         help="local runner: start every trial in a new Python interpreter; by default a "
         "one-process trial is forked from a worker per slot that has already imported the "
         "entrypoint's modules (docs/local-runner.md#warm-trials says what a script must not do then)",
+    )
+    parser.add_argument(
+        "--trial-host",
+        action="store_true",
+        help="local runner: run a slot's one-process trials one after another in one process "
+        "that keeps its CUDA context and process group, putting back what each trial changed "
+        "(docs/local-runner.md#trial-host); not yet measured on a GPU",
     )
     parser.add_argument(
         "--simulator",

@@ -32,6 +32,7 @@ ADJUSTABLE_ON_RESUME = (
     "max_concurrent_trials",
     "trial_timeout",
     "fresh_processes",
+    "trial_host",
     "ray_address",
     "run_full_experiment",
 )

@@ -14,8 +14,12 @@ starts later trials fresh. Threads a library stops for a fork and starts again w
 needs them (OpenBLAS's, which numpy starts on import when more than one thread is allowed, as on
 any GPU machine or a CPU with cores to spare) are no reason to go cold.
 
+With ``"host": true`` in a request, the trial runs in the slot's trial host instead
+(``trial_host``): a child forked once, which runs trials one after another in itself; its pid is
+each of its trials' pid.
+
 Protocol, one JSON object per line (never pickle): requests on stdin
-``{"argv": [...], "cwd": ..., "env": {...}, "log": ...}``; on the original stdout the events
+``{"argv": [...], "cwd": ..., "env": {...}, "log": ..., "host": bool}``; on the original stdout the events
 ``{"event": "started", "pid": N}``, ``{"event": "exited", "pid": N, "returncode": N}`` and
 ``{"event": "cold", "reason": ...}``. Anything a module prints goes to stderr, which the runner
 keeps as the worker's log.
@@ -28,6 +32,7 @@ from __future__ import annotations
 import ast
 import atexit
 import contextlib
+import dataclasses
 import gc
 import importlib
 import json
@@ -213,8 +218,8 @@ def run_entry(command: list[str]) -> int:
     return 0
 
 
-def become_trial(request: dict[str, Any], channels: list[int], worker: int) -> None:
-    """In the forked child: take on the trial's group, signals, directory, environment and log;
+def leave_the_worker(channels: list[int], worker: int) -> None:
+    """In a forked child: a process group and signals of its own, the worker's channels closed;
     die with the worker (which dies with dsat)."""
     os.setsid()
     with contextlib.suppress(OSError, AttributeError):
@@ -229,6 +234,11 @@ def become_trial(request: dict[str, Any], channels: list[int], worker: int) -> N
     for fd in channels:
         with contextlib.suppress(OSError):
             os.close(fd)
+
+
+def become_trial(request: dict[str, Any], channels: list[int], worker: int) -> None:
+    """In the forked child: take on the trial's group, signals, directory, environment and log."""
+    leave_the_worker(channels, worker)
     log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -279,6 +289,22 @@ def trial_child(
         os._exit(code)
 
 
+@dataclasses.dataclass
+class HostChild:
+    """The worker's side of its trial host: where requests go, where answers come from."""
+
+    pid: int
+    requests: int
+    answers: int
+    busy: bool = False
+    buffer: bytes = b""
+
+    def close(self) -> None:
+        for fd in (self.requests, self.answers):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
 class ForkServer:
     def __init__(
         self, command: list[str], model_dir: Path, includes: Sequence[Path], out_fd: int
@@ -289,6 +315,10 @@ class ForkServer:
         self.out_fd = out_fd
         self.children: set[int] = set()
         self.modules_dir = Path(tempfile.mkdtemp(prefix="dsat-warm-"))
+        self.host: HostChild | None = None
+        self.host_failed = False  # a host died during a trial: the slot's trials fork from now on
+        self.retired: set[int] = set()  # hosts leaving after their trial's answer
+        self.selector = selectors.DefaultSelector()
 
     def send(self, event: dict[str, Any]) -> None:
         os.write(self.out_fd, (json.dumps(event) + "\n").encode())
@@ -323,11 +353,97 @@ class ForkServer:
         self.children.add(pid)
         self.send({"event": "started", "pid": pid})
 
+    def host_trial(self, request: dict[str, Any], channels: list[int]) -> None:
+        """Hand the trial to the slot's trial host, forked first if there is none."""
+        host = self.host
+        if host is None:
+            host = self.host = self.start_host(channels)
+        os.write(host.requests, (json.dumps(request) + "\n").encode())
+        host.busy = True
+        self.send({"event": "started", "pid": host.pid})
+
+    def start_host(self, channels: list[int]) -> HostChild:
+        from dsat.runners.local import trial_host  # imports this module
+
+        worker = os.getpid()
+        requests_in, requests_out = os.pipe()
+        answers_in, answers_out = os.pipe()
+        gc.freeze()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                leave_the_worker([*channels, requests_out, answers_in], worker)
+                null = os.open(os.devnull, os.O_RDONLY)
+                os.dup2(null, 0)
+                os.close(null)
+                trial_host.serve(requests_in, answers_out)
+            finally:
+                os._exit(LOST_EXIT)
+        os.close(requests_in)
+        os.close(answers_out)
+        self.children.add(pid)
+        self.selector.register(answers_in, selectors.EVENT_READ)
+        return HostChild(pid, requests_out, answers_in)
+
+    def read_host_answers(self) -> None:
+        """Report the trials the host has finished."""
+        host = self.host
+        if host is None:
+            return
+        try:
+            chunk = os.read(host.answers, 65536)
+        except BlockingIOError:
+            return
+        host.buffer += chunk
+        while b"\n" in host.buffer:
+            line, host.buffer = host.buffer.split(b"\n", 1)
+            answer = json.loads(line)
+            host.busy = False
+            self.send({"event": "exited", "pid": host.pid, "returncode": answer["returncode"]})
+            if answer.get("leaks"):  # it leaves: the next trial gets a new host
+                self.retire_host(host)
+                self.retired.add(host.pid)  # its exit ends no trial
+                print(
+                    f"dsat: trial host {host.pid} replaced: {'; '.join(answer['leaks'])}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return
+
+    def retire_host(self, host: HostChild) -> None:
+        self.selector.unregister(host.answers)
+        host.close()
+        if self.host is host:
+            self.host = None
+
+    def host_exited(self, host: HostChild, status: int) -> bool:
+        """The host is gone; True if a trial of it was running (which ended with it)."""
+        os.set_blocking(host.answers, False)
+        self.read_host_answers()  # what it answered before it left
+        if self.host is host:
+            self.retire_host(host)
+        if host.busy:
+            self.host_failed = True
+            print(
+                f"dsat: trial host {host.pid} ended during a trial "
+                f"(exit status {os.waitstatus_to_exitcode(status)}); this slot's trials fork "
+                "from now on",
+                file=sys.stderr,
+                flush=True,
+            )
+        return host.busy
+
     def report_exit(self, pid: int, status: int) -> bool:
         """Tell dsat that trial ``pid`` ended; False if ``pid`` was not one of its trials."""
         if pid not in self.children:
             return False
         self.children.discard(pid)
+        if pid in self.retired:
+            self.retired.discard(pid)
+            return False
+        host = self.host
+        if host is not None and pid == host.pid and not self.host_exited(host, status):
+            return False
         returncode = os.waitstatus_to_exitcode(status)
         self.send({"event": "exited", "pid": pid, "returncode": returncode})
         return True
@@ -348,24 +464,43 @@ class ForkServer:
     def serve(self) -> None:
         if not self.warm_up(self.first_imports()):
             return
-        selector = selectors.DefaultSelector()
+        selector = self.selector
         selector.register(0, selectors.EVENT_READ)
         buffer = b""
         while True:
-            if selector.select(POLL_SECONDS):
+            for key, _ in selector.select(POLL_SECONDS):
+                if key.fd != 0:
+                    self.read_host_answers()
+                    continue
                 chunk = os.read(0, 65536)
                 if not chunk:
                     return  # dsat closed the channel: stop
                 buffer += chunk
                 while b"\n" in buffer:
                     line, buffer = buffer.split(b"\n", 1)
-                    self.fork_trial(json.loads(line), [self.out_fd, selector.fileno()])
+                    self.start_trial(json.loads(line))
             if not self.reap():
                 self.wait_for_children()
                 return
 
+    def start_trial(self, request: dict[str, Any]) -> None:
+        host = self.host
+        # What a child must not keep open: a trial holding the host's requests' pipe would keep
+        # the host from ever seeing it closed.
+        channels = [self.out_fd, self.selector.fileno()]
+        if host is not None:
+            channels += [host.requests, host.answers]
+        if request.get("host") and not self.host_failed and not (host and host.busy):
+            self.host_trial(request, channels)
+        else:
+            self.fork_trial(request, channels)
+
     def wait_for_children(self) -> None:
-        """A cold worker still reports the trials it started before it leaves."""
+        """A cold worker still reports the trials it started before it leaves (a host leaves
+        once its trial ends, as its requests' pipe is closed)."""
+        if self.host is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.host.requests)
         while self.children:
             self.report_exit(*os.waitpid(-1, 0))
 

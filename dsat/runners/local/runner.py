@@ -44,6 +44,7 @@ HPARAMS_FILE = "dsat_hparams.json"
 POLL_SECONDS = 0.1
 # After the command on a trial log's first line when the trial was forked from a warm worker.
 WARM_TRIAL_MARK = "# forked from a warm worker"
+HOST_TRIAL_MARK = "# run in the slot's trial host (--trial-host)"
 COPY_IGNORE = shutil.ignore_patterns(".git", "__pycache__", "*.pyc", ".venv", RESULTS_ROOT)
 
 
@@ -121,9 +122,11 @@ class LocalRunner:
         timeout: TrialTimeout,
         environ: dict[str, str] | None = None,
         warm: bool = True,
+        trial_host: bool = False,
     ) -> None:
         """``warm``: fork one-process trials from a warm worker per slot (``warm_trials``) when
-        the entrypoint allows it; otherwise every trial starts a fresh interpreter."""
+        the entrypoint allows it; otherwise every trial starts a fresh interpreter.
+        ``trial_host``: run them one after another in a host per slot instead (``trial_host``)."""
         self.entrypoint = entrypoint
         self.model_dir = model_dir
         self.includes = includes
@@ -138,7 +141,7 @@ class LocalRunner:
         self._count = 0
         single = trial_command(entrypoint, 1, 0)  # one process: no port in the command
         self.warm_workers = (
-            WarmWorkers(single, model_dir, includes, results_dir / "logs")
+            WarmWorkers(single, model_dir, includes, results_dir / "logs", trial_host)
             if warm and slots_per_trial == 1 and warm_command(single)
             else None
         )
@@ -245,7 +248,8 @@ class LocalRunner:
         """The trial forked from its slot's warm worker, or None if it must start fresh."""
         if self.warm_workers is None:
             return None
-        log.write(f"$ {' '.join(self.warm_workers.command)}  {WARM_TRIAL_MARK}\n".encode())
+        mark = HOST_TRIAL_MARK if self.warm_workers.host else WARM_TRIAL_MARK
+        log.write(f"$ {' '.join(self.warm_workers.command)}  {mark}\n".encode())
         log.flush()
         worker_env = self.slot_environment(slots)
         if self.pool.on_gpu:  # torch.cuda.is_available() without starting CUDA before a fork

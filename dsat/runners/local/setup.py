@@ -67,6 +67,7 @@ class LocalSetup:
             self.experiment.slots_per_trial,
             timeout,
             warm=not self.settings.fresh_processes,
+            trial_host=self.settings.trial_host,
         )
         build_ops(
             ops_for_trials(self.experiment.ds_config, pool.on_gpu),

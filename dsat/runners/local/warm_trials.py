@@ -143,12 +143,24 @@ class WarmWorker:
         self._replies.put(self.cold_reason)
 
     def run(
-        self, command: Sequence[str], cwd: Path, env: dict[str, str], log_path: Path
+        self,
+        command: Sequence[str],
+        cwd: Path,
+        env: dict[str, str],
+        log_path: Path,
+        host: bool = False,
     ) -> WarmProcess | None:
-        """Fork a trial; None when this worker cannot (the caller starts it fresh)."""
+        """Fork a trial (``host``: run it in the slot's trial host); None when this worker
+        cannot (the caller starts it fresh)."""
         if not self.alive:
             return None
-        request = {"argv": list(command), "cwd": str(cwd), "env": env, "log": str(log_path)}
+        request = {
+            "argv": list(command),
+            "cwd": str(cwd),
+            "env": env,
+            "log": str(log_path),
+            "host": host,
+        }
         self._log_paths.put(log_path)
         try:
             assert self.process.stdin is not None  # stdin=PIPE
@@ -182,8 +194,15 @@ class WarmWorkers:
     """The workers of a machine's slots, each started at its slot's first trial."""
 
     def __init__(
-        self, command: Sequence[str], model_dir: Path, includes: Sequence[Path], logs_dir: Path
+        self,
+        command: Sequence[str],
+        model_dir: Path,
+        includes: Sequence[Path],
+        logs_dir: Path,
+        host: bool = False,
     ) -> None:
+        """``host``: each worker runs its trials in a trial host (``trial_host``)."""
+        self.host = host
         self.command = list(command)
         self.model_dir = model_dir
         self.includes = list(includes)
@@ -214,7 +233,7 @@ class WarmWorkers:
                 self.includes,
             )
             self.workers[slot] = worker
-        trial = worker.run(self.command, cwd, env, log_path)
+        trial = worker.run(self.command, cwd, env, log_path, self.host)
         if trial is None and worker.cold_reason is not None:
             self.cold[slot] = worker.cold_reason
             logger.info(

@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from dsat.experiment.ds_config_check import deepspeed_config_error
+from dsat.runners.local.runner import HOST_TRIAL_MARK
 from dsat.runners.local.runner import WARM_TRIAL_MARK as WARM_MARK
 from tests.conftest import copy_example, measured_a_window
 from tests.dsat_process import dsat, env, trials
@@ -161,6 +162,20 @@ def test_small_search_writes_a_best_config_deepspeed_accepts(tmp_path: Path) -> 
     assert "trained 20 steps, loss" in run.stdout
     assert "trained 20 steps" in (results / "logs" / "full-experiment.log").read_text()
     assert run.stdout.rstrip().endswith("full-experiment.log")
+
+
+def test_a_search_runs_its_trials_in_a_trial_host(tmp_path: Path) -> None:
+    run, results = binary_search(tmp_path, 5, "--trial-host", "--max-slots", "1")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = trials(results)
+    assert len(rows) == 5 and all(row["status"] == "completed" for row in rows)
+    assert all(measured_a_window(row["metrics"]) for row in rows[1:])
+    trial_logs = sorted((results / "logs").glob("[0-9]*.log"))
+    assert trial_logs and all(HOST_TRIAL_MARK in log.read_text() for log in trial_logs)
+    # One host served them all: none was replaced, none died.
+    worker_log = (results / "logs" / "warm-worker-cpu0.log").read_text()
+    assert "trial host" not in worker_log, worker_log[-3000:]
+    assert json.loads((results / "settings.json").read_text())["trial_host"] is True
 
 
 def test_guided_search_runs_real_trials_and_hands_over_a_config(tmp_path: Path) -> None:

@@ -1,0 +1,383 @@
+"""What a trial changes in the process it runs in, put back once it ends (issue 33, item 2).
+
+A trial host runs one trial after another in one process, so that the CUDA context and the
+process group are made once. Each trial must still start as the script run anew. DeepSpeed 0.19.8
+does not make that easy: a ZeRO-3 engine replaces ``torch.nn.functional.linear`` for good,
+``zero.Init`` leaves ``nn.Module.__init_subclass__`` and ``_old_init`` attributes behind, and a
+ZeRO-3 engine stays alive after ``engine.destroy()`` (held by ``FWD_MODULE_STACK`` and a class
+level ``lru_cache``), with its device memory. So the host takes a ``ProcessBaseline`` once, after
+its imports, runs every trial inside ``one_trial``, and afterwards asks ``leaks`` whether the
+process is still as it was (a host that is not is replaced).
+
+DeepSpeed, torch, numpy and accelerate are only touched when they are already imported.
+"""
+
+from __future__ import annotations
+
+import atexit
+import builtins
+import contextlib
+import dataclasses
+import gc
+import logging
+import os
+import random
+import sys
+import threading
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# Class attributes that cannot be set again, or need not be.
+_FIXED_ATTRIBUTES = frozenset({"__dict__", "__weakref__", "__doc__"})
+_MISSING = object()
+# Device memory a trial may leave allocated in a host (the allocator's bookkeeping, a library's
+# small workspace): more is a leak.
+DEVICE_MEMORY_TOLERANCE = 64 * 2**20
+
+
+class TrialExit(SystemExit):
+    """The bare ``exit()`` of a trial (DeepSpeed's autotuning ends a trial with it). The builtin
+    would close ``sys.stdin`` on its way out, for every later trial of the process."""
+
+
+@dataclasses.dataclass
+class TrialTraces:
+    """What a trial registered that the process would otherwise keep: atexit callbacks."""
+
+    exit_callbacks: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]] = (
+        dataclasses.field(default_factory=list)
+    )
+
+    def run_exit_callbacks(self) -> None:
+        """Run them, last first, as the interpreter does when a script ends; each only once."""
+        while self.exit_callbacks:
+            callback, args, kwargs = self.exit_callbacks.pop()
+            atexit.unregister(callback)
+            try:
+                callback(*args, **kwargs)
+            except Exception:  # as atexit does: say so and go on
+                traceback.print_exc()
+
+
+@dataclasses.dataclass
+class ProcessBaseline:
+    """The process as a trial must find it, taken once before the first trial."""
+
+    cwd: str
+    environ: dict[str, str]
+    argv: list[str]
+    path: list[str]
+    modules: frozenset[str]
+    threads: frozenset[int]
+    python_random: Any
+    torch_state: dict[str, Any] = dataclasses.field(default_factory=dict)
+    deepspeed_state: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def capture(cls) -> ProcessBaseline:
+        return cls(
+            cwd=os.getcwd(),
+            environ=dict(os.environ),
+            argv=list(sys.argv),
+            path=list(sys.path),
+            modules=frozenset(sys.modules),
+            threads=frozenset(t.ident for t in threading.enumerate() if t.ident is not None),
+            python_random=random.getstate(),
+            torch_state=_capture_torch(),
+            deepspeed_state=_capture_deepspeed(),
+        )
+
+    def restore(self, traces: TrialTraces, trial_dir: Path | None = None) -> None:
+        """Put the process back as it was: every engine destroyed, DeepSpeed's and the trial's
+        process-wide changes undone, and the modules the trial imported from ``trial_dir``
+        forgotten, so that the next trial imports them anew."""
+        destroy_engines()
+        for callback, _, _ in traces.exit_callbacks:
+            atexit.unregister(callback)
+        traces.exit_callbacks.clear()
+        _reset_accelerate()
+        step_clock = sys.modules.get("dsat.training.step_clock")
+        if step_clock is not None:  # dsat's own trial side: the next trial times its own steps
+            step_clock.stop_clock()
+        if self.deepspeed_state:
+            _restore_deepspeed(self.deepspeed_state)
+        if self.torch_state:
+            _restore_torch(self.torch_state)
+        random.setstate(self.python_random)
+        os.chdir(self.cwd)
+        os.environ.clear()
+        os.environ.update(self.environ)
+        sys.argv[:] = self.argv
+        sys.path[:] = self.path
+        if trial_dir is not None:
+            forget_modules(set(sys.modules) - self.modules, trial_dir)
+        gc.collect()
+
+    def leaks(self) -> list[str]:
+        """What the last trial left that restoring could not take back: threads it started,
+        engines still alive, device memory still allocated. Empty for a process as good as
+        new."""
+        found = [
+            f"thread {t.name!r} still running"
+            for t in threading.enumerate()
+            if t.ident not in self.threads and t.is_alive()
+        ]
+        alive = len(live_engines())
+        if alive:
+            found.append(f"{alive} DeepSpeed engine(s) still alive")
+        held = device_memory_held()
+        if held > DEVICE_MEMORY_TOLERANCE:
+            found.append(f"{held / 2**20:.0f} MiB of device memory still allocated")
+        return found
+
+
+@contextlib.contextmanager
+def one_trial(baseline: ProcessBaseline, trial_dir: Path | None = None) -> Iterator[TrialTraces]:
+    """Run one trial in this process: its ``exit()`` raises ``TrialExit``, its atexit callbacks
+    are noted, and its ``destroy_process_group`` does nothing (the host's process group serves
+    the next trial); whatever happens, the process is put back afterwards."""
+    traces = TrialTraces()
+    register = atexit.register
+
+    def noted(callback: Callable[..., Any], *args: Any, **kwargs: Any) -> Callable[..., Any]:
+        traces.exit_callbacks.append((callback, args, kwargs))
+        return register(callback, *args, **kwargs)
+
+    def trial_exit(code: object = None) -> None:
+        raise TrialExit(code)
+
+    patches: list[tuple[Any, str, Any]] = [
+        (atexit, "register", noted),
+        (builtins, "exit", trial_exit),
+    ]
+    patches.extend((module, "destroy_process_group", _keep_group) for module in _group_owners())
+    saved = [(owner, name, getattr(owner, name, _MISSING)) for owner, name, _ in patches]
+    for owner, name, value in patches:
+        setattr(owner, name, value)
+    try:
+        yield traces
+    finally:
+        for owner, name, value in saved:
+            if value is _MISSING:  # no builtin exit() under python -S
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
+        baseline.restore(traces, trial_dir)
+
+
+def _keep_group(*args: Any, **kwargs: Any) -> None:
+    """A trial's ``destroy_process_group``: the group outlives the trial."""
+
+
+def _group_owners() -> list[Any]:
+    names = ("torch.distributed", "deepspeed.comm", "deepspeed.comm.comm")
+    return [sys.modules[n] for n in names if n in sys.modules]
+
+
+def forget_modules(names: set[str], trial_dir: Path) -> None:
+    """Drop the modules among ``names`` that were loaded from ``trial_dir`` (the trial's own)."""
+    root = trial_dir.resolve()
+    for name in names:
+        module = sys.modules.get(name)
+        origin = getattr(module, "__file__", None)
+        if origin is not None and Path(origin).resolve().is_relative_to(root):
+            del sys.modules[name]
+
+
+def device_memory_held() -> int:
+    """Bytes torch still has allocated on this process's GPU, once its cache is emptied (0
+    before CUDA started): a trial host holds no tensors of its own between trials, so what is
+    left is a trial's, and would turn into false out-of-memory failures of the next."""
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    if cuda is None or not cuda.is_initialized():
+        return 0
+    gc.collect()
+    cuda.empty_cache()
+    return int(cuda.memory_allocated())
+
+
+# ------------------------------------------------------------------ engines
+
+
+def live_engines() -> list[Any]:
+    """Every DeepSpeed engine this process still holds."""
+    engine_module = sys.modules.get("deepspeed.runtime.engine")
+    if engine_module is None:
+        return []
+    engine_class = engine_module.DeepSpeedEngine
+    gc.collect()
+    # By type, not isinstance: that also asks objects for __class__, which some answer with a
+    # deprecation warning (torch.distributed.reduce_op).
+    return [o for o in gc.get_objects() if issubclass(type(o), engine_class)]
+
+
+def destroy_engines() -> None:
+    """``destroy()`` every engine still alive: only that removes ZeRO-3's autograd hooks, which
+    gc cannot see and which keep the engine (and its device memory) alive."""
+    for engine in live_engines():
+        try:
+            engine.destroy()
+        except Exception as err:  # a half-built engine; what cannot be undone shows in leaks()
+            logger.debug("destroying a trial's engine failed: %s", err)
+
+
+# ------------------------------------------------------------------ torch
+
+
+def _subclasses(cls: type) -> set[type]:
+    found: set[type] = set()
+    todo: list[type] = [cls]
+    while todo:
+        sub: type
+        for sub in todo.pop().__subclasses__():
+            if sub not in found:
+                found.add(sub)
+                todo.append(sub)
+    return found
+
+
+def _capture_torch() -> dict[str, Any]:
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return {}
+    functional = torch.nn.functional
+    state: dict[str, Any] = {
+        "functional": dict(vars(functional)),
+        "callables": {
+            k: v for k, v in vars(torch).items() if callable(v) and not isinstance(v, type)
+        },
+        "module_dict": dict(vars(torch.nn.Module)),
+        "tensor_dict": dict(vars(torch.Tensor)),
+        "inits": {c: c.__dict__.get("__init__") for c in _subclasses(torch.nn.Module)},
+        "default_dtype": torch.get_default_dtype(),
+        "deterministic": (
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+        ),
+        "grad": torch.is_grad_enabled(),
+        "threads": torch.get_num_threads(),
+        "matmul_precision": torch.get_float32_matmul_precision(),
+        "cudnn": (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic),
+        "rng": torch.get_rng_state(),
+    }
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        state["numpy_rng"] = numpy.random.get_state()
+    return state
+
+
+def _restore_class_dict(cls: type, saved: dict[str, Any]) -> None:
+    current = dict(vars(cls))
+    for name in current:
+        if name not in saved and name not in _FIXED_ATTRIBUTES:
+            delattr(cls, name)
+    for name, value in saved.items():
+        if name not in _FIXED_ATTRIBUTES and current.get(name, _MISSING) is not value:
+            with contextlib.suppress(AttributeError, TypeError):
+                setattr(cls, name, value)
+
+
+def _restore_torch(state: dict[str, Any]) -> None:
+    import torch
+
+    functional = torch.nn.functional
+    for name, value in state["functional"].items():  # ZeRO-3's linear, the flops profiler's
+        if getattr(functional, name, _MISSING) is not value:
+            setattr(functional, name, value)
+    for name, value in state["callables"].items():
+        if getattr(torch, name, _MISSING) is not value:
+            setattr(torch, name, value)
+    _restore_class_dict(torch.nn.Module, state["module_dict"])
+    _restore_class_dict(torch.Tensor, state["tensor_dict"])
+    inits = state["inits"]
+    for cls in _subclasses(torch.nn.Module):
+        saved = inits.get(cls, _MISSING)
+        if (
+            saved is not _MISSING
+            and saved is not None
+            and cls.__dict__.get("__init__") is not saved
+        ):
+            setattr(cls, "__init__", saved)  # noqa: B010 (mypy: no __init__ on an instance)
+        if "_old_init" in cls.__dict__:  # zero.Init's wrapper of a class made after the capture
+            if saved is _MISSING and "__init__" in cls.__dict__:
+                setattr(cls, "__init__", cls.__dict__["_old_init"])  # noqa: B010
+            delattr(cls, "_old_init")
+    torch.set_default_dtype(state["default_dtype"])
+    enabled, warn_only = state["deterministic"]
+    torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+    torch.set_grad_enabled(state["grad"])
+    torch.set_num_threads(state["threads"])
+    torch.set_float32_matmul_precision(state["matmul_precision"])
+    torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = state["cudnn"]
+    torch.set_rng_state(state["rng"])
+    if "numpy_rng" in state:
+        import numpy
+
+        numpy.random.set_state(state["numpy_rng"])
+
+
+# ------------------------------------------------------------------ DeepSpeed
+
+
+def _capture_deepspeed() -> dict[str, Any]:
+    if "deepspeed" not in sys.modules:
+        return {}
+    import deepspeed.runtime.zero.partition_parameters as params
+
+    inserter = params.InsertPostInitMethodToModuleSubClasses
+    return {
+        "contexts": (params.zero_init_context, params.top_level_context),
+        "param_id": params.Init.param_id,
+        "counts": (inserter.num_module_parameters, inserter.num_module_elements),
+    }
+
+
+def _restore_deepspeed(state: dict[str, Any]) -> None:
+    import deepspeed.runtime.zero.parameter_offload as offload
+    import deepspeed.runtime.zero.partition_parameters as params
+    from deepspeed.runtime.zero.partitioned_param_coordinator import (
+        PartitionedParameterCoordinator,
+    )
+
+    inserter = params.InsertPostInitMethodToModuleSubClasses
+    params.zero_init_context, params.top_level_context = state["contexts"]
+    params.Init.param_id = state["param_id"]
+    inserter.num_module_parameters, inserter.num_module_elements = state["counts"]
+    if "linear_bk" in vars(inserter):  # else the next zero.Init backs up ZeRO-3's wrapper
+        del inserter.linear_bk
+    params.empty_buffers.clear()
+    params.temp_contiguous_tensor = None
+    # What keeps a destroyed ZeRO-3 engine alive: the module stack, a per-class lru_cache keyed
+    # by the coordinator, and the module counter's mutable default.
+    offload.FWD_MODULE_STACK.clear()
+    counter = offload.DeepSpeedZeRoOffload._register_deepspeed_module.__defaults__
+    if counter and isinstance(counter[0], list) and counter[0]:
+        counter[0][0] = 0
+    release = vars(PartitionedParameterCoordinator).get(
+        "_PartitionedParameterCoordinator__params_to_release"
+    )
+    for cell in getattr(release, "__closure__", None) or ():
+        cache_clear = getattr(cell.cell_contents, "cache_clear", None)
+        if cache_clear is not None:
+            cache_clear()
+    profiler = sys.modules.get("deepspeed.profiling.flops_profiler.profiler")
+    if profiler is not None:
+        profiler.old_functions.clear()
+
+
+def _reset_accelerate() -> None:
+    """HF accelerate's process-wide state (the Trainer sets it up once per process), as HF's own
+    hyperparameter sweeps reset it."""
+    state = sys.modules.get("accelerate.state")
+    if state is None:
+        return
+    for name in ("AcceleratorState", "PartialState", "GradientState"):
+        reset = getattr(getattr(state, name, None), "_reset_state", None)
+        if reset is not None:
+            with contextlib.suppress(Exception):
+                reset()

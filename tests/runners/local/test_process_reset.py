@@ -1,0 +1,150 @@
+"""Trials one after another in one process, each finding the process as the first did."""
+
+from __future__ import annotations
+
+import builtins
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from dsat.constants import AUTOTUNING_KEY
+from dsat.runners.local.entrypoint import interpreter_first
+from dsat.runners.local.process_reset import ProcessBaseline, TrialExit, one_trial
+from dsat.training.step_clock import current_clock, start_clock
+from tests.conftest import REPO_ROOT
+
+FIXTURES = Path(__file__).parent.parent / "fixtures"
+
+
+def test_a_trial_s_directory_environment_argv_path_and_own_modules_are_put_back(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "own_module_of_the_trial.py").write_text("VALUE = 1\n")
+    baseline = ProcessBaseline.capture()
+    before = (os.getcwd(), dict(os.environ), list(sys.argv), list(sys.path))
+    with one_trial(baseline, tmp_path):
+        os.chdir(tmp_path)
+        os.environ["DSAT_LEFT_BY_THE_TRIAL"] = "1"
+        sys.argv[:] = ["train.py", "--flag"]
+        sys.path.insert(0, str(tmp_path))
+        import own_module_of_the_trial  # noqa: F401
+
+        assert "own_module_of_the_trial" in sys.modules
+    assert (os.getcwd(), dict(os.environ), sys.argv, sys.path) == before
+    assert "own_module_of_the_trial" not in sys.modules
+    assert "dsat.runners.local.process_reset" in sys.modules  # not the trial's: kept
+
+
+def test_a_trial_s_exit_ends_the_trial_not_the_process(tmp_path: Path) -> None:
+    baseline = ProcessBaseline.capture()
+    original = builtins.exit
+    with pytest.raises(TrialExit), one_trial(baseline, tmp_path):
+        exit(3)  # the bare builtin, as DeepSpeed's autotuning calls it
+    assert builtins.exit is original
+
+
+def test_dsat_s_own_step_clock_is_the_trial_s(tmp_path: Path) -> None:
+    """A trial's window is its own: the next trial in the process times its own steps."""
+    baseline = ProcessBaseline.capture()
+    with one_trial(baseline, tmp_path):
+        block = {AUTOTUNING_KEY: {"start_profile_step": 3, "end_profile_step": 5}}
+        assert start_clock(block) is not None
+    assert current_clock() is None
+
+
+def test_a_thread_the_trial_left_running_is_a_leak(tmp_path: Path) -> None:
+    baseline = ProcessBaseline.capture()
+    stop = threading.Event()
+    with one_trial(baseline, tmp_path):
+        left = threading.Thread(target=stop.wait, name="left-by-the-trial", daemon=True)
+        left.start()
+    try:
+        assert any("left-by-the-trial" in leak for leak in baseline.leaks())
+    finally:
+        stop.set()
+        left.join()
+    assert baseline.leaks() == []
+
+
+@pytest.mark.gpu
+def test_device_memory_a_trial_left_allocated_is_a_leak(tmp_path: Path) -> None:
+    import torch
+
+    kept: list[torch.Tensor] = []
+    baseline = ProcessBaseline.capture()
+    with one_trial(baseline, tmp_path):
+        kept.append(torch.ones(2**26, device="cuda"))  # 256 MiB the trial does not let go of
+    assert any("MiB of device memory still allocated" in leak for leak in baseline.leaks())
+    kept.clear()
+    assert baseline.leaks() == []
+
+
+def _run(command: list[str], cwd: Path) -> None:
+    env = interpreter_first(os.environ)
+    env.update(
+        {
+            "DS_ACCELERATOR": "cpu",
+            "PYTHONPATH": str(REPO_ROOT),
+            "OMP_NUM_THREADS": "1",
+            "RANK": "0",
+            "LOCAL_RANK": "0",
+            "WORLD_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "0",
+            "ATEXIT_MARK": str(cwd / "atexit_fresh"),
+        }
+    )
+    done = subprocess.run(
+        command,
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.PIPE,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_zero_0_then_3_then_1_in_one_process_each_as_if_fresh(tmp_path: Path) -> None:
+    """Real DeepSpeed on the CPU: ZeRO-0 ending with exit(), ZeRO-3 under zero.Init destroying
+    the process group, ZeRO-3 raising, then ZeRO-1, all in one process; each trial leaves the
+    default dtype, directory, environment and path changed and an atexit callback behind."""
+    trials = [
+        ["0", "plain", "exit"],
+        ["3", "init", "destroy"],
+        ["3", "plain", "raise"],
+        ["1", "plain", "return"],
+    ]
+    host = tmp_path / "host"
+    host.mkdir()
+    _run([sys.executable, str(FIXTURES / "reset_host.py"), str(host), json.dumps(trials)], host)
+    results = json.loads((host / "results.json").read_text())
+    assert [r["outcome"] for r in results] == ["exit", "returned", "raised", "returned"]
+    for result in results:
+        assert result["leaks"] == [], result
+        assert result["engines_alive"] == 0, result
+        assert result["module_stack"] == 0
+        assert result["linear_restored"] and result["module_dict_restored"], result
+        assert result["default_dtype"] == "torch.float32"
+        assert result["cwd_restored"] and result["environ_restored"], result
+        assert result["argv_restored"] and result["path_restored"], result
+        assert result["own_module_forgotten"] and result["exit_restored"], result
+        assert result["stdin_open"] and result["group_alive"], result
+    # The trials' atexit callbacks went with them.
+    assert not list(host.glob("atexit_*"))
+    # The last trial trained exactly as the same script in a fresh process.
+    fresh = tmp_path / "fresh"
+    (fresh / "trial").mkdir(parents=True)
+    for name in ("train.py", "trial_model.py"):
+        (fresh / "trial" / name).write_text((FIXTURES / "reset_trial" / name).read_text())
+    _run([sys.executable, "train.py", "1", "plain", "return"], fresh / "trial")
+    assert json.loads((fresh / "trial" / "losses.json").read_text()) == results[-1]["losses"]
+    assert results[0]["losses"] == results[-1]["losses"]  # ZeRO-0 and -1 agree on one process

@@ -1,0 +1,172 @@
+"""One-slot trials run one after another in a trial host (--trial-host), through the local runner."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dsat.runners.local.runner import LocalRunner
+from dsat.runners.local.slots import SlotPool
+from dsat.runners.local.trial_timeout import TrialTimeout
+from dsat.trial import TrialOutcome, TrialStatus
+from tests.conftest import REPO_ROOT
+
+FIXTURES = Path(__file__).parent.parent / "fixtures"
+
+JOB = """
+import json, os, threading, time
+import job_helper  # the trial's own module: imported anew by each trial
+job_helper.COUNT += 1
+mode = json.load(open(os.environ["DSAT_HPARAMS_FILE"])).get("mode", "complete")
+values = {"pid": os.getpid(), "parent": os.getppid(), "count": job_helper.COUNT}
+values["left_over"] = int("LEFT_BY_A_TRIAL" in os.environ)
+os.environ["LEFT_BY_A_TRIAL"] = "1"
+if mode == "thread":
+    threading.Thread(target=time.sleep, args=(600,), name="left-running", daemon=True).start()
+if mode == "raise":
+    raise ValueError("the script failed")
+if mode == "oom":
+    raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+if mode == "crash":
+    os._exit(3)
+if mode == "hang":
+    time.sleep(600)
+json.dump({"status": "completed", "values": values}, open("dsat_trial_outcome.json", "w"))
+"""
+
+
+def host_runner(
+    tmp_path: Path,
+    files: dict[str, str],
+    entrypoint: list[str],
+    timeout: float = 60.0,
+    environ_extra: dict[str, str] | None = None,
+) -> LocalRunner:
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    for name, text in files.items():
+        (model / name).write_text(text)
+    environ = {"PATH": os.environ["PATH"], "CUDA_VISIBLE_DEVICES": "", **(environ_extra or {})}
+    pool = SlotPool.for_machine(1, 1, environ)
+    return LocalRunner(
+        entrypoint,
+        model,
+        (),
+        tmp_path / "results",
+        pool,
+        1,
+        TrialTimeout(timeout),
+        environ,
+        trial_host=True,
+    )
+
+
+def run(ex: LocalRunner, n: int, hparams: dict[str, Any]) -> TrialOutcome:
+    ex.start(f"{n:08d}-0000-0000-0000-000000000000", hparams, {}, 5)
+    return ex.wait()
+
+
+def job_runner(tmp_path: Path, timeout: float = 60.0) -> LocalRunner:
+    files = {"job.py": JOB, "job_helper.py": "COUNT = 0\n"}
+    return host_runner(tmp_path, files, ["python3", "job.py"], timeout)
+
+
+def pid(outcome: TrialOutcome) -> int:
+    assert outcome.status is TrialStatus.COMPLETED, outcome.error
+    return int(outcome.metrics["pid"])
+
+
+def test_trials_run_one_after_another_in_one_host_each_as_if_fresh(tmp_path: Path) -> None:
+    ex = job_runner(tmp_path)
+    try:
+        outcomes = [run(ex, n, {}) for n in range(3)]
+        assert ex.warm_workers is not None
+        worker = ex.warm_workers.workers["cpu0"].process.pid
+    finally:
+        ex.close()
+    pids = {pid(o) for o in outcomes}
+    assert len(pids) == 1 and worker not in pids  # the host, a child of the worker
+    assert {int(o.metrics["parent"]) for o in outcomes} == {worker}
+    # Each trial imported its own module anew and found no environment a trial left.
+    assert [int(o.metrics["count"]) for o in outcomes] == [1, 1, 1]
+    assert [int(o.metrics["left_over"]) for o in outcomes] == [0, 0, 0]
+
+
+def test_a_failure_or_an_oom_in_the_host_is_the_trial_s_and_the_host_goes_on(
+    tmp_path: Path,
+) -> None:
+    ex = job_runner(tmp_path)
+    try:
+        first = run(ex, 0, {})
+        failed = run(ex, 1, {"mode": "raise"})
+        oom = run(ex, 2, {"mode": "oom"})
+        last = run(ex, 3, {})
+    finally:
+        ex.close()
+    assert failed.status is TrialStatus.ERROR and "the script failed" in (failed.error or "")
+    assert oom.status is TrialStatus.OOM
+    assert pid(first) == pid(last)
+
+
+def test_a_host_a_trial_left_a_thread_in_is_replaced(tmp_path: Path) -> None:
+    ex = job_runner(tmp_path)
+    try:
+        leaking = run(ex, 0, {"mode": "thread"})
+        after = run(ex, 1, {})
+        again = run(ex, 2, {})
+    finally:
+        ex.close()
+    assert pid(leaking) != pid(after) == pid(again)
+    log = (tmp_path / "results" / "logs").glob("001-*.log")
+    assert "this trial host is replaced: thread 'left-running'" in next(log).read_text()
+
+
+@pytest.mark.parametrize("mode", ["crash", "hang"])
+def test_after_a_host_died_during_a_trial_the_slot_s_trials_fork(tmp_path: Path, mode: str) -> None:
+    ex = job_runner(tmp_path, timeout=20.0)
+    try:
+        first = run(ex, 0, {})
+        died = run(ex, 1, {"mode": mode})
+        later = [run(ex, n, {}) for n in (2, 3)]
+    finally:
+        ex.close()
+    expected = TrialStatus.TIMEOUT if mode == "hang" else TrialStatus.ERROR
+    assert died.status is expected
+    assert len({pid(first), *(pid(o) for o in later)}) == 3  # forked: a process each
+    worker_log = (tmp_path / "results" / "logs" / "warm-worker-cpu0.log").read_text()
+    assert "ended during a trial" in worker_log
+
+
+@pytest.mark.slow
+def test_zero_0_then_3_then_1_in_one_host(tmp_path: Path) -> None:
+    """Real DeepSpeed on the CPU: ZeRO-0, ZeRO-3 under zero.Init destroying the process group,
+    then ZeRO-1, each from the runner, in one host that is never replaced; ZeRO-1 trains as a
+    fresh process does."""
+    model = tmp_path / "model"
+    shutil.copytree(FIXTURES / "reset_trial", model)
+    environ = {
+        "DS_ACCELERATOR": "cpu",
+        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), *sys.path[1:]]),
+    }
+    ex = host_runner(tmp_path, {}, ["python3", "train.py"], 600.0, environ)
+    trials = [
+        {"stage": 0, "init": False, "end": "return"},
+        {"stage": 3, "init": True, "end": "destroy"},
+        {"stage": 1, "init": False, "end": "exit"},
+    ]
+    try:
+        outcomes = [run(ex, n, hparams) for n, hparams in enumerate(trials)]
+    finally:
+        ex.close()
+    assert len({pid(o) for o in outcomes}) == 1
+    trial_dirs = sorted((tmp_path / "results" / "trials").iterdir())
+    losses = [json.loads((d / "losses.json").read_text()) for d in trial_dirs]
+    assert losses[0] == losses[2]
+    # The trials' atexit callbacks ran when each trial ended, as at a fresh process's exit.
+    assert all((d / "atexit_ran").exists() for d in trial_dirs)
