@@ -20,7 +20,7 @@ each of its trials' pid.
 
 Protocol, one JSON object per line (never pickle): requests on stdin
 ``{"argv": [...], "cwd": ..., "env": {...}, "log": ..., "host": bool}``; on the original stdout the events
-``{"event": "started", "pid": N}``, ``{"event": "exited", "pid": N, "returncode": N}`` and
+``{"event": "started", "pid": N, "host": bool}``, ``{"event": "exited", "pid": N, "returncode": N}`` and
 ``{"event": "cold", "reason": ...}``. Anything a module prints goes to stderr, which the runner
 keeps as the worker's log.
 
@@ -360,7 +360,7 @@ class ForkServer:
             host = self.host = self.start_host(channels)
         os.write(host.requests, (json.dumps(request) + "\n").encode())
         host.busy = True
-        self.send({"event": "started", "pid": host.pid})
+        self.send({"event": "started", "pid": host.pid, "host": True})
 
     def start_host(self, channels: list[int]) -> HostChild:
         from dsat.runners.local import trial_host  # imports this module

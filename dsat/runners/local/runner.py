@@ -71,6 +71,8 @@ class RunningTrial:
     slots: list[str]
     start: float
     oom_kills_at_start: int | None
+    hparams: dict[str, Any]
+    length: int
 
 
 def copy_ignore(results_dir: Path) -> Callable[[str, list[str]], set[str]]:
@@ -239,27 +241,80 @@ class LocalRunner:
         if process is None:
             process, _ = self.spawn(directory, slots, log, log, length)
         self.running[request_id] = RunningTrial(
-            request_id, process, directory, log_path, log, slots, self.now(), oom_kill_count()
+            request_id,
+            process,
+            directory,
+            log_path,
+            log,
+            slots,
+            self.now(),
+            oom_kill_count(),
+            hparams,
+            length,
         )
 
     def _fork_warm(
-        self, directory: Path, slots: list[str], log: IO[bytes], log_path: Path, length: int
+        self,
+        directory: Path,
+        slots: list[str],
+        log: IO[bytes],
+        log_path: Path,
+        length: int,
+        host: bool = True,
     ) -> TrialProcess | None:
-        """The trial forked from its slot's warm worker, or None if it must start fresh."""
+        """The trial forked from its slot's warm worker (or run in its trial host, unless not
+        ``host``), or None if it must start fresh."""
         if self.warm_workers is None:
             return None
-        mark = HOST_TRIAL_MARK if self.warm_workers.host else WARM_TRIAL_MARK
+        hosted = host and self.warm_workers.host
+        start = log.tell()
+        mark = HOST_TRIAL_MARK if hosted else WARM_TRIAL_MARK
         log.write(f"$ {' '.join(self.warm_workers.command)}  {mark}\n".encode())
         log.flush()
         worker_env = self.slot_environment(slots)
         if self.pool.on_gpu:  # torch.cuda.is_available() without starting CUDA before a fork
             worker_env["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
         env = self.environment(directory, slots, free_ports(3), length)
-        process = self.warm_workers.run(slots[0], worker_env, directory, env, log_path)
+        process = self.warm_workers.run(slots[0], worker_env, directory, env, log_path, host)
         if process is None:
-            log.seek(0)
+            log.seek(start)
             log.truncate()
         return process
+
+    def _confirm_oom(self, trial: RunningTrial) -> None:
+        """Run a trial that ran out of memory in a trial host again in a process of its own:
+        what a host's earlier trials left on the device must not be blamed on a configuration,
+        whose OOM bounds the search."""
+        trial.log.write(
+            b"\ndsat: out of memory in the trial host; running it again in a process of its own "
+            b"before the configuration is blamed\n"
+        )
+        trial.log.flush()
+        prepare_trial_directory(
+            trial.directory, self.model_dir, self.includes, trial.hparams, self.results_dir
+        )
+        process = self._fork_warm(
+            trial.directory, trial.slots, trial.log, trial.log_path, trial.length, host=False
+        )
+        if process is None:
+            process, _ = self.spawn(
+                trial.directory, trial.slots, trial.log, trial.log, trial.length
+            )
+        trial.process = process
+        trial.oom_kills_at_start = oom_kill_count()
+
+    def _ran_out_of_memory_hosted(self, trial: RunningTrial) -> bool:
+        if not getattr(trial.process, "hosted", False):
+            return False
+        status = classify(
+            trial.directory,
+            trial.log_path,
+            trial.process.returncode,
+            False,
+            self.timeout.seconds,
+            oom_killed_since(trial.oom_kills_at_start),
+        )[0]
+        return status is TrialStatus.OOM
 
     def wait(self) -> TrialOutcome:
         while True:
@@ -270,6 +325,9 @@ class LocalRunner:
                     continue
                 if timed_out:
                     self._kill(trial)
+                elif self._ran_out_of_memory_hosted(trial):
+                    self._confirm_oom(trial)
+                    continue
                 return self._finish(trial, timed_out)
             time.sleep(POLL_SECONDS)
 

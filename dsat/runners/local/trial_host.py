@@ -7,7 +7,8 @@ group made by its first trial serve the next, and afterwards puts back what the 
 (``process_reset``). A trial that leaves a thread running or an engine alive is still answered
 normally, but its host leaves after answering, and the worker forks a new one for the next trial.
 A host that dies during a trial (a crash, or dsat stopping the trial) is not replaced: the slot's
-later trials are forked, as without a host.
+later trials are forked, as without a host. A trial that runs out of memory in the host is run
+again in a forked process by the runner before its OOM counts (``LocalRunner``).
 
 Protocol: the worker's requests (one JSON object per line, as the fork server's) on a pipe; after
 each trial one line back: ``{"returncode": N, "leaks": [...]}``. Never pickle.

@@ -48,9 +48,10 @@ class WarmProcess:
     """A trial forked by a worker: enough of ``subprocess.Popen`` for the runner to poll it,
     wait for it and stop its process group."""
 
-    def __init__(self, pid: int, log_path: Path) -> None:
+    def __init__(self, pid: int, log_path: Path, hosted: bool = False) -> None:
         self.pid = pid
         self.log_path = log_path
+        self.hosted = hosted  # run in the slot's trial host, not forked
         self.returncode: int | None = None
         self._done = threading.Event()
 
@@ -120,7 +121,9 @@ class WarmWorker:
                 continue
             kind = event.get("event")
             if kind == "started":
-                trial = WarmProcess(int(event["pid"]), self._log_paths.get())
+                trial = WarmProcess(
+                    int(event["pid"]), self._log_paths.get(), bool(event.get("host"))
+                )
                 self._pending[trial.pid] = trial
                 self._replies.put(trial)
             elif kind == "exited":
@@ -217,8 +220,10 @@ class WarmWorkers:
         cwd: Path,
         env: dict[str, str],
         log_path: Path,
+        host: bool = True,
     ) -> WarmProcess | None:
-        """The trial on ``slot`` forked from its worker, or None: start it fresh."""
+        """The trial on ``slot`` forked from its worker (or, with ``host`` and a runner that
+        hosts trials, in its trial host), or None: start it fresh."""
         if slot in self.cold:
             return None
         worker = self.workers.get(slot)
@@ -233,7 +238,7 @@ class WarmWorkers:
                 self.includes,
             )
             self.workers[slot] = worker
-        trial = worker.run(self.command, cwd, env, log_path, self.host)
+        trial = worker.run(self.command, cwd, env, log_path, self.host and host)
         if trial is None and worker.cold_reason is not None:
             self.cold[slot] = worker.cold_reason
             logger.info(

@@ -23,7 +23,8 @@ JOB = """
 import json, os, threading, time
 import job_helper  # the trial's own module: imported anew by each trial
 job_helper.COUNT += 1
-mode = json.load(open(os.environ["DSAT_HPARAMS_FILE"])).get("mode", "complete")
+hparams = json.load(open(os.environ["DSAT_HPARAMS_FILE"]))
+mode = hparams.get("mode", "complete")
 values = {"pid": os.getpid(), "parent": os.getppid(), "count": job_helper.COUNT}
 values["left_over"] = int("LEFT_BY_A_TRIAL" in os.environ)
 os.environ["LEFT_BY_A_TRIAL"] = "1"
@@ -31,7 +32,9 @@ if mode == "thread":
     threading.Thread(target=time.sleep, args=(600,), name="left-running", daemon=True).start()
 if mode == "raise":
     raise ValueError("the script failed")
-if mode == "oom":
+if mode == "oom" or (mode == "oom_once" and not os.path.exists(hparams["flag"])):
+    if mode == "oom_once":
+        open(hparams["flag"], "w").close()
     raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
 if mode == "crash":
     os._exit(3)
@@ -111,6 +114,24 @@ def test_a_failure_or_an_oom_in_the_host_is_the_trial_s_and_the_host_goes_on(
         ex.close()
     assert failed.status is TrialStatus.ERROR and "the script failed" in (failed.error or "")
     assert oom.status is TrialStatus.OOM
+    assert pid(first) == pid(last)
+    # The OOM was confirmed in a process of its own before it counted.
+    oom_log = next((tmp_path / "results" / "logs").glob("003-*.log")).read_text()
+    assert "running it again in a process of its own" in oom_log
+
+
+def test_an_oom_in_the_host_that_a_process_of_its_own_does_not_repeat_is_not_an_oom(
+    tmp_path: Path,
+) -> None:
+    ex = job_runner(tmp_path)
+    try:
+        first = run(ex, 0, {})
+        confirmed = run(ex, 1, {"mode": "oom_once", "flag": str(tmp_path / "flag")})
+        last = run(ex, 2, {})
+    finally:
+        ex.close()
+    assert (tmp_path / "flag").exists()  # it did run out of memory in the host
+    assert pid(confirmed) not in (pid(first), pid(last))  # then completed in a fork
     assert pid(first) == pid(last)
 
 
