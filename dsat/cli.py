@@ -302,8 +302,9 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
         "--trial-host",
         action="store_true",
         help="local runner: run a slot's one-process trials one after another in one process "
-        "that keeps its CUDA context and process group, putting back what each trial changed "
-        "(docs/local-runner.md#trial-host); not yet measured on a GPU",
+        "(its worker, which then forks nothing) that keeps its CUDA context and process group, "
+        "putting back what each trial changed (docs/local-runner.md#trial-host); not yet "
+        "measured on a GPU",
     )
     parser.add_argument(
         "--simulator",

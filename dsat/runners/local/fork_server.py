@@ -14,17 +14,20 @@ starts later trials fresh. Threads a library stops for a fork and starts again w
 needs them (OpenBLAS's, which numpy starts on import when more than one thread is allowed, as on
 any GPU machine or a CPU with cores to spare) are no reason to go cold.
 
-With ``"host": true`` in a request, the trial runs in the slot's trial host instead
-(``trial_host``): a child forked once, which runs trials one after another in itself; its pid is
-each of its trials' pid.
+With ``--host`` (dsat's ``--trial-host``) the worker forks nothing: it is the slot's trial host,
+and runs each trial in itself (``trial_host``), so a fork's safety does not matter and the CUDA
+context and process group its first trial makes serve the next. A trial that leaves the process
+unfit for the next (``process_reset``'s leak check) ends the worker after its outcome; the runner
+starts another for the next trial.
 
 Protocol, one JSON object per line (never pickle): requests on stdin
-``{"argv": [...], "cwd": ..., "env": {...}, "log": ..., "host": bool}``; on the original stdout the events
-``{"event": "started", "pid": N, "host": bool}``, ``{"event": "exited", "pid": N, "returncode": N}`` and
-``{"event": "cold", "reason": ...}``. Anything a module prints goes to stderr, which the runner
-keeps as the worker's log.
+``{"argv": [...], "cwd": ..., "env": {...}, "log": ...}``; on the original stdout the events
+``{"event": "started", "pid": N, "host": bool}``, ``{"event": "exited", "pid": N, "returncode":
+N}``, ``{"event": "cold", "reason": ...}`` and, from a host about to leave, ``{"event":
+"leaving", "reason": ...}``. Anything a module prints goes to stderr, which the runner keeps as
+the worker's log.
 
-    python -m dsat.runners.local.fork_server DSAT_PID MODEL_DIR [INCLUDE...] -- python3 SCRIPT [ARGS...]
+    python -m dsat.runners.local.fork_server [--host] DSAT_PID MODEL_DIR [INCLUDE...] -- python3 SCRIPT [ARGS...]
 """
 
 from __future__ import annotations
@@ -32,7 +35,6 @@ from __future__ import annotations
 import ast
 import atexit
 import contextlib
-import dataclasses
 import gc
 import importlib
 import json
@@ -51,7 +53,7 @@ from typing import Any
 
 from dsat.runners.local.trial_guard import PR_SET_PDEATHSIG, Stop, die_with
 
-USAGE = "DSAT_PID MODEL_DIR [INCLUDE...] -- python3 SCRIPT|-m MODULE [ARGS...]"
+USAGE = "[--host] DSAT_PID MODEL_DIR [INCLUDE...] -- python3 SCRIPT|-m MODULE [ARGS...]"
 POLL_SECONDS = 0.05
 LOST_EXIT = 1  # a trial whose worker died before it could start
 
@@ -218,8 +220,8 @@ def run_entry(command: list[str]) -> int:
     return 0
 
 
-def leave_the_worker(channels: list[int], worker: int) -> None:
-    """In a forked child: a process group and signals of its own, the worker's channels closed;
+def become_trial(request: dict[str, Any], channels: list[int], worker: int) -> None:
+    """In the forked child: take on the trial's group, signals, directory, environment and log;
     die with the worker (which dies with dsat)."""
     os.setsid()
     with contextlib.suppress(OSError, AttributeError):
@@ -234,11 +236,6 @@ def leave_the_worker(channels: list[int], worker: int) -> None:
     for fd in channels:
         with contextlib.suppress(OSError):
             os.close(fd)
-
-
-def become_trial(request: dict[str, Any], channels: list[int], worker: int) -> None:
-    """In the forked child: take on the trial's group, signals, directory, environment and log."""
-    leave_the_worker(channels, worker)
     log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -289,22 +286,6 @@ def trial_child(
         os._exit(code)
 
 
-@dataclasses.dataclass
-class HostChild:
-    """The worker's side of its trial host: where requests go, where answers come from."""
-
-    pid: int
-    requests: int
-    answers: int
-    busy: bool = False
-    buffer: bytes = b""
-
-    def close(self) -> None:
-        for fd in (self.requests, self.answers):
-            with contextlib.suppress(OSError):
-                os.close(fd)
-
-
 class ForkServer:
     def __init__(
         self, command: list[str], model_dir: Path, includes: Sequence[Path], out_fd: int
@@ -315,10 +296,6 @@ class ForkServer:
         self.out_fd = out_fd
         self.children: set[int] = set()
         self.modules_dir = Path(tempfile.mkdtemp(prefix="dsat-warm-"))
-        self.host: HostChild | None = None
-        self.host_failed = False  # a host died during a trial: the slot's trials fork from now on
-        self.retired: set[int] = set()  # hosts leaving after their trial's answer
-        self.selector = selectors.DefaultSelector()
 
     def send(self, event: dict[str, Any]) -> None:
         os.write(self.out_fd, (json.dumps(event) + "\n").encode())
@@ -353,97 +330,11 @@ class ForkServer:
         self.children.add(pid)
         self.send({"event": "started", "pid": pid})
 
-    def host_trial(self, request: dict[str, Any], channels: list[int]) -> None:
-        """Hand the trial to the slot's trial host, forked first if there is none."""
-        host = self.host
-        if host is None:
-            host = self.host = self.start_host(channels)
-        os.write(host.requests, (json.dumps(request) + "\n").encode())
-        host.busy = True
-        self.send({"event": "started", "pid": host.pid, "host": True})
-
-    def start_host(self, channels: list[int]) -> HostChild:
-        from dsat.runners.local import trial_host  # imports this module
-
-        worker = os.getpid()
-        requests_in, requests_out = os.pipe()
-        answers_in, answers_out = os.pipe()
-        gc.freeze()
-        pid = os.fork()
-        if pid == 0:
-            try:
-                leave_the_worker([*channels, requests_out, answers_in], worker)
-                null = os.open(os.devnull, os.O_RDONLY)
-                os.dup2(null, 0)
-                os.close(null)
-                trial_host.serve(requests_in, answers_out)
-            finally:
-                os._exit(LOST_EXIT)
-        os.close(requests_in)
-        os.close(answers_out)
-        self.children.add(pid)
-        self.selector.register(answers_in, selectors.EVENT_READ)
-        return HostChild(pid, requests_out, answers_in)
-
-    def read_host_answers(self) -> None:
-        """Report the trials the host has finished."""
-        host = self.host
-        if host is None:
-            return
-        try:
-            chunk = os.read(host.answers, 65536)
-        except BlockingIOError:
-            return
-        host.buffer += chunk
-        while b"\n" in host.buffer:
-            line, host.buffer = host.buffer.split(b"\n", 1)
-            answer = json.loads(line)
-            host.busy = False
-            self.send({"event": "exited", "pid": host.pid, "returncode": answer["returncode"]})
-            if answer.get("leaks"):  # it leaves: the next trial gets a new host
-                self.retire_host(host)
-                self.retired.add(host.pid)  # its exit ends no trial
-                print(
-                    f"dsat: trial host {host.pid} replaced: {'; '.join(answer['leaks'])}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                return
-
-    def retire_host(self, host: HostChild) -> None:
-        self.selector.unregister(host.answers)
-        host.close()
-        if self.host is host:
-            self.host = None
-
-    def host_exited(self, host: HostChild, status: int) -> bool:
-        """The host is gone; True if a trial of it was running (which ended with it)."""
-        os.set_blocking(host.answers, False)
-        self.read_host_answers()  # what it answered before it left
-        if self.host is host:
-            self.retire_host(host)
-        if host.busy:
-            self.host_failed = True
-            print(
-                f"dsat: trial host {host.pid} ended during a trial "
-                f"(exit status {os.waitstatus_to_exitcode(status)}); this slot's trials fork "
-                "from now on",
-                file=sys.stderr,
-                flush=True,
-            )
-        return host.busy
-
     def report_exit(self, pid: int, status: int) -> bool:
         """Tell dsat that trial ``pid`` ended; False if ``pid`` was not one of its trials."""
         if pid not in self.children:
             return False
         self.children.discard(pid)
-        if pid in self.retired:
-            self.retired.discard(pid)
-            return False
-        host = self.host
-        if host is not None and pid == host.pid and not self.host_exited(host, status):
-            return False
         returncode = os.waitstatus_to_exitcode(status)
         self.send({"event": "exited", "pid": pid, "returncode": returncode})
         return True
@@ -464,43 +355,45 @@ class ForkServer:
     def serve(self) -> None:
         if not self.warm_up(self.first_imports()):
             return
-        selector = self.selector
+        selector = selectors.DefaultSelector()
         selector.register(0, selectors.EVENT_READ)
         buffer = b""
         while True:
-            for key, _ in selector.select(POLL_SECONDS):
-                if key.fd != 0:
-                    self.read_host_answers()
-                    continue
+            if selector.select(POLL_SECONDS):
                 chunk = os.read(0, 65536)
                 if not chunk:
                     return  # dsat closed the channel: stop
                 buffer += chunk
                 while b"\n" in buffer:
                     line, buffer = buffer.split(b"\n", 1)
-                    self.start_trial(json.loads(line))
+                    self.fork_trial(json.loads(line), [self.out_fd, selector.fileno()])
             if not self.reap():
                 self.wait_for_children()
                 return
 
-    def start_trial(self, request: dict[str, Any]) -> None:
-        host = self.host
-        # What a child must not keep open: a trial holding the host's requests' pipe would keep
-        # the host from ever seeing it closed.
-        channels = [self.out_fd, self.selector.fileno()]
-        if host is not None:
-            channels += [host.requests, host.answers]
-        if request.get("host") and not self.host_failed and not (host and host.busy):
-            self.host_trial(request, channels)
-        else:
-            self.fork_trial(request, channels)
+    def serve_in_itself(self) -> None:
+        """The trial host: run each requested trial in this process, until dsat closes the
+        channel or a trial leaves the process unfit for the next."""
+        from dsat.runners.local.trial_host import TrialHost  # imports this module
+
+        shutil.rmtree(self.modules_dir, ignore_errors=True)  # nothing is forked to learn from
+        # Stopping a trial stops its process, as a trial's own: the next gets a new host.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        import_quietly(self.first_imports())
+        host = TrialHost()
+        for line in sys.stdin.buffer:
+            request = json.loads(line)
+            self.send({"event": "started", "pid": os.getpid(), "host": True})
+            returncode, leaks = host.run(request)
+            if leaks:  # said first, so that no trial is sent to a host on its way out
+                self.send({"event": "leaving", "reason": "; ".join(leaks)})
+            self.send({"event": "exited", "pid": os.getpid(), "returncode": returncode})
+            if leaks:
+                print(f"dsat: this trial host leaves: {'; '.join(leaks)}", flush=True)
+                return
 
     def wait_for_children(self) -> None:
-        """A cold worker still reports the trials it started before it leaves (a host leaves
-        once its trial ends, as its requests' pipe is closed)."""
-        if self.host is not None:
-            with contextlib.suppress(OSError):
-                os.close(self.host.requests)
+        """A cold worker still reports the trials it started before it leaves."""
         while self.children:
             self.report_exit(*os.waitpid(-1, 0))
 
@@ -518,6 +411,9 @@ def _stop(signum: int, frame: object) -> None:
 
 
 def main(argv: list[str]) -> None:
+    hosting = len(argv) > 1 and argv[1] == "--host"
+    if hosting:
+        argv = [argv[0], *argv[2:]]
     if "--" not in argv[3:] or len(argv) - argv.index("--") < 3:
         sys.exit(f"usage: python -m dsat.runners.local.fork_server {USAGE}")
     split = argv.index("--")
@@ -533,7 +429,10 @@ def main(argv: list[str]) -> None:
         try:
             signal.signal(signal.SIGTERM, _stop)
             die_with(int(argv[1]))
-            server.serve()
+            if hosting:
+                server.serve_in_itself()
+            else:
+                server.serve()
         finally:  # serving is over, however it ended: a SIGTERM now changes nothing
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
     except (Stop, KeyboardInterrupt, BrokenPipeError):

@@ -254,53 +254,41 @@ class LocalRunner:
         )
 
     def _fork_warm(
-        self,
-        directory: Path,
-        slots: list[str],
-        log: IO[bytes],
-        log_path: Path,
-        length: int,
-        host: bool = True,
+        self, directory: Path, slots: list[str], log: IO[bytes], log_path: Path, length: int
     ) -> TrialProcess | None:
-        """The trial forked from its slot's warm worker (or run in its trial host, unless not
-        ``host``), or None if it must start fresh."""
+        """The trial forked from its slot's warm worker (or run in it, the slot's trial host),
+        or None if it must start fresh."""
         if self.warm_workers is None:
             return None
-        hosted = host and self.warm_workers.host
-        start = log.tell()
-        mark = HOST_TRIAL_MARK if hosted else WARM_TRIAL_MARK
+        mark = HOST_TRIAL_MARK if self.warm_workers.host else WARM_TRIAL_MARK
         log.write(f"$ {' '.join(self.warm_workers.command)}  {mark}\n".encode())
         log.flush()
         worker_env = self.slot_environment(slots)
         if self.pool.on_gpu:  # torch.cuda.is_available() without starting CUDA before a fork
             worker_env["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
         env = self.environment(directory, slots, free_ports(3), length)
-        process = self.warm_workers.run(slots[0], worker_env, directory, env, log_path, host)
+        process = self.warm_workers.run(slots[0], worker_env, directory, env, log_path)
         if process is None:
-            log.seek(start)
+            log.seek(0)
             log.truncate()
         return process
 
     def _confirm_oom(self, trial: RunningTrial) -> None:
-        """Run a trial that ran out of memory in a trial host again in a process of its own:
-        what a host's earlier trials left on the device must not be blamed on a configuration,
+        """Run a trial that ran out of memory in a trial host again in a fresh process: what
+        the host's earlier trials left on the device must not be blamed on a configuration,
         whose OOM bounds the search."""
+        trial.log.seek(0, os.SEEK_END)  # after what the host wrote to it
         trial.log.write(
-            b"\ndsat: out of memory in the trial host; running it again in a process of its own "
+            b"\ndsat: out of memory in the trial host; running it again in a fresh process "
             b"before the configuration is blamed\n"
         )
         trial.log.flush()
         prepare_trial_directory(
             trial.directory, self.model_dir, self.includes, trial.hparams, self.results_dir
         )
-        process = self._fork_warm(
-            trial.directory, trial.slots, trial.log, trial.log_path, trial.length, host=False
+        trial.process, _ = self.spawn(
+            trial.directory, trial.slots, trial.log, trial.log, trial.length
         )
-        if process is None:
-            process, _ = self.spawn(
-                trial.directory, trial.slots, trial.log, trial.log, trial.length
-            )
-        trial.process = process
         trial.oom_kills_at_start = oom_kill_count()
 
     def _ran_out_of_memory_hosted(self, trial: RunningTrial) -> bool:

@@ -51,7 +51,7 @@ class WarmProcess:
     def __init__(self, pid: int, log_path: Path, hosted: bool = False) -> None:
         self.pid = pid
         self.log_path = log_path
-        self.hosted = hosted  # run in the slot's trial host, not forked
+        self.hosted = hosted  # run in its worker, the slot's trial host, not forked
         self.returncode: int | None = None
         self._done = threading.Event()
 
@@ -79,7 +79,9 @@ class WarmWorker:
         env: dict[str, str],
         log_path: Path,
         includes: Sequence[Path] = (),
+        host: bool = False,
     ) -> None:
+        """``host``: the worker runs its trials in itself, one after another (``trial_host``)."""
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = log_path
         self._log: IO[bytes] = log_path.open("ab")
@@ -88,6 +90,7 @@ class WarmWorker:
                 sys.executable,
                 "-m",
                 "dsat.runners.local.fork_server",
+                *(["--host"] if host else []),
                 str(os.getpid()),
                 str(model_dir),
                 *map(str, includes),
@@ -102,6 +105,8 @@ class WarmWorker:
             start_new_session=True,
         )
         self.cold_reason: str | None = None
+        self.lost_a_trial = False  # it exited while a trial of it ran
+        self.leaving = False  # a trial host that serves no more trials (a trial leaked)
         self._replies: queue.Queue[WarmProcess | str] = queue.Queue()
         self._pending: dict[int, WarmProcess] = {}
         self._log_paths: queue.Queue[Path] = queue.Queue()
@@ -110,7 +115,7 @@ class WarmWorker:
 
     @property
     def alive(self) -> bool:
-        return self.cold_reason is None and self.process.poll() is None
+        return self.cold_reason is None and not self.leaving and self.process.poll() is None
 
     def _read(self) -> None:
         assert self.process.stdout is not None  # stdout=PIPE
@@ -130,6 +135,8 @@ class WarmWorker:
                 finished = self._pending.pop(int(event["pid"]), None)
                 if finished is not None:
                     finished.exited(int(event["returncode"]))
+            elif kind == "leaving":
+                self.leaving = True
             elif kind == "cold":
                 self.cold_reason = str(event.get("reason"))
                 self._replies.put(self.cold_reason)
@@ -138,6 +145,7 @@ class WarmWorker:
     def _lost(self) -> None:
         """The worker is gone: its trials (killed with it) end as errors that say why."""
         self.cold_reason = self.cold_reason or "the warm worker exited"
+        self.lost_a_trial = bool(self._pending)
         for trial in list(self._pending.values()):
             with contextlib.suppress(OSError), trial.log_path.open("ab") as log:
                 log.write(b"\ndsat: the warm worker that ran this trial exited; trial stopped\n")
@@ -146,24 +154,12 @@ class WarmWorker:
         self._replies.put(self.cold_reason)
 
     def run(
-        self,
-        command: Sequence[str],
-        cwd: Path,
-        env: dict[str, str],
-        log_path: Path,
-        host: bool = False,
+        self, command: Sequence[str], cwd: Path, env: dict[str, str], log_path: Path
     ) -> WarmProcess | None:
-        """Fork a trial (``host``: run it in the slot's trial host); None when this worker
-        cannot (the caller starts it fresh)."""
+        """Fork a trial; None when this worker cannot (the caller starts it fresh)."""
         if not self.alive:
             return None
-        request = {
-            "argv": list(command),
-            "cwd": str(cwd),
-            "env": env,
-            "log": str(log_path),
-            "host": host,
-        }
+        request = {"argv": list(command), "cwd": str(cwd), "env": env, "log": str(log_path)}
         self._log_paths.put(log_path)
         try:
             assert self.process.stdin is not None  # stdin=PIPE
@@ -204,7 +200,7 @@ class WarmWorkers:
         logs_dir: Path,
         host: bool = False,
     ) -> None:
-        """``host``: each worker runs its trials in a trial host (``trial_host``)."""
+        """``host``: each worker is its slot's trial host (``trial_host``)."""
         self.host = host
         self.command = list(command)
         self.model_dir = model_dir
@@ -220,25 +216,32 @@ class WarmWorkers:
         cwd: Path,
         env: dict[str, str],
         log_path: Path,
-        host: bool = True,
     ) -> WarmProcess | None:
-        """The trial on ``slot`` forked from its worker (or, with ``host`` and a runner that
-        hosts trials, in its trial host), or None: start it fresh."""
+        """The trial on ``slot`` forked from its worker, or None: start it fresh."""
         if slot in self.cold:
             return None
         worker = self.workers.get(slot)
         if worker is None or not worker.alive:
             if worker is not None:
                 worker.close()
+                if self.host and worker.lost_a_trial:  # a crash, or a trial stopped in it
+                    self.cold[slot] = "its trial host ended during a trial"
+                    logger.info(
+                        "slot %s: trials start in fresh processes from now on (%s)",
+                        slot,
+                        self.cold[slot],
+                    )
+                    return None
             worker = WarmWorker(
                 self.command,
                 self.model_dir,
                 worker_env,
                 self.logs_dir / WORKER_LOG.format(slot=slot),
                 self.includes,
+                self.host,
             )
             self.workers[slot] = worker
-        trial = worker.run(self.command, cwd, env, log_path, self.host and host)
+        trial = worker.run(self.command, cwd, env, log_path)
         if trial is None and worker.cold_reason is not None:
             self.cold[slot] = worker.cold_reason
             logger.info(

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from dsat.runners.local.runner import LocalRunner
+from dsat.runners.local.runner import HOST_TRIAL_MARK, LocalRunner
 from dsat.runners.local.slots import SlotPool
 from dsat.runners.local.trial_timeout import TrialTimeout
 from dsat.trial import TrialOutcome, TrialStatus
@@ -20,13 +20,14 @@ from tests.conftest import REPO_ROOT
 FIXTURES = Path(__file__).parent.parent / "fixtures"
 
 JOB = """
-import json, os, threading, time
+import json, os, sys, threading, time
 import job_helper  # the trial's own module: imported anew by each trial
 job_helper.COUNT += 1
 hparams = json.load(open(os.environ["DSAT_HPARAMS_FILE"]))
 mode = hparams.get("mode", "complete")
 values = {"pid": os.getpid(), "parent": os.getppid(), "count": job_helper.COUNT}
 values["left_over"] = int("LEFT_BY_A_TRIAL" in os.environ)
+values["stdin_empty"] = int(sys.stdin.read() == "")  # not the host's requests
 os.environ["LEFT_BY_A_TRIAL"] = "1"
 if mode == "thread":
     threading.Thread(target=time.sleep, args=(600,), name="left-running", daemon=True).start()
@@ -93,12 +94,12 @@ def test_trials_run_one_after_another_in_one_host_each_as_if_fresh(tmp_path: Pat
         worker = ex.warm_workers.workers["cpu0"].process.pid
     finally:
         ex.close()
-    pids = {pid(o) for o in outcomes}
-    assert len(pids) == 1 and worker not in pids  # the host, a child of the worker
-    assert {int(o.metrics["parent"]) for o in outcomes} == {worker}
+    assert {pid(o) for o in outcomes} == {worker}  # the worker is the host: nothing forked
+    assert {int(o.metrics["parent"]) for o in outcomes} == {os.getpid()}
     # Each trial imported its own module anew and found no environment a trial left.
     assert [int(o.metrics["count"]) for o in outcomes] == [1, 1, 1]
     assert [int(o.metrics["left_over"]) for o in outcomes] == [0, 0, 0]
+    assert [int(o.metrics["stdin_empty"]) for o in outcomes] == [1, 1, 1]
 
 
 def test_a_failure_or_an_oom_in_the_host_is_the_trial_s_and_the_host_goes_on(
@@ -115,9 +116,9 @@ def test_a_failure_or_an_oom_in_the_host_is_the_trial_s_and_the_host_goes_on(
     assert failed.status is TrialStatus.ERROR and "the script failed" in (failed.error or "")
     assert oom.status is TrialStatus.OOM
     assert pid(first) == pid(last)
-    # The OOM was confirmed in a process of its own before it counted.
+    # The OOM was confirmed in a fresh process before it counted.
     oom_log = next((tmp_path / "results" / "logs").glob("003-*.log")).read_text()
-    assert "running it again in a process of its own" in oom_log
+    assert "running it again in a fresh process" in oom_log
 
 
 def test_an_oom_in_the_host_that_a_process_of_its_own_does_not_repeat_is_not_an_oom(
@@ -131,7 +132,7 @@ def test_an_oom_in_the_host_that_a_process_of_its_own_does_not_repeat_is_not_an_
     finally:
         ex.close()
     assert (tmp_path / "flag").exists()  # it did run out of memory in the host
-    assert pid(confirmed) not in (pid(first), pid(last))  # then completed in a fork
+    assert pid(confirmed) not in (pid(first), pid(last))  # then completed in a fresh process
     assert pid(first) == pid(last)
 
 
@@ -144,12 +145,18 @@ def test_a_host_a_trial_left_a_thread_in_is_replaced(tmp_path: Path) -> None:
     finally:
         ex.close()
     assert pid(leaking) != pid(after) == pid(again)
-    log = (tmp_path / "results" / "logs").glob("001-*.log")
-    assert "this trial host is replaced: thread 'left-running'" in next(log).read_text()
+    logs = tmp_path / "results" / "logs"
+    assert (
+        "this trial host is replaced: thread 'left-running'"
+        in next(logs.glob("001-*.log")).read_text()
+    )
+    assert "this trial host leaves" in (logs / "warm-worker-cpu0.log").read_text()
 
 
 @pytest.mark.parametrize("mode", ["crash", "hang"])
-def test_after_a_host_died_during_a_trial_the_slot_s_trials_fork(tmp_path: Path, mode: str) -> None:
+def test_after_a_host_died_during_a_trial_the_slot_s_trials_start_fresh(
+    tmp_path: Path, mode: str
+) -> None:
     ex = job_runner(tmp_path, timeout=20.0)
     try:
         first = run(ex, 0, {})
@@ -159,9 +166,9 @@ def test_after_a_host_died_during_a_trial_the_slot_s_trials_fork(tmp_path: Path,
         ex.close()
     expected = TrialStatus.TIMEOUT if mode == "hang" else TrialStatus.ERROR
     assert died.status is expected
-    assert len({pid(first), *(pid(o) for o in later)}) == 3  # forked: a process each
-    worker_log = (tmp_path / "results" / "logs" / "warm-worker-cpu0.log").read_text()
-    assert "ended during a trial" in worker_log
+    assert len({pid(first), *(pid(o) for o in later)}) == 3  # a process each
+    logs = sorted((tmp_path / "results" / "logs").glob("[0-9]*.log"))
+    assert [HOST_TRIAL_MARK in log.read_text() for log in logs] == [True, True, False, False]
 
 
 @pytest.mark.slow
