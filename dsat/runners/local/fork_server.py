@@ -236,6 +236,12 @@ def become_trial(request: dict[str, Any], channels: list[int], worker: int) -> N
     for fd in channels:
         with contextlib.suppress(OSError):
             os.close(fd)
+    take_on_trial(request)
+
+
+def take_on_trial(request: dict[str, Any]) -> None:
+    """This process takes on the trial's log (stdin empty), directory, environment and threads,
+    and NumPy's generator is seeded afresh, as in a new interpreter."""
     log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)

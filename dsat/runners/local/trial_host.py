@@ -23,7 +23,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from dsat.runners.local.fork_server import run_entry, set_trial_threads
+from dsat.runners.local.fork_server import run_entry, take_on_trial
 from dsat.runners.local.process_reset import ProcessBaseline, one_trial
 
 
@@ -48,24 +48,10 @@ class TrialHost:
     def run(self, request: dict[str, Any]) -> tuple[int, list[str]]:
         """One trial (a fork server's request), its output in its log: the exit status it would
         have had, and why this host cannot serve another (empty: it can)."""
-        log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        os.close(log)
-        os.close(null)
         code, leaks = 1, []
         try:
-            cwd = Path(request["cwd"])
-            with one_trial(self.baseline, cwd) as traces:
-                os.chdir(cwd)
-                os.environ.clear()
-                os.environ.update(request["env"])
-                set_trial_threads()
-                numpy = sys.modules.get("numpy")
-                if numpy is not None:  # a fresh interpreter seeds numpy's generator afresh
-                    numpy.random.seed()
+            with one_trial(self.baseline, Path(request["cwd"])) as traces:
+                take_on_trial(request)
                 code = run_entry(list(request["argv"]))
                 traces.run_exit_callbacks()  # as the interpreter would at the trial's exit
             leaks = self.baseline.leaks()
