@@ -95,6 +95,7 @@ class ProcessBaseline:
         """Put the process back as it was: every engine destroyed, DeepSpeed's and the trial's
         process-wide changes undone, and the modules the trial imported from ``trial_dir``
         forgotten, so that the next trial imports them anew."""
+        gc.collect()  # what the trial dropped is not an engine to destroy
         destroy_engines()
         for callback, _, _ in traces.exit_callbacks:
             atexit.unregister(callback)
@@ -121,6 +122,7 @@ class ProcessBaseline:
         """What the last trial left that restoring could not take back: threads it started,
         engines still alive, device memory still allocated. Empty for a process as good as
         new."""
+        gc.collect()  # once, for the engines and the device memory below
         found = [
             f"thread {t.name!r} still running"
             for t in threading.enumerate()
@@ -189,14 +191,13 @@ def forget_modules(names: set[str], trial_dir: Path) -> None:
 
 
 def device_memory_held() -> int:
-    """Bytes torch still has allocated on this process's GPU, once its cache is emptied (0
-    before CUDA started): a trial host holds no tensors of its own between trials, so what is
+    """Bytes torch still has allocated on this process's GPU, once its cache is emptied and
+    after a collection (0 before CUDA started): a trial host holds no tensors of its own between trials, so what is
     left is a trial's, and would turn into false out-of-memory failures of the next."""
     torch = sys.modules.get("torch")
     cuda = getattr(torch, "cuda", None)
     if cuda is None or not cuda.is_initialized():
         return 0
-    gc.collect()
     cuda.empty_cache()
     return int(cuda.memory_allocated())
 
@@ -205,12 +206,11 @@ def device_memory_held() -> int:
 
 
 def live_engines() -> list[Any]:
-    """Every DeepSpeed engine this process still holds."""
+    """Every DeepSpeed engine this process still holds (or held, until the next collection)."""
     engine_module = sys.modules.get("deepspeed.runtime.engine")
     if engine_module is None:
         return []
     engine_class = engine_module.DeepSpeedEngine
-    gc.collect()
     # By type, not isinstance: that also asks objects for __class__, which some answer with a
     # deprecation warning (torch.distributed.reduce_op).
     return [o for o in gc.get_objects() if issubclass(type(o), engine_class)]

@@ -34,7 +34,12 @@ from dsat.runners.local.entrypoint import (
 )
 from dsat.runners.local.full_run import FULL_RUN_DIR, run_to_the_end
 from dsat.runners.local.slots import SlotPool
-from dsat.runners.local.trial_outcome import classify, oom_kill_count, oom_killed_since
+from dsat.runners.local.trial_outcome import (
+    TrialEnd,
+    classify,
+    oom_kill_count,
+    oom_killed_since,
+)
 from dsat.runners.local.trial_processes import TrialProcess, guarded, kill_process_group
 from dsat.runners.local.trial_timeout import TrialTimeout
 from dsat.runners.local.warm_trials import WarmWorkers, warm_command
@@ -291,18 +296,16 @@ class LocalRunner:
         )
         trial.oom_kills_at_start = oom_kill_count()
 
-    def _ran_out_of_memory_hosted(self, trial: RunningTrial) -> bool:
-        if not getattr(trial.process, "hosted", False):
-            return False
-        status = classify(
+    def _classified(self, trial: RunningTrial, timed_out: bool) -> TrialEnd:
+        """What the finished trial's exit, outcome file and log say about it."""
+        return classify(
             trial.directory,
             trial.log_path,
             trial.process.returncode,
-            False,
+            timed_out,
             self.timeout.seconds,
             oom_killed_since(trial.oom_kills_at_start),
-        )[0]
-        return status is TrialStatus.OOM
+        )
 
     def wait(self) -> TrialOutcome:
         while True:
@@ -313,24 +316,18 @@ class LocalRunner:
                     continue
                 if timed_out:
                     self._kill(trial)
-                elif self._ran_out_of_memory_hosted(trial):
+                end = self._classified(trial, timed_out)
+                if end.status is TrialStatus.OOM and getattr(trial.process, "hosted", False):
                     self._confirm_oom(trial)
                     continue
-                return self._finish(trial, timed_out)
+                return self._finish(trial, end)
             time.sleep(POLL_SECONDS)
 
-    def _finish(self, trial: RunningTrial, timed_out: bool) -> TrialOutcome:
+    def _finish(self, trial: RunningTrial, classified: TrialEnd) -> TrialOutcome:
         del self.running[trial.request_id]
         trial.log.close()
         self.pool.give_back(trial.slots)
-        status, metrics, error, cause = classify(
-            trial.directory,
-            trial.log_path,
-            trial.process.returncode,
-            timed_out,
-            self.timeout.seconds,
-            oom_killed_since(trial.oom_kills_at_start),
-        )
+        status, metrics, error, cause = classified
         end = self.now()
         if status is TrialStatus.COMPLETED:  # the first to complete is the model-profile trial
             self.timeout.profile_finished(end - trial.start)

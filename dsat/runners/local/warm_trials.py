@@ -225,12 +225,7 @@ class WarmWorkers:
             if worker is not None:
                 worker.close()
                 if self.host and worker.lost_a_trial:  # a crash, or a trial stopped in it
-                    self.cold[slot] = "its trial host ended during a trial"
-                    logger.info(
-                        "slot %s: trials start in fresh processes from now on (%s)",
-                        slot,
-                        self.cold[slot],
-                    )
+                    self._go_cold(slot, "its trial host ended during a trial", worker.log_path)
                     return None
             worker = WarmWorker(
                 self.command,
@@ -243,14 +238,17 @@ class WarmWorkers:
             self.workers[slot] = worker
         trial = worker.run(self.command, cwd, env, log_path)
         if trial is None and worker.cold_reason is not None:
-            self.cold[slot] = worker.cold_reason
-            logger.info(
-                "slot %s: trials start in fresh processes from now on (%s; see %s)",
-                slot,
-                worker.cold_reason,
-                worker.log_path,
-            )
+            self._go_cold(slot, worker.cold_reason, worker.log_path)
         return trial
+
+    def _go_cold(self, slot: str, reason: str, log_path: Path) -> None:
+        self.cold[slot] = reason
+        logger.info(
+            "slot %s: trials start in fresh processes from now on (%s; see %s)",
+            slot,
+            reason,
+            log_path,
+        )
 
     def close(self) -> None:
         for worker in self.workers.values():
