@@ -37,6 +37,7 @@ import atexit
 import contextlib
 import gc
 import importlib
+import importlib.machinery
 import json
 import os
 import runpy
@@ -69,12 +70,22 @@ def script_imports(source: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+# What a file that Python imports as a module ends with (importlib.machinery's suffixes).
+MODULE_SUFFIXES = tuple(importlib.machinery.all_suffixes())
+
+
 def local_names(model_dir: Path, includes: Sequence[Path]) -> set[str]:
-    """The top-level module names a trial's directory provides: the model dir's files and
+    """The top-level module names a trial's directory provides: the model dir's modules and
     folders, and each include (copied beside them). Each trial imports those from its own copy;
-    the worker never does, or it would hand trials a namesake from site-packages."""
+    the worker never does, or it would hand trials a namesake from site-packages. Only what
+    Python can import counts: the ``deepspeed.yaml`` beside every script is no module named
+    ``deepspeed``."""
     entries = [*model_dir.iterdir(), *includes] if model_dir.is_dir() else list(includes)
-    return {entry.name if entry.is_dir() else entry.name.split(".")[0] for entry in entries}
+    return {
+        entry.name if entry.is_dir() else entry.name.split(".")[0]
+        for entry in entries
+        if entry.is_dir() or entry.name.endswith(MODULE_SUFFIXES)
+    }
 
 
 def is_local(name: str, local: set[str]) -> bool:

@@ -120,14 +120,17 @@ class ProcessBaseline:
 
     def leaks(self) -> list[str]:
         """What the last trial left that restoring could not take back: threads it started,
-        engines still alive, device memory still allocated. Empty for a process as good as
-        new."""
+        engines still alive, device memory still allocated, torch or DeepSpeed state the
+        baseline never saw. Empty for a process as good as new."""
         gc.collect()  # once, for the engines and the device memory below
         found = [
             f"thread {t.name!r} still running"
             for t in threading.enumerate()
             if t.ident not in self.threads and t.is_alive()
         ]
+        for name, known in (("torch", self.torch_state), ("deepspeed", self.deepspeed_state)):
+            if name in sys.modules and not known:  # restore() cannot put back what it never saw
+                found.append(f"{name} was first imported by a trial, after the baseline")
         alive = len(live_engines())
         if alive:
             found.append(f"{alive} DeepSpeed engine(s) still alive")

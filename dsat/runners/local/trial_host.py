@@ -26,18 +26,24 @@ from typing import Any
 from dsat.runners.local.fork_server import run_entry, take_on_trial
 from dsat.runners.local.process_reset import ProcessBaseline, one_trial
 
+# What a host imports before it takes its baseline (process_reset puts back only what it knew).
+HOST_IMPORTS = ("deepspeed", "torch._dynamo")
+
 
 class TrialHost:
     """This process, as the host of trials: its state as each trial must find it, and where its
     own output goes between trials."""
 
     def __init__(self) -> None:
-        # DeepSpeed imports torch._dynamo in its first initialize, and dynamo wraps torch
-        # functions as it loads: imported now, the wrapped ones are what every trial is put
-        # back to.
-        if "torch" in sys.modules:
+        # The baseline knows only what is imported when it is taken, so DeepSpeed (and torch)
+        # come first, whatever the script imports at its top: a script that reaches DeepSpeed
+        # through another library (HF's Trainer imports it lazily) would otherwise leave every
+        # ZeRO-3 trial's engine alive. DeepSpeed imports torch._dynamo in its first initialize,
+        # and dynamo wraps torch functions as it loads: imported now, the wrapped ones are what
+        # every trial is put back to.
+        for name in HOST_IMPORTS:
             with contextlib.suppress(Exception):
-                importlib.import_module("torch._dynamo")
+                importlib.import_module(name)
         self.baseline = ProcessBaseline.capture()
         # What is here now stays: out of the collections that putting a process back runs
         # (several a trial; over all of torch's and DeepSpeed's objects, 0.4 s on the CPU).

@@ -34,12 +34,17 @@ def test_the_model_dirs_modules_and_the_includes_are_local(tmp_path: Path) -> No
     (model / "pkg").mkdir(parents=True)
     (model / "model.py").write_text("")
     (model / "fast.cpython-311-x86_64-linux-gnu.so").write_text("")
+    # Beside every script: the experiment config and the DeepSpeed config, not modules. Counted
+    # as local, a ``deepspeed.yaml`` kept the worker from importing DeepSpeed for its trials.
+    (model / "deepspeed.yaml").write_text("")
+    (model / "ds_config.json").write_text("")
     (tmp_path / "extra").mkdir()
     (tmp_path / "helpers.py").write_text("")
     local = local_names(model, [tmp_path / "extra", tmp_path / "helpers.py"])
     assert local == {"pkg", "model", "fast", "extra", "helpers"}
     assert is_local("pkg.sub", local) and is_local("helpers", local)
     assert not is_local("json", local)
+    assert not is_local("deepspeed", local) and not is_local("ds_config", local)
 
 
 def setup(tmp_path: Path, script: str) -> tuple[Path, Path, dict[str, str]]:

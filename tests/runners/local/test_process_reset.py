@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import json
 import os
 import subprocess
@@ -69,6 +70,16 @@ def test_a_thread_the_trial_left_running_is_a_leak(tmp_path: Path) -> None:
         stop.set()
         left.join()
     assert baseline.leaks() == []
+
+
+def test_deepspeed_the_baseline_never_saw_is_a_leak() -> None:
+    """Its process-wide state cannot be put back (a host imports it before its baseline)."""
+    import deepspeed  # noqa: F401
+
+    baseline = ProcessBaseline.capture()
+    assert baseline.leaks() == []
+    unseen = dataclasses.replace(baseline, deepspeed_state={})
+    assert any("deepspeed was first imported by a trial" in leak for leak in unseen.leaks())
 
 
 @pytest.mark.gpu
