@@ -32,6 +32,7 @@ from typing import Any
 from dsat.atomic_file import write_json_atomic
 from dsat.constants import AUTOTUNING_KEY, ENV_HPARAMS_FILE
 from dsat.experiment.config import load_experiment
+from dsat.runners.local.entrypoint import interpreter_first
 from dsat.runners.local.runner import COPY_IGNORE, HPARAMS_FILE, LocalRunner
 from dsat.runners.local.slots import SlotPool
 from dsat.runners.local.trial_timeout import TrialTimeout
@@ -55,9 +56,12 @@ def search_trial(mbs: int) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def trial_environment() -> dict[str, str]:
+    """The environment of a user whose venv is active: its ``ninja`` first on PATH, as in the
+    runner's trials (entrypoint.interpreter_first). With the system's ``ninja`` instead, the bare
+    script rebuilt DeepSpeed's CPU op (30-40 s) each time it ran after a runner's trial."""
     env = {k: v for k, v in os.environ.items() if k not in ("DET_MASTER", "CUDA_VISIBLE_DEVICES")}
     env.update({"DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)})
-    return env
+    return interpreter_first(env)
 
 
 def local_runner(work: Path, name: str, warm: bool, host: bool = False) -> LocalRunner:
@@ -193,9 +197,6 @@ def main() -> None:
         finally:
             for runner in runners.values():
                 runner.close()
-        # After the runners' trials: DeepSpeed's CPU op, built by torch for the environment it
-        # runs in, is built again for the bare script's and again for the next runner trial's
-        # (23 s each, 2026-11-26), which in turn would land on whichever trial came next.
         times["bare"] = [bare(work, hparams) for _ in range(args.repeats)]
         for n in range(args.demo_repeats):
             demos["warm"].append(demo(work, f"demo-warm-{n}"))
