@@ -81,6 +81,14 @@ def job_runner(tmp_path: Path, timeout: float = 60.0) -> LocalRunner:
     return host_runner(tmp_path, files, ["python3", "job.py"], timeout)
 
 
+def run_all(ex: LocalRunner, trials: list[dict[str, Any]]) -> list[TrialOutcome]:
+    """Each of ``trials`` (their hyperparameters) in turn, then the runner closed."""
+    try:
+        return [run(ex, n, hparams) for n, hparams in enumerate(trials)]
+    finally:
+        ex.close()
+
+
 def pid(outcome: TrialOutcome) -> int:
     assert outcome.status is TrialStatus.COMPLETED, outcome.error
     return int(outcome.metrics["pid"])
@@ -105,14 +113,8 @@ def test_trials_run_one_after_another_in_one_host_each_as_if_fresh(tmp_path: Pat
 def test_a_failure_or_an_oom_in_the_host_is_the_trial_s_and_the_host_goes_on(
     tmp_path: Path,
 ) -> None:
-    ex = job_runner(tmp_path)
-    try:
-        first = run(ex, 0, {})
-        failed = run(ex, 1, {"mode": "raise"})
-        oom = run(ex, 2, {"mode": "oom"})
-        last = run(ex, 3, {})
-    finally:
-        ex.close()
+    trials = [{}, {"mode": "raise"}, {"mode": "oom"}, {}]
+    first, failed, oom, last = run_all(job_runner(tmp_path), trials)
     assert failed.status is TrialStatus.ERROR and "the script failed" in (failed.error or "")
     assert oom.status is TrialStatus.OOM
     assert pid(first) == pid(last)
@@ -124,26 +126,15 @@ def test_a_failure_or_an_oom_in_the_host_is_the_trial_s_and_the_host_goes_on(
 def test_an_oom_in_the_host_that_a_process_of_its_own_does_not_repeat_is_not_an_oom(
     tmp_path: Path,
 ) -> None:
-    ex = job_runner(tmp_path)
-    try:
-        first = run(ex, 0, {})
-        confirmed = run(ex, 1, {"mode": "oom_once", "flag": str(tmp_path / "flag")})
-        last = run(ex, 2, {})
-    finally:
-        ex.close()
+    trials = [{}, {"mode": "oom_once", "flag": str(tmp_path / "flag")}, {}]
+    first, confirmed, last = run_all(job_runner(tmp_path), trials)
     assert (tmp_path / "flag").exists()  # it did run out of memory in the host
     assert pid(confirmed) not in (pid(first), pid(last))  # then completed in a fresh process
     assert pid(first) == pid(last)
 
 
 def test_a_host_a_trial_left_a_thread_in_is_replaced(tmp_path: Path) -> None:
-    ex = job_runner(tmp_path)
-    try:
-        leaking = run(ex, 0, {"mode": "thread"})
-        after = run(ex, 1, {})
-        again = run(ex, 2, {})
-    finally:
-        ex.close()
+    leaking, after, again = run_all(job_runner(tmp_path), [{"mode": "thread"}, {}, {}])
     assert pid(leaking) != pid(after) == pid(again)
     logs = tmp_path / "results" / "logs"
     assert (
@@ -157,13 +148,7 @@ def test_a_host_a_trial_left_a_thread_in_is_replaced(tmp_path: Path) -> None:
 def test_after_a_host_died_during_a_trial_the_slot_s_trials_start_fresh(
     tmp_path: Path, mode: str
 ) -> None:
-    ex = job_runner(tmp_path, timeout=20.0)
-    try:
-        first = run(ex, 0, {})
-        died = run(ex, 1, {"mode": mode})
-        later = [run(ex, n, {}) for n in (2, 3)]
-    finally:
-        ex.close()
+    first, died, *later = run_all(job_runner(tmp_path, timeout=20.0), [{}, {"mode": mode}, {}, {}])
     expected = TrialStatus.TIMEOUT if mode == "hang" else TrialStatus.ERROR
     assert died.status is expected
     assert len({pid(first), *(pid(o) for o in later)}) == 3  # a process each
@@ -188,10 +173,7 @@ def test_zero_0_then_3_then_1_in_one_host(tmp_path: Path) -> None:
         {"stage": 3, "init": True, "end": "destroy"},
         {"stage": 1, "init": False, "end": "exit"},
     ]
-    try:
-        outcomes = [run(ex, n, hparams) for n, hparams in enumerate(trials)]
-    finally:
-        ex.close()
+    outcomes = run_all(ex, trials)
     assert len({pid(o) for o in outcomes}) == 1
     trial_dirs = sorted((tmp_path / "results" / "trials").iterdir())
     losses = [json.loads((d / "losses.json").read_text()) for d in trial_dirs]
