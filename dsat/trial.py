@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from collections.abc import Mapping
 from typing import Any
 
 from dsat.trial_failure import FailureCause
-from dsat.zero_space import explicit_zero_config, knob_tags
+from dsat.zero_space import explicit_zero_config, knob_tags, section_key
 
 
 def peak_memory_fraction(metrics: Mapping[str, Any]) -> float | None:
@@ -110,8 +111,19 @@ class TrialRecord:
     def zero_section(self) -> dict[str, Any]:
         """Its ``zero_optimization`` section with every knob of its stage spelled out (DeepSpeed's
         defaults where the config sets none), so that two trials' knobs can be compared."""
+        return dict(self._zero_section)
+
+    @functools.cached_property
+    def _zero_section(self) -> dict[str, Any]:
+        # Worked out once: a search compares its trials' knobs tens of thousands of times.
         zero = self.ds_config.get("zero_optimization")
         return explicit_zero_config(dict(zero) if isinstance(zero, dict) else {}, self.zero_stage)
+
+    @functools.cached_property
+    def zero_key(self) -> str:
+        """Its ZeRO section's identity (zero_space.section_key): equal for two trials with the
+        same knobs."""
+        return section_key(self._zero_section)
 
     @property
     def memory_fraction(self) -> float | None:

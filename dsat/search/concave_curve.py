@@ -16,6 +16,8 @@ import itertools
 import math
 from collections.abc import Mapping, Sequence
 
+import numpy as np
+
 # Relative measurement noise allowed for when a chord is extended.
 NOISE = 0.005
 
@@ -56,13 +58,15 @@ class CurveEvidence:
 MIN_CHORD_SPAN = 0.15
 
 
-def _extension(
-    p: tuple[float, float], q: tuple[float, float], toward: float, noise: float = NOISE
-) -> float:
-    """The value at ``toward`` of the chord p-q extended past q, raised by the noise."""
-    (m1, y1), (m2, y2) = p, q
-    slope = (y2 - y1) / (m2 - m1)
-    return (y2 + slope * (toward - m2)) * (1 + noise)
+@dataclasses.dataclass(frozen=True)
+class _Chord:
+    """The line through points ``i`` < ``j`` of a curve's sorted points."""
+
+    i: int
+    j: int
+    left: tuple[float, float]
+    right: tuple[float, float]
+    slope: float
 
 
 def _informative(a: tuple[float, float], b: tuple[float, float]) -> bool:
@@ -77,8 +81,19 @@ def _points(evidence: CurveEvidence) -> list[tuple[float, float]]:
     return points
 
 
+def _chords(points: list[tuple[float, float]]) -> list[_Chord]:
+    """Every informative chord between ``points`` (worked out once for all of a curve's gaps)."""
+    return [
+        _Chord(i, j, a, b, (b[1] - a[1]) / (b[0] - a[0]))
+        for i, a in enumerate(points)
+        for j in range(i + 1, len(points))
+        if _informative(a, b := points[j])
+    ]
+
+
 def _bound_between(
     points: list[tuple[float, float]],
+    chords: list[_Chord],
     left: int | None,
     right: int | None,
     lo: int,
@@ -86,22 +101,27 @@ def _bound_between(
     noise: float = NOISE,
 ) -> float:
     """The highest a concave curve through ``points`` can be on [lo, hi], which lies between
-    point index ``left`` and ``right`` (None: open on that side). Every chord on either side
-    bounds it; chords between close points are loose once noise is allowed for, so the
-    tightest of all of them counts."""
-    before = points[: left + 1] if left is not None else []
-    after = points[right:] if right is not None else []
-    chords = [(a, b) for i, a in enumerate(before) for b in before[i + 1 :] if _informative(a, b)]
-    chords += [(b, a) for i, a in enumerate(after) for b in after[i + 1 :] if _informative(a, b)]
-    if not chords:
+    point index ``left`` and ``right`` (None: open on that side). Every chord on either side,
+    extended past its end nearer the gap and raised by the noise, bounds it; chords between close
+    points are loose once noise is allowed for, so the tightest of all of them counts."""
+    # (the end the chord is extended from, its slope)
+    ends = [(c.right, c.slope) for c in chords if left is not None and c.j <= left]
+    ends += [(c.left, c.slope) for c in chords if right is not None and c.i >= right]
+    if not ends:
+        after = points[right:] if right is not None else []
         if after and after[0][1] > 0:
             # Below the smallest micro-batch tried, with nothing to its right to say the curve
             # falls: a smaller micro-batch is taken to be no faster (it only pays more overhead).
             return after[0][1]
         return math.inf
     count = min(hi - lo + 1, 17)
-    samples = {lo + round(i * (hi - lo) / max(count - 1, 1)) for i in range(count)}
-    return max(min(_extension(a, b, float(m), noise) for a, b in chords) for m in samples)
+    samples = np.array(
+        sorted({lo + round(i * (hi - lo) / max(count - 1, 1)) for i in range(count)}), dtype=float
+    )
+    # One row per chord, one column per sample: the tightest chord at each, the loosest sample.
+    lines = np.array([(x, y, slope) for (x, y), slope in ends])
+    x, y, slope = lines[:, 0:1], lines[:, 1:2], lines[:, 2:3]
+    return float(((y + slope * (samples[None, :] - x)) * (1 + noise)).min(axis=0).max())
 
 
 def _saturating_bound(points: list[tuple[float, float]], at: float, noise: float = NOISE) -> float:
@@ -128,6 +148,7 @@ def gaps(evidence: CurveEvidence) -> list[Gap]:
     runs (they bound the curve on both sides) and are untried themselves: each is bounded by its
     borrowed value."""
     points = _points(evidence)
+    chords = _chords(points)
     result: list[Gap] = []
     for m, y in evidence.borrowed.items():
         if m not in evidence.values and 1 <= m <= evidence.reach:
@@ -139,7 +160,7 @@ def gaps(evidence: CurveEvidence) -> list[Gap]:
             continue
         left = max((i for i, (m, _) in enumerate(points) if m < lo), default=None)
         right = min((i for i, (m, _) in enumerate(points) if m > hi), default=None)
-        bound = _bound_between(points, left, right, lo, hi, evidence.noise)
+        bound = _bound_between(points, chords, left, right, lo, hi, evidence.noise)
         if right is None and evidence.through_origin:
             bound = min(bound, _saturating_bound(points, hi, evidence.noise))
         result.append(Gap(lo, hi, bound))

@@ -18,7 +18,7 @@ from dsat.search.fit_ladder import offload_level
 from dsat.search.throughput_model import Observation, estimate
 from dsat.search.tracker import TrialTracker
 from dsat.trial import TrialKind, TrialRecord
-from dsat.zero_space import section_key, setting_tags
+from dsat.zero_space import setting_tags
 
 # Only trials measured within this of the best (about four times one measurement's noise) are
 # estimated: pooling moves a trial by a fraction of its noise, never past this.
@@ -52,7 +52,7 @@ def observations(tracker: TrialTracker) -> list[Observation]:
             continue
         value = measured(tracker, record)
         if value is not None:
-            key = section_key(record.zero_section)
+            key = record.zero_key
             # Grouped by stage and what it offloads: each offload has a curve of its own.
             group = (record.zero_stage, offload_level(record.zero_section))
             found[(key, record.mbs)] = Observation(
@@ -84,7 +84,7 @@ def denoised_score(tracker: TrialTracker) -> Score:
     metric = tracker.metric
 
     def score(record: TrialRecord) -> float:
-        key = section_key(record.zero_section)
+        key = record.zero_key
         value = estimated.get((key, record.mbs)) or measured(tracker, record)
         if not value:
             return -math.inf if metric.smaller_is_better else 0.0

@@ -20,6 +20,7 @@ Everything is derived from the tracker's records, so a resumed search plans the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import math
@@ -156,7 +157,7 @@ class ConfigState:
     def stage(self) -> int:
         return int(self.section["stage"])
 
-    @property
+    @functools.cached_property
     def family(self) -> tuple[int, int]:
         """Its stage and how much it offloads (fit_ladder.offload_level): configurations that
         differ in what they offload have memory limits apart, so each family has its own best
@@ -242,10 +243,11 @@ class GuidedSearch(DsatSearchMethod):
         for record in self.tracker.records:
             if record.kind is not TrialKind.SEARCH:
                 continue
-            section = record.zero_section
-            state = states.setdefault(
-                section_key(section), ConfigState(section, first_index=record.index)
-            )
+            state = states.get(record.zero_key)
+            if state is None:
+                state = states[record.zero_key] = ConfigState(
+                    record.zero_section, first_index=record.index
+                )
             value = measured(self.tracker, record)
             if value is not None:
                 state.values[record.mbs] = value

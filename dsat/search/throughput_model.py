@@ -23,6 +23,7 @@ and the alignments mbs_0 has.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Hashable, Sequence
 
@@ -72,10 +73,23 @@ def estimate(observations: Sequence[Observation], config: Hashable, mbs: int) ->
     points = [o for o in observations if o.group == group and o.value > 0]
     if not points:
         return None
-    weights = [math.exp(-((math.log(o.mbs / mbs) / BANDWIDTH) ** 2) / 2) for o in points]
-    used = [(o, w) for o, w in zip(points, weights, strict=True) if w >= MIN_WEIGHT]
-    if not any(o.config == config for o, _ in used):
+    near = tuple(o for o in points if _weight(o.mbs, mbs) >= MIN_WEIGHT)
+    if not any(o.config == config for o in near):
         return None
+    own = next(o.settings for o in points if o.config == config)
+    return _fit(near, config, own, mbs)
+
+
+def _weight(observed: int, mbs: int) -> float:
+    return math.exp(-((math.log(observed / mbs) / BANDWIDTH) ** 2) / 2)
+
+
+# A search asks again after each trial for the estimates of configurations whose neighbourhood
+# that trial did not change: the fit is worked out once for each.
+@functools.lru_cache(maxsize=4096)
+def _fit(near: tuple[Observation, ...], config: Hashable, own: tuple[str, ...], mbs: int) -> float:
+    """The estimate from the observations within the kernel, ``near``."""
+    used = [(o, _weight(o.mbs, mbs)) for o in near]
     configs = sorted({o.config for o, _ in used}, key=repr)
     # A setting is fitted where some configurations have it and some do not.
     everywhere = {s for s in used[0][0].settings if all(s in o.settings for o, _ in used)}
@@ -118,6 +132,5 @@ def estimate(observations: Sequence[Observation], config: Hashable, mbs: int) ->
     rhs = np.concatenate([targets * sqrt_w, np.zeros(len(priors))])
     solution, *_ = np.linalg.lstsq(design, rhs, rcond=None)
     aligned = sum(solution[tile_column[k]] for k in tiles if mbs % k == 0)
-    own = next(o.settings for o in points if o.config == config)
     set_here = sum(solution[setting_column[s]] for s in own if s in setting_column)
     return float(math.exp(solution[0] + solution[column[config]] + aligned + set_here))

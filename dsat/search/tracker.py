@@ -46,6 +46,8 @@ class TrialTracker:
         self.memory_margin = memory_margin
         self._records: dict[str, TrialRecord] = {}
         self._keys: set[str] = set()
+        # The confirmation runs of each search trial, by its request id.
+        self._confirmations: dict[str, list[str]] = {}
         self.queue: list[str] = []
         self.trials_since_best = 0
         # The search trial the confirmation round chose, which is then the best there is.
@@ -75,6 +77,7 @@ class TrialTracker:
             return False
         self._keys.add(key)
         self._records[record.request_id] = record
+        self._index_confirmation(record)
         self._note_flops(record)
         if queue:
             self.enqueue([record.request_id])
@@ -92,6 +95,8 @@ class TrialTracker:
         """Forget a queued trial that will never run."""
         record = self._records.pop(request_id)
         self._keys.discard(config_key(record))
+        if record.kind is TrialKind.CONFIRM and record.parent_id is not None:
+            self._confirmations[record.parent_id].remove(request_id)
         self.queue.remove(request_id)
 
     def requeue(self, request_ids: list[str]) -> None:
@@ -141,11 +146,11 @@ class TrialTracker:
 
     def confirmation_runs(self, request_id: str) -> list[TrialRecord]:
         """The confirmation round's runs of the search trial ``request_id``."""
-        return [
-            r
-            for r in self._records.values()
-            if r.kind is TrialKind.CONFIRM and r.parent_id == request_id
-        ]
+        return [self._records[i] for i in self._confirmations.get(request_id, ())]
+
+    def _index_confirmation(self, record: TrialRecord) -> None:
+        if record.kind is TrialKind.CONFIRM and record.parent_id is not None:
+            self._confirmations.setdefault(record.parent_id, []).append(record.request_id)
 
     @property
     def model_profiles(self) -> list[TrialRecord]:
@@ -373,10 +378,12 @@ class TrialTracker:
     def load_json(self, data: dict[str, Any]) -> None:
         self._records = {}
         self._keys = set()
+        self._confirmations = {}
         for item in data["records"]:
             record = TrialRecord.from_json(item)
             self._records[record.request_id] = record
             self._keys.add(config_key(record))
+            self._index_confirmation(record)
         self.queue = list(data["queue"])
         self.trials_since_best = int(data["trials_since_best"])
         self.confirmed_id = data.get("confirmed_id")

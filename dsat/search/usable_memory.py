@@ -55,7 +55,7 @@ def fills_device(peak: float, margin: float, total: float) -> bool:
 
 
 def _config(record: TrialRecord) -> str:
-    return section_key(record.zero_section)
+    return record.zero_key
 
 
 def _rest(record: TrialRecord) -> str:
@@ -79,19 +79,24 @@ class PeakModel:
     def __init__(self, records: Sequence[TrialRecord]) -> None:
         self.points: dict[str, list[tuple[int, float]]] = {}
         self.sections: dict[str, TrialRecord] = {}
+        # The configurations measured, by stage and what moves their memory beyond buckets.
+        self.kin: dict[tuple[int, str], list[str]] = {}
         for record in records:
             peak = _peak(record)
             if peak is None or record.kind is TrialKind.MODEL_PROFILE:
                 continue
             key = _config(record)
             self.points.setdefault(key, []).append((record.mbs, peak))
-            self.sections.setdefault(key, record)
+            if key not in self.sections:
+                self.sections[key] = record
+                self.kin.setdefault((record.zero_stage, _rest(record)), []).append(key)
         profiles = [r for r in records if r.kind is TrialKind.MODEL_PROFILE]
         profile = profiles[-1] if profiles else None  # the fit ladder's last
         metrics: dict[str, Any] = profile.metrics if profile is not None else {}
         self.num_params = metrics.get("num_params")
         self.profile_per_sample = metrics.get("activation_mem_per_gpu")
         self._per_sample: dict[int, float | None] = {}
+        self._kin_buckets: dict[str, float] = {}  # each measured configuration's bucket bytes
 
     def per_sample(self, stage: int) -> float | None:
         """Bytes a sample adds at ``stage`` (worked out once)."""
@@ -126,17 +131,16 @@ class PeakModel:
             return peak + per_sample * (record.mbs - mbs)
         if not isinstance(self.num_params, (int, float)):
             return None
-        kin = [
-            key
-            for key, first in self.sections.items()
-            if first.zero_stage == record.zero_stage and _rest(first) == _rest(record)
-        ]
+        kin = self.kin.get((record.zero_stage, _rest(record)))
         if not kin:
             return None
         estimates = []
+        buckets = self._buckets(record)
         for key in kin:
             mbs, peak = min(self.points[key], key=lambda point: abs(point[0] - record.mbs))
-            moved = self._buckets(record) - self._buckets(self.sections[key])
+            if key not in self._kin_buckets:
+                self._kin_buckets[key] = self._buckets(self.sections[key])
+            moved = buckets - self._kin_buckets[key]
             estimates.append(peak + per_sample * (record.mbs - mbs) + moved)
         return min(estimates)
 
