@@ -24,8 +24,14 @@ $(DEV_STAMP): $(STAMP)
 
 venv: $(STAMP)
 
+# The search's and the simulator's tests are pure Python and start no process: they run on every
+# core at once. The rest start real DeepSpeed trials, which claim the machine's slots and are timed
+# (trial timeouts, stop signals), so they run one at a time.
+PARALLEL_TESTS := tests/search tests/runners/simulated
+
 test: $(STAMP)
-	DS_ACCELERATOR=cpu $(PY) -m pytest --durations=20
+	DS_ACCELERATOR=cpu $(PY) -m pytest -n auto --durations=5 $(PARALLEL_TESTS)
+	DS_ACCELERATOR=cpu $(PY) -m pytest --durations=20 $(addprefix --ignore=,$(PARALLEL_TESTS))
 
 lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff check dsat tests examples benchmarks

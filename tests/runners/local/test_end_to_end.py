@@ -357,10 +357,10 @@ def _descendants_alive(pids: list[int]) -> list[int]:
 
 
 def test_hanging_trial_is_stopped_by_the_timeout(tmp_path: Path) -> None:
-    run, results = binary_search(tmp_path, 2, "--trial-timeout", "30", DSAT_TEST_BEHAVIOUR="hang")
+    run, results = binary_search(tmp_path, 2, "--trial-timeout", "20", DSAT_TEST_BEHAVIOUR="hang")
     rows = trials(results)
     assert [row["status"] for row in rows] == ["completed", "timeout"]
-    assert "trial timeout of 30 s" in rows[1]["error"]
+    assert "trial timeout of 20 s" in rows[1]["error"]
     assert run.returncode == 1
     assert trial_processes(tmp_path) == []
 
