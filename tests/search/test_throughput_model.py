@@ -89,3 +89,16 @@ def test_an_aligned_micro_batch_keeps_its_own_level() -> None:
     assert aligned is not None and plain is not None
     assert aligned > 1.03 * plain
     assert aligned == pytest.approx(1.05 * throughput(128), rel=0.015)
+
+
+def test_an_estimate_follows_a_changed_measurement_though_fits_are_reused() -> None:
+    """The fit is worked out once per neighbourhood: a measurement that changes (a confirmation
+    run averaged in) changes the neighbourhood, and so the estimate."""
+    observations = curve("a", range(4, 21, 2))
+    before = estimate(observations, "a", 12)
+    raised = [
+        dataclasses.replace(o, value=o.value * 1.1) if o.mbs == 12 else o for o in observations
+    ]
+    after = estimate(raised, "a", 12)
+    assert before is not None and after is not None and after > before
+    assert estimate(observations, "a", 12) == before

@@ -193,3 +193,18 @@ def test_flops_count_the_model_once_so_zero3_does_not_win_on_a_double_count() ->
     again = tracker(Metric.FLOPS_PER_GPU)
     again.load_json(t.to_json())
     assert again.metric_value(again.get("z3")) == 306.0 * 189.4e6
+
+
+def test_confirmation_runs_are_found_after_a_round_trip_and_forgotten_when_discarded() -> None:
+    t = tracker()
+    t.add(record("a", 4))
+    t.add(record("a-confirm-0", 4, stage=2, parent="a", kind=TrialKind.CONFIRM))
+    t.add(record("a-confirm-1", 4, stage=3, parent="a", kind=TrialKind.CONFIRM))
+    t.add(record("b", 8, parent="a"))  # a search trial of its lineage is no confirmation run
+    assert [r.request_id for r in t.confirmation_runs("a")] == ["a-confirm-0", "a-confirm-1"]
+    again = tracker()
+    again.load_json(t.to_json())
+    assert [r.request_id for r in again.confirmation_runs("a")] == ["a-confirm-0", "a-confirm-1"]
+    again.discard("a-confirm-0")
+    assert [r.request_id for r in again.confirmation_runs("a")] == ["a-confirm-1"]
+    assert again.confirmation_runs("b") == []
