@@ -81,7 +81,8 @@ class SearchSettings:
     resume: str | None = None
     trial_timeout: float | None = None  # None: derived from the model-profile trial
     fresh_processes: bool = False  # local runner: no warm workers
-    trial_host: bool = False  # local runner: one-slot trials in a host per slot
+    # local runner: one-slot trials in a host per slot (None: on the CPU, not yet on a GPU)
+    trial_host: bool | None = None
     simulator: str | None = None
     ray_address: str | None = None  # ray runner: the cluster (else RAY_ADDRESS)
 

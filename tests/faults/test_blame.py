@@ -27,9 +27,12 @@ def retried_lines(stdout: str) -> list[str]:
 def test_faults_of_the_machine_are_run_again_and_said(tmp_path: Path) -> None:
     marks = tmp_path / "marks"
     marks.mkdir()
+    # Forked trials: a trial host's trials have no worker of their own to lose
+    # (tests/runners/local/test_trial_host.py kills a host mid-trial).
     run, results = binary_search(
         tmp_path,
         2,
+        "--no-trial-host",
         DSAT_TEST_FAULTS="profile:port,profile:kill_parent,search:kill_self",
         DSAT_TEST_FAULT_MARKS=str(marks),
     )

@@ -19,6 +19,13 @@ from dsat.runners.local.trial_timeout import TrialTimeout
 OPS_LOG = "deepspeed-ops.log"
 
 
+def hosts_trials(asked: bool | None, on_gpu: bool) -> bool:
+    """Whether one-slot trials run in a trial host: as asked (``--trial-host`` /
+    ``--no-trial-host``), else on the CPU, where a hosted trial was measured faster than a forked
+    one at the same throughput (benchmarks/README.md); on a GPU not until it is measured there."""
+    return (not on_gpu) if asked is None else asked
+
+
 @dataclasses.dataclass(frozen=True)
 class LocalSetup:
     settings: SearchSettings
@@ -67,7 +74,7 @@ class LocalSetup:
             self.experiment.slots_per_trial,
             timeout,
             warm=not self.settings.fresh_processes,
-            trial_host=self.settings.trial_host,
+            trial_host=hosts_trials(self.settings.trial_host, pool.on_gpu),
         )
         build_ops(
             ops_for_trials(self.experiment.ds_config, pool.on_gpu),

@@ -109,12 +109,14 @@ def test_small_search_writes_a_best_config_deepspeed_accepts(tmp_path: Path) -> 
     assert len(confirmations) >= 2 and "confirmation round" in run.stdout
     assert all(measured_a_window(row["metrics"]) for row in rows[1:])
     assert rows[0]["kind"] == "model_profile" and rows[0]["metrics"]["num_params"] > 0
-    # Trials were forked from warm workers (one per slot); the full run started fresh.
+    # Trials ran in trial hosts (one per slot: the CPU's default); the full run started fresh.
     trial_logs = sorted((results / "logs").glob("[0-9]*.log"))
     assert len(trial_logs) == 7 + len(confirmations)
-    assert all(WARM_MARK in log.read_text().splitlines()[0] for log in trial_logs)
+    assert all(HOST_TRIAL_MARK in log.read_text().splitlines()[0] for log in trial_logs)
     assert len(list((results / "logs").glob("warm-worker-cpu*.log"))) == 2
-    assert WARM_MARK not in (results / "logs" / "full-experiment.log").read_text()
+    full_log = (results / "logs" / "full-experiment.log").read_text()
+    assert WARM_MARK not in full_log and HOST_TRIAL_MARK not in full_log
+    assert json.loads((results / "settings.json").read_text())["trial_host"] is None
     # A normal run's logs hold no traceback (warm workers stopping at the end included).
     logs = (results / "logs").glob("*.log")
     assert not [log.name for log in logs if "Traceback" in log.read_text()]

@@ -10,7 +10,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from dsat.cli import parse_settings
 from dsat.runners.local.runner import WARM_TRIAL_MARK, LocalRunner, free_ports
+from dsat.runners.local.setup import hosts_trials
 from dsat.runners.local.slots import SlotPool
 from dsat.runners.local.trial_outcome import oom_kill_count
 from dsat.runners.local.trial_timeout import TrialTimeout
@@ -166,3 +168,12 @@ def test_a_results_dir_inside_the_model_dir_is_not_copied_into_trials(tmp_path: 
     assert run_one(ex)[0] is TrialStatus.COMPLETED
     [trial] = (model / "out" / "trials").iterdir()
     assert (trial / "job.py").is_file() and not (trial / "out").exists()
+
+
+def test_one_slot_trials_are_hosted_on_the_cpu_unless_asked_otherwise() -> None:
+    assert hosts_trials(None, on_gpu=False)
+    assert not hosts_trials(None, on_gpu=True)  # not yet measured on a GPU
+    assert hosts_trials(True, on_gpu=True) and not hosts_trials(False, on_gpu=False)
+    assert parse_settings(["guided", "c.yaml", "."]).trial_host is None
+    assert parse_settings(["guided", "c.yaml", ".", "--trial-host"]).trial_host is True
+    assert parse_settings(["guided", "c.yaml", ".", "--no-trial-host"]).trial_host is False
