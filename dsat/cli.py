@@ -307,8 +307,8 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
         help="local runner: run a slot's one-process trials one after another in one process "
         "(its worker, which then forks nothing) that keeps its CUDA context and process group, "
         "putting back what each trial changed (docs/local-runner.md#trial-host); the default "
-        "on the CPU, where it was measured faster than a fork, but not yet on a GPU, where it "
-        "was not yet measured",
+        "on the CPU, where it was measured faster than a fork; on a GPU only when asked, until "
+        "it is measured there",
     )
     parser.add_argument(
         "--no-trial-host",

@@ -22,7 +22,8 @@ OPS_LOG = "deepspeed-ops.log"
 def hosts_trials(asked: bool | None, on_gpu: bool) -> bool:
     """Whether one-slot trials run in a trial host: as asked (``--trial-host`` /
     ``--no-trial-host``), else on the CPU, where a hosted trial was measured faster than a forked
-    one at the same throughput (benchmarks/README.md); on a GPU not until it is measured there."""
+    one and nearer a fresh process's throughput (benchmarks/README.md); on a GPU not until it is
+    measured there."""
     return (not on_gpu) if asked is None else asked
 
 
