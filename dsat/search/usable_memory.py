@@ -54,10 +54,6 @@ def fills_device(peak: float, margin: float, total: float) -> bool:
     return peak >= (1 - margin / 2) * total
 
 
-def _config(record: TrialRecord) -> str:
-    return record.zero_key
-
-
 def _rest(record: TrialRecord) -> str:
     """Its stage and every knob that moves memory in ways the bucket estimate does not see."""
     return section_key({k: v for k, v in record.zero_section.items() if k not in BUCKET_KNOBS})
@@ -85,7 +81,7 @@ class PeakModel:
             peak = _peak(record)
             if peak is None or record.kind is TrialKind.MODEL_PROFILE:
                 continue
-            key = _config(record)
+            key = record.zero_key
             self.points.setdefault(key, []).append((record.mbs, peak))
             if key not in self.sections:
                 self.sections[key] = record
@@ -125,7 +121,7 @@ class PeakModel:
         per_sample = self.per_sample(record.zero_stage)
         if per_sample is None:
             return None
-        own = self.points.get(_config(record))
+        own = self.points.get(record.zero_key)
         if own:
             mbs, peak = min(own, key=lambda point: abs(point[0] - record.mbs))
             return peak + per_sample * (record.mbs - mbs)
@@ -261,7 +257,7 @@ def memory_check(
         need = model.needed(pending)
         if need is not None and need >= (floor + aim) / 2:
             return None  # a run near the aim is on its way: it will tell
-    tried = {(_config(r), r.mbs) for r in records}  # queued and running ones too
+    tried = {(r.zero_key, r.mbs) for r in records}  # queued and running ones too
     if allowed is not None:
         return _check_at(
             records, model, leader, tried, allowed, float(peak) / (1 - margin), aim, ceiling
@@ -277,7 +273,7 @@ def memory_check(
             if allowed is not None and candidate.mbs not in allowed:
                 continue
             need = model.needed(candidate)
-            if need is None or need >= ceiling or (_config(candidate), candidate.mbs) in tried:
+            if need is None or need >= ceiling or (candidate.zero_key, candidate.mbs) in tried:
                 continue
             miss = abs(need - aim)
             if best is None or miss < best[0]:
@@ -303,12 +299,12 @@ def _check_at(
     A run that completes needing ``shows_margin`` or more shows that the leader leaves the
     margin; one that runs out of memory below ``ceiling`` lowers the known limit. The nearest
     to ``aim`` of those is run; None when there is none."""
-    sections = {_config(leader): leader.zero_section}
+    sections = {leader.zero_key: leader.zero_section}
     for section in _bucket_variants(leader.zero_section):
         sections.setdefault(section_key(section), section)
     for record in records:
         if record.kind is TrialKind.SEARCH and _peak(record) is not None:
-            sections.setdefault(_config(record), record.zero_section)
+            sections.setdefault(record.zero_key, record.zero_section)
     best: tuple[float, dict[str, Any], int] | None = None
     for key, section in sections.items():
         probe = leader.replace(
