@@ -25,13 +25,14 @@ $(DEV_STAMP): $(STAMP)
 venv: $(STAMP)
 
 # The search's and the simulator's tests are pure Python and start no process: they run on every
-# core at once. The rest start real DeepSpeed trials, which claim the machine's slots and are timed
-# (trial timeouts, stop signals), so they run one at a time.
+# core at once. The rest start real DeepSpeed trials and are timed (trial timeouts, stop signals):
+# two files at a time, each whole in one pytest worker, with a slot-claim directory of its own
+# (tests/conftest.py). One at a time they left a 2-core machine's second core mostly idle.
 PARALLEL_TESTS := tests/search tests/runners/simulated
 
 test: $(STAMP)
 	DS_ACCELERATOR=cpu $(PY) -m pytest -n auto --durations=5 $(PARALLEL_TESTS)
-	DS_ACCELERATOR=cpu $(PY) -m pytest --durations=20 $(addprefix --ignore=,$(PARALLEL_TESTS))
+	DS_ACCELERATOR=cpu $(PY) -m pytest -n 2 --dist loadfile --durations=20 $(addprefix --ignore=,$(PARALLEL_TESTS))
 
 lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff check dsat tests examples benchmarks

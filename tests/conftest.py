@@ -27,7 +27,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # builds DeepSpeed's ops, so they are built once, not again each time two ninjas alternate.
 os.environ["PATH"] = interpreter_first(os.environ)["PATH"]
 # The searches the tests start claim slots among themselves (inherited by every subprocess), not
-# against searches running on the machine, nor against another test session's.
+# against searches running on the machine, nor against another test session's or pytest worker's.
 os.environ["DSAT_LOCK_DIR"] = tempfile.mkdtemp(prefix="dsat-test-locks-")
 atexit.register(shutil.rmtree, os.environ["DSAT_LOCK_DIR"], ignore_errors=True)
 
