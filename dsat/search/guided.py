@@ -143,6 +143,7 @@ class ConfigState:
     """What the trials of one ZeRO configuration showed."""
 
     section: dict[str, Any]
+    key: str  # zero_space.section_key of the section: its identity among the states
     values: dict[int, float] = dataclasses.field(default_factory=dict)  # larger is better
     failed: dict[int, TrialStatus] = dataclasses.field(default_factory=dict)
     pending_mbs: set[int] = dataclasses.field(default_factory=set)  # trials not yet finished
@@ -246,7 +247,7 @@ class GuidedSearch(DsatSearchMethod):
             state = states.get(record.zero_key)
             if state is None:
                 state = states[record.zero_key] = ConfigState(
-                    record.zero_section, first_index=record.index
+                    record.zero_section, record.zero_key, first_index=record.index
                 )
             value = measured(self.tracker, record)
             if value is not None:
@@ -428,7 +429,7 @@ class GuidedSearch(DsatSearchMethod):
                 and any(m in other.values for m in state.values)
             ]
             if donors:
-                donor = max(donors, key=lambda d: (len(d.values), section_key(d.section)))
+                donor = max(donors, key=lambda d: (len(d.values), d.key))
                 shared = [m for m in state.values if m in donor.values]
                 ratio = sum(state.values[m] / donor.values[m] for m in shared) / len(shared)
                 borrowed = {m: v * ratio for m, v in donor.values.items() if m <= reach}
@@ -518,7 +519,7 @@ class GuidedSearch(DsatSearchMethod):
 
         def curve(state: ConfigState) -> tuple[int, CurveEvidence, Gap | None]:
             """Its reach, its evidence and its next gap, worked out once per decision."""
-            key = section_key(state.section)
+            key = state.key
             if key not in curves:
                 reach = self.reach(state, states)
                 evidence = self.evidence(state, reach, states, incumbents.get(state.family, state))

@@ -95,8 +95,9 @@ class TrialTracker:
         """Forget a queued trial that will never run."""
         record = self._records.pop(request_id)
         self._keys.discard(config_key(record))
-        if record.kind is TrialKind.CONFIRM and record.parent_id is not None:
-            self._confirmations[record.parent_id].remove(request_id)
+        parent = _confirmed_parent(record)
+        if parent is not None:
+            self._confirmations[parent].remove(request_id)
         self.queue.remove(request_id)
 
     def requeue(self, request_ids: list[str]) -> None:
@@ -149,8 +150,9 @@ class TrialTracker:
         return [self._records[i] for i in self._confirmations.get(request_id, ())]
 
     def _index_confirmation(self, record: TrialRecord) -> None:
-        if record.kind is TrialKind.CONFIRM and record.parent_id is not None:
-            self._confirmations.setdefault(record.parent_id, []).append(record.request_id)
+        parent = _confirmed_parent(record)
+        if parent is not None:
+            self._confirmations.setdefault(parent, []).append(record.request_id)
 
     @property
     def model_profiles(self) -> list[TrialRecord]:
@@ -391,6 +393,11 @@ class TrialTracker:
         self._flops_per_sample = None
         for record in self._records.values():
             self._note_flops(record)
+
+
+def _confirmed_parent(record: TrialRecord) -> str | None:
+    """The search trial a confirmation run measures again (None for any other trial)."""
+    return record.parent_id if record.kind is TrialKind.CONFIRM else None
 
 
 def _flops_and_rate(record: TrialRecord) -> tuple[float, float] | None:

@@ -75,6 +75,8 @@ class PeakModel:
     def __init__(self, records: Sequence[TrialRecord]) -> None:
         self.points: dict[str, list[tuple[int, float]]] = {}
         self.sections: dict[str, TrialRecord] = {}
+        # What moves each configuration's memory beyond its buckets (_rest), by zero_key.
+        self._rest: dict[str, str] = {}
         # The configurations measured, by stage and what moves their memory beyond buckets.
         self.kin: dict[tuple[int, str], list[str]] = {}
         for record in records:
@@ -85,7 +87,7 @@ class PeakModel:
             self.points.setdefault(key, []).append((record.mbs, peak))
             if key not in self.sections:
                 self.sections[key] = record
-                self.kin.setdefault((record.zero_stage, _rest(record)), []).append(key)
+                self.kin.setdefault((record.zero_stage, self._rest_of(record)), []).append(key)
         profiles = [r for r in records if r.kind is TrialKind.MODEL_PROFILE]
         profile = profiles[-1] if profiles else None  # the fit ladder's last
         metrics: dict[str, Any] = profile.metrics if profile is not None else {}
@@ -93,6 +95,12 @@ class PeakModel:
         self.profile_per_sample = metrics.get("activation_mem_per_gpu")
         self._per_sample: dict[int, float | None] = {}
         self._kin_buckets: dict[str, float] = {}  # each measured configuration's bucket bytes
+
+    def _rest_of(self, record: TrialRecord) -> str:
+        """_rest of its configuration, worked out once per configuration."""
+        if record.zero_key not in self._rest:
+            self._rest[record.zero_key] = _rest(record)
+        return self._rest[record.zero_key]
 
     def per_sample(self, stage: int) -> float | None:
         """Bytes a sample adds at ``stage`` (worked out once)."""
@@ -127,7 +135,7 @@ class PeakModel:
             return peak + per_sample * (record.mbs - mbs)
         if not isinstance(self.num_params, (int, float)):
             return None
-        kin = self.kin.get((record.zero_stage, _rest(record)))
+        kin = self.kin.get((record.zero_stage, self._rest_of(record)))
         if not kin:
             return None
         estimates = []
