@@ -143,7 +143,6 @@ class ConfigState:
     """What the trials of one ZeRO configuration showed."""
 
     section: dict[str, Any]
-    key: str  # zero_space.section_key of the section: its identity among the states
     values: dict[int, float] = dataclasses.field(default_factory=dict)  # larger is better
     failed: dict[int, TrialStatus] = dataclasses.field(default_factory=dict)
     pending_mbs: set[int] = dataclasses.field(default_factory=set)  # trials not yet finished
@@ -157,6 +156,11 @@ class ConfigState:
     @property
     def stage(self) -> int:
         return int(self.section["stage"])
+
+    @functools.cached_property
+    def key(self) -> str:
+        """Its section's identity (zero_space.section_key), worked out once per decision."""
+        return section_key(self.section)
 
     @functools.cached_property
     def family(self) -> tuple[int, int]:
@@ -247,7 +251,7 @@ class GuidedSearch(DsatSearchMethod):
             state = states.get(record.zero_key)
             if state is None:
                 state = states[record.zero_key] = ConfigState(
-                    record.zero_section, record.zero_key, first_index=record.index
+                    record.zero_section, first_index=record.index
                 )
             value = measured(self.tracker, record)
             if value is not None:

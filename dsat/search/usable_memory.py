@@ -76,7 +76,7 @@ class PeakModel:
         self.points: dict[str, list[tuple[int, float]]] = {}
         self.sections: dict[str, TrialRecord] = {}
         # What moves each configuration's memory beyond its buckets (_rest), by zero_key.
-        self._rest: dict[str, str] = {}
+        self._rests: dict[str, str] = {}
         # The configurations measured, by stage and what moves their memory beyond buckets.
         self.kin: dict[tuple[int, str], list[str]] = {}
         for record in records:
@@ -98,9 +98,9 @@ class PeakModel:
 
     def _rest_of(self, record: TrialRecord) -> str:
         """_rest of its configuration, worked out once per configuration."""
-        if record.zero_key not in self._rest:
-            self._rest[record.zero_key] = _rest(record)
-        return self._rest[record.zero_key]
+        if record.zero_key not in self._rests:
+            self._rests[record.zero_key] = _rest(record)
+        return self._rests[record.zero_key]
 
     def per_sample(self, stage: int) -> float | None:
         """Bytes a sample adds at ``stage`` (worked out once)."""

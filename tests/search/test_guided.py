@@ -23,7 +23,7 @@ from dsat.search import make_search_method
 from dsat.search.guided import ConfigState
 from dsat.search.method import DsatSearchMethod
 from dsat.trial import TrialKind, TrialRecord, TrialStatus
-from dsat.zero_space import needs_no_less_memory, section_key
+from dsat.zero_space import needs_no_less_memory
 from tests.search.helpers import (
     cliff_function,
     history,
@@ -283,12 +283,7 @@ def test_a_leader_tried_at_one_micro_batch_gets_its_neighbours() -> None:
 def test_a_stage_best_micro_batch_is_the_estimate_s_not_the_luckiest() -> None:
     """A lucky measurement at 30 does not make 30 the configuration's best micro-batch when the
     estimate puts 32 above it (knob steps then run where memory holds it back)."""
-    state = ConfigState(
-        {"stage": 1},
-        section_key({"stage": 1}),
-        values={30: 0.978, 32: 0.959},
-        estimated={30: 0.962},
-    )
+    state = ConfigState({"stage": 1}, values={30: 0.978, 32: 0.959}, estimated={30: 0.962})
     assert state.best_micro_batch == 30  # 32 not estimated: its measurement counts
     state.estimated[32] = 0.971
     assert (state.best_micro_batch, state.best) == (32, 0.971)
@@ -492,9 +487,7 @@ def test_a_step_from_a_best_over_the_margin_runs_where_its_freed_memory_leaves_i
     }
     peak = 0.967 * 32 * 2**30
     excess = peak - (1 - MARGIN) * 32 * 2**30  # 1.7% of the device over the margin
-    base = ConfigState(
-        section, section_key(section), values={4: 1.0}, over_margin={4: (excess, peak)}
-    )
+    base = ConfigState(section, values={4: 1.0}, over_margin={4: (excess, peak)})
     smaller = {**section, "allgather_bucket_size": 100_000_000}
     assert guided.bytes_freed(section, smaller) > excess
     assert guided.margin_step_mbs(base, 4, smaller) >= 4
