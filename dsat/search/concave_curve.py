@@ -6,7 +6,7 @@ Throughput rises with the micro-batch with diminishing returns and may fall agai
 any chord, a concave curve lies below that chord's extension, so the trials already run bound
 every untried micro-batch from above. The search tries the gap with the highest bound and stops
 once no gap can beat the best trial by more than a tolerance. Measurements are noisy, so each
-chord is steepened by the noise before it is extended.
+chord's extension is raised by the noise allowed for.
 """
 
 from __future__ import annotations
