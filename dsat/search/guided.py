@@ -11,8 +11,9 @@ switch flipped, overlap on with a smaller reduce bucket), ranked by an optimisti
 kind of step learned from every pair of tried configurations one step apart (an upper confidence
 bound over step kinds). Aligned micro-batches (multiples of 8-64) are probed and modelled, the
 leader's memory limit is checked where it decides the hand-over, and every tolerance widens with
-the noise the search measured. The search ends when nothing untried can beat the best by more
-than the noise, leaving the rest of `--max-trials` unspent. docs/search.md has the details.
+the noise the search measured. The search ends when no untried knob step can beat the best by
+more than 1% and no untried micro-batch can come within 0.5% of it (both widened by the noise),
+leaving the rest of `--max-trials` unspent. docs/search.md has the details.
 
 Everything is derived from the tracker's records, so a resumed search plans the same trials.
 """
