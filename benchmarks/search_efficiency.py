@@ -12,13 +12,15 @@ the best leaving the margin of the device's nominal memory. Prints a markdown ta
 benchmarks/results/search_efficiency.json. `--surfaces heldout` and `heldout-hardware` run
 surfaces no search was tuned on.
 
-    python3 benchmarks/search_efficiency.py [--seeds 20] [--first-seed 0] [--surfaces builtin|heldout|heldout-hardware|all]
+    python3 benchmarks/search_efficiency.py [--seeds 20] [--first-seed 0] [--surfaces builtin|heldout|heldout-hardware|all] [--jobs 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
+import functools
 import json
 import math
 import statistics
@@ -393,6 +395,13 @@ def main() -> None:
         "--summaries-only", action="store_true", help="leave each run's numbers out of the JSON"
     )
     parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="seeds run in this many processes at once (each search is single-threaded; the "
+        "results are the same)",
+    )
+    parser.add_argument(
         "--no-reference", action="store_true", help="dsat's methods only (its columns show -)"
     )
     parser.add_argument(
@@ -431,6 +440,7 @@ def main() -> None:
     factories: tuple[tuple[str, Callable[..., Any]], ...] = (("dsat", dsat_method),)
     if not options.no_reference:
         factories += (("reference", reference_method),)
+    pool = concurrent.futures.ProcessPoolExecutor(options.jobs) if options.jobs > 1 else None
     for model_name in options.models:
         slots, extra = CASES[model_name]
         model = MODELS[model_name]
@@ -451,18 +461,24 @@ def main() -> None:
         for method in options.methods:
             entry: dict[str, Any] = {}
             for label, factory in factories:
-                runs = [
-                    run_one(
-                        factory, method, model_name, seed, best, unbounded, options.batch_per_rank
-                    )
-                    for seed in seeds
-                ]
+                one = functools.partial(
+                    run_one,
+                    factory,
+                    method,
+                    model_name,
+                    best=best,
+                    unbounded=unbounded,
+                    batch_per_rank=options.batch_per_rank,
+                )
+                runs = list(pool.map(one, seeds) if pool is not None else map(one, seeds))
                 entry[label] = {"summary": summarise(runs)}
                 if not options.summaries_only:
                     entry[label]["runs"] = runs
             report["cases"][model_name]["methods"][method] = entry
             lines.append(table_row(model_name, method, entry, len(seeds)))
             print(lines[-1], flush=True)
+    if pool is not None:
+        pool.shutdown()
     report["seconds"] = time.time() - started
     report["python"] = sys.version.split()[0]
     write_json_atomic(
