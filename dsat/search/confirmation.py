@@ -5,9 +5,10 @@ search ends, the leading distinct configurations run again, interleaved (A, B, C
 machine noise hits them alike; the winner is the best by the method's estimate (or the mean of
 the runs), unless the runs say otherwise by more than their noise: then the round measures again
 rather than overrule them, and after that the runs decide. Leaders within the noise the round
-measured count as equal, and among equals the one with the most memory headroom wins: one that
-barely fits a short trial can run out of memory hours into a real run, which is also why a
-configuration leaving less than ``--memory-margin`` of the usable memory is never handed over.
+measured, by the estimate and by their runs, count as equal, and among equals the one with the
+most memory headroom wins: one that barely fits a short trial can run out of memory hours into a
+real run, which is also why a configuration leaving less than ``--memory-margin`` of the usable
+memory is never handed over.
 The verdict says why, in plain words. The round is kept to a share of the search's trials.
 """
 
@@ -109,8 +110,9 @@ def decide(
     by the mean of the runs. Where the estimate's winner measured slower in its runs than
     another leader, by more than the noise the runs show, the round does not overrule the
     measurements: with ``measure_again`` both run again first; after that, the measurements
-    decide. Leaders within the noise the round measured count as equal, and the one with the
-    most memory headroom among them wins when it frees ``HEADROOM_STEP`` of the device."""
+    decide. Leaders within the noise the round measured (by the estimate, and by the mean of
+    their runs) count as equal, and the one with the most memory headroom among them wins when
+    it frees ``HEADROOM_STEP`` of the device."""
     ran = {c.request_id: measurements(tracker, c) for c in candidates}
     ran = {i: values for i, values in ran.items() if len(values) > 1}  # failed when run again
     if not ran:
@@ -151,7 +153,14 @@ def decide(
         spread = max([spread, *(float(w) for w in window if isinstance(w, (int, float)))])
     top = estimate[best.request_id]
     tie = min(spread, MOST_GIVEN_FOR_HEADROOM)
-    equals = [c for c in pool if abs(estimate[c.request_id] - top) <= tie * abs(top)]
+    # Level by the estimate and by the runs: on a noisy machine the estimate can call two
+    # configurations level that are 2-3% apart, and the runs then often show it.
+    equals = [
+        c
+        for c in pool
+        if abs(estimate[c.request_id] - top) <= tie * abs(top)
+        and mean[c.request_id] >= mean[best.request_id] * (1 - tie)
+    ]
     roomiest = min(equals, key=lambda c: c.memory_fraction or 0.0)
     freed = (best.memory_fraction or 0.0) - (roomiest.memory_fraction or 0.0)
     if roomiest is not best and freed >= HEADROOM_STEP:

@@ -117,6 +117,26 @@ def test_among_equals_the_one_with_more_memory_headroom_wins() -> None:
     assert decide(close.tracker, [fast, roomy]).chosen is fast
 
 
+def test_headroom_wins_only_where_the_runs_are_level_too() -> None:
+    def estimated(values: dict[str, float]) -> Callable[[Any], float]:
+        return lambda record: values[record.request_id]
+
+    # The estimate calls them level (0.2% apart), but the roomier one's runs measured 1.5%
+    # slower, more than a user gives for headroom: the faster one is handed over.
+    m = method("binary", metric="throughput")
+    fast = measured(m, 40, [103.0, 104.0], memory=0.9, searched=100.0)
+    roomy = measured(m, 32, [101.0, 101.5], memory=0.6, searched=100.0)
+    score = estimated({fast.request_id: 100.0, roomy.request_id: 99.8})
+    assert decide(m.tracker, [fast, roomy], score).chosen is fast
+    # Runs level as well: the roomier one.
+    level = method("binary", metric="throughput")
+    fast = measured(level, 40, [103.0, 104.0], memory=0.9, searched=100.0)
+    roomy = measured(level, 32, [103.5, 103.0], memory=0.6, searched=100.0)
+    score = estimated({fast.request_id: 100.0, roomy.request_id: 99.8})
+    verdict = decide(level.tracker, [fast, roomy], score)
+    assert verdict.chosen is roomy and "more of the device's memory free" in verdict.reason
+
+
 def test_a_configuration_that_leaves_too_little_memory_is_never_handed_over() -> None:
     m = search(performance(memory=lambda mbs: 0.97 if mbs >= 36 else 0.5))
     best = m.tracker.best()

@@ -349,6 +349,13 @@ class PerformanceModel:
             factor *= 1.0 + self.run_noise * max(-RUN_NOISE_CLIP, min(RUN_NOISE_CLIP, draw))
         return factor
 
+    def own_deviation(self, ds_config: Mapping[str, Any], slots: int) -> float:
+        """How much higher (relative; negative: lower) every run of the configuration measures
+        its throughput than its noise-free value: its own deviation, which no number of runs
+        averages away. Benchmarks use it to tell a hand-over picked for its own deviation from
+        one picked for a run's luck."""
+        return 1.0 / self._noise_factor(ds_config, slots) - 1.0
+
     def metrics(
         self,
         ds_config: Mapping[str, Any],

@@ -124,6 +124,25 @@ def test_noise_is_seeded_and_small() -> None:
     assert clean > 0
 
 
+def test_a_configurations_own_deviation_is_what_every_run_measures_beyond_the_noise_free() -> None:
+    model = HARDWARE_MODELS["gpt_1b_run_noise_8xa100"]
+    deviations = []
+    for s in range(40):
+        cfg = config(random_zero_config(2, np.random.default_rng(s)), 32)
+        clean = model.metrics(cfg, 8, noisy=False)["throughput"]
+        # Without a run id, a call measures the configuration's own figure.
+        assert model.metrics(cfg, 8)["throughput"] == pytest.approx(
+            clean * (1 + model.own_deviation(cfg, 8))
+        )
+        runs = [model.metrics(cfg, 8, run_id=f"run-{i}")["throughput"] for i in range(400)]
+        # Averaged over many runs, the run noise goes and the own deviation stays.
+        assert float(np.mean(runs)) / clean - 1 == pytest.approx(
+            model.own_deviation(cfg, 8), abs=3 * model.run_noise / 20
+        )
+        deviations.append(model.own_deviation(cfg, 8))
+    assert 0 < float(np.std(deviations)) <= 2.5 * model.noise * 1.1
+
+
 def test_profile_trial_reports_model_info() -> None:
     model: PerformanceModel = BUILTIN_MODELS["llama_7b_8xa100"]
     info = model(
