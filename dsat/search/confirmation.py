@@ -9,7 +9,9 @@ measured, by the estimate and by their runs, count as equal, and among equals th
 most memory headroom wins: one that barely fits a short trial can run out of memory hours into a
 real run, which is also why a configuration leaving less than ``--memory-margin`` of the usable
 memory is never handed over.
-The verdict says why, in plain words. The round is kept to a share of the search's trials.
+The verdict says why, in plain words. The round is sized by the spread its runs show: a second
+round only where the first did not repeat the search's measurements closely, and never more than
+a share of the search's trials.
 """
 
 from __future__ import annotations
@@ -20,13 +22,18 @@ import statistics
 from collections.abc import Callable, Sequence
 
 from dsat.experiment.metric import Metric
-from dsat.search.measurement_noise import relative_noise
+from dsat.search.measurement_noise import relative_noise, repeat_spread
 from dsat.search.tracker import TrialTracker, config_key
 from dsat.trial import TrialRecord
 
 # The round's runs, as a share of the search trials that finished (at least one per leader).
 SHARE_OF_SEARCH = 0.15
 REPEATS = 2
+# A second round runs only where the first did not repeat the search's measurements: one run's
+# relative standard deviation, pooled over the leaders, above this. Where the runs repeat within
+# it, a second one moves a leader's mean by a fraction of a percent, and in the simulated suite it
+# made no hand-over better (benchmarks/README.md): on a quiet machine it only costs GPU-hours.
+QUIET_SPREAD = 0.01
 # Among equals, more headroom wins only when it is this much of the device's memory or more.
 HEADROOM_STEP = 0.05
 # ... and equals are never further apart than this: the range of a few noisy runs can span
@@ -69,14 +76,29 @@ def leaders(tracker: TrialTracker, count: int, score: Score | None = None) -> li
     return chosen
 
 
-def planned_runs(candidates: Sequence[TrialRecord], search_trials: int) -> list[TrialRecord]:
-    """The candidates in the order they run again: interleaved, as many rounds as the share of
-    the search allows (one at the least, ``REPEATS`` at the most)."""
+def allowed_rounds(candidates: Sequence[TrialRecord], search_trials: int) -> int:
+    """How many rounds the share of the search allows: one at the least, ``REPEATS`` at the most
+    (none when there is nothing to choose between)."""
     if len(candidates) < 2:
-        return []  # nothing to choose between
+        return 0
     budget = max(len(candidates), int(SHARE_OF_SEARCH * search_trials))
-    rounds = max(1, min(REPEATS, budget // len(candidates)))
-    return [candidate for _ in range(rounds) for candidate in candidates]
+    return max(1, min(REPEATS, budget // len(candidates)))
+
+
+def next_round(
+    tracker: TrialTracker, candidates: Sequence[TrialRecord], search_trials: int
+) -> list[TrialRecord]:
+    """The candidates to run again before the verdict (interleaved, one run each), or none:
+    after the first round, another while the share of the search allows it and the runs so far
+    did not repeat the measurements within ``QUIET_SPREAD``."""
+    done = min((len(tracker.confirmation_runs(c.request_id)) for c in candidates), default=0)
+    if done >= allowed_rounds(candidates, search_trials):
+        return []
+    if done >= 1:
+        spread = repeat_spread(measurements(tracker, c) for c in candidates)
+        if spread is not None and spread <= QUIET_SPREAD:
+            return []
+    return list(candidates)
 
 
 @dataclasses.dataclass(frozen=True)

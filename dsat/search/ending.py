@@ -9,7 +9,7 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
-from dsat.search.confirmation import EXTRA_ROUNDS, decide, leaders, planned_runs
+from dsat.search.confirmation import EXTRA_ROUNDS, QUIET_SPREAD, decide, leaders, next_round
 from dsat.trial import TrialKind, TrialRecord, TrialStatus
 from dsat.trial_failure import SCRIPT_FAILURES_TO_STOP, FailureCause, first_line, log_note
 
@@ -129,7 +129,7 @@ class SearchEnding:
         tracker, settings = method.tracker, method.settings
         candidates = leaders(tracker, settings.confirm_top, method.leader_score())
         searched = sum(1 for r in tracker.finished if r.kind is TrialKind.SEARCH)
-        runs = planned_runs(candidates, searched) if settings.confirm_top > 1 else []
+        runs = next_round(tracker, candidates, searched) if settings.confirm_top > 1 else []
         if not runs:
             if candidates:
                 tracker.confirmed_id = candidates[0].request_id
@@ -142,10 +142,9 @@ class SearchEnding:
         self._queue_runs(method, runs)
         tracker.max_trials += check is not None
         logger.info(
-            "search ends: %s; confirmation round: %d run(s) of the %d leading configurations "
-            "(%s), interleaved",
+            "search ends: %s; confirmation round: one run each of the %d leading "
+            "configurations (%s), interleaved, again where the runs differ",
             reason,
-            len(runs),
             len(candidates),
             ", ".join(c.name for c in candidates),
         )
@@ -183,6 +182,17 @@ class SearchEnding:
             for c in (tracker.get(i) for i in self.confirmation_candidates)
             if tracker.may_hand_over(c)
         ]
+        if not self.extra_rounds:
+            searched = sum(1 for r in tracker.finished if r.kind is TrialKind.SEARCH)
+            again = next_round(tracker, candidates, searched)
+            if again:
+                self._queue_runs(method, again)
+                logger.info(
+                    "confirmation round: the runs differ by more than %.0f%%; running the "
+                    "leaders again",
+                    100 * QUIET_SPREAD,
+                )
+                return False
         verdict = decide(
             tracker,
             candidates,

@@ -38,14 +38,29 @@ def relative_noise(
         if measured > 0 and estimated > 0:
             squares += math.log(measured / estimated) ** 2 / (1 - OWN_SHARE)
             weight += 1
+    repeated, freedom = _repeat_squares(repeats)
+    return math.sqrt((squares + repeated) / (weight + freedom))
+
+
+def repeat_spread(repeats: Iterable[Sequence[float]]) -> float | None:
+    """The relative standard deviation of one run from the repeats alone, with no prior: what
+    this machine showed, however quiet (None: nothing ran twice)."""
+    squares, freedom = _repeat_squares(repeats)
+    return math.sqrt(squares / freedom) if freedom else None
+
+
+def _repeat_squares(repeats: Iterable[Sequence[float]]) -> tuple[float, int]:
+    """The squared log-deviations of each configuration's runs from their mean, summed, and
+    their degrees of freedom."""
+    squares, freedom = 0.0, 0
     for runs in repeats:
         logs = [math.log(v) for v in runs if v > 0]
         if len(logs) < 2:
             continue
         mean = sum(logs) / len(logs)
         squares += sum((x - mean) ** 2 for x in logs)
-        weight += len(logs) - 1
-    return math.sqrt(squares / weight)
+        freedom += len(logs) - 1
+    return squares, freedom
 
 
 def noise_scale(noise: float) -> float:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from dsat.runners.simulated.runner import SimulatedRunner
-from dsat.search.confirmation import decide, planned_runs
+from dsat.search.confirmation import allowed_rounds, decide, next_round
 from dsat.search_run import run_search
 from dsat.trial import TrialKind, TrialStatus
 from tests.search.helpers import PROFILE, method, run, search_settings, spec
@@ -149,9 +149,62 @@ def test_a_configuration_that_leaves_too_little_memory_is_never_handed_over() ->
 
 def test_the_round_is_a_small_share_of_the_search() -> None:
     leaders = list(range(3))
-    assert planned_runs(leaders, 63) == leaders * 2  # type: ignore[arg-type]
-    assert planned_runs(leaders, 13) == leaders  # type: ignore[arg-type]
-    assert planned_runs(leaders[:1], 63) == []  # type: ignore[arg-type]
+    assert allowed_rounds(leaders, 63) == 2  # type: ignore[arg-type]
+    assert allowed_rounds(leaders, 13) == 1  # type: ignore[arg-type]
+    assert allowed_rounds(leaders[:1], 63) == 0  # type: ignore[arg-type]
+
+
+def test_a_second_round_only_where_the_first_did_not_repeat_the_measurements() -> None:
+    def leaders(runs: list[list[float]]) -> tuple[Any, list[Any]]:
+        m = method("binary", metric="throughput")
+        return m, [
+            measured(m, 40 - i, values, memory=0.5, searched=100.0 - i)
+            for i, values in enumerate(runs)
+        ]
+
+    # Before any run: the first round, every leader once.
+    m, fresh = leaders([[], [], []])
+    assert next_round(m.tracker, fresh, 63) == fresh
+    # Each leader's run within 0.3% of its search trial: a quiet machine, no second round.
+    m, quiet = leaders([[100.2], [98.8], [98.3]])
+    assert next_round(m.tracker, quiet, 63) == []
+    # Runs 3-4% off their search trials: once more, where the share of the search allows it.
+    m, noisy = leaders([[104.0], [95.0], [98.0]])
+    assert next_round(m.tracker, noisy, 63) == noisy
+    assert next_round(m.tracker, noisy, 13) == []
+    # Two rounds at the most.
+    m, twice = leaders([[104.0, 96.0], [95.0, 103.0], [98.0, 97.0]])
+    assert next_round(m.tracker, twice, 63) == []
+
+
+def test_a_quiet_machine_confirms_in_one_round_a_noisy_one_in_two() -> None:
+    """Exact repeats (this performance function's runs measure what the search trials did):
+    each leader runs again once, and the verdict follows; where every other run of a
+    configuration measures 6% lower, the leaders run twice."""
+    m = search(performance(), max_trials=64)
+    searched = [r for r in m.tracker.finished if r.kind is TrialKind.SEARCH]
+    runs = confirm_runs(m)
+    leaders = [m.tracker.get(r.parent_id) for r in runs]
+    assert allowed_rounds(leaders, len(searched)) == 2
+    assert len(runs) == 3 and len({r.parent_id for r in runs}) == 3
+    assert "confirmed" in (m.shutdown_reason or "")
+
+    quiet = performance()
+    calls: Counter[str] = Counter()
+
+    def noisy(ds_config: dict[str, Any], slots: int) -> dict[str, Any]:
+        result = quiet(ds_config, slots)
+        if "throughput" in result:
+            key = repr(ds_config)
+            calls[key] += 1
+            result["throughput"] *= 1.0 if calls[key] % 2 else 0.94
+        return result
+
+    m = search(noisy, max_trials=64)
+    runs = confirm_runs(m)
+    assert len(runs) == 6 and Counter(r.parent_id for r in runs) == Counter(
+        {parent: 2 for parent in {r.parent_id for r in runs}}
+    )
 
 
 def test_no_round_with_confirm_top_0() -> None:

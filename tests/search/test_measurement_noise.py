@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from dsat.search.measurement_noise import PRIOR_NOISE, noise_scale, relative_noise
+from dsat.search.measurement_noise import PRIOR_NOISE, noise_scale, relative_noise, repeat_spread
 
 
 def test_with_nothing_seen_the_prior() -> None:
@@ -24,6 +24,14 @@ def test_repeats_that_agree_lower_it_but_not_to_nothing() -> None:
     noise = relative_noise([], [[2.0, 2.0, 2.0]] * 4)
     assert 0.0 < noise < PRIOR_NOISE
     assert noise_scale(noise) == 1.0  # never narrower than on a quiet machine
+
+
+def test_the_spread_of_repeats_alone_has_no_prior() -> None:
+    assert repeat_spread([[2.0, 2.0], [3.0, 3.0, 3.0]]) == 0.0  # a quiet machine: nothing
+    assert repeat_spread([[1.0], []]) is None  # nothing ran twice
+    spread = repeat_spread([[1.0, math.exp(0.02)], [5.0, 5.0 * math.exp(-0.02)]])
+    # Four runs, each 1% (in log) off its pair's mean; two degrees of freedom.
+    assert spread == pytest.approx(math.sqrt(4 * 0.01**2 / 2))
 
 
 def test_residuals_from_the_estimate_count() -> None:
