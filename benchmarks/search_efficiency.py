@@ -34,6 +34,7 @@ from typing import Any
 
 from determined import searcher
 from heldout_hardware_surfaces import HELDOUT_HARDWARE_MODELS  # benchmarks/, too
+from heldout_offload_surfaces import HELDOUT_OFFLOAD_MODELS  # benchmarks/, too
 from heldout_surfaces import HELDOUT_MODELS  # benchmarks/, next to this script
 
 from dsat.atomic_file import write_json_atomic
@@ -61,6 +62,7 @@ SURFACES = {
     "builtin": BUILTIN_MODELS,
     "heldout": HELDOUT_MODELS,
     "heldout-hardware": HELDOUT_HARDWARE_MODELS,
+    "heldout-offload": HELDOUT_OFFLOAD_MODELS,
     "offload": OFFLOAD_MODELS,
     "zero3-knobs": ZERO3_KNOB_MODELS,
 }
@@ -68,6 +70,7 @@ MODELS: dict[str, PerformanceModel] = {
     **BUILTIN_MODELS,
     **HELDOUT_MODELS,
     **HELDOUT_HARDWARE_MODELS,
+    **HELDOUT_OFFLOAD_MODELS,
     **OFFLOAD_MODELS,
     **ZERO3_KNOB_MODELS,
 }

@@ -9,12 +9,11 @@ moved by the bucket memory this one saves, is where this one is expected to. Kno
 by steps around each stage's best configuration (a bucket size one or two rungs up or down, a
 switch flipped, overlap on with a smaller reduce bucket), ranked by an optimistic estimate of each
 kind of step learned from every pair of tried configurations one step apart (an upper confidence
-bound over step kinds). An offload family near the best runs at the top of its reach, where its
-best lies. Aligned micro-batches (multiples of 8-64) are probed and modelled, the leader's memory
-limit is checked where it decides the hand-over, and every tolerance widens with the noise the
-search measured. The search ends when no untried knob step can beat the best by more than 1% and
-no untried micro-batch can come within 0.5% of it (both widened by the noise), leaving the rest
-of `--max-trials` unspent. docs/search.md has the details.
+bound over step kinds). Aligned micro-batches (multiples of 8-64) are probed and modelled, the
+leader's memory limit is checked where it decides the hand-over, and every tolerance widens with
+the noise the search measured. The search ends when no untried knob step can beat the best by
+more than 1% and no untried micro-batch can come within 0.5% of it (both widened by the noise),
+leaving the rest of `--max-trials` unspent. docs/search.md has the details.
 
 Everything is derived from the tracker's records, so a resumed search plans the same trials.
 """
@@ -100,13 +99,6 @@ SUPPORT = 3
 # Only a leader ahead of the best supported one by more than this is checked: level with it,
 # either is as good to hand over (and a plateau of equal configurations is not checked forever).
 LEADER_MARGIN = 0.005
-# An offload family (its optimizer step, and with parameter offload its fetches, cross PCIe once
-# per step whatever the micro-batch) gains with the micro-batch up to its memory limit, so its
-# best lies at the top of its reach. A few noisy trials below the top can make its curve look
-# flat and bound the top below the best (70B offload, seed 6: micro-batch 13 measured 3.5% high,
-# 16 and 19 3-4% low; 22 was never tried, and was the optimum). So each offload family whose best
-# is within TOP_SPAN of the best (times the noise scale) runs once at the top of its reach first.
-TOP_SPAN = 0.05
 # Estimates this close are equal (the fit's rounding): the first found stays the stage's best.
 TIE = 1e-4
 NEIGHBOURS = (-1, 1, -2, 2)
@@ -200,7 +192,7 @@ class Action:
     section: dict[str, Any]
     mbs: int
     reach: int
-    kind: str = "curve"  # why: stage, curve, step, aligned, neighbour, offload top, memory check
+    kind: str = "curve"  # why: stage, curve, step, aligned, neighbour, memory check
 
     @property
     def search_range(self) -> SearchRange:
@@ -620,7 +612,6 @@ class GuidedSearch(DsatSearchMethod):
             actions.extend(stage_steps)
 
         actions.extend(self.neighbour_actions(states, estimated, top))
-        actions.extend(self.offload_top_actions(states, incumbents, top))
         actions.extend(self.aligned_actions(states, incumbents, top, curve))
         probe = self.memory_probe(states)
         if probe is not None:
@@ -763,30 +754,6 @@ class GuidedSearch(DsatSearchMethod):
                     continue
                 actions.append(Action(top, state.section, probe, reach, "neighbour"))
                 break
-        return actions
-
-    def offload_top_actions(
-        self,
-        states: dict[str, ConfigState],
-        incumbents: dict[tuple[int, int], ConfigState],
-        top: float,
-    ) -> list[Action]:
-        """A trial at the top of the reach of each offload family near the best (TOP_SPAN),
-        ahead of everything else, while its trials stop more than a micro-batch below it."""
-        actions: list[Action] = []
-        for family, best in incumbents.items():
-            if family[1] == 0 or best.best is None or best.best < top * (1 - TOP_SPAN * self.scale):
-                continue
-            if any(s.pending for s in states.values() if s.family == family):
-                continue
-            reach, largest = self.reach(best, states), max(best.values)
-            if reach < 1 or largest >= reach - 1:
-                continue
-            # Where a failure already bounds it, halfway up to that bound: stepping down from
-            # the bound one OOM at a time cost up to seven trials.
-            known = self.ceiling(best.section, states) is not None
-            probe = (largest + 1 + reach + 1) // 2 if known else reach
-            actions.append(Action(math.inf, best.section, probe, reach, "offload top"))
         return actions
 
     def memory_probe(self, states: dict[str, ConfigState]) -> Action | None:
