@@ -21,6 +21,8 @@ from dsat.constants import AUTOTUNING_KEY, DSAT_MODE_KEY, OVERWRITE_KEY
 from dsat.errors import DsatError
 from dsat.results.cost import search_cost
 from dsat.results.utilization import Utilization
+from dsat.search.confirmation import QUIET_SPREAD, measurements
+from dsat.search.measurement_noise import repeat_spread
 from dsat.search.tracker import TrialTracker
 from dsat.trial import TrialKind, TrialRecord, TrialStatus
 
@@ -252,8 +254,9 @@ def confirmation_table(tracker: TrialTracker) -> str:
         "| config | in the search | run again | memory used |",
         "| :----- | ------------: | --------: | ----------: |",
     ]
-    for parent_id in dict.fromkeys(r.parent_id for r in runs if r.parent_id is not None):
-        leader = tracker.get(parent_id)
+    parents = [tracker.get(i) for i in dict.fromkeys(r.parent_id for r in runs if r.parent_id)]
+    for leader in parents:
+        parent_id = leader.request_id
         values = [tracker.confirmed_value(r) for r in runs if r.parent_id == parent_id]
         again = " / ".join(f"{v:.6g}" if v is not None else "failed" for v in values)
         searched = tracker.metric_value(leader)
@@ -264,6 +267,12 @@ def confirmation_table(tracker: TrialTracker) -> str:
             f"| {leader.name}{chosen} | {searched:.6g} | {again} | {memory} |"
             if searched is not None
             else f"| {leader.name}{chosen} | - | {again} | {memory} |"
+        )
+    spread = repeat_spread(measurements(tracker, leader) for leader in parents)
+    if spread is not None:  # why one round or two
+        lines.append(
+            f"one run's spread, search trials and runs: {spread:.1%} (a second round runs "
+            f"where it is above {QUIET_SPREAD:.0%})"
         )
     return "\n".join(lines) + "\n"
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from dsat.results.directory import confirmation_table
 from dsat.runners.simulated.runner import SimulatedRunner
 from dsat.search.confirmation import allowed_rounds, decide, next_round
 from dsat.search_run import run_search
@@ -188,6 +189,9 @@ def test_a_quiet_machine_confirms_in_one_round_a_noisy_one_in_two() -> None:
     assert allowed_rounds(leaders, len(searched)) == 2
     assert len(runs) == 3 and len({r.parent_id for r in runs}) == 3
     assert "confirmed" in (m.shutdown_reason or "")
+    assert "one run's spread, search trials and runs: 0.0% (a second round runs where it is " in (
+        confirmation_table(m.tracker)
+    )
 
     quiet = performance()
     calls: Counter[str] = Counter()
@@ -205,6 +209,7 @@ def test_a_quiet_machine_confirms_in_one_round_a_noisy_one_in_two() -> None:
     assert len(runs) == 6 and Counter(r.parent_id for r in runs) == Counter(
         {parent: 2 for parent in {r.parent_id for r in runs}}
     )
+    assert "one run's spread, search trials and runs: 3." in confirmation_table(m.tracker)
 
 
 def test_no_round_with_confirm_top_0() -> None:
