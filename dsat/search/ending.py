@@ -15,6 +15,7 @@ from dsat.trial_failure import SCRIPT_FAILURES_TO_STOP, FailureCause, first_line
 
 if TYPE_CHECKING:
     from dsat.search.method import DsatSearchMethod
+    from dsat.search.tracker import TrialTracker
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,11 @@ def repeated_script_failure(finished: list[TrialRecord]) -> str | None:
         f"the last {len(last)} trials failed alike, whatever their configuration: "
         f"{reasons.pop()}{log_note(last[-1].log)}; fix the training script and start again"
     )
+
+
+def _search_trials(tracker: TrialTracker) -> int:
+    """The search trials that finished: the share of them the confirmation round may take."""
+    return sum(1 for r in tracker.finished if r.kind is TrialKind.SEARCH)
 
 
 @dataclasses.dataclass
@@ -128,8 +134,11 @@ class SearchEnding:
         """Queue the runs of the confirmation round; False when there is nothing to confirm."""
         tracker, settings = method.tracker, method.settings
         candidates = leaders(tracker, settings.confirm_top, method.leader_score())
-        searched = sum(1 for r in tracker.finished if r.kind is TrialKind.SEARCH)
-        runs = next_round(tracker, candidates, searched) if settings.confirm_top > 1 else []
+        runs = (
+            next_round(tracker, candidates, _search_trials(tracker))
+            if settings.confirm_top > 1
+            else []
+        )
         if not runs:
             if candidates:
                 tracker.confirmed_id = candidates[0].request_id
@@ -183,8 +192,7 @@ class SearchEnding:
             if tracker.may_hand_over(c)
         ]
         if not self.extra_rounds:
-            searched = sum(1 for r in tracker.finished if r.kind is TrialKind.SEARCH)
-            again = next_round(tracker, candidates, searched)
+            again = next_round(tracker, candidates, _search_trials(tracker))
             if again:
                 self._queue_runs(method, again)
                 logger.info(
