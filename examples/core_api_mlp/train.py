@@ -17,6 +17,17 @@ import dsat
 
 
 def main() -> None:
+    try:
+        train()
+    finally:
+        # DeepSpeed's autotuning ends a search trial with exit(): join the process group's
+        # threads on that way out too, not at interpreter exit, where they can abort a run
+        # that has already reported (exit -6, "terminate called without an active exception").
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def train() -> None:
     hparams = dsat.get_hparams()
     ds_config = dsat.get_ds_config_from_hparams(hparams)
     deepspeed.init_distributed()
@@ -52,11 +63,6 @@ def main() -> None:
                 print(f"trained {steps} steps, loss {metrics['loss']:.4f}", flush=True)
                 core_context.train.report_validation_metrics(steps_completed=steps, metrics=metrics)
                 op.report_completed(metrics["loss"])
-
-    # Join the process group's threads here rather than at interpreter exit, where they can abort
-    # a run that has already finished (exit -6, "terminate called without an active exception").
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

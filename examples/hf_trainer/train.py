@@ -21,6 +21,17 @@ import dsat
 
 
 def main() -> None:
+    try:
+        train()
+    finally:
+        # DeepSpeed's autotuning ends a search trial with exit(): join the process group's
+        # threads on that way out too, not at interpreter exit, where they can abort a run
+        # that has already reported (exit -6, "terminate called without an active exception").
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def train() -> None:
     hparams = dsat.get_hparams()
     args = dsat.get_hf_args_with_overwrites(sys.argv[1:], hparams)
     (training_args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(
@@ -62,11 +73,6 @@ def main() -> None:
             )
             if not callbacks:
                 op.report_completed(result.training_loss)
-
-    # Join the process group's threads here rather than at interpreter exit, where they can abort
-    # a run that has already finished (exit -6, "terminate called without an active exception").
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

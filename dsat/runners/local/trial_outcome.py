@@ -1,7 +1,8 @@
 """What a finished local trial left behind, read as its outcome.
 
 DeepSpeed's metrics (through ``dsat_reporting_context``'s outcome file, or DeepSpeed's own files)
-mean completed; an OOM signature, oom; the timeout, timeout; anything else, error. Each failure
+mean completed, even where a process crashed after writing them, unless for memory; an OOM
+signature, oom; the timeout, timeout; anything else, error. Each failure
 says why in its first line and whom it blames (``dsat.trial_failure``), the log's last lines after.
 """
 
@@ -66,6 +67,15 @@ class TrialEnd(NamedTuple):
     cause: FailureCause | None
 
 
+def crash_after_measuring(text: str, code: int | None, oom_killed: bool | None) -> bool:
+    """Whether a trial that wrote its measurement, then exited non-zero, ran out of memory doing
+    so: only then does the exit undo the measurement. Rank 0 writes it after every rank's measured
+    steps, so any other crash comes after them: most often a process group's threads torn down at
+    interpreter exit (exit -6, "terminate called without an active exception"), which says
+    nothing of the configuration."""
+    return text_shows_out_of_memory(text) or diagnose_crash(text, code, oom_killed).out_of_memory
+
+
 def classify(
     directory: Path,
     log_path: Path,
@@ -89,8 +99,9 @@ def classify(
     if timed_out:
         reason = f"stopped after the trial timeout of {timeout:g} s"
         return TrialEnd(TrialStatus.TIMEOUT, {}, f"{reason}\n{tail}", FailureCause.UNKNOWN)
-    if outcome.get("status") == "completed" and code == 0:
-        return TrialEnd(TrialStatus.COMPLETED, dict(outcome.get("values", {})), None, None)
+    if outcome.get("status") == "completed":
+        if code == 0 or not crash_after_measuring(text, code, oom_killed):
+            return TrialEnd(TrialStatus.COMPLETED, dict(outcome.get("values", {})), None, None)
     if code == 0:
         result = read_autotuning_result(directory)  # the script reported without dsat
         if result is not None:

@@ -26,6 +26,38 @@ def test_metrics_reported_are_a_completed_trial(tmp_path: Path) -> None:
     assert end.error is None and end.cause is None
 
 
+TEARDOWN_ABORT = (
+    "Autotuning: done with running current ds config.\n"
+    "terminate called without an active exception\n"
+    "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n"
+    "  exitcode  : -6 (pid: 10748)\n"
+)
+
+
+def test_a_crash_after_the_measurement_keeps_it(tmp_path: Path) -> None:
+    # Rank 0 wrote the metrics after every rank's measured steps; a rank then aborted at
+    # interpreter exit, and torchrun exited 1 (one process alone: -6).
+    done = {"status": "completed", "values": {"throughput": 3.0}}
+    log = trial(tmp_path, TEARDOWN_ABORT, done)
+    for code in (1, -signal.SIGABRT):
+        end = classify(tmp_path, log, code, False, 60)
+        assert end.status is TrialStatus.COMPLETED and end.metrics == {"throughput": 3.0}
+    # The same exit without the metrics written is the failure it was.
+    (tmp_path / TRIAL_OUTCOME_FILE).unlink()
+    assert classify(tmp_path, log, 1, False, 60).status is TrialStatus.ERROR
+
+
+def test_an_oom_after_the_measurement_is_an_oom(tmp_path: Path) -> None:
+    done = {"status": "completed", "values": {"throughput": 3.0}}
+    text = "Traceback (most recent call last):\ntorch.OutOfMemoryError: CUDA out of memory.\n"
+    end = classify(tmp_path, trial(tmp_path, text, done), 1, False, 60)
+    assert end.status is TrialStatus.OOM and end.cause is FailureCause.CONFIG
+    killed = classify(
+        tmp_path, trial(tmp_path, "step 9\n", done), -signal.SIGKILL, False, 60, oom_killed=True
+    )
+    assert killed.status is TrialStatus.OOM
+
+
 def test_failures_the_script_causes_whatever_the_config(tmp_path: Path) -> None:
     log = trial(tmp_path, "trained\n", {"status": "incomplete", "steps": 3, "needed": 15})
     end = classify(tmp_path, log, 0, False, 60)
