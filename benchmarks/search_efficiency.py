@@ -9,10 +9,11 @@ included) and trials; how many trials and GPU-hours until what it would hand ove
 current pick: guided's denoised leader, the best measured for the others) is within 2% and stays
 there; the final regret; and, as the tables before 2026-11-25 scored, whether it is within 2% of
 the best leaving the margin of the device's nominal memory. Prints a markdown table and writes
-benchmarks/results/search_efficiency.json. `--surfaces heldout` and `heldout-hardware` run
-surfaces no search was tuned on.
+benchmarks/results/search_efficiency.json. `--surfaces heldout-mixed` runs surfaces no search
+was tuned on or looked into; the older held-out sets have been looked into since they were scored
+(benchmarks/README.md says which).
 
-    python3 benchmarks/search_efficiency.py [--seeds 20] [--first-seed 0] [--surfaces builtin|heldout|heldout-hardware|all] [--jobs 2]
+    python3 benchmarks/search_efficiency.py [--seeds 20] [--first-seed 0] [--surfaces builtin|heldout-mixed|all|...] [--jobs 2]
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from typing import Any
 
 from determined import searcher
 from heldout_hardware_surfaces import HELDOUT_HARDWARE_MODELS  # benchmarks/, too
+from heldout_mixed_surfaces import HELDOUT_MIXED_MODELS  # benchmarks/, too
 from heldout_offload_surfaces import HELDOUT_OFFLOAD_MODELS  # benchmarks/, too
 from heldout_surfaces import HELDOUT_MODELS  # benchmarks/, next to this script
 
@@ -63,6 +65,7 @@ SURFACES = {
     "heldout": HELDOUT_MODELS,
     "heldout-hardware": HELDOUT_HARDWARE_MODELS,
     "heldout-offload": HELDOUT_OFFLOAD_MODELS,
+    "heldout-mixed": HELDOUT_MIXED_MODELS,
     "offload": OFFLOAD_MODELS,
     "zero3-knobs": ZERO3_KNOB_MODELS,
 }
@@ -71,6 +74,7 @@ MODELS: dict[str, PerformanceModel] = {
     **HELDOUT_MODELS,
     **HELDOUT_HARDWARE_MODELS,
     **HELDOUT_OFFLOAD_MODELS,
+    **HELDOUT_MIXED_MODELS,
     **OFFLOAD_MODELS,
     **ZERO3_KNOB_MODELS,
 }

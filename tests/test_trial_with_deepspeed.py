@@ -16,7 +16,7 @@ import pytest
 
 from dsat.constants import ENV_HPARAMS_FILE, OVERWRITE_KEY, TRIAL_OUTCOME_FILE
 from dsat.memory import ModelProfile
-from dsat.runners.local.entrypoint import interpreter_first
+from dsat.runners.local.entrypoint import DETERMINED_PORT_VARIABLES, interpreter_first
 from dsat.search import MethodSettings, make_search_method
 from dsat.search.fit_ladder import offload_choices, offload_level
 from dsat.search.trial_builder import SearchSpec
@@ -69,6 +69,10 @@ def run_example_trial(
         )
         command = [sys.executable, "train.py"]
     else:
+        # Determined's DistributedContext listens on two fixed ports unless told otherwise, as
+        # dsat's runner tells each trial (rendezvous_environment): another test's trial, or
+        # anything else on the machine, may hold them.
+        env.update({name: str(_free_port()) for name in DETERMINED_PORT_VARIABLES})
         command = [
             sys.executable,
             "-m",
