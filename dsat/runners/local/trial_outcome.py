@@ -67,7 +67,7 @@ class TrialEnd(NamedTuple):
     cause: FailureCause | None
 
 
-def crash_after_measuring(text: str, code: int | None, oom_killed: bool | None) -> bool:
+def crashed_for_memory(text: str, code: int | None, oom_killed: bool | None) -> bool:
     """Whether a trial that wrote its measurement, then exited non-zero, ran out of memory doing
     so: only then does the exit undo the measurement. Rank 0 writes it after every rank's measured
     steps, so any other crash comes after them: most often a process group's threads torn down at
@@ -100,7 +100,7 @@ def classify(
         reason = f"stopped after the trial timeout of {timeout:g} s"
         return TrialEnd(TrialStatus.TIMEOUT, {}, f"{reason}\n{tail}", FailureCause.UNKNOWN)
     if outcome.get("status") == "completed":
-        if code == 0 or not crash_after_measuring(text, code, oom_killed):
+        if code == 0 or not crashed_for_memory(text, code, oom_killed):
             return TrialEnd(TrialStatus.COMPLETED, dict(outcome.get("values", {})), None, None)
     if code == 0:
         result = read_autotuning_result(directory)  # the script reported without dsat
