@@ -43,7 +43,7 @@ def train() -> None:
         flush=True,
     )
     seq_len, vocab = int(hparams.get("seq_len", 32)), int(hparams.get("vocab_size", 512))
-    dataset = SyntheticTokens(int(hparams.get("samples", 4096)), seq_len, vocab)
+    dataset = SyntheticTokens(int(hparams.get("samples", 65536)), seq_len, vocab)
     eval_dataset = SyntheticTokens(64, seq_len, vocab, seed=1)
     model = tiny_gpt2(hparams)
 
