@@ -34,8 +34,13 @@ class RegressorTrial(DeepSpeedTrial):  # type: ignore[misc]
 
     def build_training_data_loader(self) -> DataLoader:
         dataset = SyntheticRegression(self.hparams.samples, self.hparams.width)
+        # drop_last: a partial batch at an epoch's end inside the measured steps would count as
+        # a full one (docs/porting-hf-trainer.md).
         return DataLoader(
-            dataset, batch_size=self.engine.train_micro_batch_size_per_gpu(), shuffle=True
+            dataset,
+            batch_size=self.engine.train_micro_batch_size_per_gpu(),
+            shuffle=True,
+            drop_last=True,
         )
 
     def build_validation_data_loader(self) -> DataLoader:
