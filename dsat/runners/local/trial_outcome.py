@@ -67,15 +67,6 @@ class TrialEnd(NamedTuple):
     cause: FailureCause | None
 
 
-def crashed_for_memory(text: str, code: int | None, oom_killed: bool | None) -> bool:
-    """Whether a trial that wrote its measurement, then exited non-zero, ran out of memory doing
-    so: only then does the exit undo the measurement. Rank 0 writes it after every rank's measured
-    steps, so any other crash comes after them: most often a process group's threads torn down at
-    interpreter exit (exit -6, "terminate called without an active exception"), which says
-    nothing of the configuration."""
-    return text_shows_out_of_memory(text) or diagnose_crash(text, code, oom_killed).out_of_memory
-
-
 def classify(
     directory: Path,
     log_path: Path,
@@ -99,9 +90,9 @@ def classify(
     if timed_out:
         reason = f"stopped after the trial timeout of {timeout:g} s"
         return TrialEnd(TrialStatus.TIMEOUT, {}, f"{reason}\n{tail}", FailureCause.UNKNOWN)
-    if outcome.get("status") == "completed":
-        if code == 0 or not crashed_for_memory(text, code, oom_killed):
-            return TrialEnd(TrialStatus.COMPLETED, dict(outcome.get("values", {})), None, None)
+    completed = outcome.get("status") == "completed"
+    if completed and code == 0:
+        return TrialEnd(TrialStatus.COMPLETED, dict(outcome.get("values", {})), None, None)
     if code == 0:
         result = read_autotuning_result(directory)  # the script reported without dsat
         if result is not None:
@@ -124,5 +115,10 @@ def classify(
         )
         return TrialEnd(TrialStatus.ERROR, {}, f"{reason}\n{tail}", FailureCause.SCRIPT)
     diagnosis = diagnose_crash(text, code, oom_killed)
+    if completed and not diagnosis.out_of_memory:
+        # Rank 0 writes the metrics after every rank's measured steps, so a crash after them
+        # that is not for memory (most often a process group's threads torn down at interpreter
+        # exit: exit -6, "terminate called without an active exception") does not undo them.
+        return TrialEnd(TrialStatus.COMPLETED, dict(outcome.get("values", {})), None, None)
     status = TrialStatus.OOM if diagnosis.out_of_memory else TrialStatus.ERROR
     return TrialEnd(status, {}, f"{diagnosis.reason}\n{tail}", diagnosis.cause)
