@@ -21,8 +21,7 @@ from dsat.constants import AUTOTUNING_KEY, DSAT_MODE_KEY, OVERWRITE_KEY
 from dsat.errors import DsatError
 from dsat.results.cost import search_cost
 from dsat.results.utilization import Utilization
-from dsat.search.confirmation import QUIET_SPREAD, measurements
-from dsat.search.measurement_noise import repeat_spread
+from dsat.search.confirmation import QUIET_SPREAD, runs_spread
 from dsat.search.tracker import TrialTracker
 from dsat.trial import TrialKind, TrialRecord, TrialStatus
 
@@ -268,7 +267,7 @@ def confirmation_table(tracker: TrialTracker) -> str:
             if searched is not None
             else f"| {leader.name}{chosen} | - | {again} | {memory} |"
         )
-    spread = repeat_spread(measurements(tracker, leader) for leader in parents)
+    spread = runs_spread(tracker, parents)
     if spread is not None:  # why one round or two
         lines.append(
             f"one run's spread, search trials and runs: {spread:.1%} (a second round runs "

@@ -85,6 +85,12 @@ def allowed_rounds(candidates: Sequence[TrialRecord], search_trials: int) -> int
     return max(1, min(REPEATS, budget // len(candidates)))
 
 
+def runs_spread(tracker: TrialTracker, candidates: Sequence[TrialRecord]) -> float | None:
+    """One run's spread over the leaders' search trials and runs (measurement_noise.repeat_spread):
+    what sizes the round, and what the summary says sized it."""
+    return repeat_spread(measurements(tracker, c) for c in candidates)
+
+
 def next_round(
     tracker: TrialTracker, candidates: Sequence[TrialRecord], search_trials: int
 ) -> list[TrialRecord]:
@@ -95,7 +101,7 @@ def next_round(
     if done >= allowed_rounds(candidates, search_trials):
         return []
     if done >= 1:
-        spread = repeat_spread(measurements(tracker, c) for c in candidates)
+        spread = runs_spread(tracker, candidates)
         if spread is not None and spread <= QUIET_SPREAD:
             return []
     return list(candidates)
