@@ -295,8 +295,8 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
         "--fresh-processes",
         action="store_true",
         help="local runner: start every trial in a new Python interpreter; by default a "
-        "one-process trial is forked from a worker per slot that has already imported the "
-        "entrypoint's modules (on the CPU, run in it: --trial-host) "
+        "one-process trial runs in a worker per slot that has already imported the "
+        "entrypoint's modules (--trial-host; with --no-trial-host it is forked from it) "
         "(docs/local-runner.md#warm-trials says what a script must not do then)",
     )
     parser.add_argument(
@@ -306,17 +306,15 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="local runner: run a slot's one-process trials one after another in one process "
         "(its worker, which then forks nothing) that keeps its CUDA context and process group, "
-        "putting back what each trial changed (docs/local-runner.md#trial-host); the default "
-        "on the CPU, where it was measured faster than a fork; on a GPU only when asked, until "
-        "it is measured there",
+        "putting back what each trial changed (docs/local-runner.md#trial-host); the default, "
+        "measured faster than a fork on the CPU and than a fresh process on a GPU",
     )
     parser.add_argument(
         "--no-trial-host",
         dest="trial_host",
         action="store_const",
         const=False,
-        help="local runner: fork each one-process trial from the slot's warm worker, also on "
-        "the CPU",
+        help="local runner: fork each one-process trial from the slot's warm worker instead",
     )
     parser.add_argument(
         "--simulator",

@@ -19,12 +19,13 @@ from dsat.runners.local.trial_timeout import TrialTimeout
 OPS_LOG = "deepspeed-ops.log"
 
 
-def hosts_trials(asked: bool | None, on_gpu: bool) -> bool:
+def hosts_trials(asked: bool | None) -> bool:
     """Whether one-slot trials run in a trial host: as asked (``--trial-host`` /
-    ``--no-trial-host``), else on the CPU, where a hosted trial was measured faster than a forked
-    one and nearer a fresh process's throughput (benchmarks/README.md); on a GPU not until it is
-    measured there."""
-    return (not on_gpu) if asked is None else asked
+    ``--no-trial-host``), else yes. On the CPU a hosted trial was measured faster than a forked
+    one and nearer a fresh process's throughput; on an H100 faster than a fresh process, where
+    importing DeepSpeed starts the CUDA driver and so leaves the warm worker nothing to fork
+    (benchmarks/README.md)."""
+    return True if asked is None else asked
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +76,7 @@ class LocalSetup:
             self.experiment.slots_per_trial,
             timeout,
             warm=not self.settings.fresh_processes,
-            trial_host=hosts_trials(self.settings.trial_host, pool.on_gpu),
+            trial_host=hosts_trials(self.settings.trial_host),
         )
         build_ops(
             ops_for_trials(self.experiment.ds_config, pool.on_gpu),
