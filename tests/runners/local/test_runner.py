@@ -170,10 +170,9 @@ def test_a_results_dir_inside_the_model_dir_is_not_copied_into_trials(tmp_path: 
     assert (trial / "job.py").is_file() and not (trial / "out").exists()
 
 
-def test_one_slot_trials_are_hosted_on_the_cpu_unless_asked_otherwise() -> None:
-    assert hosts_trials(None, on_gpu=False)
-    assert not hosts_trials(None, on_gpu=True)  # not yet measured on a GPU
-    assert hosts_trials(True, on_gpu=True) and not hosts_trials(False, on_gpu=False)
+def test_one_slot_trials_are_hosted_unless_asked_otherwise() -> None:
+    assert hosts_trials(None)  # on the CPU and, since the H100 check, on a GPU
+    assert hosts_trials(True) and not hosts_trials(False)
     assert parse_settings(["guided", "c.yaml", "."]).trial_host is None
     assert parse_settings(["guided", "c.yaml", ".", "--trial-host"]).trial_host is True
     assert parse_settings(["guided", "c.yaml", ".", "--no-trial-host"]).trial_host is False
