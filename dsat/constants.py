@@ -42,3 +42,5 @@ STATE_FILE = "dsat_search_state.json"
 # The hyperparameter a training script reads to turn on activation checkpointing (HF Trainer's
 # name): where a script has it, the fit ladder may set it (dsat.search.fit_ladder).
 CHECKPOINTING_HPARAM = "gradient_checkpointing"
+# A trial's metric: the rows its measured steps were fed as a share of full batches, where below 1.
+FULL_BATCH_SHARE = "full_batch_share"

@@ -37,9 +37,19 @@ def _free_port() -> int:
 
 
 def run_example_trial(
-    directory: Path, overwrites: dict[str, Any], nproc: int = 1
+    directory: Path,
+    overwrites: dict[str, Any],
+    nproc: int = 1,
+    script_edit: tuple[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
+    """Run the Core API example's trial with dsat's ``overwrites``; ``script_edit`` replaces one
+    piece of its train.py first."""
     copy_example(directory)
+    if script_edit is not None:
+        script = directory / "train.py"
+        old, new = script_edit
+        assert old in script.read_text()
+        script.write_text(script.read_text().replace(old, new))
     hparams = {
         "deepspeed_config": "ds_config.json",
         "width": WIDTH,
@@ -133,6 +143,28 @@ def test_search_trial_at_every_zero_stage(tmp_path: Path, stage: int) -> None:
     assert values["FLOPS_per_gpu"] == pytest.approx(flops_per_step * 1000.0 / values["latency"])
     assert 0 <= values["step_time_spread"] < 5
     assert 0 < values["memory_peak_bytes"] < values["memory_total_bytes"]
+    assert "full_batch_share" not in values  # every step was fed a full batch
+
+
+def test_a_trial_fed_short_batches_counts_the_samples_it_ran(tmp_path: Path) -> None:
+    """As a data loader that keeps an epoch's last batch does with too few samples: every third
+    step's batch holds one sample."""
+    short = (
+        "engine.train_micro_batch_size_per_gpu(), width, generator",
+        "engine.train_micro_batch_size_per_gpu() if engine.global_steps % 3 else 1, width, "
+        "generator",
+    )
+    result = run_example_trial(
+        tmp_path / "trial", dsat_overrides(TrialKind.SEARCH, 1, 1, mbs=8), script_edit=short
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    values = _outcome(tmp_path / "trial")["values"]
+    assert measured_a_window(values)
+    first = values["warmup_steps"]
+    window = range(first, first + values["measured_steps"])  # steps done before each forward
+    share = sum(8 if done % 3 else 1 for done in window) / (8 * len(window))
+    assert values["full_batch_share"] == pytest.approx(share)
+    assert values["throughput"] == pytest.approx(8 * share * 1000.0 / values["latency"])
 
 
 def test_model_profile_trial(tmp_path: Path) -> None:

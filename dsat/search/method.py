@@ -46,6 +46,7 @@ from dsat.search.fit_ladder import (
 from dsat.search.method_settings import MethodSettings
 from dsat.search.method_state import load_state_json, state_json
 from dsat.search.protocol import SearchMethod
+from dsat.search.short_batches import short_batches_line
 from dsat.search.tracker import TrialTracker, config_key
 from dsat.search.trial_builder import SearchSpec, TrialBuilder
 from dsat.search.usable_memory import device_totals, limit_known, memory_check
@@ -430,11 +431,13 @@ class DsatSearchMethod(SearchMethod):
         return None
 
     def summary_notes(self) -> list[str]:
-        """The summary's lines on the global batch and on the user's own configuration."""
+        """The summary's lines on the global batch, on the user's own configuration and on
+        trials fed short batches."""
         return [
             self.spec.batch_line(self.tracker.best()),
             self.fit_line(self.tracker.best()),
             baseline_line(self),
+            short_batches_line(self.tracker.finished),
         ]
 
     def fit_line(self, handed_over: TrialRecord | None) -> str:

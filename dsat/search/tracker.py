@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from dsat.constants import CHECKPOINTING_HPARAM, OVERWRITE_KEY
+from dsat.constants import CHECKPOINTING_HPARAM, FULL_BATCH_SHARE, OVERWRITE_KEY
 from dsat.experiment.metric import Metric
 from dsat.search.usable_memory import UsableMemory, fills_device, largest_peak, usable_memory
 from dsat.trial import TrialKind, TrialRecord, TrialStatus
@@ -240,7 +240,11 @@ class TrialTracker:
         return flops if flops / throughput <= 1.01 * least else least * throughput
 
     def _note_flops(self, record: TrialRecord) -> None:
-        measured = _flops_and_rate(record) if record.status is TrialStatus.COMPLETED else None
+        """Not from a trial whose steps were fed short batches: its FLOPs come from one profiled
+        step, its samples from the window, and their ratio is no model's."""
+        if record.status is not TrialStatus.COMPLETED or FULL_BATCH_SHARE in record.metrics:
+            return
+        measured = _flops_and_rate(record)
         if measured is not None and measured[0]:
             ratio = measured[0] / measured[1]
             if self._flops_per_sample is None or ratio < self._flops_per_sample:

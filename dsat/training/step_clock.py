@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from dsat.atomic_file import write_json_atomic
-from dsat.constants import AUTOTUNING_KEY, TRIAL_OUTCOME_FILE
+from dsat.constants import AUTOTUNING_KEY, FULL_BATCH_SHARE, TRIAL_OUTCOME_FILE
 from dsat.device_peaks import peak_flops
 from dsat.memory import Precision
 
@@ -77,6 +77,11 @@ class StepClock:
     settle: bool = False
     earliest_step: int = 0  # with ``settle``, the window may open when this step ends
     opened_at: int | None = None  # the step whose end opened the window
+    # Rows the training forwards were fed on this rank, by the optimizer steps done before them
+    # (the forwards of step s + 1 run while s steps are done), and a full step's rows.
+    rows: dict[int, int] = dataclasses.field(default_factory=dict)
+    rows_per_step: int | None = None
+    batch_first: bool = False  # a forward's leading dimension was the micro-batch at least once
 
     def mark(self, global_steps: int, train_batch_size: int) -> bool:
         """Note the end of an optimizer step; True once the window is complete with the next
@@ -88,6 +93,24 @@ class StepClock:
         if self.opened_at is not None:
             self.train_batch_size = train_batch_size
         return self.complete()
+
+    def note_forward(self, steps_done: int, rows: int, micro_batch: int, accumulation: int) -> None:
+        """Note a training forward fed ``rows`` (its inputs' leading dimension)."""
+        self.rows[steps_done] = self.rows.get(steps_done, 0) + rows
+        self.rows_per_step = micro_batch * accumulation
+        self.batch_first = self.batch_first or rows == micro_batch
+
+    def full_batch_share(self) -> float | None:
+        """The rows the window's steps were fed, as a share of full batches: below 1 when the
+        data ran out inside the window and an epoch's last batch came short (a data loader that
+        keeps it, with too few samples for the trial's steps). None where the forwards' leading
+        dimension is not the batch, or was not seen."""
+        window = self.window()
+        if not self.batch_first or not self.rows_per_step or len(window) < 2:
+            return None
+        first, last = window[0][0], window[-1][0]
+        fed = sum(self.rows.get(step, 0) for step in range(first, last))
+        return fed / (self.rows_per_step * (last - first)) if fed else None
 
     def _warmed_up(self, global_steps: int) -> bool:
         if global_steps >= self.first_step:
@@ -133,6 +156,10 @@ class StepClock:
         stderr = relative_stderr(durations)
         if math.isfinite(stderr):  # JSON has no infinity
             ours["step_time_stderr"] = stderr
+        share = self.full_batch_share()
+        if share is not None and share < 1:  # samples/s counts the samples the steps ran
+            ours["throughput"] *= share
+            ours[FULL_BATCH_SHARE] = share
         flops = flops_per_step(deepspeed)
         if flops is not None:
             ours["FLOPS_per_gpu"] = flops / seconds
@@ -253,7 +280,9 @@ def _explain_missing_results(directory: Path) -> None:
 def _time_engine_steps() -> None:
     """Wrap ``DeepSpeedEngine.step`` so the end of every optimizer step is marked, the device
     synchronised, even when DeepSpeed ends the trial inside that step; and once the window is
-    complete, have DeepSpeed end the trial after the next step."""
+    complete, have DeepSpeed end the trial after the next step. Wrap ``forward`` too, to count the
+    rows each training forward is fed (a short batch must not count as a full one)."""
+    import torch
     from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.engine import DeepSpeedEngine
 
@@ -261,6 +290,19 @@ def _time_engine_steps() -> None:
     if getattr(original, "_dsat_timed", False):
         return
     accelerator = get_accelerator()
+    original_forward = DeepSpeedEngine.forward
+
+    def forward(engine: Any, *args: Any, **kwargs: Any) -> Any:
+        if _clock is not None and engine.training and torch.is_grad_enabled():
+            rows = leading_dimension(args, kwargs)
+            if rows is not None:
+                _clock.note_forward(
+                    int(engine.global_steps),
+                    rows,
+                    int(engine.train_micro_batch_size_per_gpu()),
+                    int(engine.gradient_accumulation_steps()),
+                )
+        return original_forward(engine, *args, **kwargs)
 
     def mark(engine: Any, before: int, decide: bool) -> bool:
         if engine.global_steps == before or _clock is None:
@@ -288,6 +330,22 @@ def _time_engine_steps() -> None:
 
     step._dsat_timed = True  # type: ignore[attr-defined]
     DeepSpeedEngine.step = step
+    DeepSpeedEngine.forward = forward
+
+
+def leading_dimension(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int | None:
+    """The leading dimension of a forward's first tensor input (HF's ``input_ids``, a plain
+    model's input; a dict of tensors passed whole counts by its first), the batch where the
+    model is batch-first."""
+    import torch
+
+    values = [*args, *kwargs.values()]
+    if values and isinstance(values[0], Mapping):
+        values = [*values[0].values(), *values[1:]]
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            return int(value.shape[0]) if value.dim() > 0 else None
+    return None
 
 
 def _rank_zeros(complete: bool, accelerator: Any) -> bool:

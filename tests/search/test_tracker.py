@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from dsat.experiment.metric import Metric
+from dsat.search.short_batches import short_batches_line
 from dsat.search.tracker import TrialTracker
 from dsat.trial import SearchRange, TrialKind, TrialRecord, TrialStatus
 
@@ -193,6 +196,29 @@ def test_flops_count_the_model_once_so_zero3_does_not_win_on_a_double_count() ->
     again = tracker(Metric.FLOPS_PER_GPU)
     again.load_json(t.to_json())
     assert again.metric_value(again.get("z3")) == 306.0 * 189.4e6
+
+
+def test_a_trial_fed_short_batches_sets_no_flops_a_sample() -> None:
+    """Its FLOPs come from one profiled step and its samples from the window: with the HF
+    example at 4096 samples, micro-batches in the thousands gave 0.68x the others' FLOPs a
+    sample, which would have counted every other trial at 0.68x of itself."""
+    t = tracker(Metric.FLOPS_PER_GPU)
+    figures = {
+        "full": (64, 300.0, 189.4e6, {}),
+        "short": (1632, 360.0, 0.68 * 189.4e6, {"full_batch_share": 0.83}),
+    }
+    for rid, (mbs, throughput, per_sample, extra) in figures.items():
+        t.add(record(rid, mbs))
+        t.mark_running(t.dequeue(rid).request_id)
+        metrics = {"throughput": throughput, "FLOPS_per_gpu": throughput * per_sample, **extra}
+        t.mark_finished(rid, TrialStatus.COMPLETED, metrics)
+    assert t.metric_value(t.get("full")) == 300.0 * 189.4e6  # not 0.68x of itself
+    assert t.metric_value(t.get("short")) == pytest.approx(360.0 * 0.68 * 189.4e6)
+    line = short_batches_line(t.finished)
+    assert "1 trial(s) (z1_mb1632)" in line and "83% of a full batch" in line
+    assert "--dataloader_drop_last true" in line
+    t.mark_finished("full", TrialStatus.COMPLETED, {"throughput": 300.0})
+    assert short_batches_line([t.get("full")]) == ""
 
 
 def test_confirmation_runs_are_found_after_a_round_trip_and_forgotten_when_discarded() -> None:

@@ -19,6 +19,7 @@ from dsat.training.step_clock import (
     current_clock,
     device_peak,
     flops_per_step,
+    leading_dimension,
     measured_window,
     spread,
     stop_clock,
@@ -62,6 +63,49 @@ def test_steps_before_the_window_do_not_count() -> None:
     for step in range(1, 8):
         clock.mark(step, train_batch_size=4)
     assert [number for number, _ in clock.window()] == [5, 6, 7]
+
+
+def fed(
+    clock: StepClock, rows_by_step: dict[int, list[int]], micro: int, accumulation: int
+) -> None:
+    for done, rows in rows_by_step.items():
+        for count in rows:
+            clock.note_forward(done, count, micro, accumulation)
+
+
+def test_short_batches_in_the_window_count_the_samples_they_ran() -> None:
+    clock = clock_with([0.5] * 4, batch=16)  # steps 6-9 measured: their forwards at 5-8
+    # Micro-batch 8, accumulation 2: the data runs out at step 8's second micro-step (3 rows).
+    fed(clock, {4: [8, 8], 5: [8, 8], 6: [8, 8], 7: [8, 3], 8: [8, 8], 9: [8, 8]}, 8, 2)
+    assert clock.full_batch_share() == pytest.approx(59 / 64)
+    values = clock.metrics(DEEPSPEED)
+    assert values["throughput"] == pytest.approx(16 / 0.5 * 59 / 64)
+    assert values["full_batch_share"] == pytest.approx(59 / 64)
+    # Short batches outside the window do not count.
+    outside = clock_with([0.5] * 4, batch=16)
+    fed(outside, {4: [8, 3], 5: [8, 8], 6: [8, 8], 7: [8, 8], 8: [8, 8], 9: [2]}, 8, 2)
+    assert outside.full_batch_share() == 1.0
+    assert "full_batch_share" not in outside.metrics(DEEPSPEED)
+
+
+def test_a_leading_dimension_that_is_never_the_micro_batch_is_not_taken_for_one() -> None:
+    clock = clock_with([0.5] * 4, batch=8)
+    fed(clock, {step: [128] for step in range(5, 9)}, 8, 1)  # sequence-first, say
+    assert clock.full_batch_share() is None
+    assert clock.metrics(DEEPSPEED)["throughput"] == pytest.approx(8 / 0.5)
+    assert clock_with([0.5] * 4).full_batch_share() is None  # no forward seen
+
+
+def test_the_leading_dimension_is_the_first_tensor_inputs() -> None:
+    import torch
+
+    ids = torch.zeros(6, 32, dtype=torch.long)
+    assert leading_dimension((), {"input_ids": ids, "labels": torch.zeros(9)}) == 6
+    assert leading_dimension((torch.zeros(3, 4),), {}) == 3
+    assert leading_dimension(({"input_ids": ids},), {}) == 6
+    assert leading_dimension((None, 2.0), {"x": torch.zeros(5)}) == 5
+    assert leading_dimension((torch.tensor(1.0),), {}) is None
+    assert leading_dimension(("text",), {}) is None
 
 
 def run_steps(clock: StepClock, step_seconds: list[float]) -> int:
