@@ -147,7 +147,7 @@ def test_the_ladders_switch_reaches_the_scripts_hyperparameters() -> None:
     # The user's own config ran out of memory in the profile: no baseline, and the summary
     # says why.
     assert not any(r.kind is TrialKind.BASELINE for r in m.tracker.records)
-    assert "ran out of memory at micro-batch 1" in m.summary_notes()[-1]
+    assert "ran out of memory at micro-batch 1" in m.fit_line(m.tracker.best())
 
 
 @pytest.mark.parametrize("method", ["guided", "binary"])
