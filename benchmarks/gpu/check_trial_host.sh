@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The GPU check of the trial host (benchmarks/README.md, "GPU"), prepared to run as one command
+# on a lent GPU machine: which imports start threads or the CUDA driver, then the GPT-2 medium
+# search in each VARIANT on the same warm machine, each cut at its time limit (SIGINT, as a user's
+# Ctrl-C), its per-trial times printed and its results directory tarred into $OUT (the device tool
+# brings back only shallow files). Needs the wheels ../shared/GPU.md lists in .whl/.
+#   VARIANTS="host no-host" HOST_S=240 NO_HOST_S=180 MAX_TRIALS=8 bash benchmarks/gpu/check_trial_host.sh
+set -uo pipefail
+source benchmarks/gpu/prepare_gpt2_medium.sh
+repo=$PWD
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/card.txt"
+(cd "$work" && timeout 120 python3 "$repo/benchmarks/gpu/import_threads.py" \
+    determined torch model transformers deepspeed dsat 2>&1 | grep -v Warning) \
+    | tee "$OUT/imports_threads.log"
+for variant in ${VARIANTS:-host no-host}; do
+    case $variant in
+        host) flags="--trial-host" limit=${HOST_S:-240} ;;
+        no-host) flags="--no-trial-host" limit=${NO_HOST_S:-180} ;;  # fresh once the worker is cold
+        *) echo "unknown variant $variant"; continue ;;
+    esac
+    results=/tmp/gpu_check/$variant
+    rm -rf "$results"
+    start=$(date +%s)
+    # shellcheck disable=SC2086  # flags: split on purpose
+    (cd "$work" && timeout -k 20 -s INT "$limit" python3 -m dsat guided deepspeed.yaml . \
+        --max-trials "${MAX_TRIALS:-8}" --results-dir "$results" $flags > "$OUT/$variant.log" 2>&1)
+    echo "== $variant: exit $?, $(( $(date +%s) - start )) s"
+    grep "^dsat: trial \|^dsat: slot\|handed over" "$OUT/$variant.log" | cut -c1-200
+    python3 "$repo/benchmarks/gpu/trial_times.py" "$results" | tee "$OUT/$variant-times.txt"
+    tar czf "$OUT/$variant.tgz" -C "$results" .
+done
