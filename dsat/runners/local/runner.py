@@ -288,6 +288,12 @@ class LocalRunner:
             b"before the configuration is blamed\n"
         )
         trial.log.flush()
+        if self.pool.on_gpu and self.warm_workers is not None:
+            # The host's CUDA context and process group hold device memory the fresh process
+            # would lack, which could make its OOM the host's: it goes first, and the slot's
+            # next trial starts a new one.
+            for slot in trial.slots:
+                self.warm_workers.stop(slot)
         prepare_trial_directory(
             trial.directory, self.model_dir, self.includes, trial.hparams, self.results_dir
         )

@@ -241,6 +241,12 @@ class WarmWorkers:
             self._go_cold(slot, worker.cold_reason, worker.log_path)
         return trial
 
+    def stop(self, slot: str) -> None:
+        """Stop ``slot``'s worker now, if it has one; the slot's next trial starts another."""
+        worker = self.workers.pop(slot, None)
+        if worker is not None:
+            worker.close()
+
     def _go_cold(self, slot: str, reason: str, log_path: Path) -> None:
         self.cold[slot] = reason
         logger.info(

@@ -51,13 +51,14 @@ def host_runner(
     entrypoint: list[str],
     timeout: float = 60.0,
     environ_extra: dict[str, str] | None = None,
+    gpu_pool: SlotPool | None = None,
 ) -> LocalRunner:
     model = tmp_path / "model"
     model.mkdir(exist_ok=True)
     for name, text in files.items():
         (model / name).write_text(text)
     environ = {"PATH": os.environ["PATH"], "CUDA_VISIBLE_DEVICES": "", **(environ_extra or {})}
-    pool = SlotPool.for_machine(1, 1, environ)
+    pool = gpu_pool or SlotPool.for_machine(1, 1, environ)
     return LocalRunner(
         entrypoint,
         model,
@@ -76,9 +77,11 @@ def run(ex: LocalRunner, n: int, hparams: dict[str, Any]) -> TrialOutcome:
     return ex.wait()
 
 
-def job_runner(tmp_path: Path, timeout: float = 60.0) -> LocalRunner:
+def job_runner(
+    tmp_path: Path, timeout: float = 60.0, gpu_pool: SlotPool | None = None
+) -> LocalRunner:
     files = {"job.py": JOB, "job_helper.py": "COUNT = 0\n"}
-    return host_runner(tmp_path, files, ["python3", "job.py"], timeout)
+    return host_runner(tmp_path, files, ["python3", "job.py"], timeout, gpu_pool=gpu_pool)
 
 
 def run_all(ex: LocalRunner, trials: list[dict[str, Any]]) -> list[TrialOutcome]:
@@ -121,6 +124,17 @@ def test_a_failure_or_an_oom_in_the_host_is_the_trial_s_and_the_host_goes_on(
     # The OOM was confirmed in a fresh process before it counted.
     oom_log = next((tmp_path / "results" / "logs").glob("003-*.log")).read_text()
     assert "running it again in a fresh process" in oom_log
+
+
+def test_on_a_gpu_the_host_goes_before_its_oom_is_confirmed(tmp_path: Path) -> None:
+    """Its CUDA context would hold memory the fresh process lacks. A slot named as a GPU's (the
+    job never touches a device), so the runner takes it for one."""
+    trials = [{}, {"mode": "oom"}, {}]
+    first, oom, last = run_all(job_runner(tmp_path, gpu_pool=SlotPool(["0"], on_gpu=True)), trials)
+    assert oom.status is TrialStatus.OOM
+    assert pid(first) != pid(last)  # a new host after the confirmation, not none:
+    last_log = next((tmp_path / "results" / "logs").glob("003-*.log")).read_text()
+    assert HOST_TRIAL_MARK in last_log.splitlines()[0]
 
 
 def test_an_oom_in_the_host_that_a_process_of_its_own_does_not_repeat_is_not_an_oom(
