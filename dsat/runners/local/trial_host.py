@@ -2,14 +2,14 @@
 
 A forked trial still pays, on a GPU, for its CUDA context and its process group (13 s of a 35-47 s
 trial on the H100 check, benchmarks/README.md), and a worker that a library left unsafe to fork
-(a native thread, the CUDA driver) forks nothing at all. With ``--trial-host`` the slot's worker
-forks nothing: it runs each trial in itself, as the script run anew, so the context and the group
-its first trial makes serve the next, and afterwards puts back what the trial changed
-(``process_reset``). A trial that leaves a thread running, an engine alive or device memory
-allocated still gets its outcome, then the host leaves and the runner starts another for the
-next trial. One that runs out of memory in the host is run again in a fresh process by the
-runner before its OOM counts; after a host died during a trial (a crash, or dsat stopping the
-trial), the slot's trials start fresh.
+(a native thread, the CUDA driver) forks nothing at all. So the slot's worker (``--trial-host``,
+the default) forks nothing: it runs each trial in itself, as the script run anew, so the context
+and the group its first trial makes serve the next, and afterwards puts back what the trial
+changed (``process_reset``). A trial that leaves a thread running, an engine alive or device
+memory allocated still gets its outcome, then the host leaves and the runner starts another for
+the next trial. One that runs out of memory in the host is run again in a fresh process by the
+runner before its OOM counts (on a GPU with the host stopped first); after a host died during a
+trial (a crash, or dsat stopping the trial), the slot's trials start fresh.
 """
 
 from __future__ import annotations
