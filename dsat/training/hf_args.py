@@ -104,7 +104,8 @@ def get_hf_args_with_overwrites(args: Sequence[str], hparams: Mapping[str, Any])
     with filelock.FileLock(str(target) + ".lock"):
         merged = deep_merge(load_ds_json(source, "--deepspeed"), overwrites)
         write_json_atomic(target, merged)
-    start_clock(overwrites, hf_precision(args, merged))  # a search trial: dsat times its steps
+    # A search trial: dsat times its steps, and the Trainer's input_ids lead with the batch.
+    start_clock(overwrites, hf_precision(args, merged), batch_first=True)
     args = _set_flag(args, HF_DS_FLAG, str(target))
     for flag, key in HF_BATCH_FLAGS.items():
         number = batch_value(merged, key, str(target))

@@ -81,7 +81,9 @@ class StepClock:
     # (the forwards of step s + 1 run while s steps are done), and a full step's rows.
     rows: dict[int, int] = dataclasses.field(default_factory=dict)
     rows_per_step: int | None = None
-    batch_first: bool = False  # a forward's leading dimension was the micro-batch at least once
+    # Whether the forwards' leading dimension is the batch: known (HF), or seen to be the
+    # micro-batch at least once.
+    batch_first: bool = False
 
     def mark(self, global_steps: int, train_batch_size: int) -> bool:
         """Note the end of an optimizer step; True once the window is complete with the next
@@ -241,10 +243,15 @@ def stop_clock() -> None:
 
 
 def start_clock(
-    overwrites: Mapping[str, Any] | None, precision: Precision | None = None
+    overwrites: Mapping[str, Any] | None,
+    precision: Precision | None = None,
+    batch_first: bool = False,
 ) -> StepClock | None:
     """Start timing DeepSpeed's optimizer steps when ``overwrites`` make this a search trial (an
-    autotuning block with a metric window); idempotent. ``precision``: the trial's."""
+    autotuning block with a metric window); idempotent. ``precision``: the trial's.
+    ``batch_first``: the forwards' first tensor input is known to lead with the batch (HF's
+    ``input_ids``), so batches that are all short (a dataset smaller than one micro-batch) count
+    as short too."""
     global _clock
     block = (overwrites or {}).get(AUTOTUNING_KEY)
     if not isinstance(block, Mapping) or "end_profile_step" not in block:
@@ -260,6 +267,7 @@ def start_clock(
         atexit.register(_explain_missing_results, Path.cwd())
     if precision is not None:
         _clock.precision = precision
+    _clock.batch_first = _clock.batch_first or batch_first
     return _clock
 
 

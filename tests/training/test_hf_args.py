@@ -10,7 +10,9 @@ from typing import Any
 import pytest
 
 from dsat import get_hf_args_with_overwrites
+from dsat.constants import AUTOTUNING_KEY
 from dsat.errors import DsatError
+from dsat.training.step_clock import current_clock
 
 BASE = {
     "train_micro_batch_size_per_gpu": "auto",
@@ -62,6 +64,15 @@ def test_rewrites_flags_and_config(ds_path: Path, caplog: pytest.LogCaptureFixtu
     assert json.loads(ds_path.read_text()) == BASE  # the user's file is untouched
     assert _value(new, "--output_dir") == "out" and args[3] == str(ds_path)  # input list untouched
     assert "changing --per_device_train_batch_size from 8 to 3" in caplog.text
+
+
+def test_a_search_trials_clock_knows_the_trainers_inputs_lead_with_the_batch(
+    ds_path: Path,
+) -> None:
+    window = {AUTOTUNING_KEY: {"enabled": True, "start_profile_step": 3, "end_profile_step": 5}}
+    get_hf_args_with_overwrites(["--deepspeed", str(ds_path)], _hparams(**window))
+    clock = current_clock()
+    assert clock is not None and clock.batch_first
 
 
 def test_equals_forms_and_dash_spelling(ds_path: Path) -> None:

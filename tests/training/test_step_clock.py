@@ -96,6 +96,16 @@ def test_a_leading_dimension_that_is_never_the_micro_batch_is_not_taken_for_one(
     assert clock_with([0.5] * 4).full_batch_share() is None  # no forward seen
 
 
+def test_an_hf_trials_batches_count_as_short_even_when_all_are() -> None:
+    """A dataset of 5 samples at micro-batch 8: every batch holds 5; HF's input_ids lead with
+    the batch, so that is seen."""
+    clock = clock_with([0.5] * 4, batch=8)
+    fed(clock, {step: [5] for step in range(5, 9)}, 8, 1)
+    assert clock.full_batch_share() is None  # unknown where the input may lead with a sequence
+    clock.batch_first = True  # as get_hf_args_with_overwrites starts the clock
+    assert clock.full_batch_share() == pytest.approx(5 / 8)
+
+
 def test_the_leading_dimension_is_the_first_tensor_inputs() -> None:
     import torch
 
