@@ -343,13 +343,15 @@ def _time_engine_steps() -> None:
 
 def leading_dimension(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int | None:
     """The leading dimension of a forward's first tensor input (HF's ``input_ids``, a plain
-    model's input; a dict of tensors passed whole counts by its first), the batch where the
-    model is batch-first."""
+    model's input; a dict, list or tuple of tensors passed whole counts by its first), the batch
+    where the model is batch-first."""
     import torch
 
     values = [*args, *kwargs.values()]
     if values and isinstance(values[0], Mapping):
         values = [*values[0].values(), *values[1:]]
+    elif values and isinstance(values[0], (list, tuple)):
+        values = [*values[0], *values[1:]]
     for value in values:
         if isinstance(value, torch.Tensor):
             return int(value.shape[0]) if value.dim() > 0 else None

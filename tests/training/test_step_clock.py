@@ -113,6 +113,7 @@ def test_the_leading_dimension_is_the_first_tensor_inputs() -> None:
     assert leading_dimension((), {"input_ids": ids, "labels": torch.zeros(9)}) == 6
     assert leading_dimension((torch.zeros(3, 4),), {}) == 3
     assert leading_dimension(({"input_ids": ids},), {}) == 6
+    assert leading_dimension(((ids, torch.zeros(6)),), {}) == 6  # a (inputs, labels) batch
     assert leading_dimension((None, 2.0), {"x": torch.zeros(5)}) == 5
     assert leading_dimension((torch.tensor(1.0),), {}) is None
     assert leading_dimension(("text",), {}) is None
