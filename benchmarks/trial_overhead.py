@@ -208,8 +208,8 @@ def main() -> None:
     print(f"one ZeRO-1 search trial at micro-batch {args.mbs}, {args.repeats} of each, in turn:")
     table(
         {
-            "dsat, warm worker (default)": times["warm"],
-            "dsat, --trial-host": times["host"],
+            "dsat, warm worker (--no-trial-host)": times["warm"],
+            "dsat, trial host (the default)": times["host"],
             "dsat, --fresh-processes": times["fresh"],
             "bare script": times["bare"],
         },
