@@ -163,6 +163,7 @@ def one_trial(baseline: ProcessBaseline, trial_dir: Path | None = None) -> Itera
     saved = [(owner, name, getattr(owner, name, _MISSING)) for owner, name, _ in patches]
     for owner, name, value in patches:
         setattr(owner, name, value)
+    reset_peak_memory()
     try:
         yield traces
     finally:
@@ -191,6 +192,20 @@ def forget_modules(names: set[str], trial_dir: Path) -> None:
         origin = getattr(module, "__file__", None)
         if origin is not None and Path(origin).resolve().is_relative_to(root):
             del sys.modules[name]
+
+
+def reset_peak_memory() -> None:
+    """Start the peaks a trial reports (``memory_peak_bytes``) from what the process holds now,
+    as a fresh process's start from nothing: torch's device peaks, and the kernel's peak resident
+    set (``ru_maxrss``, the CPU's figure), which an earlier, larger trial of the host would
+    otherwise have set for every later one."""
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    if cuda is not None and cuda.is_initialized():
+        for device in range(cuda.device_count()):
+            cuda.reset_peak_memory_stats(device)
+    with contextlib.suppress(OSError):  # Linux: 5 resets the peak resident set to the current
+        Path("/proc/self/clear_refs").write_text("5")
 
 
 def device_memory_held() -> int:

@@ -112,6 +112,17 @@ def test_cublas_workspaces_a_trial_made_are_no_leak(tmp_path: Path) -> None:
     assert baseline.leaks() == []
 
 
+@pytest.mark.gpu
+def test_a_trials_device_peak_starts_from_what_the_host_holds(tmp_path: Path) -> None:
+    import torch
+
+    baseline = ProcessBaseline.capture()
+    with one_trial(baseline, tmp_path):
+        torch.ones(2**26, device="cuda").sum().item()  # a 256 MiB peak, freed at once
+    with one_trial(baseline, tmp_path):
+        assert torch.cuda.max_memory_allocated() < 2**26  # not the last trial's peak
+
+
 def test_device_memory_is_counted_once_cublas_workspaces_are_cleared(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -41,6 +41,13 @@ if mode == "crash":
     os._exit(3)
 if mode == "hang":
     time.sleep(600)
+if mode == "big":
+    def touch_and_free(size=400 * 2**20):
+        block = bytearray(size)
+        block[:: 4096] = b"x" * len(block[:: 4096])
+    touch_and_free()
+import resource
+values["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 json.dump({"status": "completed", "values": values}, open("dsat_trial_outcome.json", "w"))
 """
 
@@ -145,6 +152,17 @@ def test_an_oom_in_the_host_that_a_process_of_its_own_does_not_repeat_is_not_an_
     assert (tmp_path / "flag").exists()  # it did run out of memory in the host
     assert pid(confirmed) not in (pid(first), pid(last))  # then completed in a fresh process
     assert pid(first) == pid(last)
+
+
+def test_a_trials_peak_memory_is_its_own_not_an_earlier_trials_of_the_host(
+    tmp_path: Path,
+) -> None:
+    """The CPU's figure, the peak resident set, lasts the process's life unless reset: a small
+    trial after a large one must not report the large one's peak (the margin and the memory
+    model read it)."""
+    big, small = run_all(job_runner(tmp_path), [{"mode": "big"}, {}])
+    assert pid(big) == pid(small)  # one host
+    assert big.metrics["peak_rss"] - small.metrics["peak_rss"] > 300 * 2**20
 
 
 def test_a_host_a_trial_left_a_thread_in_is_replaced(tmp_path: Path) -> None:
