@@ -287,7 +287,16 @@ def _capture_torch() -> dict[str, Any]:
         "grad": torch.is_grad_enabled(),
         "threads": torch.get_num_threads(),
         "matmul_precision": torch.get_float32_matmul_precision(),
-        "cudnn": (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic),
+        "cudnn": (
+            torch.backends.cudnn.benchmark,
+            torch.backends.cudnn.deterministic,
+            torch.backends.cudnn.allow_tf32,
+        ),
+        # What HF's --tf32 and mixed-precision users flip beside the matmul precision.
+        "reductions": (
+            torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
+            torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
+        ),
         "rng": torch.get_rng_state(),
     }
     numpy = sys.modules.get("numpy")
@@ -338,7 +347,13 @@ def _restore_torch(state: dict[str, Any]) -> None:
     torch.set_grad_enabled(state["grad"])
     torch.set_num_threads(state["threads"])
     torch.set_float32_matmul_precision(state["matmul_precision"])
-    torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = state["cudnn"]
+    cudnn = torch.backends.cudnn
+    cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32 = state["cudnn"]
+    matmul = torch.backends.cuda.matmul
+    (
+        matmul.allow_fp16_reduced_precision_reduction,
+        matmul.allow_bf16_reduced_precision_reduction,
+    ) = state["reductions"]
     torch.set_rng_state(state["rng"])
     if "numpy_rng" in state:
         import numpy

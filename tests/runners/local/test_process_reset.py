@@ -47,6 +47,45 @@ def test_a_trial_s_directory_environment_argv_path_and_own_modules_are_put_back(
     assert "dsat.runners.local.process_reset" in sys.modules  # not the trial's: kept
 
 
+def test_torch_s_global_settings_are_put_back(tmp_path: Path) -> None:
+    """What a trial's flags flip for the whole process (HF's --tf32, a seed's determinism): the
+    next trial, without them, must run as a fresh process would."""
+    import torch
+
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+
+    def settings() -> tuple[object, ...]:
+        return (
+            torch.get_default_dtype(),
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_grad_enabled(),
+            torch.get_num_threads(),
+            torch.get_float32_matmul_precision(),
+            matmul.allow_tf32,
+            cudnn.benchmark,
+            cudnn.deterministic,
+            cudnn.allow_tf32,
+            matmul.allow_fp16_reduced_precision_reduction,
+            matmul.allow_bf16_reduced_precision_reduction,
+        )
+
+    before = settings()
+    baseline = ProcessBaseline.capture()
+    with one_trial(baseline, tmp_path):
+        torch.set_default_dtype(torch.float64)
+        torch.use_deterministic_algorithms(True)
+        torch.set_grad_enabled(False)
+        torch.set_num_threads(max(1, torch.get_num_threads() + 1))
+        matmul.allow_tf32 = not matmul.allow_tf32
+        cudnn.benchmark = not cudnn.benchmark
+        cudnn.deterministic = not cudnn.deterministic
+        cudnn.allow_tf32 = not cudnn.allow_tf32
+        matmul.allow_fp16_reduced_precision_reduction = False
+        matmul.allow_bf16_reduced_precision_reduction = False
+        assert all(a != b for a, b in zip(settings(), before, strict=True))
+    assert settings() == before
+
+
 def test_a_trial_s_exit_ends_the_trial_not_the_process(tmp_path: Path) -> None:
     baseline = ProcessBaseline.capture()
     original = builtins.exit
