@@ -194,14 +194,20 @@ def forget_modules(names: set[str], trial_dir: Path) -> None:
             del sys.modules[name]
 
 
+def _cuda_in_use() -> Any | None:
+    """``torch.cuda`` where this process has started CUDA; None where it has not (or has no
+    torch): nothing is on a device then, and nothing here may start CUDA."""
+    cuda = getattr(sys.modules.get("torch"), "cuda", None)
+    return cuda if cuda is not None and cuda.is_initialized() else None
+
+
 def reset_peak_memory() -> None:
     """Start the peaks a trial reports (``memory_peak_bytes``) from what the process holds now,
     as a fresh process's start from nothing: torch's device peaks, and the kernel's peak resident
     set (``ru_maxrss``, the CPU's figure), which an earlier, larger trial of the host would
     otherwise have set for every later one."""
-    torch = sys.modules.get("torch")
-    cuda = getattr(torch, "cuda", None)
-    if cuda is not None and cuda.is_initialized():
+    cuda = _cuda_in_use()
+    if cuda is not None:
         for device in range(cuda.device_count()):
             cuda.reset_peak_memory_stats(device)
     with contextlib.suppress(OSError):  # Linux: 5 resets the peak resident set to the current
@@ -216,11 +222,10 @@ def device_memory_held() -> int:
     process's life (on an H100 65 MiB stayed after every trial, just over the tolerance, and each
     replaced its host); cleared first, as torch's own leak check does, they are made again by the
     next trial's first matrix product."""
-    torch = sys.modules.get("torch")
-    cuda = getattr(torch, "cuda", None)
-    if cuda is None or not cuda.is_initialized():
+    cuda = _cuda_in_use()
+    if cuda is None:
         return 0
-    clear_workspaces = getattr(getattr(torch, "_C", None), "_cuda_clearCublasWorkspaces", None)
+    clear_workspaces = getattr(sys.modules["torch"]._C, "_cuda_clearCublasWorkspaces", None)
     if clear_workspaces is not None:
         clear_workspaces()
     cuda.empty_cache()
