@@ -4,12 +4,14 @@
 # search in each VARIANT on the same warm machine, each cut at its time limit (SIGINT, as a user's
 # Ctrl-C), its per-trial times printed and its results directory tarred into $OUT (the device tool
 # brings back only shallow files). Needs the wheels ../shared/GPU.md lists in .whl/.
+# IMPORTS=0 skips the imports' threads; REMEASURE_TOP=N re-measures the host search's handed-over
+# configuration and its N-1 leaders with a plain loop (measurement_fidelity_gpu.py), if it got there.
 #   VARIANTS="host no-host" HOST_S=240 NO_HOST_S=180 MAX_TRIALS=8 bash benchmarks/gpu/check_trial_host.sh
 set -uo pipefail
 source benchmarks/gpu/prepare_gpt2_medium.sh
 repo=$PWD
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/card.txt"
-(cd "$work" && timeout 120 python3 "$repo/benchmarks/gpu/import_threads.py" \
+[ "${IMPORTS:-1}" = 0 ] || (cd "$work" && timeout 120 python3 "$repo/benchmarks/gpu/import_threads.py" \
     determined torch model transformers deepspeed dsat 2>&1 | grep -v Warning) \
     | tee "$OUT/imports_threads.log"
 for variant in ${VARIANTS:-host no-host}; do
@@ -29,3 +31,10 @@ for variant in ${VARIANTS:-host no-host}; do
     python3 "$repo/benchmarks/gpu/trial_times.py" "$results" | tee "$OUT/$variant-times.txt"
     tar czf "$OUT/$variant.tgz" -C "$results" .
 done
+if [ -n "${REMEASURE_TOP:-}" ] && [ -f /tmp/gpu_check/host/best_ds_config.json ]; then
+    start=$(date +%s)
+    python3 benchmarks/measurement_fidelity_gpu.py /tmp/gpu_check/host --top "$REMEASURE_TOP" \
+        --repeats "${REPEATS:-1}" --output "$OUT/measurement_fidelity_gpu.json" 2>&1 \
+        | grep -v Warning | tail -n 30 | tee "$OUT/remeasure.log"
+    echo "== remeasure: $(( $(date +%s) - start )) s"
+fi

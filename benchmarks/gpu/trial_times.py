@@ -37,6 +37,9 @@ def rows(results: Path) -> list[dict[str, object]]:
                 if "FLOPS_per_gpu" in metrics
                 else None,
                 "throughput": metrics.get("throughput"),
+                "peak_mib": round(metrics["memory_peak_bytes"] / 2**20)
+                if "memory_peak_bytes" in metrics
+                else None,
                 "host_replaced": "; ".join(replaced) or None,
             }
         )
