@@ -6,6 +6,8 @@
 # brings back only shallow files). Needs the wheels ../shared/GPU.md lists in .whl/.
 # IMPORTS=0 skips the imports' threads; REMEASURE_TOP=N re-measures the host search's handed-over
 # configuration and its N-1 leaders with a plain loop (measurement_fidelity_gpu.py), if it got there.
+# The user's config in a host against fresh, several times in turn (it is the search's second trial):
+#   VARIANTS="host no-host host no-host host no-host" HOST_S=45 NO_HOST_S=80 MAX_TRIALS=2 IMPORTS=0
 #   VARIANTS="host no-host" HOST_S=240 NO_HOST_S=180 MAX_TRIALS=8 bash benchmarks/gpu/check_trial_host.sh
 set -uo pipefail
 source benchmarks/gpu/prepare_gpt2_medium.sh
@@ -14,22 +16,27 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 [ "${IMPORTS:-1}" = 0 ] || (cd "$work" && timeout 120 python3 "$repo/benchmarks/gpu/import_threads.py" \
     determined torch model transformers deepspeed dsat 2>&1 | grep -v Warning) \
     | tee "$OUT/imports_threads.log"
-for variant in ${VARIANTS:-host no-host}; do
+n=0 seen=" "
+for variant in ${VARIANTS:-host no-host}; do  # a variant that comes again: its files numbered
+    n=$((n + 1))
+    name=$variant
+    case $seen in *" $variant "*) name=$n-$variant ;; esac
+    seen="$seen$variant "
     case $variant in
         host) flags="--trial-host" limit=${HOST_S:-240} ;;
         no-host) flags="--no-trial-host" limit=${NO_HOST_S:-180} ;;  # fresh once the worker is cold
         *) echo "unknown variant $variant"; continue ;;
     esac
-    results=/tmp/gpu_check/$variant
+    results=/tmp/gpu_check/$name
     rm -rf "$results"
     start=$(date +%s)
     # shellcheck disable=SC2086  # flags: split on purpose
     (cd "$work" && timeout -k 20 -s INT "$limit" python3 -m dsat guided deepspeed.yaml . \
-        --max-trials "${MAX_TRIALS:-8}" --results-dir "$results" $flags > "$OUT/$variant.log" 2>&1)
-    echo "== $variant: exit $?, $(( $(date +%s) - start )) s"
-    grep "^dsat: trial \|^dsat: slot\|handed over" "$OUT/$variant.log" | cut -c1-200
-    python3 "$repo/benchmarks/gpu/trial_times.py" "$results" | tee "$OUT/$variant-times.txt"
-    tar czf "$OUT/$variant.tgz" -C "$results" .
+        --max-trials "${MAX_TRIALS:-8}" --results-dir "$results" $flags > "$OUT/$name.log" 2>&1)
+    echo "== $name: exit $?, $(( $(date +%s) - start )) s"
+    grep "^dsat: trial \|^dsat: slot\|handed over" "$OUT/$name.log" | cut -c1-200
+    python3 "$repo/benchmarks/gpu/trial_times.py" "$results" | tee "$OUT/$name-times.txt"
+    tar czf "$OUT/$name.tgz" -C "$results" .
 done
 if [ -n "${REMEASURE_TOP:-}" ] && [ -f /tmp/gpu_check/host/best_ds_config.json ]; then
     start=$(date +%s)
