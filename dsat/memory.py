@@ -17,6 +17,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from dsat.constants import PRECISION_KEY
+
 logger = logging.getLogger(__name__)
 
 PROFILE_KEYS = ("num_params", "trainable_num_params", "activation_mem_per_gpu", "gpu_mem")
@@ -40,6 +42,16 @@ class Precision(str, enum.Enum):
             if isinstance(section, Mapping) and section.get("enabled") is True:
                 return precision
         return cls.FP32
+
+    @classmethod
+    def of_run(cls, metrics: Mapping[str, Any], ds_config: Mapping[str, Any]) -> Precision:
+        """What a trial ran at, where it reported it (the model profile does: a JSON's
+        ``"auto"``, which HF's Trainer fills in from its ``--bf16``/``--fp16``, reads as no
+        mixed precision here), else what ``ds_config`` says."""
+        reported = metrics.get(PRECISION_KEY)
+        if reported in {member.value for member in cls}:
+            return cls(reported)
+        return cls.of(ds_config)
 
     @property
     def bytes_per_param(self) -> tuple[int, int, int]:

@@ -31,6 +31,14 @@ def test_precision_from_config() -> None:
     assert Precision.FP32.bytes_per_param == (4, 4, 8)
 
 
+def test_precision_a_run_reported_wins_over_the_configs() -> None:
+    auto = {"bf16": {"enabled": "auto"}}
+    assert Precision.of_run({"precision": "bf16"}, auto) is Precision.BF16
+    assert Precision.of_run({"precision": "fp16"}, {"bf16": {"enabled": True}}) is Precision.FP16
+    assert Precision.of_run({}, {"bf16": {"enabled": True}}) is Precision.BF16
+    assert Precision.of_run({"precision": "int8"}, auto) is Precision.FP32  # not one it knows
+
+
 @pytest.mark.parametrize("precision", list(Precision))
 def test_stages_partition_model_states(precision: Precision) -> None:
     profile = ModelProfile(

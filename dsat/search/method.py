@@ -76,7 +76,6 @@ class DsatSearchMethod(SearchMethod):
             memory_margin=settings.memory_margin,
         )
         self.rng = np.random.default_rng(settings.random_seed)
-        self.precision = Precision.of(spec.ds_config)
         self.builder = TrialBuilder(
             spec, settings.random_seed, settings.start_profile_step, settings.end_profile_step
         )
@@ -300,6 +299,13 @@ class DsatSearchMethod(SearchMethod):
         return denoised_score(self.tracker)
 
     # ------------------------------------------------------------------ building trials
+
+    @property
+    def precision(self) -> Precision:
+        """What the trials run at: the model profile's report, else the user's config."""
+        record = self.tracker.model_profile
+        metrics = record.metrics if record is not None else {}
+        return Precision.of_run(metrics, self.spec.ds_config)
 
     @property
     def profile(self) -> ModelProfile | None:

@@ -93,6 +93,7 @@ class PeakModel:
         metrics: dict[str, Any] = profile.metrics if profile is not None else {}
         self.num_params = metrics.get("num_params")
         self.profile_per_sample = metrics.get("activation_mem_per_gpu")
+        self.profile_metrics = metrics
         self._per_sample: dict[int, float | None] = {}
         self._kin_buckets: dict[str, float] = {}  # each measured configuration's bucket bytes
 
@@ -151,7 +152,7 @@ class PeakModel:
     def _buckets(self, record: TrialRecord) -> float:
         if not isinstance(self.num_params, (int, float)):
             return 0.0
-        precision = Precision.of(record.ds_config)
+        precision = Precision.of_run(self.profile_metrics, record.ds_config)
         return float(section_bucket_bytes(record.zero_section, precision, int(self.num_params)))
 
 

@@ -23,10 +23,11 @@ from dsat.constants import (
     MODEL_INFO_FILE,
     OOM_MARKER,
     OOM_METRIC_KEY,
+    PRECISION_KEY,
     TRIAL_OUTCOME_FILE,
 )
 from dsat.training.oom import is_out_of_memory
-from dsat.training.step_clock import current_clock, device_peak, peak_memory
+from dsat.training.step_clock import current_clock, device_peak, peak_memory, trial_precision
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,9 @@ def read_autotuning_result(directory: Path) -> AutotuningResult | None:
         return None
     if kind == MODEL_INFO:
         values["gpu_mem"] = device_memory_bytes()
+        precision = trial_precision()
+        if precision is not None:
+            values[PRECISION_KEY] = precision.value
     return AutotuningResult(kind, values)
 
 

@@ -229,6 +229,7 @@ def device_peak(precision: Precision | None) -> dict[str, float]:
 
 
 _clock: StepClock | None = None
+_precision: Precision | None = None  # the trial's, from its start_clock
 
 
 def current_clock() -> StepClock | None:
@@ -236,10 +237,17 @@ def current_clock() -> StepClock | None:
     return _clock
 
 
+def trial_precision() -> Precision | None:
+    """The precision this trial's code said it runs at (``start_clock``), if it said."""
+    return _precision
+
+
 def stop_clock() -> None:
-    """Forget this process's clock (a process that runs several trials' code: the tests)."""
-    global _clock
+    """Forget this process's clock and precision (a process that runs several trials' code: a
+    trial host, the tests)."""
+    global _clock, _precision
     _clock = None
+    _precision = None
 
 
 def start_clock(
@@ -252,7 +260,9 @@ def start_clock(
     ``batch_first``: the forwards' first tensor input is known to lead with the batch (HF's
     ``input_ids``), so batches that are all short (a dataset smaller than one micro-batch) count
     as short too."""
-    global _clock
+    global _clock, _precision
+    if precision is not None:  # what a model profile reports too
+        _precision = precision
     block = (overwrites or {}).get(AUTOTUNING_KEY)
     if not isinstance(block, Mapping) or "end_profile_step" not in block:
         return None

@@ -10,18 +10,23 @@ from typing import Any
 import pytest
 
 from dsat.experiment.settings import SEARCH_METHODS
+from dsat.memory import Precision
 from dsat.runners.driver import SearchDriver
 from dsat.runners.simulated.runner import SimulatedRunner
 from dsat.search import METHODS as REGISTERED
+from dsat.search import make_search_method
 from dsat.training.step_clock import MEASURED_STEPS, WARMUP_STEPS, measured_window
 from dsat.trial import TrialKind, TrialRecord, TrialStatus
 from tests.search.helpers import (
+    BASE_DS,
     PROFILE,
     cliff_function,
     history,
     method,
     outcome,
     run,
+    settings,
+    spec,
     start_profile,
     suggested,
 )
@@ -264,3 +269,21 @@ def test_the_search_core_imports_nothing_from_determined() -> None:
 def test_every_method_the_cli_names_is_registered_under_its_own_name() -> None:
     assert list(REGISTERED) == list(SEARCH_METHODS)
     assert all(REGISTERED[name].name == name for name in SEARCH_METHODS)
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_the_memory_model_counts_at_the_precision_the_profile_ran(name: str) -> None:
+    """A JSON that leaves mixed precision to HF's Trainer ("auto") reads as fp32; the profile's
+    report of bf16 makes the model count 20 bytes a parameter, not 16, and lowers the ceiling."""
+    auto = {**BASE_DS, "bf16": {"enabled": "auto"}}
+    profile = {**PROFILE, "num_params": 10**6, "trainable_num_params": 10**6}
+    ceilings = {}
+    for reported in ({}, {"precision": "bf16"}):
+        m = make_search_method(settings(name), spec(ds_config=auto))
+        (first,) = suggested(m)
+        m.observe(outcome(first.request_id, TrialStatus.COMPLETED, metrics={**profile, **reported}))
+        ceilings[bool(reported)] = (m.precision, m.micro_batch_ceiling(1))
+    assert ceilings[False][0] is Precision.FP32
+    assert ceilings[True][0] is Precision.BF16
+    # fp32: 16e6 bytes of states at ZeRO-1 on one GPU; bf16: 20e6, 4 samples of 1e6 fewer.
+    assert ceilings[False][1] - ceilings[True][1] == 4

@@ -12,7 +12,8 @@ import pytest
 from dsat import get_hf_args_with_overwrites
 from dsat.constants import AUTOTUNING_KEY
 from dsat.errors import DsatError
-from dsat.training.step_clock import current_clock
+from dsat.memory import Precision
+from dsat.training.step_clock import current_clock, trial_precision
 
 BASE = {
     "train_micro_batch_size_per_gpu": "auto",
@@ -73,6 +74,22 @@ def test_a_search_trials_clock_knows_the_trainers_inputs_lead_with_the_batch(
     get_hf_args_with_overwrites(["--deepspeed", str(ds_path)], _hparams(**window))
     clock = current_clock()
     assert clock is not None and clock.batch_first
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [(["--bf16"], Precision.BF16), (["--fp16", "true"], Precision.FP16), ([], Precision.FP32)],
+)
+def test_a_model_profile_knows_the_precision_the_trainer_fills_in(
+    tmp_path: Path, flags: list[str], expected: Precision
+) -> None:
+    """A JSON's "auto" precision is the Trainer's flag: the profile (no clock) still notes it."""
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps({**BASE, "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}}))
+    profile = {AUTOTUNING_KEY: {"enabled": True, "model_info": {"profile": True}}}
+    get_hf_args_with_overwrites(["--deepspeed", str(path), *flags], _hparams(**profile))
+    assert current_clock() is None
+    assert trial_precision() is expected
 
 
 def test_equals_forms_and_dash_spelling(ds_path: Path) -> None:

@@ -18,8 +18,11 @@ from dsat.constants import (
     MODEL_INFO_FILE,
     OOM_MARKER,
     OOM_METRIC_KEY,
+    PRECISION_KEY,
     TRIAL_OUTCOME_FILE,
 )
+from dsat.memory import Precision
+from dsat.training.step_clock import start_clock
 
 METRICS = {
     "fwd": 1.5,
@@ -73,6 +76,17 @@ def test_model_info_gets_device_memory(trial_dir: Path) -> None:
         else psutil.virtual_memory().total
     )
     assert outcome["values"] == {**MODEL_INFO, "gpu_mem": expected_mem}
+
+
+def test_model_info_says_the_precision_the_trial_ran_at(trial_dir: Path) -> None:
+    """What the memory model counts by when the JSON leaves the precision to HF ("auto")."""
+    start_clock({}, Precision.BF16)  # as the trial's config helpers do; a profile has no clock
+    (trial_dir / MODEL_INFO_FILE).write_text(json.dumps(MODEL_INFO))
+    with det.core.init(checkpoint_storage=str(trial_dir / "ckpt")) as core_context:
+        op = next(core_context.searcher.operations())
+        with pytest.raises(SystemExit), dsat_reporting_context(core_context, op):
+            raise SystemExit()
+    assert _outcome(trial_dir)["values"][PRECISION_KEY] == "bf16"
 
 
 def test_newest_result_file_wins(trial_dir: Path) -> None:
