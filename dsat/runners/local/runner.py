@@ -278,20 +278,30 @@ class LocalRunner:
             log.truncate()
         return process
 
-    def _confirm_oom(self, trial: RunningTrial) -> None:
-        """Run a trial that ran out of memory in a trial host again in a fresh process: what
-        the host's earlier trials left on the device must not be blamed on a configuration,
-        whose OOM bounds the search."""
+    def _confirm_in_fresh_process(self, trial: RunningTrial, end: TrialEnd) -> bool:
+        """Run a trial that ran out of memory or failed in a trial host after other trials again
+        in a fresh process, whose outcome stands: what the host's earlier trials left (on the
+        device, or a sticky CUDA error) must not be blamed on a configuration. False when the
+        outcome is the trial's own: it completed or timed out, ran fresh or forked, or was its
+        host's first."""
+        process = trial.process
+        if (
+            end.status not in (TrialStatus.OOM, TrialStatus.ERROR)
+            or not getattr(process, "hosted", False)
+            or getattr(process, "earlier_trials", 0) == 0
+        ):
+            return False
+        what = "out of memory" if end.status is TrialStatus.OOM else "failed"
         trial.log.seek(0, os.SEEK_END)  # after what the host wrote to it
         trial.log.write(
-            b"\ndsat: out of memory in the trial host; running it again in a fresh process "
-            b"before the configuration is blamed\n"
+            f"\ndsat: {what} in the trial host; running it again in a fresh process "
+            "before the configuration is blamed\n".encode()
         )
         trial.log.flush()
-        if self.pool.on_gpu and self.warm_workers is not None:
-            # The host's CUDA context and process group hold device memory the fresh process
-            # would lack, which could make its OOM the host's: it goes first, and the slot's
-            # next trial starts a new one.
+        if self.warm_workers is not None and (end.status is TrialStatus.ERROR or self.pool.on_gpu):
+            # A host a trial failed in may be broken; on a GPU its CUDA context and process
+            # group hold device memory the fresh process would lack, which could make its OOM
+            # the host's. It goes first, and the slot's next trial starts a new one.
             for slot in trial.slots:
                 self.warm_workers.stop(slot)
         prepare_trial_directory(
@@ -301,6 +311,7 @@ class LocalRunner:
             trial.directory, trial.slots, trial.log, trial.log, trial.length
         )
         trial.oom_kills_at_start = oom_kill_count()
+        return True
 
     def _classified(self, trial: RunningTrial, timed_out: bool) -> TrialEnd:
         """What the finished trial's exit, outcome file and log say about it."""
@@ -323,8 +334,7 @@ class LocalRunner:
                 if timed_out:
                     self._kill(trial)
                 end = self._classified(trial, timed_out)
-                if end.status is TrialStatus.OOM and getattr(trial.process, "hosted", False):
-                    self._confirm_oom(trial)
+                if self._confirm_in_fresh_process(trial, end):
                     continue
                 return self._finish(trial, end)
             time.sleep(POLL_SECONDS)

@@ -7,9 +7,10 @@ the default) forks nothing: it runs each trial in itself, as the script run anew
 and the group its first trial makes serve the next, and afterwards puts back what the trial
 changed (``process_reset``). A trial that leaves a thread running, an engine alive or device
 memory allocated still gets its outcome, then the host leaves and the runner starts another for
-the next trial. One that runs out of memory in the host is run again in a fresh process by the
-runner before its OOM counts (on a GPU with the host stopped first); after a host died during a
-trial (a crash, or dsat stopping the trial), the slot's trials start fresh.
+the next trial. One that runs out of memory or fails in a host that ran other trials is run again
+in a fresh process by the runner before it counts (the host stopped first after a failure, and
+after an OOM on a GPU); after a host died during a trial (a crash, or dsat stopping the trial),
+the slot's trials start fresh.
 """
 
 from __future__ import annotations

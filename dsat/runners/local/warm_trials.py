@@ -48,10 +48,13 @@ class WarmProcess:
     """A trial forked by a worker: enough of ``subprocess.Popen`` for the runner to poll it,
     wait for it and stop its process group."""
 
-    def __init__(self, pid: int, log_path: Path, hosted: bool = False) -> None:
+    def __init__(
+        self, pid: int, log_path: Path, hosted: bool = False, earlier_trials: int = 0
+    ) -> None:
         self.pid = pid
         self.log_path = log_path
         self.hosted = hosted  # run in its worker, the slot's trial host, not forked
+        self.earlier_trials = earlier_trials  # how many its worker started before it
         self.returncode: int | None = None
         self._done = threading.Event()
 
@@ -107,6 +110,7 @@ class WarmWorker:
         self.cold_reason: str | None = None
         self.lost_a_trial = False  # it exited while a trial of it ran
         self.leaving = False  # a trial host that serves no more trials (a trial leaked)
+        self.trials_started = 0
         self._replies: queue.Queue[WarmProcess | str] = queue.Queue()
         self._pending: dict[int, WarmProcess] = {}
         self._log_paths: queue.Queue[Path] = queue.Queue()
@@ -127,8 +131,12 @@ class WarmWorker:
             kind = event.get("event")
             if kind == "started":
                 trial = WarmProcess(
-                    int(event["pid"]), self._log_paths.get(), bool(event.get("host"))
+                    int(event["pid"]),
+                    self._log_paths.get(),
+                    bool(event.get("host")),
+                    self.trials_started,
                 )
+                self.trials_started += 1
                 self._pending[trial.pid] = trial
                 self._replies.put(trial)
             elif kind == "exited":
@@ -242,10 +250,13 @@ class WarmWorkers:
         return trial
 
     def stop(self, slot: str) -> None:
-        """Stop ``slot``'s worker now, if it has one; the slot's next trial starts another."""
+        """Stop ``slot``'s worker now, if it has one; the slot's next trial starts another, or
+        none when this host ended during a trial (as ``run`` would have found it)."""
         worker = self.workers.pop(slot, None)
         if worker is not None:
             worker.close()
+            if self.host and worker.lost_a_trial:
+                self._go_cold(slot, "its trial host ended during a trial", worker.log_path)
 
     def _go_cold(self, slot: str, reason: str, log_path: Path) -> None:
         self.cold[slot] = reason

@@ -31,7 +31,9 @@ values["stdin_empty"] = int(sys.stdin.read() == "")  # not the host's requests
 os.environ["LEFT_BY_A_TRIAL"] = "1"
 if mode == "thread":
     threading.Thread(target=time.sleep, args=(600,), name="left-running", daemon=True).start()
-if mode == "raise":
+if mode == "raise" or (mode == "raise_once" and not os.path.exists(hparams["flag"])):
+    if mode == "raise_once":
+        open(hparams["flag"], "w").close()
     raise ValueError("the script failed")
 if mode == "oom" or (mode == "oom_once" and not os.path.exists(hparams["flag"])):
     if mode == "oom_once":
@@ -120,17 +122,50 @@ def test_trials_run_one_after_another_in_one_host_each_as_if_fresh(tmp_path: Pat
     assert [int(o.metrics["stdin_empty"]) for o in outcomes] == [1, 1, 1]
 
 
-def test_a_failure_or_an_oom_in_the_host_is_the_trial_s_and_the_host_goes_on(
+def log_of(tmp_path: Path, number: int) -> str:
+    return next((tmp_path / "results" / "logs").glob(f"{number:03d}-*.log")).read_text()
+
+
+RERUN = "in the trial host; running it again in a fresh process"
+
+
+def test_an_oom_in_the_host_after_other_trials_is_confirmed_fresh_and_the_host_goes_on(
     tmp_path: Path,
 ) -> None:
-    trials = [{}, {"mode": "raise"}, {"mode": "oom"}, {}]
-    first, failed, oom, last = run_all(job_runner(tmp_path), trials)
-    assert failed.status is TrialStatus.ERROR and "the script failed" in (failed.error or "")
+    first, oom, last = run_all(job_runner(tmp_path), [{}, {"mode": "oom"}, {}])
     assert oom.status is TrialStatus.OOM
-    assert pid(first) == pid(last)
-    # The OOM was confirmed in a fresh process before it counted.
-    oom_log = next((tmp_path / "results" / "logs").glob("003-*.log")).read_text()
-    assert "running it again in a fresh process" in oom_log
+    assert "out of memory " + RERUN in log_of(tmp_path, 2)
+    assert pid(first) == pid(last)  # on the CPU the host stays
+
+
+def test_a_failure_in_the_host_after_other_trials_is_confirmed_fresh_in_a_new_host(
+    tmp_path: Path,
+) -> None:
+    """A failed trial may have broken its host (a sticky CUDA error fails every later one)."""
+    first, failed, last = run_all(job_runner(tmp_path), [{}, {"mode": "raise"}, {}])
+    assert failed.status is TrialStatus.ERROR and "the script failed" in (failed.error or "")
+    assert "failed " + RERUN in log_of(tmp_path, 2)
+    assert pid(first) != pid(last)
+    assert HOST_TRIAL_MARK in log_of(tmp_path, 3).splitlines()[0]  # a new host, not none
+
+
+def test_a_failure_in_the_host_that_a_process_of_its_own_does_not_repeat_is_no_failure(
+    tmp_path: Path,
+) -> None:
+    trials = [{}, {"mode": "raise_once", "flag": str(tmp_path / "flag")}]
+    first, confirmed = run_all(job_runner(tmp_path), trials)
+    assert (tmp_path / "flag").exists()  # it did fail in the host
+    assert pid(confirmed) != pid(first)  # then completed in a fresh process
+
+
+@pytest.mark.parametrize("mode", ["raise", "oom"])
+def test_a_hosts_first_trial_fails_as_its_own(tmp_path: Path, mode: str) -> None:
+    """Nothing ran in the host before it, so a fresh process would fail alike: not run twice."""
+    failed, after = run_all(job_runner(tmp_path), [{"mode": mode}, {}])
+    assert failed.status is (TrialStatus.OOM if mode == "oom" else TrialStatus.ERROR)
+    assert RERUN not in log_of(tmp_path, 1)
+    assert after.status is TrialStatus.COMPLETED
+    assert HOST_TRIAL_MARK in log_of(tmp_path, 2).splitlines()[0]
 
 
 def test_on_a_gpu_the_host_goes_before_its_oom_is_confirmed(tmp_path: Path) -> None:
@@ -186,6 +221,8 @@ def test_after_a_host_died_during_a_trial_the_slot_s_trials_start_fresh(
     assert len({pid(first), *(pid(o) for o in later)}) == 3  # a process each
     logs = sorted((tmp_path / "results" / "logs").glob("[0-9]*.log"))
     assert [HOST_TRIAL_MARK in log.read_text() for log in logs] == [True, True, False, False]
+    # A crash after other trials in the host is run again fresh (and crashes there too).
+    assert (("failed " + RERUN) in log_of(tmp_path, 2)) is (mode == "crash")
 
 
 @pytest.mark.slow
