@@ -4,14 +4,20 @@
 # search in each VARIANT on the same warm machine, each cut at its time limit (SIGINT, as a user's
 # Ctrl-C), its per-trial times printed and its results directory tarred into $OUT (the device tool
 # brings back only shallow files). Needs the wheels ../shared/GPU.md lists in .whl/.
-# IMPORTS=0 skips the imports' threads; REMEASURE_TOP=N re-measures the host search's handed-over
-# configuration and its N-1 leaders with a plain loop (measurement_fidelity_gpu.py), if it got there.
+# USER_MB=N sets the user's micro-batch (the baseline, the host's second trial: 40 runs out of
+# memory on an H100 80GB, so its OOM is confirmed in a fresh process). IMPORTS=0 skips the imports'
+# threads; REMEASURE_TOP=N re-measures the host search's handed-over configuration and its N-1
+# leaders with a plain loop (measurement_fidelity_gpu.py), if it got there.
 # The user's config in a host against fresh, several times in turn (it is the search's second trial):
 #   VARIANTS="host no-host host no-host host no-host" HOST_S=45 NO_HOST_S=80 MAX_TRIALS=2 IMPORTS=0
 #   VARIANTS="host no-host" HOST_S=240 NO_HOST_S=180 MAX_TRIALS=8 bash benchmarks/gpu/check_trial_host.sh
 set -uo pipefail
 source benchmarks/gpu/prepare_gpt2_medium.sh
 repo=$PWD
+if [ -n "${USER_MB:-}" ]; then  # the user's micro-batch: 40 runs out of memory on an H100 80GB
+    sed -i "s/--per_device_train_batch_size 4 /--per_device_train_batch_size $USER_MB /" \
+        "$work/deepspeed.yaml"
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/card.txt"
 [ "${IMPORTS:-1}" = 0 ] || (cd "$work" && timeout 120 python3 "$repo/benchmarks/gpu/import_threads.py" \
     determined torch model transformers deepspeed dsat 2>&1 | grep -v Warning) \
