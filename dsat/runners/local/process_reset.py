@@ -74,6 +74,9 @@ class ProcessBaseline:
     modules: frozenset[str]
     threads: frozenset[int]
     python_random: Any
+    # The cyclic collector: a trial may turn it off or retune it (DeepSpeed's disable_python_gc
+    # turns it off while an engine lives), which would change every later trial's step times.
+    collector: tuple[bool, tuple[int, ...]] = (True, (700, 10, 10))
     torch_state: dict[str, Any] = dataclasses.field(default_factory=dict)
     deepspeed_state: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -87,6 +90,7 @@ class ProcessBaseline:
             modules=frozenset(sys.modules),
             threads=frozenset(t.ident for t in threading.enumerate() if t.ident is not None),
             python_random=random.getstate(),
+            collector=(gc.isenabled(), gc.get_threshold()),
             torch_state=_capture_torch(),
             deepspeed_state=_capture_deepspeed(),
         )
@@ -109,6 +113,12 @@ class ProcessBaseline:
         if self.torch_state:
             _restore_torch(self.torch_state)
         random.setstate(self.python_random)
+        enabled, threshold = self.collector
+        gc.set_threshold(*threshold)
+        if enabled:
+            gc.enable()
+        else:
+            gc.disable()
         os.chdir(self.cwd)
         os.environ.clear()
         os.environ.update(self.environ)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import builtins
 import dataclasses
+import gc
 import json
 import os
 import subprocess
@@ -45,6 +46,15 @@ def test_a_trial_s_directory_environment_argv_path_and_own_modules_are_put_back(
     assert (os.getcwd(), dict(os.environ), sys.argv, sys.path) == before
     assert "own_module_of_the_trial" not in sys.modules
     assert "dsat.runners.local.process_reset" in sys.modules  # not the trial's: kept
+
+
+def test_python_s_collector_settings_are_put_back(tmp_path: Path) -> None:
+    baseline = ProcessBaseline.capture()
+    before = (gc.isenabled(), gc.get_threshold())
+    with one_trial(baseline, tmp_path):
+        gc.disable()  # as DeepSpeed's disable_python_gc does while an engine lives
+        gc.set_threshold(50_000, 20, 20)
+    assert (gc.isenabled(), gc.get_threshold()) == before == (True, baseline.collector[1])
 
 
 def test_torch_s_global_settings_are_put_back(tmp_path: Path) -> None:
