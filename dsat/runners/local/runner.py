@@ -14,7 +14,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -78,6 +78,8 @@ class RunningTrial:
     oom_kills_at_start: int | None
     hparams: dict[str, Any]
     length: int
+    # Slots whose trial host ended during this trial, which now runs again in a fresh process.
+    host_lost_on: list[str] = field(default_factory=list)
 
 
 def copy_ignore(results_dir: Path) -> Callable[[str, list[str]], set[str]]:
@@ -302,8 +304,7 @@ class LocalRunner:
             # A host a trial failed in may be broken; on a GPU its CUDA context and process
             # group hold device memory the fresh process would lack, which could make its OOM
             # the host's. It goes first, and the slot's next trial starts a new one.
-            for slot in trial.slots:
-                self.warm_workers.stop(slot)
+            trial.host_lost_on = [s for s in trial.slots if self.warm_workers.stop(s)]
         prepare_trial_directory(
             trial.directory, self.model_dir, self.includes, trial.hparams, self.results_dir
         )
@@ -312,6 +313,15 @@ class LocalRunner:
         )
         trial.oom_kills_at_start = oom_kill_count()
         return True
+
+    def _trust_hosts_again(self, trial: RunningTrial) -> None:
+        """The trial failed in a fresh process too: its host's end was the configuration's
+        doing, not something hosting left, so the slots' later trials run in hosts again."""
+        assert self.warm_workers is not None  # only hosted trials lose a host
+        for slot in trial.host_lost_on:
+            self.warm_workers.trust_again(
+                slot, "the trial its last host ended in failed in a fresh process too"
+            )
 
     def _classified(self, trial: RunningTrial, timed_out: bool) -> TrialEnd:
         """What the finished trial's exit, outcome file and log say about it."""
@@ -336,6 +346,8 @@ class LocalRunner:
                 end = self._classified(trial, timed_out)
                 if self._confirm_in_fresh_process(trial, end):
                     continue
+                if trial.host_lost_on and end.status is TrialStatus.ERROR:
+                    self._trust_hosts_again(trial)
                 return self._finish(trial, end)
             time.sleep(POLL_SECONDS)
 

@@ -5,7 +5,8 @@ devices, threads), so a forked trial sees what a fresh one would have seen at im
 from a worker looks like any trial process: a pid that leads its own process group, a return
 code (a signal's negative, as from ``subprocess``), output in its log. When a worker cannot serve
 (its entrypoint is not ``python SCRIPT`` or ``python -m MODULE``, it went cold, or it died), the
-runner starts that trial fresh; a worker that went cold is not started again for the slot.
+runner starts that trial fresh; a worker that went cold is not started again for the slot (but a
+trial host is, once the crash that ended one is shown to be its trial's, ``trust_again``).
 """
 
 from __future__ import annotations
@@ -249,14 +250,22 @@ class WarmWorkers:
             self._go_cold(slot, worker.cold_reason, worker.log_path)
         return trial
 
-    def stop(self, slot: str) -> None:
+    def stop(self, slot: str) -> bool:
         """Stop ``slot``'s worker now, if it has one; the slot's next trial starts another, or
-        none when this host ended during a trial (as ``run`` would have found it)."""
+        none when this host ended during a trial (as ``run`` would have found it): True then."""
         worker = self.workers.pop(slot, None)
-        if worker is not None:
-            worker.close()
-            if self.host and worker.lost_a_trial:
-                self._go_cold(slot, "its trial host ended during a trial", worker.log_path)
+        if worker is None:
+            return False
+        worker.close()
+        if self.host and worker.lost_a_trial:
+            self._go_cold(slot, "its trial host ended during a trial", worker.log_path)
+            return True
+        return False
+
+    def trust_again(self, slot: str, reason: str) -> None:
+        """``slot``'s trials start in a trial host again, after its host's end was explained."""
+        if self.cold.pop(slot, None) is not None:
+            logger.info("slot %s: trials run in a trial host again (%s)", slot, reason)
 
     def _go_cold(self, slot: str, reason: str, log_path: Path) -> None:
         self.cold[slot] = reason

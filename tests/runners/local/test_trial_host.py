@@ -39,7 +39,9 @@ if mode == "oom" or (mode == "oom_once" and not os.path.exists(hparams["flag"]))
     if mode == "oom_once":
         open(hparams["flag"], "w").close()
     raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
-if mode == "crash":
+if mode == "crash" or (mode == "crash_once" and not os.path.exists(hparams["flag"])):
+    if mode == "crash_once":
+        open(hparams["flag"], "w").close()
     os._exit(3)
 if mode == "hang":
     time.sleep(600)
@@ -211,18 +213,41 @@ def test_a_host_a_trial_left_a_thread_in_is_replaced(tmp_path: Path) -> None:
     assert "this trial host leaves" in (logs / "warm-worker-cpu0.log").read_text()
 
 
-@pytest.mark.parametrize("mode", ["crash", "hang"])
-def test_after_a_host_died_during_a_trial_the_slot_s_trials_start_fresh(
-    tmp_path: Path, mode: str
-) -> None:
-    first, died, *later = run_all(job_runner(tmp_path, timeout=20.0), [{}, {"mode": mode}, {}, {}])
-    expected = TrialStatus.TIMEOUT if mode == "hang" else TrialStatus.ERROR
-    assert died.status is expected
-    assert len({pid(first), *(pid(o) for o in later)}) == 3  # a process each
+def hosted(tmp_path: Path) -> list[bool]:
+    """Whether each trial's log says it started in a trial host."""
     logs = sorted((tmp_path / "results" / "logs").glob("[0-9]*.log"))
-    assert [HOST_TRIAL_MARK in log.read_text() for log in logs] == [True, True, False, False]
-    # A crash after other trials in the host is run again fresh (and crashes there too).
-    assert (("failed " + RERUN) in log_of(tmp_path, 2)) is (mode == "crash")
+    return [HOST_TRIAL_MARK in log.read_text().splitlines()[0] for log in logs]
+
+
+def test_after_a_host_hung_in_a_trial_the_slot_s_trials_start_fresh(tmp_path: Path) -> None:
+    first, hung, *later = run_all(
+        job_runner(tmp_path, timeout=20.0), [{}, {"mode": "hang"}, {}, {}]
+    )
+    assert hung.status is TrialStatus.TIMEOUT
+    assert len({pid(first), *(pid(o) for o in later)}) == 3  # a process each
+    assert hosted(tmp_path) == [True, True, False, False]
+    assert RERUN not in log_of(tmp_path, 2)  # a hang is not run again: it would cost as much
+
+
+def test_a_crash_that_a_fresh_process_repeats_is_the_configs_and_hosts_go_on(
+    tmp_path: Path,
+) -> None:
+    first, crashed, *later = run_all(job_runner(tmp_path), [{}, {"mode": "crash"}, {}, {}])
+    assert crashed.status is TrialStatus.ERROR
+    assert "failed " + RERUN in log_of(tmp_path, 2)
+    assert hosted(tmp_path) == [True, True, True, True]
+    assert pid(later[0]) == pid(later[1]) != pid(first)  # a new host
+
+
+def test_a_crash_in_a_host_that_a_fresh_process_does_not_repeat_leaves_the_slot_fresh(
+    tmp_path: Path,
+) -> None:
+    trials = [{}, {"mode": "crash_once", "flag": str(tmp_path / "flag")}, {}, {}]
+    first, confirmed, *later = run_all(job_runner(tmp_path), trials)
+    assert (tmp_path / "flag").exists()  # it did crash in the host
+    assert confirmed.status is TrialStatus.COMPLETED  # and not in a process of its own
+    assert hosted(tmp_path) == [True, True, False, False]  # hosts are not trusted again
+    assert len({pid(first), pid(confirmed), *(pid(o) for o in later)}) == 4
 
 
 @pytest.mark.slow
