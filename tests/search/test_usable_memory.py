@@ -96,6 +96,18 @@ def test_an_oom_of_another_configuration_is_moved_by_its_bucket_memory() -> None
     assert PeakModel([*records, other]).needed(other) is None
 
 
+def test_bucket_memory_counts_at_the_precision_the_profile_ran() -> None:
+    """A JSON's "auto" precision (HF's --bf16 fills it in) is what the profile reports: 2 bytes
+    a bucket element, not fp32's 4."""
+    small = {"reduce_bucket_size": 10**8, "overlap_comm": False}
+    large = {"reduce_bucket_size": 2 * 10**8, "overlap_comm": False}
+    bf16 = profile()
+    bf16.metrics["precision"] = "bf16"
+    records = [bf16, record(1, 10, 40.0, **small), record(2, 20, 60.0, **small)]
+    records.append(record(3, 20, None, TrialStatus.OOM, **large))
+    assert PeakModel(records).needed(records[-1]) == 60 * GIB + 2 * 10**8
+
+
 def test_a_limit_known_to_a_sample_is_checked_when_the_leaders_next_sample_turns_on_it() -> None:
     """2 GiB a sample; 60 GiB ran, 62 GiB did not. Whether micro-batch 29 (58 GiB) leaves 5%
     free turns on where in that gap the limit lies (57 GiB if at 60, 58.9 if at 62): a check

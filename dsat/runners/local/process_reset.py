@@ -76,7 +76,7 @@ class ProcessBaseline:
     python_random: Any
     # The cyclic collector: a trial may turn it off or retune it (DeepSpeed's disable_python_gc
     # turns it off while an engine lives), which would change every later trial's step times.
-    collector: tuple[bool, tuple[int, ...]] = (True, (700, 10, 10))
+    collector: tuple[bool, tuple[int, ...]]
     torch_state: dict[str, Any] = dataclasses.field(default_factory=dict)
     deepspeed_state: dict[str, Any] = dataclasses.field(default_factory=dict)
 

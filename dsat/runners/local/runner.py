@@ -78,7 +78,11 @@ class RunningTrial:
     oom_kills_at_start: int | None
     hparams: dict[str, Any]
     length: int
-    # Slots whose trial host ended during this trial, which now runs again in a fresh process.
+    # When it runs again in a fresh process (after a failure in a trial host): when that run
+    # started (its timeout counts from there), where its part of the log begins, and the slots
+    # whose host ended during the first run.
+    rerun_start: float | None = None
+    rerun_log_start: int = 0
     host_lost_on: list[str] = field(default_factory=list)
 
 
@@ -280,18 +284,32 @@ class LocalRunner:
             log.truncate()
         return process
 
-    def _confirm_in_fresh_process(self, trial: RunningTrial, end: TrialEnd) -> bool:
+    def _confirm_in_fresh_process(
+        self, trial: RunningTrial, end: TrialEnd, code: int | None
+    ) -> bool:
         """Run a trial that ran out of memory or failed in a trial host after other trials again
         in a fresh process, whose outcome stands: what the host's earlier trials left (on the
         device, or a sticky CUDA error) must not be blamed on a configuration. False when the
-        outcome is the trial's own: it completed or timed out, ran fresh or forked, or was its
-        host's first."""
-        process = trial.process
+        outcome is the trial's own: it completed or timed out, ran fresh or forked, was its
+        host's first, or exited cleanly without a result (the script's doing, whatever ran it).
+        A host a trial failed in is stopped either way: it may be broken."""
         if (
             end.status not in (TrialStatus.OOM, TrialStatus.ERROR)
-            or not getattr(process, "hosted", False)
-            or getattr(process, "earlier_trials", 0) == 0
+            or code == 0
+            or not getattr(trial.process, "hosted", False)
         ):
+            return False
+        again = getattr(trial.process, "earlier_trials", 0) > 0
+        if self.warm_workers is not None:
+            # One that ended during the trial is gone; on a GPU, before a fresh run, its CUDA
+            # context and process group hold device memory the fresh process would lack, which
+            # could make its OOM the host's. The slot's next trial starts a new host (none,
+            # where one ended during a trial after others).
+            stop = end.status is TrialStatus.ERROR or (again and self.pool.on_gpu)
+            for slot in trial.slots:
+                if (stop or self.warm_workers.lost_a_trial(slot)) and self.warm_workers.stop(slot):
+                    trial.host_lost_on.append(slot)
+        if not again:
             return False
         what = "out of memory" if end.status is TrialStatus.OOM else "failed"
         trial.log.seek(0, os.SEEK_END)  # after what the host wrote to it
@@ -300,23 +318,23 @@ class LocalRunner:
             "before the configuration is blamed\n".encode()
         )
         trial.log.flush()
-        if self.warm_workers is not None and (end.status is TrialStatus.ERROR or self.pool.on_gpu):
-            # A host a trial failed in may be broken; on a GPU its CUDA context and process
-            # group hold device memory the fresh process would lack, which could make its OOM
-            # the host's. It goes first, and the slot's next trial starts a new one.
-            trial.host_lost_on = [s for s in trial.slots if self.warm_workers.stop(s)]
+        trial.rerun_log_start = trial.log.tell()  # the fresh run is judged by its own output
+        # A build lock the host held when it ended would make the fresh run wait on it.
+        clear_stale_locks(self.environ)
         prepare_trial_directory(
             trial.directory, self.model_dir, self.includes, trial.hparams, self.results_dir
         )
         trial.process, _ = self.spawn(
             trial.directory, trial.slots, trial.log, trial.log, trial.length
         )
+        trial.rerun_start = self.now()
         trial.oom_kills_at_start = oom_kill_count()
         return True
 
     def _trust_hosts_again(self, trial: RunningTrial) -> None:
-        """The trial failed in a fresh process too: its host's end was the configuration's
-        doing, not something hosting left, so the slots' later trials run in hosts again."""
+        """The trial failed in a fresh process too (out of memory, or otherwise): its host's end
+        was the configuration's doing, not something hosting left, so the slots' later trials
+        run in hosts again."""
         assert self.warm_workers is not None  # only hosted trials lose a host
         for slot in trial.host_lost_on:
             self.warm_workers.trust_again(
@@ -332,21 +350,27 @@ class LocalRunner:
             timed_out,
             self.timeout.seconds,
             oom_killed_since(trial.oom_kills_at_start),
+            trial.rerun_log_start,
         )
 
     def wait(self) -> TrialOutcome:
         while True:
             for trial in list(self.running.values()):
                 code = trial.process.poll()
-                timed_out = code is None and self.now() - trial.start > self.timeout.seconds
+                run_start = trial.start if trial.rerun_start is None else trial.rerun_start
+                timed_out = code is None and self.now() - run_start > self.timeout.seconds
                 if code is None and not timed_out:
                     continue
                 if timed_out:
                     self._kill(trial)
                 end = self._classified(trial, timed_out)
-                if self._confirm_in_fresh_process(trial, end):
+                if self._confirm_in_fresh_process(trial, end, code):
                     continue
-                if trial.host_lost_on and end.status is TrialStatus.ERROR:
+                if (
+                    trial.rerun_start is not None
+                    and trial.host_lost_on
+                    and end.status in (TrialStatus.ERROR, TrialStatus.OOM)
+                ):
                     self._trust_hosts_again(trial)
                 return self._finish(trial, end)
             time.sleep(POLL_SECONDS)
@@ -358,7 +382,8 @@ class LocalRunner:
         status, metrics, error, cause = classified
         end = self.now()
         if status is TrialStatus.COMPLETED:  # the first to complete is the model-profile trial
-            self.timeout.profile_finished(end - trial.start)
+            run_start = trial.start if trial.rerun_start is None else trial.rerun_start
+            self.timeout.profile_finished(end - run_start)
         return TrialOutcome(
             trial.request_id, status, metrics, error, trial.start, end, cause, str(trial.log_path)
         )

@@ -23,11 +23,12 @@ LOG_SCAN_BYTES = 256 * 1024
 CGROUP_EVENTS = Path("/sys/fs/cgroup/memory.events")
 
 
-def log_end(path: Path) -> str:
-    """The last part of a log: where a crash, an OOM report or torchrun's summary ends up."""
+def log_end(path: Path, start: int = 0) -> str:
+    """The last part of a log, from byte ``start`` at the earliest: where a crash, an OOM report
+    or torchrun's summary ends up."""
     try:
         with path.open("rb") as handle:
-            handle.seek(max(0, path.stat().st_size - LOG_SCAN_BYTES))
+            handle.seek(max(start, path.stat().st_size - LOG_SCAN_BYTES))
             return handle.read().decode(errors="replace")
     except OSError:
         return ""
@@ -74,10 +75,12 @@ def classify(
     timed_out: bool,
     timeout: float,
     oom_killed: bool | None = None,
+    log_start: int = 0,
 ) -> TrialEnd:
-    """What a finished trial's exit ``code``, its outcome file in ``directory`` and its log say
-    about it. ``oom_killed``: whether the kernel's OOM killer struck while it ran (None:
-    unknown), which tells a SIGKILL from outside from one for memory."""
+    """What a finished trial's exit ``code``, its outcome file in ``directory`` and its log (from
+    byte ``log_start``: this run's part) say about it. ``oom_killed``: whether the kernel's OOM
+    killer struck while it ran (None: unknown), which tells a SIGKILL from outside from one for
+    memory."""
     outcome_path = directory / TRIAL_OUTCOME_FILE
     outcome: dict[str, Any] = {}
     if outcome_path.is_file():
@@ -85,7 +88,7 @@ def classify(
             outcome = json.loads(outcome_path.read_text())
         except (OSError, json.JSONDecodeError):
             outcome = {}
-    text = log_end(log_path)
+    text = log_end(log_path, log_start)
     tail = log_tail(text)
     if timed_out:
         reason = f"stopped after the trial timeout of {timeout:g} s"

@@ -109,7 +109,7 @@ class WarmWorker:
             start_new_session=True,
         )
         self.cold_reason: str | None = None
-        self.lost_a_trial = False  # it exited while a trial of it ran
+        self.lost_a_trial = False  # it exited while a trial of it ran (not its first, for a host)
         self.leaving = False  # a trial host that serves no more trials (a trial leaked)
         self.trials_started = 0
         self._replies: queue.Queue[WarmProcess | str] = queue.Queue()
@@ -154,7 +154,10 @@ class WarmWorker:
     def _lost(self) -> None:
         """The worker is gone: its trials (killed with it) end as errors that say why."""
         self.cold_reason = self.cold_reason or "the warm worker exited"
-        self.lost_a_trial = bool(self._pending)
+        # A host's first trial ran as in a fresh process: its end there says nothing of hosting.
+        self.lost_a_trial = bool(self._pending) and not all(
+            t.hosted and t.earlier_trials == 0 for t in self._pending.values()
+        )
         for trial in list(self._pending.values()):
             with contextlib.suppress(OSError), trial.log_path.open("ab") as log:
                 log.write(b"\ndsat: the warm worker that ran this trial exited; trial stopped\n")
@@ -261,6 +264,11 @@ class WarmWorkers:
             self._go_cold(slot, "its trial host ended during a trial", worker.log_path)
             return True
         return False
+
+    def lost_a_trial(self, slot: str) -> bool:
+        """Whether ``slot``'s worker ended during a trial (one that counts: ``WarmWorker``)."""
+        worker = self.workers.get(slot)
+        return worker is not None and worker.lost_a_trial
 
     def trust_again(self, slot: str, reason: str) -> None:
         """``slot``'s trials start in a trial host again, after its host's end was explained."""

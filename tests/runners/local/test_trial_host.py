@@ -29,19 +29,27 @@ values = {"pid": os.getpid(), "parent": os.getppid(), "count": job_helper.COUNT}
 values["left_over"] = int("LEFT_BY_A_TRIAL" in os.environ)
 values["stdin_empty"] = int(sys.stdin.read() == "")  # not the host's requests
 os.environ["LEFT_BY_A_TRIAL"] = "1"
+first_run = "flag" in hparams and not os.path.exists(hparams["flag"])  # the *_once modes
+if first_run:
+    open(hparams["flag"], "w").close()
 if mode == "thread":
     threading.Thread(target=time.sleep, args=(600,), name="left-running", daemon=True).start()
-if mode == "raise" or (mode == "raise_once" and not os.path.exists(hparams["flag"])):
-    if mode == "raise_once":
-        open(hparams["flag"], "w").close()
+if mode == "raise" or (mode == "raise_once" and first_run):
     raise ValueError("the script failed")
-if mode == "oom" or (mode == "oom_once" and not os.path.exists(hparams["flag"])):
-    if mode == "oom_once":
-        open(hparams["flag"], "w").close()
+if mode == "oom" or (mode == "oom_once" and first_run):
     raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
-if mode == "crash" or (mode == "crash_once" and not os.path.exists(hparams["flag"])):
-    if mode == "crash_once":
-        open(hparams["flag"], "w").close()
+if mode == "slow_fail_once":
+    time.sleep(hparams["sleep"])
+    if first_run:
+        raise ValueError("failed slowly in the host")
+if mode == "oom_then_fail":
+    if first_run:
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    raise ValueError("a failure of its own")
+if mode == "oom_crash":
+    print("RuntimeError: CUDA out of memory. Tried to allocate 2 GiB", file=sys.stderr, flush=True)
+    os._exit(3)
+if mode == "crash" or (mode == "crash_once" and first_run):
     os._exit(3)
 if mode == "hang":
     time.sleep(600)
@@ -157,7 +165,8 @@ def test_a_failure_in_the_host_that_a_process_of_its_own_does_not_repeat_is_no_f
     trials = [{}, {"mode": "raise_once", "flag": str(tmp_path / "flag")}]
     first, confirmed = run_all(job_runner(tmp_path), trials)
     assert (tmp_path / "flag").exists()  # it did fail in the host
-    assert pid(confirmed) != pid(first)  # then completed in a fresh process
+    assert confirmed.status is TrialStatus.COMPLETED
+    assert pid(confirmed) != pid(first)  # in a fresh process
 
 
 @pytest.mark.parametrize("mode", ["raise", "oom"])
@@ -213,6 +222,22 @@ def test_a_host_a_trial_left_a_thread_in_is_replaced(tmp_path: Path) -> None:
     assert "this trial host leaves" in (logs / "warm-worker-cpu0.log").read_text()
 
 
+def test_the_fresh_run_is_judged_by_its_own_output(tmp_path: Path) -> None:
+    """The host's OOM (and the notice that says so) is in the log before it: not the fresh
+    run's outcome."""
+    trials = [{}, {"mode": "oom_then_fail", "flag": str(tmp_path / "flag")}]
+    _, confirmed = run_all(job_runner(tmp_path), trials)
+    assert confirmed.status is TrialStatus.ERROR
+    assert "a failure of its own" in (confirmed.error or "")
+
+
+def test_the_fresh_run_gets_a_whole_trial_timeout_of_its_own(tmp_path: Path) -> None:
+    """5 s in the host, then 5 s and more fresh: each inside 8 s, together not."""
+    trials = [{}, {"mode": "slow_fail_once", "sleep": 5, "flag": str(tmp_path / "flag")}]
+    _, confirmed = run_all(job_runner(tmp_path, timeout=8.0), trials)
+    assert confirmed.status is TrialStatus.COMPLETED, confirmed.error
+
+
 def hosted(tmp_path: Path) -> list[bool]:
     """Whether each trial's log says it started in a trial host."""
     logs = sorted((tmp_path / "results" / "logs").glob("[0-9]*.log"))
@@ -237,6 +262,24 @@ def test_a_crash_that_a_fresh_process_repeats_is_the_configs_and_hosts_go_on(
     assert "failed " + RERUN in log_of(tmp_path, 2)
     assert hosted(tmp_path) == [True, True, True, True]
     assert pid(later[0]) == pid(later[1]) != pid(first)  # a new host
+
+
+def test_a_host_that_ended_in_an_oom_a_fresh_process_repeats_is_replaced_by_a_host(
+    tmp_path: Path,
+) -> None:
+    first, oom, *later = run_all(job_runner(tmp_path), [{}, {"mode": "oom_crash"}, {}, {}])
+    assert oom.status is TrialStatus.OOM
+    assert "out of memory " + RERUN in log_of(tmp_path, 2)
+    assert hosted(tmp_path) == [True, True, True, True]
+    assert pid(later[0]) == pid(later[1]) != pid(first)
+
+
+def test_a_crash_in_a_hosts_first_trial_is_its_own_and_hosts_go_on(tmp_path: Path) -> None:
+    crashed, *later = run_all(job_runner(tmp_path), [{"mode": "crash"}, {}, {}])
+    assert crashed.status is TrialStatus.ERROR
+    assert RERUN not in log_of(tmp_path, 1)
+    assert hosted(tmp_path) == [True, True, True]
+    assert pid(later[0]) == pid(later[1])
 
 
 def test_a_crash_in_a_host_that_a_fresh_process_does_not_repeat_leaves_the_slot_fresh(
