@@ -10,7 +10,8 @@ memory allocated still gets its outcome, then the host leaves and the runner sta
 the next trial. One that runs out of memory or fails in a host that ran other trials is run again
 in a fresh process by the runner before it counts (the host stopped first after a failure, and
 after an OOM on a GPU); after a host died during a trial (a crash, or dsat stopping the trial),
-the slot's trials start fresh, unless the crash repeated in the fresh process.
+the slot's trials start fresh, unless it was the host's first trial or the crash repeated in the
+fresh process.
 """
 
 from __future__ import annotations
