@@ -85,6 +85,11 @@ class RunningTrial:
     rerun_log_start: int = 0
     host_lost_on: list[str] = field(default_factory=list)
 
+    @property
+    def run_start(self) -> float:
+        """When its current run started: the fresh run's, where it runs again."""
+        return self.start if self.rerun_start is None else self.rerun_start
+
 
 def copy_ignore(results_dir: Path) -> Callable[[str, list[str]], set[str]]:
     """What a trial's copy leaves out: caches, environments, and the search's own results (which
@@ -357,8 +362,7 @@ class LocalRunner:
         while True:
             for trial in list(self.running.values()):
                 code = trial.process.poll()
-                run_start = trial.start if trial.rerun_start is None else trial.rerun_start
-                timed_out = code is None and self.now() - run_start > self.timeout.seconds
+                timed_out = code is None and self.now() - trial.run_start > self.timeout.seconds
                 if code is None and not timed_out:
                     continue
                 if timed_out:
@@ -382,8 +386,7 @@ class LocalRunner:
         status, metrics, error, cause = classified
         end = self.now()
         if status is TrialStatus.COMPLETED:  # the first to complete is the model-profile trial
-            run_start = trial.start if trial.rerun_start is None else trial.rerun_start
-            self.timeout.profile_finished(end - run_start)
+            self.timeout.profile_finished(end - trial.run_start)
         return TrialOutcome(
             trial.request_id, status, metrics, error, trial.start, end, cause, str(trial.log_path)
         )

@@ -234,11 +234,8 @@ class WarmWorkers:
             return None
         worker = self.workers.get(slot)
         if worker is None or not worker.alive:
-            if worker is not None:
-                worker.close()
-                if self.host and worker.lost_a_trial:  # a crash, or a trial stopped in it
-                    self._go_cold(slot, "its trial host ended during a trial", worker.log_path)
-                    return None
+            if worker is not None and self.stop(slot):  # a crash, or a trial stopped in it
+                return None
             worker = WarmWorker(
                 self.command,
                 self.model_dir,

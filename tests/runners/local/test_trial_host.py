@@ -254,24 +254,18 @@ def test_after_a_host_hung_in_a_trial_the_slot_s_trials_start_fresh(tmp_path: Pa
     assert RERUN not in log_of(tmp_path, 2)  # a hang is not run again: it would cost as much
 
 
-def test_a_crash_that_a_fresh_process_repeats_is_the_configs_and_hosts_go_on(
-    tmp_path: Path,
+@pytest.mark.parametrize(
+    ("mode", "status", "what"),
+    [("crash", TrialStatus.ERROR, "failed"), ("oom_crash", TrialStatus.OOM, "out of memory")],
+)
+def test_a_host_s_end_that_a_fresh_process_repeats_is_the_configs_and_hosts_go_on(
+    tmp_path: Path, mode: str, status: TrialStatus, what: str
 ) -> None:
-    first, crashed, *later = run_all(job_runner(tmp_path), [{}, {"mode": "crash"}, {}, {}])
-    assert crashed.status is TrialStatus.ERROR
-    assert "failed " + RERUN in log_of(tmp_path, 2)
+    first, ended, *later = run_all(job_runner(tmp_path), [{}, {"mode": mode}, {}, {}])
+    assert ended.status is status
+    assert f"{what} {RERUN}" in log_of(tmp_path, 2)
     assert hosted(tmp_path) == [True, True, True, True]
     assert pid(later[0]) == pid(later[1]) != pid(first)  # a new host
-
-
-def test_a_host_that_ended_in_an_oom_a_fresh_process_repeats_is_replaced_by_a_host(
-    tmp_path: Path,
-) -> None:
-    first, oom, *later = run_all(job_runner(tmp_path), [{}, {"mode": "oom_crash"}, {}, {}])
-    assert oom.status is TrialStatus.OOM
-    assert "out of memory " + RERUN in log_of(tmp_path, 2)
-    assert hosted(tmp_path) == [True, True, True, True]
-    assert pid(later[0]) == pid(later[1]) != pid(first)
 
 
 def test_a_crash_in_a_hosts_first_trial_is_its_own_and_hosts_go_on(tmp_path: Path) -> None:
