@@ -21,7 +21,7 @@ from dsat.constants import AUTOTUNING_KEY, DSAT_MODE_KEY, OVERWRITE_KEY
 from dsat.errors import DsatError
 from dsat.results.cost import search_cost
 from dsat.results.utilization import Utilization
-from dsat.search.confirmation import QUIET_SPREAD, runs_spread
+from dsat.search.confirmation import rounds_note
 from dsat.search.tracker import TrialTracker
 from dsat.trial import TrialKind, TrialRecord, TrialStatus
 
@@ -267,12 +267,9 @@ def confirmation_table(tracker: TrialTracker) -> str:
             if searched is not None
             else f"| {leader.name}{chosen} | - | {again} | {memory} |"
         )
-    spread = runs_spread(tracker, parents)
-    if spread is not None:  # why one round or two
-        lines.append(
-            f"one run's spread, search trials and runs: {spread:.1%} (a second round runs "
-            f"where it is above {QUIET_SPREAD:.0%})"
-        )
+    why = rounds_note(tracker, parents)
+    if why is not None:
+        lines.append(why)
     return "\n".join(lines) + "\n"
 
 

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dsat.experiment.metric import Metric
 from dsat.search.measurement_noise import relative_noise, repeat_spread
 from dsat.search.tracker import TrialTracker, config_key
-from dsat.trial import TrialRecord
+from dsat.trial import TrialKind, TrialRecord
 
 # The round's runs, as a share of the search trials that finished (at least one per leader).
 SHARE_OF_SEARCH = 0.15
@@ -85,6 +85,11 @@ def allowed_rounds(candidates: Sequence[TrialRecord], search_trials: int) -> int
     return max(1, min(REPEATS, budget // len(candidates)))
 
 
+def search_trials(tracker: TrialTracker) -> int:
+    """The search trials that finished: the share of them the confirmation round may take."""
+    return sum(1 for r in tracker.finished if r.kind is TrialKind.SEARCH)
+
+
 def runs_spread(tracker: TrialTracker, candidates: Sequence[TrialRecord]) -> float | None:
     """One run's spread over the leaders' search trials and runs (measurement_noise.repeat_spread):
     what sizes the round, and what the summary says sized it."""
@@ -105,6 +110,32 @@ def next_round(
         if spread is not None and spread <= QUIET_SPREAD:
             return []
     return list(candidates)
+
+
+def rounds_note(tracker: TrialTracker, candidates: Sequence[TrialRecord]) -> str | None:
+    """Why the round ran once or twice, in plain words (None: no leader ran again): a spread
+    above ``QUIET_SPREAD`` with one round only was the share of the search's trials, and the
+    summary says so rather than promise a second round that did not run."""
+    spread = runs_spread(tracker, candidates)
+    if spread is None:
+        return None
+    rounds = min(len(tracker.confirmation_runs(c.request_id)) for c in candidates)
+    said = f"one run's spread, search trials and runs: {spread:.1%}"
+    if rounds >= 2:
+        return (
+            f"{said} ({rounds} rounds: the leaders run again where the first round did not "
+            f"repeat the search's within {QUIET_SPREAD:.0%}, or its runs and the estimate disagree)"
+        )
+    if spread <= QUIET_SPREAD:
+        return f"{said} (within {QUIET_SPREAD:.0%}: one round is enough)"
+    searched = search_trials(tracker)
+    if allowed_rounds(candidates, searched) < 2:
+        return (
+            f"{said} (above {QUIET_SPREAD:.0%}, but a second round would take more than "
+            f"{SHARE_OF_SEARCH:.0%} of the search's {searched} trials: one round; "
+            "a larger --max-trials allows two)"
+        )
+    return f"{said} (one round)"
 
 
 @dataclasses.dataclass(frozen=True)

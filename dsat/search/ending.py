@@ -9,13 +9,19 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
-from dsat.search.confirmation import EXTRA_ROUNDS, QUIET_SPREAD, decide, leaders, next_round
+from dsat.search.confirmation import (
+    EXTRA_ROUNDS,
+    QUIET_SPREAD,
+    decide,
+    leaders,
+    next_round,
+    search_trials,
+)
 from dsat.trial import TrialKind, TrialRecord, TrialStatus
 from dsat.trial_failure import SCRIPT_FAILURES_TO_STOP, FailureCause, first_line, log_note
 
 if TYPE_CHECKING:
     from dsat.search.method import DsatSearchMethod
-    from dsat.search.tracker import TrialTracker
 
 logger = logging.getLogger(__name__)
 
@@ -64,11 +70,6 @@ def repeated_script_failure(finished: list[TrialRecord]) -> str | None:
         f"the last {len(last)} trials failed alike, whatever their configuration: "
         f"{reasons.pop()}{log_note(last[-1].log)}; fix the training script and start again"
     )
-
-
-def _search_trials(tracker: TrialTracker) -> int:
-    """The search trials that finished: the share of them the confirmation round may take."""
-    return sum(1 for r in tracker.finished if r.kind is TrialKind.SEARCH)
 
 
 @dataclasses.dataclass
@@ -135,7 +136,7 @@ class SearchEnding:
         tracker, settings = method.tracker, method.settings
         candidates = leaders(tracker, settings.confirm_top, method.leader_score())
         runs = (
-            next_round(tracker, candidates, _search_trials(tracker))
+            next_round(tracker, candidates, search_trials(tracker))
             if settings.confirm_top > 1
             else []
         )
@@ -192,7 +193,7 @@ class SearchEnding:
             if tracker.may_hand_over(c)
         ]
         if not self.extra_rounds:
-            again = next_round(tracker, candidates, _search_trials(tracker))
+            again = next_round(tracker, candidates, search_trials(tracker))
             if again:
                 self._queue_runs(method, again)
                 logger.info(

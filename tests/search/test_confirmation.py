@@ -12,7 +12,13 @@ import pytest
 
 from dsat.results.directory import confirmation_table
 from dsat.runners.simulated.runner import SimulatedRunner
-from dsat.search.confirmation import allowed_rounds, decide, next_round
+from dsat.search.confirmation import (
+    allowed_rounds,
+    decide,
+    next_round,
+    rounds_note,
+    search_trials,
+)
 from dsat.search_run import run_search
 from dsat.trial import TrialKind, TrialStatus
 from tests.search.helpers import PROFILE, method, run, search_settings, spec
@@ -189,7 +195,7 @@ def test_a_quiet_machine_confirms_in_one_round_a_noisy_one_in_two() -> None:
     assert allowed_rounds(leaders, len(searched)) == 2
     assert len(runs) == 3 and len({r.parent_id for r in runs}) == 3
     assert "confirmed" in (m.shutdown_reason or "")
-    assert "one run's spread, search trials and runs: 0.0% (a second round runs where it is " in (
+    assert "one run's spread, search trials and runs: 0.0% (within 1%: one round is enough)" in (
         confirmation_table(m.tracker)
     )
 
@@ -210,6 +216,23 @@ def test_a_quiet_machine_confirms_in_one_round_a_noisy_one_in_two() -> None:
         {parent: 2 for parent in {r.parent_id for r in runs}}
     )
     assert "one run's spread, search trials and runs: 3." in confirmation_table(m.tracker)
+    assert "(2 rounds: the leaders run again where the first round did not" in (
+        confirmation_table(m.tracker)
+    )
+
+
+def test_the_summary_says_when_the_share_of_the_search_allowed_one_round_only() -> None:
+    """Runs 3-4% off their search trials after a search of three trials: a second round would
+    take more than the round's share, so there is none, and the summary does not promise one."""
+    m = method("binary", metric="throughput")
+    noisy = [
+        measured(m, 40 - i, [value], memory=0.5, searched=100.0 - i)
+        for i, value in enumerate([104.0, 95.0, 98.0])
+    ]
+    assert next_round(m.tracker, noisy, search_trials(m.tracker)) == []
+    note = rounds_note(m.tracker, noisy)
+    assert note is not None and "above 1%, but a second round would take more than 15% of " in note
+    assert "the search's 3 trials: one round; a larger --max-trials allows two" in note
 
 
 def test_no_round_with_confirm_top_0() -> None:
