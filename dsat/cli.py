@@ -57,10 +57,14 @@ class DsatArgumentParser(argparse.ArgumentParser):
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Every flag's default in its help, except a switch's: "--no-baseline ... (default: True)"
-    reads as if the baseline were off."""
+    reads as if the baseline were off; and except where there is none to show: "(default:
+    None)" says nothing, and after a help that says in words what happens without the flag
+    ("--trial-host ... the default") it contradicts it."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         if action.nargs == 0 and isinstance(action.default, bool):
+            return action.help
+        if action.default is None or (action.help is not None and "(default:" in action.help):
             return action.help
         return super()._get_help_string(action)
 

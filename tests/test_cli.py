@@ -152,6 +152,10 @@ def test_guided_takes_the_range_factor_and_a_switchs_help_shows_no_default(
     helped = run_cli("guided", "--help").stdout
     assert "--no-baseline" in helped and "(default: True)" not in helped
     assert "(default: 1.0)" in helped  # the range factor's
+    # A flag without a default says nothing, rather than "(default: None)" after a help that
+    # says in words what happens without it.
+    assert "(default: None)" not in helped
+    assert "block_size, if any)\n" in helped
 
 
 def test_a_flag_the_method_does_not_take_points_to_the_methods_help(

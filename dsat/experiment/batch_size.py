@@ -94,7 +94,8 @@ def consistent_batch_sizes(
             MICRO_BATCH_SIZE: micro_batch,
             GRAD_ACCUM_STEPS: train_batch // (slots * micro_batch),
         }
-    gas = batch_value(ds_config, GRAD_ACCUM_STEPS, source) or GAS_DEFAULT
+    given_gas = batch_value(ds_config, GRAD_ACCUM_STEPS, source)
+    gas = given_gas or GAS_DEFAULT
     if micro_batch is None:
         micro_batch = batch_value(ds_config, MICRO_BATCH_SIZE, source)
         if micro_batch is None and train_batch is not None:
@@ -106,7 +107,17 @@ def consistent_batch_sizes(
                 )
             micro_batch = train_batch // (gas * slots)
         elif micro_batch is not None and train_batch is not None:
-            if train_batch != micro_batch * gas * slots:
+            if given_gas is None and train_batch % (micro_batch * slots) == 0:
+                # DeepSpeed derives the accumulation from the other two, and so does dsat.
+                gas = train_batch // (micro_batch * slots)
+            elif given_gas is None:
+                raise DsatError(
+                    f"{source}: {TRAIN_BATCH_SIZE} {train_batch} is not divisible by "
+                    f"{MICRO_BATCH_SIZE} {micro_batch} x {slots} slots, so no "
+                    f"{GRAD_ACCUM_STEPS} makes it up; change one of them or set "
+                    f'{TRAIN_BATCH_SIZE} to "auto"'
+                )
+            elif train_batch != micro_batch * gas * slots:
                 raise DsatError(
                     f"{source}: {TRAIN_BATCH_SIZE} {train_batch} != {MICRO_BATCH_SIZE} "
                     f"{micro_batch} x {GRAD_ACCUM_STEPS} {gas} x {slots} slots; fix one of them "

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dsat.constants import MICRO_BATCH_SIZE
+from dsat.constants import GRAD_ACCUM_STEPS, MICRO_BATCH_SIZE
+from dsat.errors import DsatError
 from dsat.experiment.batch_size import batch_value, consistent_batch_sizes, fixed_global_batch
 from dsat.experiment.config import deep_merge, entrypoint_flag
 from dsat.training.hf_args import HF_BATCH_FLAGS
@@ -36,12 +37,16 @@ def script_batch(method: DsatSearchMethod) -> dict[str, int]:
 
 def user_micro_batch(method: DsatSearchMethod) -> tuple[int, int, dict[str, int]] | None:
     """The user's (ZeRO stage, micro-batch), as their config or their script sets them, and what
-    the script sets; None when neither says."""
+    the script sets; None when neither says. With a fixed global batch the accumulation makes it
+    up, as in every trial, whatever the script passes. Raises DsatError where the batch sizes
+    do not add up."""
     spec = method.spec
     merged = spec.user_config
     from_script: dict[str, int] = {}
     if batch_value(merged, MICRO_BATCH_SIZE, "config") is None:
         from_script = script_batch(method)
+        if fixed_global_batch(merged) is not None:
+            from_script.pop(GRAD_ACCUM_STEPS, None)
         merged = deep_merge(merged, from_script)
     micro = batch_value(merged, MICRO_BATCH_SIZE, "config")
     if micro is None and fixed_global_batch(merged) is None:
@@ -56,7 +61,10 @@ def why_no_baseline(method: DsatSearchMethod) -> str | None:
     """Why the user's configuration is not run; None when it is (or will be)."""
     if method.fit_rung.profile_stage is not None:
         return "it ran out of memory at micro-batch 1, in the model profile"
-    found = user_micro_batch(method)
+    try:
+        found = user_micro_batch(method)
+    except DsatError as err:
+        return f"its batch sizes do not add up: {err}"
     if found is None:
         return "neither your DeepSpeed config nor your entrypoint sets the micro-batch"
     stage, micro, _ = found
@@ -68,8 +76,10 @@ def why_no_baseline(method: DsatSearchMethod) -> str | None:
 def baseline_trial(method: DsatSearchMethod) -> list[TrialRecord]:
     """The baseline trial to queue first once the model profile is in (registered, on top of
     the budget); none when it is skipped."""
+    if why_no_baseline(method) is not None:
+        return []
     found = user_micro_batch(method)
-    if found is None or why_no_baseline(method) is not None:
+    if found is None:
         return []
     record = method.register(
         method.builder.make(method.next_index, TrialKind.BASELINE, None, None, user_batch=found[2])

@@ -32,6 +32,17 @@ from dsat.training.trial_config import get_ds_config_from_hparams
         ({"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto"}, 3, (3, 1, 1)),
         ({"train_batch_size": 32, "gradient_accumulation_steps": 2}, 4, (32, 4, 2)),
         ({"train_batch_size": 16}, 8, (16, 2, 1)),
+        # Two of the three, as DeepSpeed allows: the accumulation is derived.
+        ({"train_batch_size": 512, "train_micro_batch_size_per_gpu": 8}, 8, (512, 8, 8)),
+        (
+            {
+                "train_batch_size": 96,
+                "train_micro_batch_size_per_gpu": 4,
+                "gradient_accumulation_steps": "auto",
+            },
+            2,
+            (96, 4, 12),
+        ),
         ({}, 1, (1, 1, 1)),
         (
             {
@@ -70,7 +81,16 @@ def test_tried_micro_batch_replaces_the_configs() -> None:
     ("config", "slots", "message"),
     [
         ({"train_batch_size": 10, "gradient_accumulation_steps": 3}, 1, "not divisible"),
-        ({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 3}, 1, "!="),
+        ({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 3}, 1, "not divisible"),
+        (
+            {
+                "train_batch_size": 12,
+                "train_micro_batch_size_per_gpu": 3,
+                "gradient_accumulation_steps": 2,
+            },
+            1,
+            "!=",
+        ),
         ({"gradient_accumulation_steps": 0}, 1, "positive integer"),
         ({"train_micro_batch_size_per_gpu": 2.5}, 1, "positive integer"),
         ({"train_micro_batch_size_per_gpu": True}, 1, "positive integer"),

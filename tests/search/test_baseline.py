@@ -93,6 +93,29 @@ def test_an_hf_config_of_auto_values_runs_with_what_the_entrypoint_passes(
     assert baseline["overwrites"]["train_batch_size"] == 4 * 2 * SLOTS
 
 
+def test_with_a_fixed_global_batch_the_baseline_keeps_it_with_the_scripts_micro_batch(
+    tmp_path: Path,
+) -> None:
+    """The batch is kept (a numeric train_batch_size here; --global-batch writes the same): the
+    user's micro-batch runs with the accumulation that makes up the batch, as every trial does,
+    whatever accumulation the script passes; a micro-batch that cannot make it up is no
+    baseline, said in the summary, and the search goes on."""
+    fixed = {**USER, "train_micro_batch_size_per_gpu": "auto", "train_batch_size": 64 * SLOTS}
+    hf = "python3 train.py --deepspeed ds.json --per_device_train_batch_size 4 --gradient_accumulation_steps 2"
+    search(tmp_path / "kept", fixed, entrypoint=hf)
+    baseline = next(row for row in rows(tmp_path / "kept") if row["kind"] == "baseline")
+    assert (baseline["mbs"], baseline["gas"]) == (4, 16)
+    assert baseline["overwrites"]["train_batch_size"] == 64 * SLOTS
+
+    odd = hf.replace("batch_size 4", "batch_size 5")
+    method = search(tmp_path / "odd", fixed, entrypoint=odd)
+    assert "baseline" not in {row["kind"] for row in rows(tmp_path / "odd")}
+    summary = (tmp_path / "odd" / SUMMARY_FILE).read_text()
+    assert "your config: not run (its batch sizes do not add up: " in summary
+    assert "is not divisible by train_micro_batch_size_per_gpu 5" in summary
+    assert method.tracker.best() is not None and not method.search_failed
+
+
 def test_no_baseline_when_neither_config_nor_entrypoint_sets_the_micro_batch(
     tmp_path: Path,
 ) -> None:
