@@ -20,10 +20,13 @@ import contextlib
 import dataclasses
 import gc
 import logging
+import math
 import os
 import random
+import subprocess
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -37,6 +40,12 @@ _MISSING = object()
 # Device memory a trial may leave allocated in a host (the allocator's bookkeeping, a library's
 # small workspace): more is a leak.
 DEVICE_MEMORY_TOLERANCE = 64 * 2**20
+# A host whose small CPU operations run this much slower than when it started is replaced: a
+# thread a trial leaves alive that ran torch's OpenMP work (gloo's worker threads do, in ZeRO-3's
+# collectives on the CPU) makes OpenMP count more threads than cores, and it then wakes its
+# threads for every parallel operation (4.5x slower small matrix products on the CPU, and every
+# later trial of the host 40% slower, benchmarks/README.md).
+PACE_SLOWDOWN = 1.5
 
 
 class TrialExit(SystemExit):
@@ -79,6 +88,8 @@ class ProcessBaseline:
     collector: tuple[bool, tuple[int, ...]]
     torch_state: dict[str, Any] = dataclasses.field(default_factory=dict)
     deepspeed_state: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Seconds of torch's small CPU operations when the baseline was taken (None: no torch).
+    pace: float | None = None
 
     @classmethod
     def capture(cls) -> ProcessBaseline:
@@ -93,6 +104,7 @@ class ProcessBaseline:
             collector=(gc.isenabled(), gc.get_threshold()),
             torch_state=_capture_torch(),
             deepspeed_state=_capture_deepspeed(),
+            pace=small_operations_pace(),
         )
 
     def restore(self, traces: TrialTraces, trial_dir: Path | None = None) -> None:
@@ -147,7 +159,31 @@ class ProcessBaseline:
         held = device_memory_held()
         if held > DEVICE_MEMORY_TOLERANCE:
             found.append(f"{held / 2**20:.0f} MiB of device memory still allocated")
+        slower = self.slowdown()
+        if slower is not None:
+            found.append(
+                f"torch's small CPU operations run {slower:.1f}x slower here than in a fresh process "
+                "(a thread the trial left, most often, that ran OpenMP work)"
+            )
         return found
+
+    def slowdown(self) -> float | None:
+        """How many times slower torch's small CPU operations run here than in a fresh process
+        on this machine now, where that is ``PACE_SLOWDOWN`` or more; None otherwise. Another
+        process's busy OpenMP threads slow them as much (on 2 cores, 200 times), so the fresh
+        process, asked only once this host measures slower than at its start, tells the two
+        apart."""
+        if self.pace is None:
+            return None
+        now = small_operations_pace()
+        if now is None or now < PACE_SLOWDOWN * self.pace:
+            return None
+        fresh = _fresh_process_pace()
+        again = small_operations_pace()  # the fastest of before and after the fresh process
+        now = min(now, again if again is not None else now)
+        if fresh is None or now < PACE_SLOWDOWN * fresh:
+            return None
+        return now / fresh
 
 
 @contextlib.contextmanager
@@ -222,6 +258,47 @@ def reset_peak_memory() -> None:
             cuda.reset_peak_memory_stats(device)
     with contextlib.suppress(OSError):  # Linux: 5 resets the peak resident set to the current
         Path("/proc/self/clear_refs").write_text("5")
+
+
+def small_operations_pace(repeats: int = 7, operations: int = 100) -> float | None:
+    """Seconds per small matrix product on the CPU (the fastest of ``repeats`` rounds) with as
+    many torch threads as the process may use cores, as a trial runs with: what OpenMP's
+    per-operation overhead shows in (a host itself keeps fewer threads between trials). None
+    before torch is imported, or with one core (no OpenMP team to wake)."""
+    torch = sys.modules.get("torch")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if torch is None or not cores or cores < 2:
+        return None
+    left, right = torch.ones(32, 256), torch.ones(256, 256)
+    fastest = math.inf
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cores)
+    try:
+        with torch.no_grad():
+            for _ in range(repeats):
+                start = time.perf_counter()
+                for _ in range(operations):
+                    torch.mm(left, right)
+                fastest = min(fastest, (time.perf_counter() - start) / operations)
+    finally:
+        torch.set_num_threads(threads)
+    return fastest
+
+
+def _fresh_process_pace() -> float | None:
+    """``small_operations_pace`` in a new interpreter (None if it could not say)."""
+    code = (
+        "import torch\n"
+        "from dsat.runners.local.process_reset import small_operations_pace\n"
+        "print(small_operations_pace())"
+    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+        )
+        return float(done.stdout.strip().splitlines()[-1])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
 
 
 def device_memory_held() -> int:

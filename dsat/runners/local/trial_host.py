@@ -5,8 +5,9 @@ trial on the H100 check, benchmarks/README.md), and a worker that a library left
 (a native thread, the CUDA driver) forks nothing at all. So the slot's worker (``--trial-host``,
 the default) forks nothing: it runs each trial in itself, as the script run anew, so the context
 and the group its first trial makes serve the next, and afterwards puts back what the trial
-changed (``process_reset``). A trial that leaves a thread running, an engine alive or device
-memory allocated still gets its outcome, then the host leaves and the runner starts another for
+changed (``process_reset``). A trial that leaves a thread running, an engine alive, device
+memory allocated or the process slower at small CPU operations than a fresh one still gets its
+outcome, then the host leaves and the runner starts another for
 the next trial. One that runs out of memory or fails in a host that ran other trials is run again
 in a fresh process by the runner before it counts (the host stopped first after a failure, and
 after an OOM on a GPU); after a host died during a trial (a crash, or dsat stopping the trial),

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from dsat.constants import AUTOTUNING_KEY
+from dsat.runners.local import process_reset
 from dsat.runners.local.entrypoint import interpreter_first
 from dsat.runners.local.process_reset import (
     ProcessBaseline,
@@ -125,6 +126,49 @@ def test_a_thread_the_trial_left_running_is_a_leak(tmp_path: Path) -> None:
         stop.set()
         left.join()
     assert baseline.leaks() == []
+
+
+@pytest.mark.parametrize(
+    ("here", "fresh", "flagged"),
+    [
+        ([20e-6, 20e-6], 15e-6, False),  # as at the host's start: the fresh process not asked
+        ([75e-6, 70e-6], 16e-6, True),  # after a ZeRO-3 trial on the CPU: 4.4x
+        ([75e-6, 20e-6], 16e-6, False),  # a busy moment: measured again after the fresh process
+        ([5000e-6, 4000e-6], 3000e-6, False),  # another process's OpenMP threads: both slow
+    ],
+)
+def test_a_host_whose_small_operations_run_slower_than_a_fresh_process_is_a_leak(
+    monkeypatch: pytest.MonkeyPatch, here: list[float], fresh: float, flagged: bool
+) -> None:
+    """A thread a trial leaves alive that ran torch's OpenMP work (gloo's workers do, in ZeRO-3's
+    collectives on the CPU) makes OpenMP wake its threads for every operation, and every later
+    trial of the host runs slower: the host is replaced. A machine busy with another process
+    slows a fresh process as much, and is no reason to."""
+    baseline = dataclasses.replace(ProcessBaseline.capture(), pace=16e-6)
+    measured = iter(here)
+    monkeypatch.setattr(process_reset, "small_operations_pace", lambda: next(measured))
+    asked: list[bool] = []
+    monkeypatch.setattr(process_reset, "_fresh_process_pace", lambda: asked.append(True) or fresh)
+    found = [leak for leak in baseline.leaks() if "slower here than in a fresh process" in leak]
+    assert bool(found) is flagged
+    assert bool(asked) is (here[0] >= 1.5 * 16e-6)
+    if flagged:
+        assert "4.4x slower" in found[0]
+
+
+def test_small_operations_pace_is_measured_here_and_in_a_fresh_process() -> None:
+    """Both measure the same work, with as many threads as the process has cores (a host keeps
+    fewer between trials), and leave torch's threads as they were."""
+    import torch
+
+    threads = torch.get_num_threads()
+    here, fresh = process_reset.small_operations_pace(), process_reset._fresh_process_pace()
+    assert torch.get_num_threads() == threads
+    if len(os.sched_getaffinity(0)) < 2:
+        assert here is None
+        return
+    assert here is not None and fresh is not None
+    assert 0 < here < 0.1 and 0 < fresh < 0.1  # seconds per small product: microseconds
 
 
 def test_deepspeed_the_baseline_never_saw_is_a_leak() -> None:
