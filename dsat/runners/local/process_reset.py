@@ -23,6 +23,7 @@ import logging
 import math
 import os
 import random
+import select
 import subprocess
 import sys
 import threading
@@ -90,6 +91,9 @@ class ProcessBaseline:
     deepspeed_state: dict[str, Any] = dataclasses.field(default_factory=dict)
     # Seconds of torch's small CPU operations when the baseline was taken (None: no torch).
     pace: float | None = None
+    # The native threads (Linux task ids) the process had at the last look: only a trial that
+    # started one can have left OpenMP work in one (a pool of threads OpenMP then counts).
+    native_threads: frozenset[int] = frozenset()
 
     @classmethod
     def capture(cls) -> ProcessBaseline:
@@ -105,6 +109,7 @@ class ProcessBaseline:
             torch_state=_capture_torch(),
             deepspeed_state=_capture_deepspeed(),
             pace=small_operations_pace(),
+            native_threads=native_thread_ids(),
         )
 
     def restore(self, traces: TrialTraces, trial_dir: Path | None = None) -> None:
@@ -169,21 +174,23 @@ class ProcessBaseline:
 
     def slowdown(self) -> float | None:
         """How many times slower torch's small CPU operations run here than in a fresh process
-        on this machine now, where that is ``PACE_SLOWDOWN`` or more; None otherwise. Another
-        process's busy OpenMP threads slow them as much (on 2 cores, 200 times), so the fresh
-        process, asked only once this host measures slower than at its start, tells the two
-        apart."""
-        if self.pace is None:
+        on this machine now, where that is ``PACE_SLOWDOWN`` or more; None otherwise, and None
+        at once where no native thread started since the last look (most trials). Another
+        process's busy OpenMP threads slow them as much (on 2 cores, 200 times: another slot's
+        trial), so the fresh process, started only once this host measures slower than at its
+        start, measures in turn with it, round by round, and the fastest round of each counts."""
+        threads = native_thread_ids()
+        started, self.native_threads = threads - self.native_threads, threads
+        if self.pace is None or (threads and not started):
             return None
         now = small_operations_pace()
         if now is None or now < PACE_SLOWDOWN * self.pace:
             return None
-        fresh = _fresh_process_pace()
-        again = small_operations_pace()  # the fastest of before and after the fresh process
-        now = min(now, again if again is not None else now)
-        if fresh is None or now < PACE_SLOWDOWN * fresh:
+        paces = _paces_beside_a_fresh_process()
+        if paces is None:
             return None
-        return now / fresh
+        here, fresh = paces
+        return here / fresh if here >= PACE_SLOWDOWN * fresh else None
 
 
 @contextlib.contextmanager
@@ -260,6 +267,14 @@ def reset_peak_memory() -> None:
         Path("/proc/self/clear_refs").write_text("5")
 
 
+def native_thread_ids() -> frozenset[int]:
+    """The process's threads, native ones included (empty where /proc cannot say)."""
+    try:
+        return frozenset(int(task) for task in os.listdir("/proc/self/task"))
+    except (OSError, ValueError):
+        return frozenset()
+
+
 def small_operations_pace(repeats: int = 7, operations: int = 100) -> float | None:
     """Seconds per small matrix product on the CPU (the fastest of ``repeats`` rounds) with as
     many torch threads as the process may use cores, as a trial runs with: what OpenMP's
@@ -285,20 +300,57 @@ def small_operations_pace(repeats: int = 7, operations: int = 100) -> float | No
     return fastest
 
 
-def _fresh_process_pace() -> float | None:
-    """``small_operations_pace`` in a new interpreter (None if it could not say)."""
-    code = (
-        "import torch\n"
-        "from dsat.runners.local.process_reset import small_operations_pace\n"
-        "print(small_operations_pace())"
-    )
+# A fresh interpreter that measures one round of small operations for every line it reads.
+_FRESH_PACE = """
+import sys, torch
+from dsat.runners.local.process_reset import small_operations_pace
+print("ready", flush=True)
+for _ in sys.stdin:
+    print(small_operations_pace(repeats=1), flush=True)
+"""
+
+
+def _paces_beside_a_fresh_process(
+    rounds: int = 9, timeout: float = 120.0
+) -> tuple[float, float] | None:
+    """The fastest round of small operations here and in a fresh interpreter, measured in
+    turn (None if the fresh one could not say in ``timeout`` seconds)."""
     try:
-        done = subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+        child = subprocess.Popen(
+            [sys.executable, "-c", _FRESH_PACE],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
         )
-        return float(done.stdout.strip().splitlines()[-1])
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+    except OSError:
         return None
+    assert child.stdin is not None and child.stdout is not None
+    here = there = math.inf
+    try:
+        if _line_within(child.stdout, timeout) != "ready":
+            return None
+        for _ in range(rounds):
+            mine = small_operations_pace(repeats=1)
+            child.stdin.write("\n")
+            child.stdin.flush()
+            theirs = _line_within(child.stdout, timeout)
+            if mine is None or theirs is None or theirs == "None":
+                return None
+            here, there = min(here, mine), min(there, float(theirs))
+        return here, there
+    except (OSError, ValueError):
+        return None
+    finally:
+        child.kill()
+        child.wait()
+
+
+def _line_within(stream: Any, timeout: float) -> str | None:
+    """The next line of ``stream``, stripped; None when none comes in ``timeout`` seconds."""
+    ready, _, _ = select.select([stream], [], [], timeout)
+    line = stream.readline() if ready else ""
+    return line.strip() if line else None
 
 
 def device_memory_held() -> int:
