@@ -41,7 +41,7 @@ _MISSING = object()
 # Device memory a trial may leave allocated in a host (the allocator's bookkeeping, a library's
 # small workspace): more is a leak.
 DEVICE_MEMORY_TOLERANCE = 64 * 2**20
-# A host whose small CPU operations run this much slower than when it started is replaced: a
+# A host whose small CPU operations run this much slower than a fresh process's is replaced: a
 # thread a trial leaves alive that ran torch's OpenMP work (gloo's worker threads do, in ZeRO-3's
 # collectives on the CPU) makes OpenMP count more threads than cores, and it then wakes its
 # threads for every parallel operation (4.5x slower small matrix products on the CPU, and every
@@ -328,7 +328,10 @@ def _paces_beside_a_fresh_process(
     assert child.stdin is not None and child.stdout is not None
     here = there = math.inf
     try:
-        if _line_within(child.stdout, timeout) != "ready":
+        line: str | None = ""
+        while line not in ("ready", None):  # past what its imports print
+            line = _line_within(child.stdout, timeout)
+        if line is None:
             return None
         for _ in range(rounds):
             mine = small_operations_pace(repeats=1)
