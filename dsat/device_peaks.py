@@ -30,9 +30,34 @@ _TABLE: tuple[tuple[frozenset[str], frozenset[str], dict[Precision, float]], ...
         {Precision.BF16: 989, Precision.FP16: 989, Precision.FP32: 67},
     ),
     (
+        frozenset({"H800", "PCIE"}),  # an H100 with less NVLink: the same compute
+        frozenset(),
+        {Precision.BF16: 756, Precision.FP16: 756, Precision.FP32: 51},
+    ),
+    (
+        frozenset({"H800"}),
+        frozenset(),
+        {Precision.BF16: 989, Precision.FP16: 989, Precision.FP32: 67},
+    ),
+    (
+        frozenset({"GH200"}),  # its GPU is an H100's
+        frozenset(),
+        {Precision.BF16: 989, Precision.FP16: 989, Precision.FP32: 67},
+    ),
+    (
         frozenset({"A100"}),
         frozenset(),
         {Precision.BF16: 312, Precision.FP16: 312, Precision.FP32: 19.5},
+    ),
+    (
+        frozenset({"A800"}),  # an A100 with less NVLink
+        frozenset(),
+        {Precision.BF16: 312, Precision.FP16: 312, Precision.FP32: 19.5},
+    ),
+    (
+        frozenset({"MI300X"}),
+        frozenset(),
+        {Precision.BF16: 1307.4, Precision.FP16: 1307.4, Precision.FP32: 163.4},
     ),
     (frozenset({"V100"}), frozenset(), {Precision.FP16: 125, Precision.FP32: 15.7}),
     (
@@ -40,6 +65,22 @@ _TABLE: tuple[tuple[frozenset[str], frozenset[str], dict[Precision, float]], ...
         frozenset(),
         {Precision.BF16: 362, Precision.FP16: 362, Precision.FP32: 91.6},
     ),
+    (
+        frozenset({"L40"}),
+        frozenset(),
+        {Precision.BF16: 181, Precision.FP16: 181, Precision.FP32: 90.5},
+    ),
+    (
+        frozenset({"A6000"}),  # RTX A6000
+        frozenset(),
+        {Precision.BF16: 154.8, Precision.FP16: 154.8, Precision.FP32: 38.7},
+    ),
+    (
+        frozenset({"4090"}),  # GeForce: tensor cores at half rate with fp32 accumulation
+        frozenset(),
+        {Precision.BF16: 165.2, Precision.FP16: 165.2, Precision.FP32: 82.6},
+    ),
+    (frozenset({"T4"}), frozenset(), {Precision.FP16: 65, Precision.FP32: 8.1}),
     (
         frozenset({"L4"}),
         frozenset(),
