@@ -222,11 +222,23 @@ def decide(
     ]
     roomiest = min(equals, key=lambda c: c.memory_fraction or 0.0)
     freed = (best.memory_fraction or 0.0) - (roomiest.memory_fraction or 0.0)
+
+    def faster_in_its_runs(chosen: TrialRecord) -> str:
+        """The leader whose runs measured faster than the chosen one's, said plainly: the table
+        beside the verdict shows it, and a reader would ask why it lost."""
+        if by_runs is chosen:
+            return ""
+        lead = mean[by_runs.request_id] / mean[chosen.request_id] - 1
+        return (
+            f"; {by_runs.name} measured {lead:.1%} faster over its "
+            f"{len(ran[by_runs.request_id])} runs, within the noise ({noise:.1%} a run)"
+        )
+
     if roomiest is not best and freed >= HEADROOM_STEP:
         return Verdict(
             roomiest,
             f"level with {best.name} within the noise ({tie:.1%}), and leaves "
-            f"{freed:.0%} more of the device's memory free",
+            f"{freed:.0%} more of the device's memory free" + faster_in_its_runs(roomiest),
         )
     rivals = [c for c in pool if c is not best]
     if not rivals:
@@ -237,5 +249,6 @@ def decide(
     return Verdict(
         best,
         f"the fastest {how}: {ahead:.1%} ahead of {second.name}"
-        + (" (within the noise: either is as good)" if ahead <= spread else ""),
+        + (" (within the noise: either is as good)" if ahead <= spread else "")
+        + faster_in_its_runs(best),
     )
