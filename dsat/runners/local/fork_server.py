@@ -52,6 +52,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from dsat.runners.local.process_reset import native_thread_ids
 from dsat.runners.local.trial_guard import PR_SET_PDEATHSIG, Stop, die_with
 
 USAGE = "[--host] DSAT_PID MODEL_DIR [INCLUDE...] -- python3 SCRIPT|-m MODULE [ARGS...]"
@@ -114,10 +115,7 @@ def import_quietly(names: Iterable[str]) -> list[str]:
 
 def thread_count() -> int:
     """Threads of this process, native ones included where the system shows them."""
-    try:
-        return len(os.listdir("/proc/self/task"))
-    except OSError:
-        return threading.active_count()
+    return len(native_thread_ids()) or threading.active_count()
 
 
 def thread_names() -> list[str]:
@@ -125,11 +123,7 @@ def thread_names() -> list[str]:
     started them, else the system's (a native thread's ``comm``), as ``ps -L`` shows them."""
     python = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
     names = []
-    try:
-        tids = sorted(int(tid) for tid in os.listdir("/proc/self/task"))
-    except OSError:
-        tids = sorted(python)
-    for tid in tids:
+    for tid in sorted(native_thread_ids() or python):
         if tid == os.getpid():
             continue
         name = python.get(tid)
