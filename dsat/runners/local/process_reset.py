@@ -7,7 +7,9 @@ does not make that easy: a ZeRO-3 engine replaces ``torch.nn.functional.linear``
 ZeRO-3 engine stays alive after ``engine.destroy()`` (held by ``FWD_MODULE_STACK`` and a class
 level ``lru_cache``), with its device memory. So the host takes a ``ProcessBaseline`` once, after
 its imports, runs every trial inside ``one_trial``, and afterwards asks ``leaks`` whether the
-process is still as it was (a host that is not is replaced).
+process is still as it was (a host that is not is replaced). The interpreter's own settings
+(logging, warning filters, signal handlers, the standard streams) are put back by
+``interpreter_settings``.
 
 DeepSpeed, torch, numpy and accelerate are only touched when they are already imported.
 """
@@ -32,6 +34,8 @@ import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+from dsat.runners.local.interpreter_settings import InterpreterSettings
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +98,8 @@ class ProcessBaseline:
     # The native threads (Linux task ids) the process had at the last look: only a trial that
     # started one can have left OpenMP work in one (a pool of threads OpenMP then counts).
     native_threads: frozenset[int] = frozenset()
+    # Logging, warning filters, signal handlers, the standard streams.
+    interpreter: InterpreterSettings | None = None
 
     @classmethod
     def capture(cls) -> ProcessBaseline:
@@ -110,6 +116,7 @@ class ProcessBaseline:
             deepspeed_state=_capture_deepspeed(),
             pace=small_operations_pace(),
             native_threads=native_thread_ids(),
+            interpreter=InterpreterSettings.capture(),
         )
 
     def restore(self, traces: TrialTraces, trial_dir: Path | None = None) -> None:
@@ -141,8 +148,11 @@ class ProcessBaseline:
         os.environ.update(self.environ)
         sys.argv[:] = self.argv
         sys.path[:] = self.path
+        forgotten: set[str] = set()
         if trial_dir is not None:
-            forget_modules(set(sys.modules) - self.modules, trial_dir)
+            forgotten = forget_modules(set(sys.modules) - self.modules, trial_dir)
+        if self.interpreter is not None:
+            self.interpreter.restore(forgotten)
         gc.collect()
 
     def leaks(self) -> list[str]:
@@ -237,14 +247,18 @@ def _group_owners() -> list[Any]:
     return [sys.modules[n] for n in names if n in sys.modules]
 
 
-def forget_modules(names: set[str], trial_dir: Path) -> None:
-    """Drop the modules among ``names`` that were loaded from ``trial_dir`` (the trial's own)."""
+def forget_modules(names: set[str], trial_dir: Path) -> set[str]:
+    """Drop the modules among ``names`` that were loaded from ``trial_dir`` (the trial's own);
+    returns their names."""
     root = trial_dir.resolve()
+    forgotten: set[str] = set()
     for name in names:
         module = sys.modules.get(name)
         origin = getattr(module, "__file__", None)
         if origin is not None and Path(origin).resolve().is_relative_to(root):
             del sys.modules[name]
+            forgotten.add(name)
+    return forgotten
 
 
 def _cuda_in_use() -> Any | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,13 @@ if mode == "crash" or (mode == "crash_once" and first_run):
     os._exit(3)
 if mode == "hang":
     time.sleep(600)
+if mode == "settings":  # what a script may set for its whole process, each trial again
+    import logging, signal, warnings
+    warnings.warn("made an error by an earlier trial's filter, unless put back")
+    logging.getLogger(__name__).addHandler(logging.StreamHandler(sys.stdout))
+    logging.getLogger(__name__).warning("a line of the trial's own")
+    warnings.simplefilter("error")
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 if mode == "big":
     def touch_and_free(size=800 * 2**20):
         block = bytearray(size)
@@ -198,6 +206,38 @@ def test_an_oom_in_the_host_that_a_process_of_its_own_does_not_repeat_is_not_an_
     assert (tmp_path / "flag").exists()  # it did run out of memory in the host
     assert pid(confirmed) not in (pid(first), pid(last))  # then completed in a fresh process
     assert pid(first) == pid(last)
+
+
+def test_each_trial_finds_logging_warnings_and_signals_as_a_fresh_process_does(
+    tmp_path: Path,
+) -> None:
+    """A handler a trial's module adds at import, a warning filter and a SIGTERM handler it
+    sets: the next trials of the host print each line once, are not failed by the filter, and
+    are stopped by SIGTERM."""
+    ex = job_runner(tmp_path)
+    try:
+        outcomes = [run(ex, n, {"mode": "settings"}) for n in range(3)]
+        assert ex.warm_workers is not None
+        host = ex.warm_workers.workers["cpu0"].process.pid
+        sigterm = _signal_disposition(host, signal.SIGTERM)
+    finally:
+        ex.close()
+    assert [o.status for o in outcomes] == [TrialStatus.COMPLETED] * 3, [o.error for o in outcomes]
+    assert {pid(o) for o in outcomes} == {host}  # no failure in the host to run again fresh
+    for n in (1, 2, 3):
+        assert log_of(tmp_path, n).count("a line of the trial's own") == 1
+    assert sigterm == "default"
+
+
+def _signal_disposition(process_id: int, number: int) -> str:
+    """How the process takes a signal now, as the kernel says: ignored, caught or default."""
+    fields = dict(
+        line.split(":\t", 1) for line in Path(f"/proc/{process_id}/status").read_text().splitlines()
+    )
+    bit = 1 << (number - 1)
+    if int(fields["SigIgn"], 16) & bit:
+        return "ignored"
+    return "caught" if int(fields["SigCgt"], 16) & bit else "default"
 
 
 def test_a_trials_peak_memory_is_its_own_not_an_earlier_trials_of_the_host(
