@@ -29,6 +29,9 @@ TRIALS_FILE = "trials.jsonl"
 BEST_CONFIG_FILE = "best_ds_config.json"
 BEST_METRICS_FILE = "best_ds_metrics.json"
 SUMMARY_FILE = "summary.txt"
+# A row's searched metric as the search ranks it (FLOPs counted once: TrialTracker.model_flops),
+# where its ``metrics`` keep the trial's own figures.
+VALUE_KEY = "value"
 # The summary's line that says why the handed-over configuration won.
 HANDED_OVER_PREFIX = "handed over:"
 
@@ -159,6 +162,12 @@ class ResultsWriter:
             lines[number] = line
         else:
             lines.append(line)
+        # What the search ranks each trial by, as it counts it now: a trial's FLOPs are counted
+        # at the least a sample any trial gave so far, which a later trial can lower.
+        for row in lines:
+            request_id = row.get("request_id")
+            if isinstance(request_id, str) and request_id in tracker:
+                row[VALUE_KEY] = tracker.measured_value(tracker.get(request_id))
         text = "".join(json.dumps(line, sort_keys=True) + "\n" for line in lines)
         write_text_atomic(self.directory / TRIALS_FILE, text)
         self._lines = lines

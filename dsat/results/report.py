@@ -21,7 +21,13 @@ from dsat.experiment.metric import Metric
 from dsat.experiment.settings import DEFAULT_METRIC
 from dsat.paths import shown
 from dsat.results.cost import COST_PREFIX, search_cost
-from dsat.results.directory import BEST_METRICS_FILE, SUMMARY_FILE, TRIALS_FILE, read_trial_rows
+from dsat.results.directory import (
+    BEST_METRICS_FILE,
+    SUMMARY_FILE,
+    TRIALS_FILE,
+    VALUE_KEY,
+    read_trial_rows,
+)
 from dsat.results.resume import saved_settings
 
 REPORT_PNG = "report.png"
@@ -51,9 +57,16 @@ class SearchResults:
         return [row for row in self.rows if row.get("kind") == "confirm"]
 
     def value(self, row: dict[str, Any]) -> float | None:
-        metrics = row.get("metrics") or {}
-        value = metrics.get(self.metric.file_key, metrics.get(self.metric.value))
-        return float(value) if row.get("status") == "completed" and value is not None else None
+        """The row's metric as the search ranked it; a search that wrote no such figure (before
+        it counted a trial's FLOPs once) is drawn by the trial's own."""
+        if row.get("status") != "completed":
+            return None
+        if VALUE_KEY in row:
+            value = row[VALUE_KEY]
+        else:
+            metrics = row.get("metrics") or {}
+            value = metrics.get(self.metric.file_key, metrics.get(self.metric.value))
+        return None if value is None else float(value)
 
     def best_run(self, rows: list[dict[str, Any]]) -> tuple[float, dict[str, Any]] | None:
         """The best completed run among ``rows``, with its value; None if none completed."""

@@ -8,22 +8,29 @@ from pathlib import Path
 
 from dsat.constants import SETTINGS_FILE, STATE_FILE
 from dsat.experiment.ds_config_check import deepspeed_config_error
+from dsat.experiment.metric import Metric
 from dsat.results.cost import search_cost
 from dsat.results.directory import (
     BEST_CONFIG_FILE,
     BEST_METRICS_FILE,
     SUMMARY_FILE,
     TRIALS_FILE,
+    VALUE_KEY,
+    ResultsWriter,
+    TrialTiming,
     full_experiment_hparams,
     summary_table,
 )
+from dsat.results.report import load_results
 from dsat.results.utilization import Utilization
 from dsat.runners.simulated.performance_models import gpt2_large_16xv100
 from dsat.runners.simulated.runner import SimulatedRunner
 from dsat.search.method import DsatSearchMethod
 from dsat.search.trial_builder import SearchSpec
 from dsat.search_run import run_search
+from dsat.trial import TrialStatus
 from tests.search.helpers import search_settings
+from tests.search.test_tracker import record, tracker
 
 SPEC = SearchSpec(
     hparams={"deepspeed_config": "ds.json", "lr": 0.1},
@@ -153,3 +160,29 @@ def test_full_experiment_hparams_keep_the_overrides_but_not_the_tuning(tmp_path:
     on_cluster = best.replace(hparams={**best.hparams, "_use_dsat_mode": True})
     assert "_use_dsat_mode" not in full_experiment_hparams(on_cluster)
     assert on_cluster.hparams["_use_dsat_mode"] is True
+
+
+def test_each_row_has_the_value_the_search_ranked_it_by_and_the_report_draws_that(
+    tmp_path: Path,
+) -> None:
+    """DeepSpeed's profiler counts ZeRO-3's FLOPs about twice; the search counts every trial at
+    the least FLOPs a sample any trial gave, and the report drew the trials' own figures: ZeRO-3
+    far above the configuration handed over (make demo). A later trial that lowers the least
+    changes an earlier row's value too."""
+    t = tracker(Metric.FLOPS_PER_GPU)
+    writer = ResultsWriter(tmp_path, "CPU")
+    for n, (rid, stage, throughput, per_sample) in enumerate(
+        [("z3", 3, 300.0, 2e6), ("z1", 1, 340.0, 1e6)]
+    ):
+        t.add(record(rid, 48, stage=stage))
+        t.mark_running(t.dequeue(rid).request_id)
+        metrics = {"throughput": throughput, "FLOPS_per_gpu": throughput * per_sample}
+        t.mark_finished(rid, TrialStatus.COMPLETED, metrics)
+        writer.trial_finished(t.get(rid), TrialTiming(n, n + 1.0), t)
+    rows = {row["request_id"]: row for row in lines(tmp_path)}
+    assert rows["z3"]["metrics"]["FLOPS_per_gpu"] == 600e6  # the trial's own figure, kept
+    assert rows["z3"][VALUE_KEY] == 300e6 and rows["z1"][VALUE_KEY] == 340e6
+    results = load_results(tmp_path)
+    assert [results.value(row) for row in results.rows] == [300e6, 340e6]
+    # A results directory written before rows had the value: drawn by the trials' own figures.
+    assert results.value({"status": "completed", "metrics": {"FLOPS_per_gpu": 5.0}}) == 5.0
