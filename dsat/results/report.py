@@ -196,12 +196,16 @@ def draw_throughput(ax: Any, results: SearchResults) -> None:
     picked = results.picked
     if picked is not None and (value := results.value(picked)) is not None:
         ax.scatter([picked["mbs"]], [value], s=300, facecolors="none", edgecolors="red", lw=2)
+        # Its label on the side with room: a pick at the left edge had its name cut off.
+        drawn = [int(row["mbs"]) for row in results.search_rows]
+        left = picked["mbs"] <= (min(drawn) + max(drawn)) / 2
         ax.annotate(
             f"picked: {picked['name']}",
             (picked["mbs"], value),
             color="red",
-            xytext=(-60, 12),
+            xytext=(12 if left else -12, 12),
             textcoords="offset points",
+            ha="left" if left else "right",
         )
         again = [
             v
