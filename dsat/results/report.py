@@ -29,6 +29,7 @@ from dsat.results.directory import (
     read_trial_rows,
 )
 from dsat.results.resume import saved_settings
+from dsat.results.utilization import DERIVED_KEYS, MFU_KEY, TOKENS_KEY
 
 REPORT_PNG = "report.png"
 REPORT_HTML = "report.html"
@@ -125,8 +126,16 @@ def picked_row(rows: list[dict[str, Any]], best_metrics: Path) -> dict[str, Any]
         metrics = json.loads(best_metrics.read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError):
         return None
-    matches = [row for row in rows if row.get("metrics") == metrics]
+    # Compared by what the trial measured: the MFU derived beside it in either file counts its
+    # FLOPs at the least a sample the search knew when that file was written, which can differ.
+    matches = [row for row in rows if _measured(row.get("metrics")) == _measured(metrics)]
     return matches[-1] if matches else None
+
+
+def _measured(metrics: Any) -> Any:
+    if not isinstance(metrics, dict):
+        return metrics
+    return {key: value for key, value in metrics.items() if key not in DERIVED_KEYS}
 
 
 def stage_table(results: SearchResults) -> str:
@@ -271,7 +280,7 @@ def page(results: SearchResults, results_dir: Path, png: bytes) -> str:
     # Tokens/s and MFU where the search could work them out (results/utilization.py).
     shown_rates = [
         (key, title)
-        for key, title in (("tokens_per_second", "tokens/s"), ("mfu", "MFU"))
+        for key, title in ((TOKENS_KEY, "tokens/s"), (MFU_KEY, "MFU"))
         if any(key in (row.get("metrics") or {}) for row in results.rows)
     ]
     rows = []
@@ -290,7 +299,7 @@ def page(results: SearchResults, results_dir: Path, png: bytes) -> str:
         ]
         for key, _ in shown_rates:
             rate = metrics.get(key)
-            cells.append("" if rate is None else f"{rate:.1%}" if key == "mfu" else f"{rate:.4g}")
+            cells.append("" if rate is None else f"{rate:.1%}" if key == MFU_KEY else f"{rate:.4g}")
         rows.append("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in cells) + "</tr>")
     rate_headers = "".join(f"<th>{title}</th>" for _, title in shown_rates)
     image = base64.b64encode(png).decode()

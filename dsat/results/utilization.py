@@ -15,6 +15,10 @@ from typing import Any
 from dsat.experiment.config import entrypoint_flag
 
 # Hyperparameters that name the sequence length, in the spellings training scripts use.
+# What ``derived`` adds to a trial's metrics: worked out from them, not measured.
+TOKENS_KEY = "tokens_per_second"
+MFU_KEY = "mfu"
+DERIVED_KEYS = (TOKENS_KEY, MFU_KEY)
 SEQ_LEN_KEYS = ("seq_len", "seq_length", "sequence_length", "max_seq_length", "block_size")
 # Entrypoint flags that do (HF's example scripts: --max_seq_length, --block_size).
 SEQ_LEN_FLAGS = tuple(f"--{key}" for key in SEQ_LEN_KEYS) + tuple(
@@ -57,20 +61,20 @@ class Utilization:
         found: dict[str, float] = {}
         throughput = _number(metrics.get("throughput"))
         if self.seq_len and throughput is not None:
-            found["tokens_per_second"] = throughput * self.seq_len
+            found[TOKENS_KEY] = throughput * self.seq_len
         flops = _number(metrics.get("FLOPS_per_gpu")) if flops is None else flops
         peak = self.peak_flops or _number(metrics.get("device_peak_flops"))
         if flops is not None and peak:
-            found["mfu"] = flops / peak
+            found[MFU_KEY] = flops / peak
         return found
 
     def line(self, metrics: Mapping[str, Any], flops: float | None = None) -> str:
         """The summary's line on the handed-over configuration; empty when neither is known."""
         found = self.derived(metrics, flops)
         parts = []
-        if "tokens_per_second" in found:
-            parts.append(f"{found['tokens_per_second']:.4g} tokens/s (sequence {self.seq_len})")
-        if "mfu" in found:
+        if TOKENS_KEY in found:
+            parts.append(f"{found[TOKENS_KEY]:.4g} tokens/s (sequence {self.seq_len})")
+        if MFU_KEY in found:
             peak = self.peak_flops or _number(metrics.get("device_peak_flops")) or 0.0
-            parts.append(f"MFU {found['mfu']:.1%} of {peak / 1e12:.4g} TFLOPS per GPU")
+            parts.append(f"MFU {found[MFU_KEY]:.1%} of {peak / 1e12:.4g} TFLOPS per GPU")
         return f"handed-over throughput: {', '.join(parts)}" if parts else ""

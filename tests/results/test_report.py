@@ -13,7 +13,7 @@ import pytest
 
 from dsat.cli import main
 from dsat.results.directory import SUMMARY_FILE, TRIALS_FILE
-from dsat.results.report import REPORT_HTML, REPORT_PNG, load_results
+from dsat.results.report import REPORT_HTML, REPORT_PNG, load_results, picked_row
 from tests.conftest import REPO_ROOT
 from tests.results.test_resume import STOPPING_SIMULATOR
 from tests.test_cli import assert_one_line_error
@@ -90,3 +90,19 @@ def test_a_missing_or_damaged_results_dir_is_one_line(
     assert_one_line_error(capsys, ["report", str(tmp_path)], TRIALS_FILE, "no ")
     (tmp_path / TRIALS_FILE).write_text('{"trial": 0}\n{not json\n')
     assert_one_line_error(capsys, ["report", str(tmp_path)], "damaged trial records")
+
+
+def test_the_pick_is_found_where_its_derived_mfu_differs_between_the_files(
+    tmp_path: Path,
+) -> None:
+    """best_ds_metrics.json is written when a trial becomes the best, its row when it finished:
+    a trial between them can lower the least FLOPs a sample, and with it the MFU beside each."""
+    measured = {"throughput": 40.0, "FLOPS_per_gpu": 8e13, "device_peak_flops": 1e15}
+    rows = [
+        {"name": "z1_mb4", "kind": "search", "metrics": {**measured, "throughput": 30.0}},
+        {"name": "z1_mb8", "kind": "search", "metrics": {**measured, "mfu": 0.08}},
+    ]
+    best = tmp_path / "best.json"
+    best.write_text(json.dumps({**measured, "mfu": 0.06}))
+    picked = picked_row(rows, best)
+    assert picked is not None and picked["name"] == "z1_mb8"
