@@ -14,11 +14,11 @@ from typing import Any
 
 from dsat.experiment.config import entrypoint_flag
 
-# Hyperparameters that name the sequence length, in the spellings training scripts use.
 # What ``derived`` adds to a trial's metrics: worked out from them, not measured.
 TOKENS_KEY = "tokens_per_second"
 MFU_KEY = "mfu"
 DERIVED_KEYS = (TOKENS_KEY, MFU_KEY)
+# Hyperparameters that name the sequence length, in the spellings training scripts use.
 SEQ_LEN_KEYS = ("seq_len", "seq_length", "sequence_length", "max_seq_length", "block_size")
 # Entrypoint flags that do (HF's example scripts: --max_seq_length, --block_size).
 SEQ_LEN_FLAGS = tuple(f"--{key}" for key in SEQ_LEN_KEYS) + tuple(
