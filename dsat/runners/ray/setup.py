@@ -8,10 +8,13 @@ model dir to the object store once.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
+import signal
 import socket
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -87,6 +90,7 @@ class RaySetup:
                 "one with `ray start --head` there, or fix the address"
             )
         if not ray.is_initialized():
+            stopping = signal.getsignal(signal.SIGTERM)
             try:
                 ray.init(
                     address=address,
@@ -99,6 +103,7 @@ class RaySetup:
                 raise DsatError(
                     f"cannot connect to the Ray cluster at {address}: {first}"
                 ) from None
+            keep_sigterm(stopping)
         return ray
 
     def open(self, results_dir: Path) -> RayRunner:
@@ -120,6 +125,17 @@ class RaySetup:
         )
         print(f"dsat: {timeout.describe()}")
         return runner
+
+
+def keep_sigterm(handler: Any) -> None:
+    """Put back the SIGTERM handler ``ray.init`` replaced: it installs one that exits the driver
+    at once (and Ray's core worker prints a stack dump first), so a SIGTERM (``kill``, a job
+    scheduler, ``timeout``) ended dsat without stopping its trials on the cluster or saying how
+    to resume, where the CLI's handler stops the search as Ctrl-C does."""
+    if handler is None or threading.current_thread() is not threading.main_thread():
+        return  # a handler set outside Python, or none to set from here
+    with contextlib.suppress(ValueError, OSError):
+        signal.signal(signal.SIGTERM, handler)
 
 
 def open_runner(
