@@ -111,7 +111,7 @@ def test_ctrl_c_or_sigterm_stops_every_trial_on_the_cluster(
     ray_cluster: RayTestCluster, tmp_path: Path, stop: signal.Signals
 ) -> None:
     """SIGTERM as Ctrl-C: ray.init replaced dsat's handler with one that exits at once (after a
-    stack dump of Ray's core worker), leaving the trials running on the cluster."""
+    stack dump of Ray's core worker), with 15 and no resume command."""
     process = start_hanging_search(tmp_path, ray_cluster)
     process.send_signal(stop)
     output, _ = process.communicate(timeout=90)
