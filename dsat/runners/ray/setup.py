@@ -129,9 +129,9 @@ class RaySetup:
 
 def keep_sigterm(handler: Any) -> None:
     """Put back the SIGTERM handler ``ray.init`` replaced: it installs one that exits the driver
-    at once (and Ray's core worker prints a stack dump first), so a SIGTERM (``kill``, a job
-    scheduler, ``timeout``) ended dsat without stopping its trials on the cluster or saying how
-    to resume, where the CLI's handler stops the search as Ctrl-C does."""
+    at once (after a stack dump of Ray's core worker), so a SIGTERM (``kill``, a job scheduler,
+    ``timeout``) ended dsat with 15 and no word on how to resume, where the CLI's handler stops
+    the search as Ctrl-C does."""
     if handler is None or threading.current_thread() is not threading.main_thread():
         return  # a handler set outside Python, or none to set from here
     with contextlib.suppress(ValueError, OSError):
