@@ -374,6 +374,7 @@ def stopped_output(process: subprocess.Popen[str], timeout: float) -> tuple[str,
         return process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         tree = [_described(p) for p in _tree(process.pid)]
+        masks = _signal_masks(process.pid)
         process.send_signal(signal.SIGUSR1)
         time.sleep(2)
         process.kill()
@@ -381,8 +382,23 @@ def stopped_output(process: subprocess.Popen[str], timeout: float) -> tuple[str,
         pytest.fail(
             f"dsat did not stop within {timeout} s; processes:\n"
             + "\n".join(tree)
+            + f"\nits threads' signal masks (/proc):\n{masks}"
             + f"\nstdout:\n{out[-3000:]}\nstderr:\n{err[-6000:]}"
         )
+
+
+def _signal_masks(pid: int) -> str:
+    """Each thread's pending, blocked, ignored and caught signals, as the kernel has them: a
+    Ctrl-C that dsat once did not act on (once in many runs) left no other trace."""
+    lines = []
+    for task in sorted(Path(f"/proc/{pid}/task").glob("*")):
+        try:
+            status = (task / "status").read_text().splitlines()
+        except OSError:
+            continue
+        fields = [line for line in status if line.startswith(("Name", "Sig", "ShdPnd"))]
+        lines.append(f"{task.name}: " + "  ".join(" ".join(f.split()) for f in fields))
+    return "\n".join(lines) or "(gone)"
 
 
 def _described(process: psutil.Process) -> str:
