@@ -59,26 +59,34 @@ def user_micro_batch(method: DsatSearchMethod) -> tuple[int, int, dict[str, int]
 
 def why_no_baseline(method: DsatSearchMethod) -> str | None:
     """Why the user's configuration is not run; None when it is (or will be)."""
+    return _user_batch_or_why_not(method)[1]
+
+
+def _user_batch_or_why_not(
+    method: DsatSearchMethod,
+) -> tuple[tuple[int, int, dict[str, int]] | None, str | None]:
+    """The user's batch (``user_micro_batch``) where their configuration runs, else why not."""
     if method.fit_rung.profile_stage is not None:
-        return "it ran out of memory at micro-batch 1, in the model profile"
+        return None, "it ran out of memory at micro-batch 1, in the model profile"
     try:
         found = user_micro_batch(method)
     except DsatError as err:
-        return f"its batch sizes do not add up: {err}"
+        return None, f"its batch sizes do not add up: {err}"
     if found is None:
-        return "neither your DeepSpeed config nor your entrypoint sets the micro-batch"
+        return None, "neither your DeepSpeed config nor your entrypoint sets the micro-batch"
     stage, micro, _ = found
     if method.profile is not None and micro > method.micro_batch_ceiling(stage):
-        return f"your config (ZeRO-{stage}, micro-batch {micro}) does not fit by the memory model"
-    return None
+        return (
+            None,
+            f"your config (ZeRO-{stage}, micro-batch {micro}) does not fit by the memory model",
+        )
+    return found, None
 
 
 def baseline_trial(method: DsatSearchMethod) -> list[TrialRecord]:
     """The baseline trial to queue first once the model profile is in (registered, on top of
     the budget); none when it is skipped."""
-    if why_no_baseline(method) is not None:
-        return []
-    found = user_micro_batch(method)
+    found, _ = _user_batch_or_why_not(method)
     if found is None:
         return []
     record = method.register(

@@ -102,7 +102,7 @@ def next_round(
     """The candidates to run again before the verdict (interleaved, one run each), or none:
     after the first round, another while the share of the search allows it and the runs so far
     did not repeat the measurements within ``QUIET_SPREAD``."""
-    done = min((len(tracker.confirmation_runs(c.request_id)) for c in candidates), default=0)
+    done = rounds_run(tracker, candidates)
     if done >= allowed_rounds(candidates, search_trials):
         return []
     if done >= 1:
@@ -112,6 +112,11 @@ def next_round(
     return list(candidates)
 
 
+def rounds_run(tracker: TrialTracker, candidates: Sequence[TrialRecord]) -> int:
+    """The rounds every candidate has run again so far."""
+    return min((len(tracker.confirmation_runs(c.request_id)) for c in candidates), default=0)
+
+
 def rounds_note(tracker: TrialTracker, candidates: Sequence[TrialRecord]) -> str | None:
     """Why the round ran once or twice, in plain words (None: no leader ran again): a spread
     above ``QUIET_SPREAD`` with one round only was the share of the search's trials, and the
@@ -119,7 +124,7 @@ def rounds_note(tracker: TrialTracker, candidates: Sequence[TrialRecord]) -> str
     spread = runs_spread(tracker, candidates)
     if spread is None:
         return None
-    rounds = min(len(tracker.confirmation_runs(c.request_id)) for c in candidates)
+    rounds = rounds_run(tracker, candidates)
     said = f"one run's spread, search trials and runs: {spread:.1%}"
     if rounds >= 2:
         return (
