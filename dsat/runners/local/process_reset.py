@@ -335,23 +335,23 @@ def _paces_beside_a_fresh_process(
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
-            text=True,
         )
     except OSError:
         return None
     assert child.stdin is not None and child.stdout is not None
+    lines = LinesWithin(child.stdout.fileno())
     here = there = math.inf
     try:
         line: str | None = ""
         while line not in ("ready", None):  # past what its imports print
-            line = _line_within(child.stdout, timeout)
+            line = lines.next(timeout)
         if line is None:
             return None
         for _ in range(rounds):
             mine = small_operations_pace(repeats=1)
-            child.stdin.write("\n")
+            child.stdin.write(b"\n")
             child.stdin.flush()
-            theirs = _line_within(child.stdout, timeout)
+            theirs = lines.next(timeout)
             if mine is None or theirs is None or theirs == "None":
                 return None
             here, there = min(here, mine), min(there, float(theirs))
@@ -363,11 +363,30 @@ def _paces_beside_a_fresh_process(
         child.wait()
 
 
-def _line_within(stream: Any, timeout: float) -> str | None:
-    """The next line of ``stream``, stripped; None when none comes in ``timeout`` seconds."""
-    ready, _, _ = select.select([stream], [], [], timeout)
-    line = stream.readline() if ready else ""
-    return line.strip() if line else None
+class LinesWithin:
+    """Lines read from a pipe's descriptor, each waited for at most a timeout. Read from the
+    descriptor itself: a file object's buffer can hold a second line that ``select`` cannot see
+    (an import printing two lines in one write), and the wait for it would run its whole
+    timeout."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.buffer = b""
+
+    def next(self, timeout: float) -> str | None:
+        """The next line, stripped; None when none comes in ``timeout`` seconds, or the pipe
+        ends first."""
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.buffer:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.fd], [], [], left)[0]:
+                return None
+            chunk = os.read(self.fd, 65536)
+            if not chunk:
+                return None
+            self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return line.decode(errors="replace").strip()
 
 
 def device_memory_held() -> int:

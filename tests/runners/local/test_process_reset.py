@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -184,6 +185,31 @@ def test_small_operations_pace_is_measured_here_and_in_a_fresh_process_in_turn()
     assert here is not None and beside is not None
     # Seconds per small product: microseconds, not the fraction of a second a failure would be.
     assert 0 < here < 0.1 and all(0 < pace < 0.1 for pace in beside)
+
+
+def test_lines_written_in_one_go_are_read_without_waiting_for_more() -> None:
+    """A fresh interpreter whose imports print a line just before its "ready", in one write:
+    the second line is read at once, not after the wait's whole timeout (a file object's
+    buffer held it where ``select`` could not see it); a line that never comes is None."""
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; print('imported\\nready', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+    )
+    assert child.stdout is not None
+    try:
+        lines = process_reset.LinesWithin(child.stdout.fileno())
+        assert lines.next(30.0) == "imported"
+        started = time.monotonic()
+        assert lines.next(30.0) == "ready"
+        assert time.monotonic() - started < 5.0
+        assert lines.next(0.2) is None
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_deepspeed_the_baseline_never_saw_is_a_leak() -> None:
