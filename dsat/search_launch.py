@@ -46,7 +46,7 @@ from dsat.runners.local.setup import LocalSetup
 from dsat.runners.ray.setup import RaySetup
 from dsat.runners.simulated.setup import SimulatedSetup
 from dsat.runners.trial_runner import RunnerSetup, TrialRunner
-from dsat.search.baseline import describe, speedup_over_yours
+from dsat.search.baseline import describe, slower_than_yours, speedup_over_yours
 from dsat.search.method import DsatSearchMethod
 from dsat.search.trial_builder import SearchSpec
 from dsat.search_run import best_config_path, run_search
@@ -287,6 +287,9 @@ def closing_lines(method: DsatSearchMethod, results_dir: Path, full_run: bool) -
     speedup = speedup_over_yours(method)
     if speedup is not None:
         found += f": {speedup:.2f}x your config's {method.tracker.metric.value}"
+        slower = slower_than_yours(method)
+        if slower:
+            found += f"; {slower}"
     path = shown(best_config_path(results_dir))
     if full_run:
         nxt = "the full training run with it starts now"

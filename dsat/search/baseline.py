@@ -10,12 +10,15 @@ the entrypoint's ``--per_device_train_batch_size`` (and accumulation) is the use
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from dsat.constants import GRAD_ACCUM_STEPS, MICRO_BATCH_SIZE
 from dsat.errors import DsatError
 from dsat.experiment.batch_size import batch_value, consistent_batch_sizes, fixed_global_batch
 from dsat.experiment.config import deep_merge, entrypoint_flag
+from dsat.search.confirmation import measurements
+from dsat.search.measurement_noise import relative_noise
 from dsat.training.hf_args import HF_BATCH_FLAGS
 from dsat.trial import TrialKind, TrialRecord, TrialStatus
 
@@ -117,6 +120,32 @@ def speedup_over_yours(method: DsatSearchMethod) -> float | None:
     return mine / theirs if tracker.metric.smaller_is_better else theirs / mine
 
 
+def slower_than_yours(method: DsatSearchMethod) -> str | None:
+    """Where the hand-over measured slower than the user's own config, what that means, in
+    plain words (None where it did not): "0.83x your config" alone reads as "dsat made it
+    worse", while on a short, noisy trial the same configuration can measure 20% apart. Judged
+    by the noise this search's repeated runs showed, against the mean of the hand-over's runs
+    and the one run of the user's config."""
+    speedup = speedup_over_yours(method)
+    handed = method.tracker.best()
+    if speedup is None or speedup >= 1 or handed is None:
+        return None
+    tracker = method.tracker
+    repeats = [
+        measurements(tracker, r)
+        for r in tracker.records
+        if tracker.metric_value(r) is not None and tracker.confirmation_runs(r.request_id)
+    ]
+    noise = relative_noise([], repeats)
+    runs = max(1, len(measurements(tracker, handed)))
+    if math.log(1 / speedup) <= 2 * noise * math.sqrt(1 + 1 / runs):
+        return f"level with your config within the noise ({noise:.1%} a run)"
+    return (
+        f"your config measured faster, by more than the noise ({noise:.1%} a run): keep it, "
+        f"or let the search run further (--max-trials, {method.settings.max_trials} here)"
+    )
+
+
 def baseline_line(method: DsatSearchMethod) -> str:
     """The summary's line comparing the hand-over with the user's own configuration."""
     if not method.settings.baseline:
@@ -134,7 +163,8 @@ def baseline_line(method: DsatSearchMethod) -> str:
     speedup = speedup_over_yours(method)
     if handed is None or speedup is None:
         return f"your config ({describe(baseline)}): {mine:.4g} {tracker.metric.value}"
+    slower = slower_than_yours(method)
     return (
         f"{speedup:.2f}x your config ({tracker.metric.value} {mine:.4g}): "
-        f"{describe(baseline)} -> {describe(handed)}"
+        f"{describe(baseline)} -> {describe(handed)}" + (f"; {slower}" if slower else "")
     )

@@ -10,8 +10,10 @@ from typing import Any
 from dsat.results.directory import SUMMARY_FILE, TRIALS_FILE
 from dsat.runners.simulated.performance_models import BUILTIN_MODELS
 from dsat.runners.simulated.runner import SimulatedRunner
+from dsat.search.baseline import baseline_line
 from dsat.search.method import DsatSearchMethod
 from dsat.search.trial_builder import SearchSpec
+from dsat.search_launch import closing_lines
 from dsat.search_run import run_search
 from dsat.trial import TrialKind
 from tests.search.helpers import search_settings
@@ -64,6 +66,39 @@ def test_the_users_config_runs_once_after_the_profile_and_the_summary_compares(
         f"ZeRO-1 micro-batch 2 -> ZeRO-{handed.zero_stage} micro-batch {handed.mbs}"
     )
     assert "1 baseline" in summary  # and in the cost
+
+
+def test_a_hand_over_slower_than_the_users_config_says_whether_that_is_the_noise(
+    tmp_path: Path,
+) -> None:
+    """ "0.83x your config" alone reads as "dsat made it worse": where the user's config measured
+    faster, the summary and the last lines say whether by more than the noise the search's runs
+    showed (then: keep yours), or level within it. Here the baseline's run is set 1% and then
+    30% above the mean of the hand-over's runs."""
+    method = search(tmp_path, USER)
+    tracker = method.tracker
+    (baseline,) = [r for r in tracker.records if r.kind is TrialKind.BASELINE]
+    handed = tracker.best()
+    assert handed is not None
+    theirs = tracker.mean_of_runs(handed)
+    assert theirs is not None
+    assert baseline_line(method).count(";") == 0  # faster than the user's: nothing to add
+
+    def measured_at(ratio: float) -> str:
+        flops = float(baseline.metrics["FLOPS_per_gpu"])
+        rate = float(baseline.metrics["throughput"])
+        scale = ratio * theirs / flops
+        metrics = {**baseline.metrics, "FLOPS_per_gpu": flops * scale, "throughput": rate * scale}
+        tracker.mark_finished(baseline.request_id, baseline.status, metrics)
+        return baseline_line(method)
+
+    level = measured_at(1.01)
+    assert level.startswith("0.99x your config") and "; level with your config within" in level
+    slower = measured_at(1.3)
+    assert slower.startswith("0.77x your config")
+    assert "; your config measured faster, by more than the noise" in slower
+    assert "keep it, or let the search run further (--max-trials, 10 here)" in slower
+    assert "your config measured faster" in closing_lines(method, tmp_path, False)[0]
 
 
 def test_the_baseline_takes_nothing_from_the_searchs_budget(tmp_path: Path) -> None:
