@@ -15,6 +15,7 @@ from dsat.constants import RESULTS_ROOT, STATE_FILE
 from dsat.errors import DsatError
 from dsat.experiment.config import (
     Experiment,
+    check_entrypoint_script,
     load_experiment,
     load_yaml_mapping,
     validate_with_deepspeed,
@@ -158,6 +159,8 @@ def plan_search(
         raise DsatError(
             f"--ray-address only applies to --runner ray (the runner is {runner.value})"
         )
+    if runner is not RunnerKind.SIMULATED:
+        check_entrypoint_script(experiment)
     setup = RUNNER_SETUPS[runner].prepare(settings, experiment, environ)
     if settings.resume is not None:
         results_dir = Path(settings.resume)

@@ -314,6 +314,14 @@ def test_cli_entrypoint_names_a_different_config(tmp_path: Path) -> None:
     _assert_subprocess_error(result, "other.json", "ds_config.json", "same file")
 
 
+def test_cli_entrypoint_script_not_there(tmp_path: Path) -> None:
+    """Before any trial, and nothing written: a typo used to fail the model-profile trial."""
+    path = write_experiment(tmp_path / "m", config={"entrypoint": "python3 trian.py"})
+    result = run_cli("asha", str(path), str(path.parent), cwd=tmp_path)
+    _assert_subprocess_error(result, "entrypoint runs trian.py", "not in MODEL_DIR")
+    assert not (tmp_path / "dsat-results").exists()
+
+
 def test_cli_unimportable_simulator(experiment_yaml: Path) -> None:
     result = run_cli(
         "asha",

@@ -108,8 +108,9 @@ def slots_per_trial(config: Mapping[str, Any], source: str) -> int:
     return slots
 
 
-def resolve_ds_config_path(relative: str, model_dir: Path, includes: Sequence[Path]) -> Path | None:
-    """Where ``hyperparameters.deepspeed_config`` points: MODEL_DIR first, then the includes.
+def resolve_context_path(relative: str, model_dir: Path, includes: Sequence[Path]) -> Path | None:
+    """Where a path relative to a trial's directory (``hyperparameters.deepspeed_config``, the
+    entrypoint's script) points here: MODEL_DIR first, then the includes.
 
     An included path lands at the root of the trial's context under its own name (as with
     Determined's ``--include``), so ``configs/ds.json`` matches ``--include ../configs``.
@@ -125,18 +126,44 @@ def entrypoint_ds_config(entrypoint: str | Sequence[str] | None) -> str | None:
     return entrypoint_flag(entrypoint, ENTRYPOINT_DS_FLAGS)
 
 
+def entrypoint_script(entrypoint: str | Sequence[str] | None) -> str | None:
+    """The Python script an entrypoint command runs (its first ``.py`` argument that is not a
+    flag's value), if it names one: ``python3 train.py``, ``deepspeed train.py ...``,
+    ``python3 -m determined.launch.deepspeed python3 train.py``. None for a module
+    (``-m pkg``, ``model_def:Trial``), a path the shell expands (``$HOME/...``), or an absolute
+    one (on a cluster it may be in the container's image, not here)."""
+    tokens = _tokens(entrypoint)
+    for i, token in enumerate(tokens):
+        if (
+            not token.endswith(".py")
+            or token.startswith(("-", "/", "~"))
+            or "$" in token
+            or "=" in token
+        ):
+            continue
+        before = tokens[i - 1] if i > 0 else ""
+        if before.startswith("-") and "=" not in before and before not in ("-u", "-O", "-B"):
+            continue  # a flag's value (--config x.py), not what runs
+        return token
+    return None
+
+
+def _tokens(entrypoint: str | Sequence[str] | None) -> list[str]:
+    """An entrypoint's arguments, as the shell would split a string one (none if it cannot)."""
+    if entrypoint is None:
+        return []
+    if isinstance(entrypoint, str):
+        try:
+            return shlex.split(entrypoint)
+        except ValueError:
+            return []
+    return [str(t) for t in entrypoint]
+
+
 def entrypoint_flag(entrypoint: str | Sequence[str] | None, flags: Sequence[str]) -> str | None:
     """The value an entrypoint passes with one of ``flags`` (``--flag value`` or
     ``--flag=value``), if any."""
-    if entrypoint is None:
-        return None
-    if isinstance(entrypoint, str):
-        try:
-            tokens = shlex.split(entrypoint)
-        except ValueError:
-            return None
-    else:
-        tokens = [str(t) for t in entrypoint]
+    tokens = _tokens(entrypoint)
     for i, token in enumerate(tokens):
         flag, eq, value = token.partition("=")
         if flag not in flags:
@@ -180,7 +207,7 @@ def load_experiment(
             f"{config_path}: hyperparameters.{DS_CONFIG_KEY} is missing; set it to the path of "
             "your DeepSpeed JSON, relative to MODEL_DIR"
         )
-    ds_path = resolve_ds_config_path(relative, model_dir, include_paths)
+    ds_path = resolve_context_path(relative, model_dir, include_paths)
     if ds_path is None:
         raise DsatError(
             f"{config_path}: hyperparameters.{DS_CONFIG_KEY} names {relative}, which is not in "
@@ -200,6 +227,22 @@ def load_experiment(
     # Fail now, not in every trial, if the batch sizes cannot be made consistent.
     consistent_batch_sizes(ds_config, experiment.slots_per_trial, source=str(ds_path))
     return experiment
+
+
+def check_entrypoint_script(experiment: Experiment) -> None:
+    """Raise ``DsatError`` when the script the entrypoint runs is not in the trial's files: a
+    typo in its name used to run the model-profile trial, fail it with Python's "can't open
+    file", and end the search with exit 1. For runners that run the script (the simulator
+    does not)."""
+    script = entrypoint_script(experiment.config.get("entrypoint"))
+    model_dir = experiment.model_dir
+    if script is None or resolve_context_path(script, model_dir, experiment.includes):
+        return
+    raise DsatError(
+        f"{experiment.config_path}: the entrypoint runs {script}, which is not in MODEL_DIR "
+        f"{model_dir} nor any --include; fix the script's path in the entrypoint (it is "
+        "relative to MODEL_DIR)"
+    )
 
 
 def contains_auto(value: Any) -> bool:

@@ -12,8 +12,10 @@ from hypothesis import strategies as st
 
 from dsat.errors import DsatError
 from dsat.experiment.config import (
+    check_entrypoint_script,
     deep_merge,
     entrypoint_ds_config,
+    entrypoint_script,
     load_experiment,
     trial_ready_config,
     validate_with_deepspeed,
@@ -95,6 +97,55 @@ def test_deep_merge_properties(base: dict[str, Any], overrides: dict[str, Any]) 
 )
 def test_entrypoint_ds_config(entrypoint: Any, expected: str | None) -> None:
     assert entrypoint_ds_config(entrypoint) == expected
+
+
+@pytest.mark.parametrize(
+    ("entrypoint", "expected"),
+    [
+        ("python3 train.py", "train.py"),
+        ("python3 -u src/train.py --deepspeed ds.json", "src/train.py"),
+        ("deepspeed --num_gpus 2 train.py --deepspeed_config ds.json", "train.py"),
+        ("torchrun --nproc_per_node=2 train.py", "train.py"),
+        ("python3 -m determined.launch.deepspeed python3 train.py --deepspeed ds.json", "train.py"),
+        (["python3", "run.py", "--config", "settings.py"], "run.py"),
+        ("python3 launch.py --config settings.py", "launch.py"),
+        ("python3 --config settings.py", None),  # a flag's value, not what runs
+        ("python3 -m determined.launch.deepspeed --trial model_def:Trial", None),
+        ("python3 -m mypkg.train", None),
+        ("python3 /opt/app/train.py", None),  # may be in a cluster's image
+        ("python3 $HOME/train.py", None),
+        ("python3 ~/train.py", None),
+        (None, None),
+    ],
+)
+def test_entrypoint_script(entrypoint: Any, expected: str | None) -> None:
+    assert entrypoint_script(entrypoint) == expected
+
+
+def test_an_entrypoint_script_that_is_not_there_is_one_line_before_any_trial(
+    tmp_path: Path,
+) -> None:
+    """A typo in the script's name used to run the model-profile trial, fail it with Python's
+    "can't open file", and end the search with exit 1."""
+    path = write_experiment(tmp_path / "m", config={"entrypoint": "python3 trian.py"})
+    experiment = load_experiment(path, path.parent)  # the simulator runs no script
+    with pytest.raises(DsatError) as raised:
+        check_entrypoint_script(experiment)
+    message = str(raised.value)
+    assert "the entrypoint runs trian.py, which is not in MODEL_DIR" in message
+    assert "fix the script's path in the entrypoint" in message and "\n" not in message
+
+
+def test_an_entrypoint_script_from_an_include_is_found(tmp_path: Path) -> None:
+    """An included folder lands at the trial's root under its own name, as with Determined's
+    ``--include``: ``scripts/train.py`` with ``--include ../scripts`` is there."""
+    path = write_experiment(tmp_path / "m", config={"entrypoint": "python3 scripts/train.py"})
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    with pytest.raises(DsatError):
+        check_entrypoint_script(load_experiment(path, path.parent))
+    (scripts / "train.py").write_text("print('training')\n")
+    check_entrypoint_script(load_experiment(path, path.parent, includes=[scripts]))
 
 
 def test_entrypoint_naming_the_same_file_differently_is_accepted(tmp_path: Path) -> None:
