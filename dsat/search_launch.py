@@ -47,11 +47,15 @@ from dsat.runners.local.setup import LocalSetup
 from dsat.runners.ray.setup import RaySetup
 from dsat.runners.simulated.setup import SimulatedSetup
 from dsat.runners.trial_runner import RunnerSetup, TrialRunner
-from dsat.search.baseline import describe, slower_than_yours, speedup_over_yours
+from dsat.search.baseline import (
+    described_with_knobs,
+    slower_than_yours,
+    speedup_over_yours,
+    yours_handed_over,
+)
 from dsat.search.method import DsatSearchMethod
 from dsat.search.trial_builder import SearchSpec
 from dsat.search_run import best_config_path, run_search
-from dsat.zero_space import knob_tags
 
 
 class SearchFailed(Exception):
@@ -283,12 +287,11 @@ def closing_lines(method: DsatSearchMethod, results_dir: Path, full_run: bool) -
     where that ran), the file to train with, and what to do next."""
     best = method.tracker.best()
     assert best is not None  # a search that found nothing failed above
-    found = describe(best)
-    knobs = knob_tags(best.zero_section, best.zero_stage)
-    if knobs:
-        found += f" ({', '.join(knobs)})"
+    found = described_with_knobs(best)
     speedup = speedup_over_yours(method)
-    if speedup is not None:
+    if speedup is not None and yours_handed_over(method):
+        found += ": your own config; nothing this search ran was faster"
+    elif speedup is not None:
         found += f": {speedup:.2f}x your config's {method.tracker.metric.value}"
         slower = slower_than_yours(method)
         if slower:

@@ -615,7 +615,7 @@ def test_simulated_search_prints_the_summary_and_leaves_results(tmp_path: Path) 
     stage, mbs = best["zero_optimization"]["stage"], best["train_micro_batch_size_per_gpu"]
     assert re.match(
         rf"^dsat: found ZeRO-{stage} micro-batch {mbs}( \(.+\))?"
-        r"(: [\d.]+x your config's FLOPS_per_gpu(; .+)?)?$",
+        r"(: [\d.]+x your config's FLOPS_per_gpu(; .+)?|: your own config; .+)?$",
         found,
     ), found
     assert path_line == f"dsat: best DeepSpeed config: {results / 'best_ds_config.json'}"

@@ -21,6 +21,7 @@ from dsat.search.confirmation import measurements
 from dsat.search.measurement_noise import relative_noise
 from dsat.training.hf_args import HF_BATCH_FLAGS
 from dsat.trial import TrialKind, TrialRecord, TrialStatus
+from dsat.zero_space import knob_tags
 
 if TYPE_CHECKING:
     from dsat.search.method import DsatSearchMethod
@@ -107,6 +108,13 @@ def describe(record: TrialRecord) -> str:
     )
 
 
+def described_with_knobs(record: TrialRecord) -> str:
+    """``describe`` and what its ZeRO knobs change from DeepSpeed's defaults (``rb5e7``): two
+    configurations at one micro-batch never read alike."""
+    knobs = knob_tags(record.zero_section, record.zero_stage)
+    return describe(record) + (f" ({', '.join(knobs)})" if knobs else "")
+
+
 def speedup_over_yours(method: DsatSearchMethod) -> float | None:
     """How many times faster the hand-over measured than the user's own config (the mean of its
     runs, as the summary's global row), where both were measured."""
@@ -118,6 +126,18 @@ def speedup_over_yours(method: DsatSearchMethod) -> float | None:
     if not mine or theirs is None:
         return None
     return mine / theirs if tracker.metric.smaller_is_better else theirs / mine
+
+
+def yours_handed_over(method: DsatSearchMethod) -> bool:
+    """Whether the configuration handed over is the user's own (the same ZeRO settings,
+    micro-batch and accumulation): then its runs against the baseline's are one configuration
+    measured again, not a speed-up."""
+    runs = [r for r in method.tracker.records if r.kind is TrialKind.BASELINE]
+    handed = method.tracker.best()
+    if not runs or handed is None:
+        return False
+    mine = runs[-1]
+    return (handed.zero_key, handed.mbs, handed.gas) == (mine.zero_key, mine.mbs, mine.gas)
 
 
 def slower_than_yours(method: DsatSearchMethod) -> str | None:
@@ -163,8 +183,16 @@ def baseline_line(method: DsatSearchMethod) -> str:
     speedup = speedup_over_yours(method)
     if handed is None or speedup is None:
         return f"your config ({describe(baseline)}): {mine:.4g} {tracker.metric.value}"
+    if yours_handed_over(method):
+        return (
+            f"your config is the one handed over ({described_with_knobs(handed)}): nothing this "
+            "search ran "
+            f"was faster ({speedup:.2f}x is its runs against your config's run, "
+            f"{tracker.metric.value} {mine:.4g})"
+        )
     slower = slower_than_yours(method)
     return (
         f"{speedup:.2f}x your config ({tracker.metric.value} {mine:.4g}): "
-        f"{describe(baseline)} -> {describe(handed)}" + (f"; {slower}" if slower else "")
+        f"{described_with_knobs(baseline)} -> {described_with_knobs(handed)}"
+        + (f"; {slower}" if slower else "")
     )

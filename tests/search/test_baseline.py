@@ -10,13 +10,13 @@ from typing import Any
 from dsat.results.directory import SUMMARY_FILE, TRIALS_FILE
 from dsat.runners.simulated.performance_models import BUILTIN_MODELS
 from dsat.runners.simulated.runner import SimulatedRunner
-from dsat.search.baseline import baseline_line
+from dsat.search.baseline import baseline_line, described_with_knobs, yours_handed_over
 from dsat.search.method import DsatSearchMethod
 from dsat.search.trial_builder import SearchSpec
 from dsat.search_launch import closing_lines
 from dsat.search_run import run_search
 from dsat.trial import TrialKind
-from tests.search.helpers import search_settings
+from tests.search.helpers import cliff_function, search_settings
 
 MODEL = BUILTIN_MODELS["gpt_1b_knobs_16xethernet"]
 SLOTS = MODEL.gpus
@@ -62,9 +62,7 @@ def test_the_users_config_runs_once_after_the_profile_and_the_summary_compares(
     summary = (tmp_path / SUMMARY_FILE).read_text()
     line = next(x for x in summary.splitlines() if "your config" in x)
     assert line.startswith(f"{theirs / mine:.2f}x your config (FLOPS_per_gpu {mine:.4g}): ")
-    assert line.endswith(
-        f"ZeRO-1 micro-batch 2 -> ZeRO-{handed.zero_stage} micro-batch {handed.mbs}"
-    )
+    assert line.endswith(f"ZeRO-1 micro-batch 2 -> {described_with_knobs(handed)}")
     assert "1 baseline" in summary  # and in the cost
 
 
@@ -99,6 +97,41 @@ def test_a_hand_over_slower_than_the_users_config_says_whether_that_is_the_noise
     assert "; your config measured faster, by more than the noise" in slower
     assert "keep it, or let the search run further (--max-trials, 10 here)" in slower
     assert "your config measured faster" in closing_lines(method, tmp_path, False)[0]
+
+
+def test_a_hand_over_that_is_the_users_own_config_says_so(tmp_path: Path) -> None:
+    """Where the search hands over the user's own configuration, "1.00x your config: ZeRO-1
+    micro-batch 8 -> ZeRO-1 micro-batch 8" reads as a different configuration found; the lines
+    say it is theirs. One knob apart, the knob is named (``rb5e7``), as in the last line."""
+    user = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 1}}
+    spec = SearchSpec({"deepspeed_config": "ds.json"}, user, 1)
+
+    def searched(max_trials: int, results: Path) -> DsatSearchMethod:
+        chosen = search_settings("guided", max_trials=max_trials, baseline=True, zero_stages=(1,))
+        return run_search(chosen, spec, SimulatedRunner(cliff_function(8), 1), results)
+
+    # Seven trials: micro-batches only, and 8 (the largest that fits) with DeepSpeed's defaults.
+    own = searched(7, tmp_path / "own")
+    assert own.tracker.best() is not None and own.tracker.best().name == "z1_mb8"
+    assert yours_handed_over(own)
+    assert baseline_line(own).startswith(
+        "your config is the one handed over (ZeRO-1 micro-batch 8): nothing this search ran was "
+        "faster (1.00x is its runs against your config's run"
+    )
+    found = closing_lines(own, tmp_path / "own", False)[0]
+    assert (
+        found
+        == "dsat: found ZeRO-1 micro-batch 8: your own config; nothing this search ran was faster"
+    )
+    # Twenty: knob steps, all level here; the first found among equals, a knob away, is handed over.
+    other = searched(20, tmp_path / "other")
+    handed = other.tracker.best()
+    assert handed is not None and handed.mbs == 8 and handed.name != "z1_mb8"
+    assert not yours_handed_over(other)
+    tags = described_with_knobs(handed)
+    assert tags.startswith("ZeRO-1 micro-batch 8 (") and baseline_line(other).endswith(
+        f"ZeRO-1 micro-batch 8 -> {tags}"
+    )
 
 
 def test_the_baseline_takes_nothing_from_the_searchs_budget(tmp_path: Path) -> None:
