@@ -128,6 +128,8 @@ def check_results_dir(results_dir: Path, named_by: str, needed_bytes: int) -> No
     ``needed_bytes`` free there. ``named_by``: the flag that chose it (``--results-dir``,
     ``--resume``), or "" for the default. Leaves no trace: what it creates, it removes."""
     where = f"{named_by} {shown(results_dir)}" if named_by else shown(results_dir)
+    if results_dir.exists() and not results_dir.is_dir():
+        raise DsatError(f"{where} is a file, not a directory; {_launch_fix(named_by, False)}")
     created = _missing_parents(results_dir)
     try:
         free = _probe(results_dir)

@@ -110,6 +110,20 @@ def test_a_results_dir_under_a_file_is_one_line_and_nothing_is_written(
     assert (tmp_path / "a-file").read_text() == "not a directory\n"
 
 
+def test_a_results_dir_that_is_a_file_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It said "cannot write the results there (File exists)"."""
+    (tmp_path / "a-file").write_text("not a directory\n")
+    one_line_error(
+        capsys,
+        simulated_search(tmp_path / "a-file"),
+        f"--results-dir {tmp_path / 'a-file'} is a file, not a directory",
+        "choose a writable directory with --results-dir",
+    )
+    assert (tmp_path / "a-file").read_text() == "not a directory\n"
+
+
 def test_too_little_free_space_is_one_line_naming_the_floor(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
