@@ -185,10 +185,9 @@ def baseline_line(method: DsatSearchMethod) -> str:
         return f"your config ({describe(baseline)}): {mine:.4g} {tracker.metric.value}"
     if yours_handed_over(method):
         return (
-            f"your config is the one handed over ({described_with_knobs(handed)}): nothing this "
-            "search ran "
-            f"was faster ({speedup:.2f}x is its runs against your config's run, "
-            f"{tracker.metric.value} {mine:.4g})"
+            f"your config is the one handed over ({described_with_knobs(handed)}): nothing "
+            f"this search ran was faster ({speedup:.2f}x is its runs against your config's "
+            f"run, {tracker.metric.value} {mine:.4g})"
         )
     slower = slower_than_yours(method)
     return (
