@@ -17,7 +17,7 @@ from dsat.constants import GRAD_ACCUM_STEPS, MICRO_BATCH_SIZE
 from dsat.errors import DsatError
 from dsat.experiment.batch_size import batch_value, consistent_batch_sizes, fixed_global_batch
 from dsat.experiment.config import deep_merge, entrypoint_flag
-from dsat.search.confirmation import measurements
+from dsat.search.confirmation import measurements, repeated_measurements
 from dsat.search.measurement_noise import relative_noise
 from dsat.training.hf_args import HF_BATCH_FLAGS
 from dsat.trial import TrialKind, TrialRecord, TrialStatus
@@ -115,13 +115,18 @@ def described_with_knobs(record: TrialRecord) -> str:
     return describe(record) + (f" ({', '.join(knobs)})" if knobs else "")
 
 
+def baseline_run(method: DsatSearchMethod) -> TrialRecord | None:
+    """The run of the user's own configuration (the last, if a resumed search ran it again)."""
+    runs = [r for r in method.tracker.records if r.kind is TrialKind.BASELINE]
+    return runs[-1] if runs else None
+
+
 def speedup_over_yours(method: DsatSearchMethod) -> float | None:
     """How many times faster the hand-over measured than the user's own config (the mean of its
     runs, as the summary's global row), where both were measured."""
     tracker = method.tracker
-    runs = [r for r in tracker.records if r.kind is TrialKind.BASELINE]
-    handed = tracker.best()
-    mine = tracker.baseline_value(runs[-1]) if runs else None
+    baseline, handed = baseline_run(method), tracker.best()
+    mine = None if baseline is None else tracker.baseline_value(baseline)
     theirs = None if handed is None else tracker.mean_of_runs(handed)
     if not mine or theirs is None:
         return None
@@ -132,11 +137,9 @@ def yours_handed_over(method: DsatSearchMethod) -> bool:
     """Whether the configuration handed over is the user's own (the same ZeRO settings,
     micro-batch and accumulation): then its runs against the baseline's are one configuration
     measured again, not a speed-up."""
-    runs = [r for r in method.tracker.records if r.kind is TrialKind.BASELINE]
-    handed = method.tracker.best()
-    if not runs or handed is None:
+    mine, handed = baseline_run(method), method.tracker.best()
+    if mine is None or handed is None:
         return False
-    mine = runs[-1]
     return (handed.zero_key, handed.mbs, handed.gas) == (mine.zero_key, mine.mbs, mine.gas)
 
 
@@ -151,12 +154,7 @@ def slower_than_yours(method: DsatSearchMethod) -> str | None:
     if speedup is None or speedup >= 1 or handed is None:
         return None
     tracker = method.tracker
-    repeats = [
-        measurements(tracker, r)
-        for r in tracker.records
-        if tracker.metric_value(r) is not None and tracker.confirmation_runs(r.request_id)
-    ]
-    noise = relative_noise([], repeats)
+    noise = relative_noise([], repeated_measurements(tracker))
     runs = max(1, len(measurements(tracker, handed)))
     if math.log(1 / speedup) <= 2 * noise * math.sqrt(1 + 1 / runs):
         return f"level with your config within the noise ({noise:.1%} a run)"
@@ -171,11 +169,10 @@ def baseline_line(method: DsatSearchMethod) -> str:
     if not method.settings.baseline:
         return ""
     tracker = method.tracker
-    runs = [r for r in tracker.records if r.kind is TrialKind.BASELINE]
-    if not runs:
+    baseline, handed = baseline_run(method), tracker.best()
+    if baseline is None:
         why = why_no_baseline(method)
         return f"your config: not run ({why})" if why else ""
-    baseline, handed = runs[-1], tracker.best()
     mine = tracker.baseline_value(baseline)
     if mine is None:
         ended = "ran out of memory" if baseline.status is TrialStatus.OOM else baseline.status.value

@@ -162,6 +162,16 @@ def measurements(tracker: TrialTracker, candidate: TrialRecord) -> list[float]:
     return [oriented(v, tracker.metric) for v in runs if v is not None and v > 0]
 
 
+def repeated_measurements(tracker: TrialTracker) -> list[list[float]]:
+    """The measurements of every search trial that ran again (``measurements``): what shows
+    the run-to-run noise."""
+    return [
+        measurements(tracker, record)
+        for record in tracker.records
+        if tracker.metric_value(record) is not None and tracker.confirmation_runs(record.request_id)
+    ]
+
+
 def decide(
     tracker: TrialTracker,
     candidates: Sequence[TrialRecord],

@@ -32,7 +32,7 @@ from dsat.memory import Offload, section_bucket_bytes
 from dsat.search import aligned_micro_batches as aligned
 from dsat.search.concave_curve import NOISE as CURVE_NOISE
 from dsat.search.concave_curve import CurveEvidence, Gap, best_possible, next_gap
-from dsat.search.confirmation import leaders, measurements
+from dsat.search.confirmation import leaders, repeated_measurements
 from dsat.search.denoised_ranking import estimates, measured
 from dsat.search.fit_ladder import offload_level
 from dsat.search.measurement_noise import noise_scale, relative_noise, residuals_of
@@ -282,14 +282,7 @@ class GuidedSearch(DsatSearchMethod):
     ) -> float:
         """One measurement's relative noise, as this search saw it (measurement_noise)."""
         values = {(key, mbs): v for key, state in states.items() for mbs, v in state.values.items()}
-        tracker = self.tracker
-        repeats = [
-            measurements(tracker, record)
-            for record in tracker.records
-            if tracker.metric_value(record) is not None
-            and tracker.confirmation_runs(record.request_id)
-        ]
-        return relative_noise(residuals_of(values, estimated), repeats)
+        return relative_noise(residuals_of(values, estimated), repeated_measurements(self.tracker))
 
     def ceiling(self, section: dict[str, Any], states: dict[str, ConfigState]) -> int | None:
         """The largest micro-batch not ruled out: below this configuration's smallest failure,
