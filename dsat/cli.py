@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import faulthandler
 import logging
+import math
 import os
 import signal
 import sys
@@ -75,7 +76,9 @@ def _typed(kind: Callable[[str], float], minimum: float, what: str) -> Callable[
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if value < minimum:
+        # float() reads "nan" and "inf": a timeout of nan is never reached, a range factor of
+        # inf overflows mid-search.
+        if not math.isfinite(value) or value < minimum:
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
         return value
 
@@ -89,9 +92,10 @@ positive_float = _typed(float, 1e-12, "a positive number")
 
 
 def fraction(text: str) -> float:
-    value = _typed(float, 0.0, "a fraction from 0 to 1")(text)
+    what = "a fraction of at least 0 and below 1"
+    value = _typed(float, 0.0, what)(text)
     if value >= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a fraction from 0 to 1, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
     return value
 
 
@@ -177,7 +181,7 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "-r",
         "--random-seed",
-        type=int,
+        type=non_negative_int,
         default=defaults.DEFAULT_RANDOM_SEED,
         help="seed of the search's random generator",
     )
@@ -291,7 +295,7 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
         type=positive_float,
         default=None,
         metavar="SECONDS",
-        help="a trial running longer than this is stopped and counts as failed; if not given, "
+        help="a trial running longer than this is stopped and counts as a timeout; if not given, "
         f"{PROFILE_TRIAL_LIMIT_S:g} s for the model-profile trial, then {PROFILE_MULTIPLE:g}x its "
         f"time, at least {FLOOR_S:g} s",
     )
@@ -443,6 +447,8 @@ def flag_names() -> dict[str, str]:
     names: dict[str, str] = {}
     for subparser in _method_parsers(build_parser()).values():
         for action in subparser._actions:
+            if action.help == argparse.SUPPRESS:
+                continue  # an old name (--backend) shares its setting with the current one
             if action.option_strings:
                 names[action.dest] = max(action.option_strings, key=len)
             elif action.metavar:
@@ -495,8 +501,8 @@ def report_main(argv: Sequence[str]) -> int:
     """`python3 -m dsat report RESULTS_DIR`."""
     from dsat.results.report import report_to_terminal
 
-    namespace = build_parser().parse_args(["report", *argv])
     try:
+        namespace = build_parser().parse_args(["report", *argv])
         report_to_terminal(Path(namespace.report_dir))
     except DsatError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)

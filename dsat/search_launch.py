@@ -30,7 +30,11 @@ from dsat.results.directory import (
     read_trial_rows,
 )
 from dsat.results.report import write_report
-from dsat.results.resume import read_saved_state, resume_command
+from dsat.results.resume import (
+    read_saved_state,
+    refuse_more_trials_when_finished,
+    resume_command,
+)
 from dsat.results.writable import (
     COPIES_AT_START,
     RESULTS_FLOOR_BYTES,
@@ -170,7 +174,8 @@ def plan_search(
         results_dir = Path(settings.resume)
         if not results_dir.is_dir():
             raise DsatError(f"--resume {results_dir}: no such results directory")
-        read_saved_state(results_dir, settings.method)
+        state = read_saved_state(results_dir, settings.method)
+        refuse_more_trials_when_finished(results_dir, state, settings.max_trials)
     elif settings.results_dir is not None:
         results_dir = Path(settings.results_dir)
         if (results_dir / STATE_FILE).is_file():
@@ -245,7 +250,8 @@ def search_here(plan: LaunchPlan, runner: TrialRunner) -> None:
         raise SearchStopped(failure, settings.method, plan.results_dir) from None
     finally:
         runner.close()
-    report_end(method, plan.results_dir, settings.run_full_experiment)
+    trains = plan.runner is not RunnerKind.SIMULATED
+    report_end(method, plan.results_dir, settings.run_full_experiment, trains)
     if settings.run_full_experiment:
         best = method.tracker.best()
         assert best is not None  # report_end raised SearchFailed otherwise
@@ -261,7 +267,9 @@ def search_here(plan: LaunchPlan, runner: TrialRunner) -> None:
             ) from None
 
 
-def report_end(method: DsatSearchMethod, results_dir: Path, full_run: bool = False) -> None:
+def report_end(
+    method: DsatSearchMethod, results_dir: Path, full_run: bool = False, trains: bool = True
+) -> None:
     """Print the summary; a search with no successful trial is an error for the caller."""
     summary = results_dir / SUMMARY_FILE
     if summary.is_file():
@@ -278,13 +286,16 @@ def report_end(method: DsatSearchMethod, results_dir: Path, full_run: bool = Fal
         print(f"dsat: no report drawn: cannot write it ({err.strerror or err})")
     if method.search_failed:
         raise SearchFailed(method.shutdown_reason or "no trial succeeded")
-    for line in closing_lines(method, results_dir, full_run):
+    for line in closing_lines(method, results_dir, full_run, trains):
         print(line)
 
 
-def closing_lines(method: DsatSearchMethod, results_dir: Path, full_run: bool) -> list[str]:
+def closing_lines(
+    method: DsatSearchMethod, results_dir: Path, full_run: bool, trains: bool = True
+) -> list[str]:
     """The last lines a user reads: what was found (and how much faster than their own config,
-    where that ran), the file to train with, and what to do next."""
+    where that ran), the file to train with, and what to do next (a full run where the runner
+    ``trains``: the simulated one cannot)."""
     best = method.tracker.best()
     assert best is not None  # a search that found nothing failed above
     found = described_with_knobs(best)
@@ -299,6 +310,8 @@ def closing_lines(method: DsatSearchMethod, results_dir: Path, full_run: bool) -
     path = shown(best_config_path(results_dir))
     if full_run:
         nxt = "the full training run with it starts now"
+    elif not trains:
+        nxt = f"pass it as your DeepSpeed config (deepspeed.initialize(..., config={path!r}))"
     else:
         nxt = (
             f"pass it as your DeepSpeed config (deepspeed.initialize(..., config={path!r})), or "

@@ -423,6 +423,11 @@ def test_end_profile_step_not_after_start(
         ("--search-range-factor", "-0.5"),
         ("--max-search-runner-restarts", "-1"),
         ("--max-trials", "lots"),
+        ("--random-seed", "-1"),
+        ("--trial-timeout", "nan"),
+        ("--search-range-factor", "inf"),
+        ("--peak-tflops", "nan"),
+        ("--memory-margin", "1"),
     ],
 )
 def test_bad_count_flags(
@@ -505,8 +510,18 @@ def test_inconsistent_batch_triple(tmp_path: Path, capsys: pytest.CaptureFixture
 @pytest.mark.parametrize(
     ("global_batch", "flags", "where", "fix"),
     [
-        (9, [], "ds_config.json: train_batch_size 9", "make it a multiple of 2"),
-        (None, ["--global-batch", "1"], "--global-batch: train_batch_size 1", "raise it to 2"),
+        (
+            9,
+            [],
+            "ds_config.json: train_batch_size 9",
+            'multiple of 2, or set train_batch_size to "auto"',
+        ),
+        (
+            None,
+            ["--global-batch", "1"],
+            "--global-batch: train_batch_size 1",
+            "raise it to 2, or drop --global-batch",
+        ),
     ],
 )
 def test_a_global_batch_no_configuration_can_keep(
@@ -619,8 +634,12 @@ def test_simulated_search_prints_the_summary_and_leaves_results(tmp_path: Path) 
         found,
     ), found
     assert path_line == f"dsat: best DeepSpeed config: {results / 'best_ds_config.json'}"
-    assert next_line.startswith("dsat: next: pass it as your DeepSpeed config")
-    assert next_line.endswith(f"-m dsat asha --resume {results} --run-full-experiment")
+    # A simulated search trains nothing: no full run is offered (the flag would be refused).
+    path = results / "best_ds_config.json"
+    assert (
+        next_line
+        == f"dsat: next: pass it as your DeepSpeed config (deepspeed.initialize(..., config='{path}'))"
+    )
     # What the search cost, 16 simulated GPUs per trial (tests/results/test_cost.py checks it).
     assert re.search(r"^cost: \d+ trials .* GPU-hours \(16 GPUs per trial x ", first.stdout, re.M)
     assert re.search(r"^dsat: \d+ trials, [\d.]+ GPU-hours; search ended: ", first.stdout, re.M)
@@ -718,3 +737,10 @@ def test_sigusr1_prints_where_each_thread_is_and_dsat_goes_on(
     err = capfd.readouterr().err
     assert "test_sigusr1_prints_where_each_thread_is_and_dsat_goes_on" in err
     assert "Current thread" in err or "Thread 0x" in err
+
+
+@pytest.mark.parametrize("argv", [["report"], ["report", "a", "b"], ["report", "--bogus", "a"]])
+def test_report_usage_mistakes_are_one_line(
+    capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    assert_one_line_error(capsys, argv, "report --help")

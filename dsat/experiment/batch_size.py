@@ -40,14 +40,23 @@ def micro_batches_for(global_batch: int, slots: int) -> list[int]:
     return sorted({*small, *(per_rank // d for d in small)})
 
 
+GLOBAL_BATCH_FLAG = "--global-batch"
+
+
 def check_global_batch(global_batch: int, slots: int, source: str) -> None:
     """A global batch that no configuration can keep is the user's mistake, said before any trial."""
     if global_batch % slots:
         fix = f"make it a multiple of {slots}" if global_batch > slots else f"raise it to {slots}"
+        # The flag takes a number only: its way to a free batch is to leave it out.
+        free = (
+            "drop --global-batch"
+            if source == GLOBAL_BATCH_FLAG
+            else f'set {TRAIN_BATCH_SIZE} to "auto"'
+        )
         raise DsatError(
             f"{source}: {TRAIN_BATCH_SIZE} {global_batch} cannot be split evenly over {slots} "
-            f'slots per trial (data-parallel ranks); {fix}, or set it to "auto" to let dsat '
-            "choose the batch"
+            f"slots per trial (data-parallel ranks); {fix}, or {free} to let dsat choose the "
+            "batch"
         )
 
 

@@ -19,7 +19,11 @@ import yaml
 
 from dsat.constants import AUTO, AUTOTUNING_KEY, DS_CONFIG_KEY
 from dsat.errors import DsatError
-from dsat.experiment.batch_size import consistent_batch_sizes, with_global_batch
+from dsat.experiment.batch_size import (
+    GLOBAL_BATCH_FLAG,
+    consistent_batch_sizes,
+    with_global_batch,
+)
 
 # Entrypoint flags that name a DeepSpeed config: HF's `--deepspeed PATH` and DeepSpeed's own
 # `--deepspeed_config PATH` (DeepSpeed's bare `--deepspeed` is a switch with no value).
@@ -222,7 +226,7 @@ def load_experiment(
     ds_config = load_ds_json(ds_path, f"hyperparameters.{DS_CONFIG_KEY} in {config_path}")
     if global_batch is not None:
         slots = slots_per_trial(config, str(config_path))
-        ds_config = with_global_batch(ds_config, global_batch, slots, "--global-batch")
+        ds_config = with_global_batch(ds_config, global_batch, slots, GLOBAL_BATCH_FLAG)
     experiment = Experiment(config_path, model_dir, config, ds_path, ds_config, include_paths)
     # Fail now, not in every trial, if the batch sizes cannot be made consistent.
     consistent_batch_sizes(ds_config, experiment.slots_per_trial, source=str(ds_path))

@@ -81,7 +81,7 @@ class SearchSettings:
     resume: str | None = None
     trial_timeout: float | None = None  # None: derived from the model-profile trial
     fresh_processes: bool = False  # local runner: no warm workers
-    # local runner: one-slot trials in a host per slot (None: on the CPU, not yet on a GPU)
+    # local runner: one-slot trials in a host per slot (None: the default, on)
     trial_host: bool | None = None
     simulator: str | None = None
     ray_address: str | None = None  # ray runner: the cluster (else RAY_ADDRESS)

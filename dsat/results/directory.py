@@ -32,6 +32,10 @@ SUMMARY_FILE = "summary.txt"
 # A row's searched metric as the search ranks it (FLOPs counted once: TrialTracker.model_flops),
 # where its ``metrics`` keep the trial's own figures.
 VALUE_KEY = "value"
+# Whether the search may hand the trial over: it completed, left the memory margin of what the
+# OOMs show is usable, and no later run of it ran out of memory (the tracker's judgement, which
+# a later OOM can change, so rewritten with every row).
+SAFE_KEY = "may_hand_over"
 # The summary's line that says why the handed-over configuration won.
 HANDED_OVER_PREFIX = "handed over:"
 
@@ -167,7 +171,11 @@ class ResultsWriter:
         for row in lines:
             request_id = row.get("request_id")
             if isinstance(request_id, str) and request_id in tracker:
-                row[VALUE_KEY] = tracker.measured_value(tracker.get(request_id))
+                row_record = tracker.get(request_id)
+                row[VALUE_KEY] = tracker.measured_value(row_record)
+                row[SAFE_KEY] = row_record.status is TrialStatus.COMPLETED and (
+                    tracker.may_hand_over(row_record)
+                )
         text = "".join(json.dumps(line, sort_keys=True) + "\n" for line in lines)
         write_text_atomic(self.directory / TRIALS_FILE, text)
         self._lines = lines

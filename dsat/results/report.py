@@ -23,6 +23,7 @@ from dsat.paths import shown
 from dsat.results.cost import COST_PREFIX, search_cost
 from dsat.results.directory import (
     BEST_METRICS_FILE,
+    SAFE_KEY,
     SUMMARY_FILE,
     TRIALS_FILE,
     VALUE_KEY,
@@ -69,10 +70,16 @@ class SearchResults:
             value = metrics.get(self.metric.file_key, metrics.get(self.metric.value))
         return None if value is None else float(value)
 
-    def best_run(self, rows: list[dict[str, Any]]) -> tuple[float, dict[str, Any]] | None:
-        """The best completed run among ``rows``, with its value; None if none completed."""
+    def best_run(
+        self, rows: list[dict[str, Any]], safe_only: bool = False
+    ) -> tuple[float, dict[str, Any]] | None:
+        """The best completed run among ``rows``, with its value; None if none completed.
+        ``safe_only``: among those the search may hand over, as its summary ranks them (a row
+        from before the search wrote that judgement counts)."""
         best: tuple[float, dict[str, Any]] | None = None
         for row in rows:
+            if safe_only and row.get(SAFE_KEY) is False:
+                continue
             value = self.value(row)
             if value is not None and (best is None or self.metric.is_better(value, best[0])):
                 best = (value, row)
@@ -94,7 +101,7 @@ class SearchResults:
         best: float | None = None
         points = []
         for row in self.search_rows:
-            value = self.value(row)
+            value = None if row.get(SAFE_KEY) is False else self.value(row)
             if value is not None and (best is None or self.metric.is_better(value, best)):
                 best = value
             if best is not None:
@@ -141,17 +148,19 @@ def _measured(metrics: Any) -> Any:
 def stage_table(results: SearchResults) -> str:
     """The per-stage summary the terminal gets: trials, failures and the best of each stage."""
     lines = [
-        f"| stage | trials | oom / error / timeout | best {results.metric.value} | config |",
-        "| ---: | ---: | :---: | ---: | :--- |",
+        f"| stage | trials | oom / error / timeout | over the memory margin | best "
+        f"{results.metric.value} (within the margin) | config |",
+        "| ---: | ---: | :---: | ---: | ---: | :--- |",
     ]
     for stage in results.stages:
         rows = [row for row in results.search_rows if row["zero_stage"] == stage]
         failed = "/".join(
             str(sum(row["status"] == status for row in rows)) for status in FAILED_MARKERS
         )
-        found = results.best_run(rows)
+        found = results.best_run(rows, safe_only=True)
         best, name = (f"{found[0]:.4g}", str(found[1]["name"])) if found else ("-", "-")
-        lines.append(f"| {stage} | {len(rows)} | {failed} | {best} | {name} |")
+        over = sum(row.get(SAFE_KEY) is False and row["status"] == "completed" for row in rows)
+        lines.append(f"| {stage} | {len(rows)} | {failed} | {over} | {best} | {name} |")
     return "\n".join(lines)
 
 

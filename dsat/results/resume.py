@@ -124,7 +124,7 @@ def resumed_settings(
 
 def _display(value: Any) -> str:
     if isinstance(value, (list, tuple)):
-        return " ".join(str(v) for v in value)
+        return " ".join(str(v) for v in value) or "(none)"
     return str(value)
 
 
@@ -150,6 +150,20 @@ def read_saved_state(results_dir: Path, method: str) -> dict[str, Any]:
             f"(its {SETTINGS_FILE} and state disagree); start a new search"
         )
     return state
+
+
+def refuse_more_trials_when_finished(
+    results_dir: Path, state: Mapping[str, Any], max_trials: int
+) -> None:
+    """A finished search has run its confirmation round and handed over: more --max-trials there
+    would run nothing, so say so rather than reprint its summary as if it had searched on."""
+    finished = state["tracker"].get("confirmed_id") is not None
+    if finished and max_trials != saved_settings(results_dir).max_trials:
+        raise DsatError(
+            f"--resume {shown(results_dir)}: that search has finished and handed over its "
+            f"config; --max-trials changes only an interrupted search: start a new search "
+            f"with --max-trials {max_trials}"
+        )
 
 
 def python_command() -> str:

@@ -160,7 +160,7 @@ def slower_than_yours(method: DsatSearchMethod) -> str | None:
         return f"level with your config within the noise ({noise:.1%} a run)"
     return (
         f"your config measured faster, by more than the noise ({noise:.1%} a run): keep it, "
-        f"or let the search run further (--max-trials, {method.settings.max_trials} here)"
+        f"or start a longer search (--max-trials, {method.settings.max_trials} here)"
     )
 
 

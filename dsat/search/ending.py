@@ -96,7 +96,7 @@ class SearchEnding:
         if method.early_stopping_triggered():
             return "early stopping: no improvement in the last trials"
         if len(method.tracker.finished) >= method.tracker.max_trials:
-            return "all trials finished"
+            return f"--max-trials used up ({method.settings.max_trials})"
         return None
 
     def should_shutdown(self, method: DsatSearchMethod) -> bool:

@@ -106,3 +106,27 @@ def test_the_pick_is_found_where_its_derived_mfu_differs_between_the_files(
     best.write_text(json.dumps({**measured, "mfu": 0.06}))
     picked = picked_row(rows, best)
     assert picked is not None and picked["name"] == "z1_mb8"
+
+
+def test_the_stage_table_ranks_as_the_summary_does_leaving_out_runs_over_the_margin(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run that left less than the memory margin free is no stage's best in the summary; the
+    report said it was (ZeRO-2 micro-batch 4 at 96.7% of the memory, against the summary's 3)."""
+    results = tmp_path / "out"
+    argv = ["guided", str(SIMULATED / "gpt2_large.yaml"), str(SIMULATED), "--runner", "simulated"]
+    argv += ["--simulator", "dsat.runners.simulated.performance_models:gpt2_large_16xv100"]
+    assert main([*argv, "--max-trials", "12", "--results-dir", str(results)]) == 0
+    rows = load_results(results).rows
+    over = [r for r in rows if r["status"] == "completed" and r["may_hand_over"] is False]
+    assert over  # the case this test is about happened
+    capsys.readouterr()
+    assert main(["report", str(results)]) == 0
+    table = capsys.readouterr().out
+    summary = (results / SUMMARY_FILE).read_text()
+    for stage in {r["zero_stage"] for r in rows if r["kind"] == "search"}:
+        cells = [c.strip() for c in summary.split(f"| z{stage} ", 1)[1].split("\n")[0].split("|")]
+        named = [c.strip() for c in table.split(f"\n| {stage} |", 1)[1].split("\n")[0].split("|")]
+        assert named[-2] == cells[-2], (stage, table, summary)
+    for row in over:
+        assert f"| {row['name']} |" not in table

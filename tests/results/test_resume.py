@@ -110,6 +110,11 @@ def test_a_changed_flag_is_refused_and_a_safe_one_applied(
     )
     assert "False" not in switched and "True" not in switched
     assert_one_line_error(capsys, ["binary", "--resume", str(results)], "`asha`", "--resume")
+    # Named as the user typed it, not by the flag's hidden earlier name (--backend).
+    runner = assert_one_line_error(
+        capsys, ["asha", "--resume", str(results), "--runner", "local"], "--runner local differs"
+    )
+    assert "--backend" not in runner
     # Giving the original value again is no change.
     assert (
         main(["asha", "--resume", str(results), "--max-trials", "16", "--metric", "throughput"])
@@ -118,6 +123,15 @@ def test_a_changed_flag_is_refused_and_a_safe_one_applied(
     assert len([row for row in rows(results) if row["kind"] != "confirm"]) == 16
     saved = json.loads((results / SETTINGS_FILE).read_text())
     assert saved["max_trials"] == 16 and saved["fresh_processes"] is False
+    # The search has handed over now: more trials would run none, and that is said, not ignored.
+    finished = len(rows(results))
+    assert_one_line_error(
+        capsys,
+        ["asha", "--resume", str(results), "--max-trials", "20"],
+        "has finished",
+        "start a new search with --max-trials 20",
+    )
+    assert len(rows(results)) == finished
 
 
 def test_settings_saved_under_the_flags_earlier_name_resume(

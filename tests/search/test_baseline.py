@@ -95,7 +95,7 @@ def test_a_hand_over_slower_than_the_users_config_says_whether_that_is_the_noise
     slower = measured_at(1.3)
     assert slower.startswith("0.77x your config")
     assert "; your config measured faster, by more than the noise" in slower
-    assert "keep it, or let the search run further (--max-trials, 10 here)" in slower
+    assert "keep it, or start a longer search (--max-trials, 10 here)" in slower
     assert "your config measured faster" in closing_lines(method, tmp_path, False)[0]
 
 

@@ -53,7 +53,7 @@ def test_trial_limit(name: str) -> None:
     m = method(name, max_trials=20, zero_stages=(1, 2, 3))
     driver = run(m, cliff_function(40))
     assert len(driver.history) == 20 == len(m.tracker.finished)
-    assert m.shutdown_reason == "all trials finished"
+    assert m.shutdown_reason == "--max-trials used up (20)"
     assert sum(1 for f in driver.history if f.outcome.status is TrialStatus.COMPLETED) > 10
 
 
