@@ -446,6 +446,10 @@ def _subclasses(cls: type) -> set[type]:
     return found
 
 
+# c10's default_rng_seed_val: the seed every CUDA generator is made with.
+CUDA_DEFAULT_SEED = 67280421310721
+
+
 def _capture_torch() -> dict[str, Any]:
     torch = sys.modules.get("torch")
     if torch is None:
@@ -535,6 +539,10 @@ def _restore_torch(state: dict[str, Any]) -> None:
         matmul.allow_bf16_reduced_precision_reduction,
     ) = state["reductions"]
     torch.set_rng_state(state["rng"])
+    if torch.cuda.is_initialized():
+        # A fresh process's CUDA generators start at c10's fixed default seed, offset 0 (unlike
+        # the CPU's, which is drawn at random): seeding them with it again is that state.
+        torch.cuda.manual_seed_all(CUDA_DEFAULT_SEED)
     if "numpy_rng" in state:
         import numpy
 

@@ -212,6 +212,44 @@ def test_lines_written_in_one_go_are_read_without_waiting_for_more() -> None:
         child.wait()
 
 
+def test_the_random_generators_are_put_back(tmp_path: Path) -> None:
+    """A trial that seeds or draws leaves the next one the generators a fresh process has."""
+    import random
+
+    import numpy
+    import torch
+
+    baseline = ProcessBaseline.capture()
+    before = (torch.get_rng_state(), numpy.random.get_state()[1].copy(), random.getstate())
+    with one_trial(baseline, tmp_path):
+        torch.manual_seed(1)
+        numpy.random.seed(1)
+        random.seed(1)
+        torch.rand(3), numpy.random.rand(3), random.random()
+    assert torch.equal(torch.get_rng_state(), before[0])
+    assert (numpy.random.get_state()[1] == before[1]).all()
+    assert random.getstate() == before[2]
+
+
+@pytest.mark.gpu
+def test_the_cuda_generators_are_put_back_as_a_fresh_process_has_them(tmp_path: Path) -> None:
+    import torch
+
+    baseline = ProcessBaseline.capture()
+    with one_trial(baseline, tmp_path):
+        torch.cuda.manual_seed(5)
+        torch.rand(3, device="cuda")
+    with one_trial(baseline, tmp_path):
+        drawn = torch.rand(3, device="cuda").tolist()
+    fresh = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.rand(3, device='cuda').tolist())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert drawn == json.loads(fresh.stdout)
+
+
 def test_deepspeed_the_baseline_never_saw_is_a_leak() -> None:
     """Its process-wide state cannot be put back (a host imports it before its baseline)."""
     import deepspeed  # noqa: F401
