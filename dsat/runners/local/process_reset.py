@@ -539,10 +539,11 @@ def _restore_torch(state: dict[str, Any]) -> None:
         matmul.allow_bf16_reduced_precision_reduction,
     ) = state["reductions"]
     torch.set_rng_state(state["rng"])
-    if torch.cuda.is_initialized():
+    cuda = _cuda_in_use()
+    if cuda is not None:
         # A fresh process's CUDA generators start at c10's fixed default seed, offset 0 (unlike
         # the CPU's, which is drawn at random): seeding them with it again is that state.
-        torch.cuda.manual_seed_all(CUDA_DEFAULT_SEED)
+        cuda.manual_seed_all(CUDA_DEFAULT_SEED)
     if "numpy_rng" in state:
         import numpy
 
