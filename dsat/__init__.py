@@ -1,6 +1,7 @@
 """dsat: find the fastest DeepSpeed configuration for your model on your hardware.
 
-Trial code needs only these functions; importing dsat loads neither torch nor DeepSpeed.
+Trial code needs only these functions; importing dsat loads neither torch nor DeepSpeed (in a
+trial that dsat runs, it loads Determined's Core API, which the trial uses anyway).
 """
 
 from dsat.errors import DsatError
@@ -9,8 +10,11 @@ from dsat.training.reporting import dsat_reporting_context
 from dsat.training.trial_config import (
     get_ds_config_from_hparams,
     get_hparams,
+    lengthen_offcluster_operations,
     overwrite_deepspeed_config,
 )
+
+lengthen_offcluster_operations()  # in a trial only: before any det.core.init() of the script
 
 __all__ = [
     "DsatError",

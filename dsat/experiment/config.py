@@ -166,10 +166,10 @@ def _tokens(entrypoint: str | Sequence[str] | None) -> list[str]:
 
 def entrypoint_flag(entrypoint: str | Sequence[str] | None, flags: Sequence[str]) -> str | None:
     """The value an entrypoint passes with one of ``flags`` (``--flag value`` or
-    ``--flag=value``), if any."""
+    ``--flag=value``), if any: the last given, which argparse keeps."""
     tokens = _tokens(entrypoint)
-    for i, token in enumerate(tokens):
-        flag, eq, value = token.partition("=")
+    for i in reversed(range(len(tokens))):
+        flag, eq, value = tokens[i].partition("=")
         if flag not in flags:
             continue
         if eq:
@@ -181,6 +181,50 @@ def entrypoint_flag(entrypoint: str | Sequence[str] | None, flags: Sequence[str]
 
 def same_relative_file(a: str, b: str) -> bool:
     return os.path.normpath(a) == os.path.normpath(b)
+
+
+# Determined's hyperparameter definitions (its experiment config's `hyperparameters`): a
+# constant, or a range its own searchers sample from.
+RANGE_KEYS = {
+    "int": {"minval", "maxval", "count"},
+    "double": {"minval", "maxval", "count"},
+    "log": {"minval", "maxval", "base", "count"},
+    "categorical": {"vals"},
+}
+
+
+def hyperparameter_values(hparams: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The values a trial gets from a Determined-style `hyperparameters` section: a
+    ``{type: const, val: X}`` is X, as a cluster hands it to a trial, nested ones too. A range
+    is refused in one line: a search of the DeepSpeed config runs your model as it is. Any other
+    mapping (``optimizer: {type: adamw, lr: ...}``) is the user's own and stays as it is."""
+    values: dict[str, Any] = {}
+    for name, value in hparams.items():
+        path = f"{where}.{name}"
+        if (
+            isinstance(value, Mapping)
+            and value.get("type") == "const"
+            and set(value)
+            == {
+                "type",
+                "val",
+            }
+        ):
+            values[name] = value["val"]
+        elif (
+            isinstance(value, Mapping)
+            and value.get("type") in RANGE_KEYS
+            and set(value) - {"type"} <= RANGE_KEYS[value["type"]]
+        ):
+            raise DsatError(
+                f"{path} is a range (type: {value['type']}); dsat tunes the DeepSpeed config of "
+                "your model as it is: give it one value (type: const, val: ...)"
+            )
+        elif isinstance(value, Mapping):
+            values[name] = hyperparameter_values(value, path)
+        else:
+            values[name] = value
+    return values
 
 
 def load_experiment(
@@ -205,6 +249,8 @@ def load_experiment(
             f"{config_path}: no hyperparameters section; add one with "
             f"'{DS_CONFIG_KEY}: <your DeepSpeed JSON>'"
         )
+    hparams = hyperparameter_values(hparams, f"{config_path}: hyperparameters")
+    config = {**config, "hyperparameters": hparams}
     relative = hparams.get(DS_CONFIG_KEY)
     if not isinstance(relative, str) or not relative.strip():
         raise DsatError(

@@ -37,6 +37,8 @@ HF_BATCH_FLAGS = {
     "--gradient_accumulation_steps": GRAD_ACCUM_STEPS,
 }
 MERGED_SUFFIX = ".dsat.json"
+# What HF's string_to_bool reads as false (a bare `--bf16` is true).
+HF_FALSE = ("no", "false", "f", "n", "0")
 
 
 def _flag_name(token: str) -> str:
@@ -45,8 +47,10 @@ def _flag_name(token: str) -> str:
 
 
 def _find_flag(args: Sequence[str], flag: str) -> tuple[int, str | None]:
-    """Index of ``flag`` in ``args`` and its value (``--flag value`` or ``--flag=value``)."""
-    for i, token in enumerate(args):
+    """Index of ``flag`` in ``args`` and its value (``--flag value`` or ``--flag=value``): its
+    last occurrence, the one HF's argparse keeps where a flag is given twice."""
+    for i in reversed(range(len(args))):
+        token = args[i]
         if _flag_name(token) != flag:
             continue
         if "=" in token:
@@ -77,7 +81,9 @@ def hf_precision(args: Sequence[str], ds_config: Mapping[str, Any]) -> Precision
     ``"auto"``), else the JSON's own."""
     for flag, precision in (("--bf16", Precision.BF16), ("--fp16", Precision.FP16)):
         index, value = _find_flag(args, flag)
-        if index >= 0 and (value is None or value.startswith("--") or value.lower() != "false"):
+        if index < 0:
+            continue
+        if value is None or value.startswith("--") or value.lower() not in HF_FALSE:
             return precision
     return Precision.of(ds_config)
 

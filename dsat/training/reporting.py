@@ -13,6 +13,7 @@ import dataclasses
 import json
 import logging
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 MODEL_INFO = "model_info"
 METRICS = "metrics"
+FILE_CLOCK_SLACK_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,15 +56,16 @@ def device_memory_bytes() -> int:
     return int(psutil.virtual_memory().total)
 
 
-def read_autotuning_result(directory: Path) -> AutotuningResult | None:
-    """The newest of DeepSpeed's model-info and metric files in ``directory``, if any."""
+def read_autotuning_result(directory: Path, since: float = 0.0) -> AutotuningResult | None:
+    """The newest of DeepSpeed's model-info and metric files in ``directory`` written at or
+    after ``since`` (a time.time()), if any: one left from an earlier run is not this one's."""
     found = [
-        (path.stat().st_mtime, kind, path)
+        (mtime, kind, path)
         for kind, path in (
             (MODEL_INFO, directory / MODEL_INFO_FILE),
             (METRICS, directory / METRICS_FILE),
         )
-        if path.is_file()
+        if path.is_file() and (mtime := path.stat().st_mtime) >= since
     ]
     if not found:
         return None
@@ -144,13 +147,17 @@ def dsat_reporting_context(
     """Wrap the training steps of a trial so DeepSpeed's autotuning results get reported.
 
     Any exception other than DeepSpeed's ``SystemExit`` passes through untouched; an OOM is also
-    recorded so the runner can tell it from other crashes.
+    recorded so the runner can tell it from other crashes. Only DeepSpeed's own exit (``exit()``,
+    code None) with a file written while the context ran is a result: a script's ``sys.exit(3)``
+    is its failure, and a file from an earlier run by hand in the same folder is not this run's.
     """
+    # File times come from a coarser clock than time.time(): a second's slack.
+    entered = time.time() - FILE_CLOCK_SLACK_S
     try:
         yield
-    except SystemExit:
+    except SystemExit as exit_:
         directory = Path.cwd()
-        result = read_autotuning_result(directory)
+        result = read_autotuning_result(directory, entered) if exit_.code in (None, 0) else None
         if result is not None:
             report_result(core_context, op, steps_completed, result, directory)
         raise

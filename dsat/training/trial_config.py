@@ -46,19 +46,26 @@ def get_ds_config_from_hparams(
     return merged
 
 
-def lengthen_offcluster_operations(length: int) -> None:
+def lengthen_offcluster_operations() -> None:
     """Have off-cluster ``det.core.init()`` hand out operations of the trial's length.
 
     Off a cluster Determined's searcher yields one operation of length 1, so the Core API idiom
     ``for batch in range(op.length)`` would stop before DeepSpeed measures anything. Under dsat's
-    local runner the operation gets the length a cluster would give."""
+    runners the operation gets the length a cluster would give (``ENV_TRIAL_LENGTH``), read
+    when the context is made, so a process that runs trial after trial gives each its own. Done
+    wherever a trial process starts (``import dsat``, a warm worker's or host's next trial) and
+    not only in ``get_hparams``: a script may call ``det.core.init()`` first. Without the
+    variable (a run by hand, a cluster) nothing is imported or changed."""
+    if not os.environ.get(ENV_TRIAL_LENGTH, "").isdigit():
+        return
     from determined.core import _searcher
 
     context = _searcher.DummySearcherContext
     original = getattr(context.__init__, "_dsat_original", context.__init__)
 
-    def init(self: Any, dist: Any, length_: int = length) -> None:
-        original(self, dist, length_)
+    def init(self: Any, dist: Any, length: int = 1) -> None:
+        given = os.environ.get(ENV_TRIAL_LENGTH, "")
+        original(self, dist, int(given) if given.isdigit() else length)
 
     init._dsat_original = original  # type: ignore[attr-defined]
     context.__init__ = init  # type: ignore[method-assign]
@@ -76,9 +83,7 @@ def get_hparams() -> dict[str, Any]:
             ) from None
         if not isinstance(hparams, dict):
             raise DsatError(f"{ENV_HPARAMS_FILE}={path}: hyperparameters must be a JSON object")
-        length = os.environ.get(ENV_TRIAL_LENGTH)
-        if length and length.isdigit():
-            lengthen_offcluster_operations(int(length))
+        lengthen_offcluster_operations()
         return hparams
     import determined
 

@@ -88,6 +88,7 @@ def test_deep_merge_properties(base: dict[str, Any], overrides: dict[str, Any]) 
         ("python3 train.py --deepspeed=./ds.json --x 1", "./ds.json"),
         ("python3 train.py --deepspeed --deepspeed_config conf/ds.json", "conf/ds.json"),
         (["python3", "train.py", "--deepspeed_config", "a.json"], "a.json"),
+        ("python3 train.py --deepspeed a.json --deepspeed b.json", "b.json"),  # argparse's
         (
             "python3 -m determined.launch.deepspeed python3 train.py --deepspeed-config b.json",
             "b.json",
@@ -165,6 +166,30 @@ def test_load_experiment_reads_everything(tmp_path: Path) -> None:
         "zero_optimization": {"stage": 1},
     }
     assert experiment.hparams["deepspeed_config"] == "ds_config.json"
+
+
+def test_determined_constants_are_their_values_as_a_cluster_gives_them(tmp_path: Path) -> None:
+    hparams = {
+        "deepspeed_config": {"type": "const", "val": "ds_config.json"},
+        "model": {"width": {"type": "const", "val": 256}, "depth": 4},
+        "optimizer": {"type": "adamw", "lr": 1e-4},  # the user's own mapping, not a definition
+    }
+    path = write_experiment(tmp_path / "m", config={"hyperparameters": hparams})
+    assert load_experiment(path, path.parent).hparams == {
+        "deepspeed_config": "ds_config.json",
+        "model": {"width": 256, "depth": 4},
+        "optimizer": {"type": "adamw", "lr": 1e-4},
+    }
+
+
+def test_a_determined_range_is_one_line_naming_the_hyperparameter(tmp_path: Path) -> None:
+    hparams = {
+        "deepspeed_config": "ds_config.json",
+        "model": {"lr": {"type": "log", "minval": -5, "maxval": -3, "base": 10}},
+    }
+    path = write_experiment(tmp_path / "m", config={"hyperparameters": hparams})
+    with pytest.raises(DsatError, match=r"hyperparameters\.model\.lr is a range \(type: log\)"):
+        load_experiment(path, path.parent)
 
 
 def test_name_defaults_to_the_config_file_stem(tmp_path: Path) -> None:

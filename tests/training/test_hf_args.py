@@ -78,7 +78,13 @@ def test_a_search_trials_clock_knows_the_trainers_inputs_lead_with_the_batch(
 
 @pytest.mark.parametrize(
     ("flags", "expected"),
-    [(["--bf16"], Precision.BF16), (["--fp16", "true"], Precision.FP16), ([], Precision.FP32)],
+    [
+        (["--bf16"], Precision.BF16),
+        (["--fp16", "true"], Precision.FP16),
+        ([], Precision.FP32),
+        (["--bf16", "0"], Precision.FP32),  # HF's string_to_bool: 0, no, n, f, false are false
+        (["--bf16=no", "--fp16", "--output_dir", "o"], Precision.FP16),
+    ],
 )
 def test_a_model_profile_knows_the_precision_the_trainer_fills_in(
     tmp_path: Path, flags: list[str], expected: Precision
@@ -103,6 +109,21 @@ def test_equals_forms_and_dash_spelling(ds_path: Path) -> None:
     )
     assert new[1:] == ["--per_device_train_batch_size=5", "--gradient_accumulation_steps=1"]
     assert new[0].startswith("--deepspeed=") and new[0].endswith("ds_config.dsat.json")
+
+
+def test_a_flag_given_twice_is_read_and_set_where_hf_reads_it_the_last(
+    ds_path: Path, tmp_path: Path
+) -> None:
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**BASE, "zero_optimization": {"stage": 2}}))
+    args = ["--deepspeed", str(other), "--per_device_train_batch_size", "4"]
+    args += ["--deepspeed", str(ds_path), "--per_device_train_batch_size", "2"]
+    new = get_hf_args_with_overwrites(args, _hparams(train_micro_batch_size_per_gpu=8))
+    last = len(new) - 1 - new[::-1].index("--per_device_train_batch_size")
+    assert new[last + 1] == "8"  # what argparse keeps
+    merged = Path(new[len(new) - 1 - new[::-1].index("--deepspeed") + 1])
+    assert merged.name == "ds_config.dsat.json"  # merged from the file HF loads
+    assert json.loads(merged.read_text())["zero_optimization"] == BASE["zero_optimization"]
 
 
 def test_auto_values_are_left_to_hf(ds_path: Path) -> None:

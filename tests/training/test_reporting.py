@@ -112,6 +112,32 @@ def test_exit_without_results_reports_nothing(trial_dir: Path) -> None:
     assert not (trial_dir / TRIAL_OUTCOME_FILE).exists()
 
 
+def test_a_result_file_from_an_earlier_run_is_not_this_runs(trial_dir: Path) -> None:
+    """A run by hand in the same folder leaves DeepSpeed's files; a trial that then exits
+    without measuring (its own exit(), or one on a path DeepSpeed did not take) reports nothing."""
+    import os
+
+    (trial_dir / METRICS_FILE).write_text(json.dumps(METRICS))
+    os.utime(trial_dir / METRICS_FILE, (1, 1))
+    with det.core.init(checkpoint_storage=str(trial_dir / "ckpt")) as core_context:
+        op = next(core_context.searcher.operations())
+        with pytest.raises(SystemExit), dsat_reporting_context(core_context, op):
+            raise SystemExit()
+        op.report_completed(1.0)  # still open: dsat did not complete it
+    assert not (trial_dir / TRIAL_OUTCOME_FILE).exists()
+
+
+def test_a_scripts_own_failing_exit_is_no_result(trial_dir: Path) -> None:
+    """DeepSpeed ends a measured trial with exit(): a sys.exit(3) is the script failing, whatever
+    files lie about."""
+    with det.core.init(checkpoint_storage=str(trial_dir / "ckpt")) as core_context:
+        op = next(core_context.searcher.operations())
+        with pytest.raises(SystemExit), dsat_reporting_context(core_context, op):
+            (trial_dir / METRICS_FILE).write_text(json.dumps(METRICS))
+            raise SystemExit(3)
+    assert not (trial_dir / TRIAL_OUTCOME_FILE).exists()
+
+
 class _Recorder:
     """The parts of a Core API context the reporting touches, for a non-chief rank."""
 

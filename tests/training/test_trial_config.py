@@ -100,3 +100,38 @@ def test_importing_dsat_loads_neither_torch_nor_deepspeed() -> None:
     code = "import sys, dsat; print('torch' in sys.modules, 'deepspeed' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_op_length_is_the_trials_whenever_the_script_makes_its_context(tmp_path: Path) -> None:
+    """A script ported from Determined may call det.core.init() before dsat.get_hparams(); its
+    operation still has the trial's length, and a process running trial after trial (a trial
+    host) gives each its own. Without a dsat trial's environment nothing changes."""
+    import os
+    import subprocess
+    import sys
+
+    from dsat.constants import ENV_TRIAL_LENGTH
+
+    code = (
+        "import os, dsat, determined as det\n"
+        "def length():\n"
+        "    with det.core.init(checkpoint_storage=os.getcwd()) as context:\n"
+        "        return next(context.searcher.operations()).length\n"
+        "first = length()\n"
+        f"os.environ[{ENV_TRIAL_LENGTH!r}] = '7'  # the host's next trial\n"
+        "print(first, length())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in (ENV_HPARAMS_FILE, ENV_TRIAL_LENGTH)}
+    run = [sys.executable, "-c", code]
+    in_trial = subprocess.run(
+        run, env={**env, ENV_TRIAL_LENGTH: "15"}, cwd=tmp_path, capture_output=True, text=True
+    )
+    assert in_trial.stdout.split() == ["15", "7"], in_trial.stderr
+    by_hand = subprocess.run(
+        [sys.executable, "-c", "import sys, dsat; print('determined' in sys.modules)"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert by_hand.stdout.split() == ["False"]  # nothing of Determined's loaded, nothing patched

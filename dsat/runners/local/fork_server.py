@@ -258,6 +258,9 @@ def take_on_trial(request: dict[str, Any]) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     set_trial_threads()
+    from dsat.training.trial_config import lengthen_offcluster_operations
+
+    lengthen_offcluster_operations()  # this trial's op.length, whenever its script asks
     numpy = sys.modules.get("numpy")
     if numpy is not None:  # a fresh interpreter seeds numpy's global generator afresh
         numpy.random.seed()

@@ -23,7 +23,10 @@ from dsat.constants import (
     ENV_HPARAMS_FILE,
     ENV_RESULTS_DIR,
     ENV_TRIAL_LENGTH,
+    METRICS_FILE,
+    MODEL_INFO_FILE,
     RESULTS_ROOT,
+    TRIAL_OUTCOME_FILE,
 )
 from dsat.paths import shown
 from dsat.runners.local.deepspeed_ops import clear_stale_locks
@@ -50,7 +53,18 @@ POLL_SECONDS = 0.1
 # After the command on a trial log's first line when the trial was forked from a warm worker.
 WARM_TRIAL_MARK = "# forked from a warm worker"
 HOST_TRIAL_MARK = "# run in the slot's trial host (--trial-host)"
-COPY_IGNORE = shutil.ignore_patterns(".git", "__pycache__", "*.pyc", ".venv", RESULTS_ROOT)
+# DeepSpeed's result files and dsat's outcome file, left in MODEL_DIR by a run by hand, would
+# read as the result of every trial made from its copy.
+COPY_IGNORE = shutil.ignore_patterns(
+    ".git",
+    "__pycache__",
+    "*.pyc",
+    ".venv",
+    RESULTS_ROOT,
+    MODEL_INFO_FILE,
+    METRICS_FILE,
+    TRIAL_OUTCOME_FILE,
+)
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:

@@ -19,6 +19,9 @@ def test_the_archive_holds_what_a_local_trial_copy_holds(tmp_path: Path) -> None
     results = model / "dsat-results" / "run"  # a search's results inside MODEL_DIR
     results.mkdir(parents=True)
     (results / "trials.jsonl").write_text("{}\n")
+    for left_by_a_run_by_hand in ("model_info.json", "autotuning_metric.json"):
+        (model / left_by_a_run_by_hand).write_text('{"throughput": 999}')
+    (model / "dsat_trial_outcome.json").write_text('{"status": "completed"}')
     extra = tmp_path / "shared.py"
     extra.write_text("SHARED = 1\n")
 
