@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from dsat.constants import AUTO, AUTOTUNING_KEY, DS_CONFIG_KEY
+from dsat.constants import AUTO, AUTOTUNING_KEY, DS_CONFIG_KEY, OVERWRITE_KEY
 from dsat.errors import DsatError
 from dsat.experiment.batch_size import (
     GLOBAL_BATCH_FLAG,
@@ -251,6 +251,11 @@ def load_experiment(
         )
     hparams = hyperparameter_values(hparams, f"{config_path}: hyperparameters")
     config = {**config, "hyperparameters": hparams}
+    if not isinstance(hparams.get(OVERWRITE_KEY) or {}, Mapping):
+        raise DsatError(
+            f"{config_path}: hyperparameters.{OVERWRITE_KEY} must be a mapping of DeepSpeed keys "
+            "to values (the reference's overrides of your JSON); fix or remove it"
+        )
     relative = hparams.get(DS_CONFIG_KEY)
     if not isinstance(relative, str) or not relative.strip():
         raise DsatError(

@@ -20,13 +20,13 @@ from dsat.constants import (
     CHECKPOINTING_HPARAM,
     GRAD_ACCUM_STEPS,
     MICRO_BATCH_SIZE,
-    OVERWRITE_KEY,
 )
 from dsat.errors import DsatError
 from dsat.experiment.batch_size import batch_value
 from dsat.experiment.config import deep_merge, load_ds_json
 from dsat.memory import Precision
 from dsat.training.step_clock import start_clock
+from dsat.training.trial_config import checked_overwrites
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ def merged_config_path(ds_config_path: Path) -> Path:
 
 def get_hf_args_with_overwrites(args: Sequence[str], hparams: Mapping[str, Any]) -> list[str]:
     """HF Trainer arguments that carry this trial's DeepSpeed overrides."""
-    overwrites = hparams.get(OVERWRITE_KEY)
+    overwrites = checked_overwrites(hparams)
     args = list(args)
     if not overwrites:
         return args
@@ -107,8 +107,9 @@ def get_hf_args_with_overwrites(args: Sequence[str], hparams: Mapping[str, Any])
         )
     source = Path(value)
     target = merged_config_path(source)
+    user_config = load_ds_json(source, "--deepspeed")  # a path that is wrong leaves no lock file
+    merged = deep_merge(user_config, overwrites)
     with filelock.FileLock(str(target) + ".lock"):
-        merged = deep_merge(load_ds_json(source, "--deepspeed"), overwrites)
         write_json_atomic(target, merged)
     # A search trial: dsat times its steps, and the Trainer's input_ids lead with the batch.
     start_clock(overwrites, hf_precision(args, merged), batch_first=True)

@@ -29,6 +29,17 @@ def overwrite_deepspeed_config(
     return deep_merge(base, overwrites)
 
 
+def checked_overwrites(hparams: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The trial's DeepSpeed overrides (``overwrite_deepspeed_args``), a mapping or none."""
+    overwrites = hparams.get(OVERWRITE_KEY) or {}
+    if not isinstance(overwrites, Mapping):
+        raise DsatError(
+            f"hyperparameters.{OVERWRITE_KEY} must be a mapping of DeepSpeed keys to values, "
+            f"got {type(overwrites).__name__}; remove it (dsat sets it in each trial)"
+        )
+    return overwrites
+
+
 def get_ds_config_from_hparams(
     hparams: Mapping[str, Any], base_dir: str | Path = "."
 ) -> dict[str, Any]:
@@ -40,7 +51,7 @@ def get_ds_config_from_hparams(
             "JSON in the experiment YAML"
         )
     base = load_ds_json(Path(base_dir) / relative, f"hyperparameters.{DS_CONFIG_KEY}")
-    overwrites = hparams.get(OVERWRITE_KEY) or {}
+    overwrites = checked_overwrites(hparams)
     merged = deep_merge(base, overwrites)
     start_clock(overwrites, Precision.of(merged))  # a search trial: dsat times the steps itself
     return merged

@@ -277,3 +277,10 @@ def test_validate_with_deepspeed_skips_hf_auto_values() -> None:
 def test_validate_with_deepspeed_reports_deepspeeds_reason() -> None:
     with pytest.raises(DsatError, match=r"ds.json: DeepSpeed rejects this config: .*stage"):
         validate_with_deepspeed({"zero_optimization": {"stage": 9}}, slots=1, source="ds.json")
+
+
+def test_overrides_that_are_not_a_mapping_are_one_line(tmp_path: Path) -> None:
+    hparams = {"deepspeed_config": "ds_config.json", "overwrite_deepspeed_args": ["stage", 2]}
+    path = write_experiment(tmp_path / "m", config={"hyperparameters": hparams})
+    with pytest.raises(DsatError, match="overwrite_deepspeed_args must be a mapping"):
+        load_experiment(path, path.parent)

@@ -155,6 +155,13 @@ def test_missing_deepspeed_flag(ds_path: Path) -> None:
         get_hf_args_with_overwrites(["--deepspeed"], _hparams(train_micro_batch_size_per_gpu=2))
 
 
+def test_a_deepspeed_path_that_is_not_there_leaves_no_lock_file(tmp_path: Path) -> None:
+    args = ["--deepspeed", str(tmp_path / "nope.json")]
+    with pytest.raises(DsatError, match="nope.json"):
+        get_hf_args_with_overwrites(args, _hparams(train_micro_batch_size_per_gpu=2))
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_fit_ladders_checkpointing_rung_turns_on_hf_gradient_checkpointing(
     ds_path: Path,
 ) -> None:

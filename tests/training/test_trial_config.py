@@ -135,3 +135,12 @@ def test_op_length_is_the_trials_whenever_the_script_makes_its_context(tmp_path:
         check=True,
     )
     assert by_hand.stdout.split() == ["False"]  # nothing of Determined's loaded, nothing patched
+
+
+def test_overrides_that_are_not_a_mapping_are_one_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "ds.json").write_text("{}")
+    hparams = {"deepspeed_config": "ds.json", "overwrite_deepspeed_args": "stage=2"}
+    with pytest.raises(DsatError, match="overwrite_deepspeed_args must be a mapping"):
+        dsat.get_ds_config_from_hparams(hparams, tmp_path)
+    with pytest.raises(DsatError, match="overwrite_deepspeed_args must be a mapping"):
+        dsat.get_hf_args_with_overwrites(["--deepspeed", str(tmp_path / "ds.json")], hparams)
