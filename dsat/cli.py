@@ -99,6 +99,16 @@ def fraction(text: str) -> float:
     return value
 
 
+def absolute_path(text: str) -> str:
+    """A path every trial reads alike: each runs in its own directory, on its own node."""
+    path = os.path.expanduser(text)
+    if not os.path.isabs(path):
+        raise argparse.ArgumentTypeError(
+            f"expected an absolute path (each trial runs in its own directory), got {text!r}"
+        )
+    return path
+
+
 def _add_common_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "config_path",
@@ -218,6 +228,7 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--offload-nvme",
+        type=absolute_path,
         default=None,
         metavar="PATH",
         help="where a model that fits no other way may offload to NVMe: the last rung dsat "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -169,6 +170,8 @@ def plan_search(
         )
     if runner is not RunnerKind.SIMULATED:
         check_entrypoint_script(experiment)
+    if runner is RunnerKind.LOCAL and settings.offload_nvme is not None:
+        check_local_directory(settings.offload_nvme, "--offload-nvme")
     setup = RUNNER_SETUPS[runner].prepare(settings, experiment, environ)
     if settings.resume is not None:
         results_dir = Path(settings.resume)
@@ -193,6 +196,17 @@ def plan_search(
         )
         check_results_dir(results_dir, named_by, room_needed(experiment, setup, results_dir))
     return LaunchPlan(settings, experiment, runner, reason, results_dir, setup)
+
+
+def check_local_directory(path: str, flag: str) -> None:
+    """A directory this machine's trials write to: there, a directory, writable. (A cluster's
+    nodes have their own disks, which dsat cannot see from here.)"""
+    where = Path(path).expanduser()
+    if not where.is_dir():
+        what = "is not a directory" if where.exists() else "does not exist"
+        raise DsatError(f"{flag} {path} {what}; give a directory on a fast local disk")
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise DsatError(f"{flag} {path} is not writable; give a directory you can write to")
 
 
 def room_needed(

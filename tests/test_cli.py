@@ -428,6 +428,7 @@ def test_end_profile_step_not_after_start(
         ("--search-range-factor", "inf"),
         ("--peak-tflops", "nan"),
         ("--memory-margin", "1"),
+        ("--offload-nvme", "nvme"),
     ],
 )
 def test_bad_count_flags(
@@ -744,3 +745,15 @@ def test_report_usage_mistakes_are_one_line(
     capsys: pytest.CaptureFixture[str], argv: list[str]
 ) -> None:
     assert_one_line_error(capsys, argv, "report --help")
+
+
+def test_an_nvme_directory_this_machines_trials_cannot_use_is_one_line(
+    experiment_yaml: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["guided", str(experiment_yaml), str(experiment_yaml.parent), "--runner", "local"]
+    missing = tmp_path / "no-such-disk"
+    assert_one_line_error(capsys, [*argv, "--offload-nvme", str(missing)], "does not exist")
+    (tmp_path / "a-file").write_text("")
+    assert_one_line_error(
+        capsys, [*argv, "--offload-nvme", str(tmp_path / "a-file")], "is not a directory"
+    )
