@@ -17,11 +17,13 @@ from dsat.errors import DsatError
 from dsat.experiment.config import (
     Experiment,
     check_entrypoint_script,
+    entrypoint_flag,
     load_experiment,
     load_yaml_mapping,
     validate_with_deepspeed,
 )
 from dsat.experiment.settings import SearchSettings
+from dsat.training.hf_args import HF_DS_FLAG
 from dsat.paths import shown
 from dsat.results.cost import search_cost
 from dsat.results.directory import (
@@ -322,15 +324,22 @@ def closing_lines(
         if slower:
             found += f"; {slower}"
     path = shown(best_config_path(results_dir))
+    if entrypoint_flag(method.spec.entrypoint, (HF_DS_FLAG,)) is not None:
+        # HF's Trainer checks its batch flags against the JSON and refuses a mismatch.
+        use = (
+            f"train with {HF_DS_FLAG} {path} --per_device_train_batch_size {best.mbs} "
+            f"--gradient_accumulation_steps {best.gas} (HF refuses flags that differ from it)"
+        )
+    else:
+        use = f"pass it as your DeepSpeed config (deepspeed.initialize(..., config={path!r}))"
     if full_run:
         nxt = "the full training run with it starts now"
     elif not trains:
-        nxt = f"pass it as your DeepSpeed config (deepspeed.initialize(..., config={path!r}))"
+        nxt = use
     else:
         nxt = (
-            f"pass it as your DeepSpeed config (deepspeed.initialize(..., config={path!r})), or "
-            f"have dsat train with it: {resume_command(method.settings.method, results_dir)} "
-            "--run-full-experiment"
+            f"{use}, or have dsat train with it: "
+            f"{resume_command(method.settings.method, results_dir)} --run-full-experiment"
         )
     return [
         f"dsat: found {found}",

@@ -635,11 +635,12 @@ def test_simulated_search_prints_the_summary_and_leaves_results(tmp_path: Path) 
         found,
     ), found
     assert path_line == f"dsat: best DeepSpeed config: {results / 'best_ds_config.json'}"
-    # A simulated search trains nothing: no full run is offered (the flag would be refused).
-    path = results / "best_ds_config.json"
-    assert (
-        next_line
-        == f"dsat: next: pass it as your DeepSpeed config (deepspeed.initialize(..., config='{path}'))"
+    # An HF Trainer entrypoint (--deepspeed PATH) is told the batch flags HF checks the JSON
+    # against; a simulated search trains nothing, so no full run is offered.
+    path, gas = results / "best_ds_config.json", best["gradient_accumulation_steps"]
+    assert next_line == (
+        f"dsat: next: train with --deepspeed {path} --per_device_train_batch_size {mbs} "
+        f"--gradient_accumulation_steps {gas} (HF refuses flags that differ from it)"
     )
     # What the search cost, 16 simulated GPUs per trial (tests/results/test_cost.py checks it).
     assert re.search(r"^cost: \d+ trials .* GPU-hours \(16 GPUs per trial x ", first.stdout, re.M)
