@@ -23,7 +23,6 @@ from dsat.experiment.config import (
     validate_with_deepspeed,
 )
 from dsat.experiment.settings import SearchSettings
-from dsat.training.hf_args import HF_DS_FLAG
 from dsat.paths import shown
 from dsat.results.cost import search_cost
 from dsat.results.directory import (
@@ -63,6 +62,7 @@ from dsat.search.baseline import (
 from dsat.search.method import DsatSearchMethod
 from dsat.search.trial_builder import SearchSpec
 from dsat.search_run import best_config_path, run_search
+from dsat.training.hf_args import HF_DS_FLAG
 
 
 class SearchFailed(Exception):
