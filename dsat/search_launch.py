@@ -12,7 +12,7 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
-from dsat.constants import RESULTS_ROOT, STATE_FILE
+from dsat.constants import ENV_RAY_ADDRESS, RESULTS_ROOT, SETTINGS_FILE, STATE_FILE
 from dsat.errors import DsatError
 from dsat.experiment.config import (
     Experiment,
@@ -162,6 +162,15 @@ def plan_search(
     if settings.search_runner_config is not None:
         load_yaml_mapping(Path(settings.search_runner_config))
     runner, reason = resolve_runner(settings.runner, environ, settings.ray_address)
+    if settings.resume is not None and settings.runner != "auto":
+        reason = f"as the search ran ({SETTINGS_FILE})"
+    elif settings.resume is None:
+        # Saved as resolved: a resume from a shell without RAY_ADDRESS or DET_MASTER must not
+        # carry the search on on this machine instead, nor on another cluster.
+        address = settings.ray_address
+        if runner is RunnerKind.RAY and address is None:
+            address = environ.get(ENV_RAY_ADDRESS) or None
+        settings = dataclasses.replace(settings, runner=runner.value, ray_address=address)
     if settings.simulator is not None and runner is not RunnerKind.SIMULATED:
         raise DsatError(
             f"--simulator only applies to --runner simulated (the runner is {runner.value})"

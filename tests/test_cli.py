@@ -190,6 +190,11 @@ def test_auto_runner_is_local_without_det_master(experiment_yaml: Path, tmp_path
     assert "logs/001-" in result.stderr and "fix the config" not in result.stderr
     logs = list((results / "logs").glob("0*.log"))
     assert len(logs) == 1 and "training" in logs[0].read_text()
+    # Saved as resolved: resumed from a shell where RAY_ADDRESS is set, it stays on this machine
+    # (and one that ran on Ray by RAY_ADDRESS stays on that cluster, its address saved).
+    assert json.loads((results / "settings.json").read_text())["runner"] == "local"
+    again = run_cli("asha", "--resume", str(results), env={"RAY_ADDRESS": "127.0.0.1:9"})
+    assert "dsat: runner local (as the search ran (settings.json))" in again.stdout, again.stderr
 
 
 def test_auto_runner_is_determined_with_det_master(experiment_yaml: Path, tmp_path: Path) -> None:

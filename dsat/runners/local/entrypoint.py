@@ -80,6 +80,11 @@ def strip_determined_launcher(tokens: list[str]) -> list[str]:
     return tokens
 
 
+# Stands for the interpreter in a command built here to run on another machine, whose own
+# interpreter takes its place there: dsat's path on this one need not exist on that one.
+NODE_PYTHON = "{node python}"
+
+
 def trial_command(
     tokens: list[str],
     slots: int,
@@ -87,9 +92,11 @@ def trial_command(
     nodes: int = 1,
     node_rank: int = 0,
     master_addr: str = "127.0.0.1",
+    python: str = sys.executable,
 ) -> list[str]:
     """The command for a trial's ``slots`` processes on this node (of ``nodes``, this one being
-    ``node_rank``; the first node listens at ``master_addr:master_port``)."""
+    ``node_rank``; the first node listens at ``master_addr:master_port``), run by ``python``
+    where the entrypoint names one (another machine's trials name theirs: ``NODE_PYTHON``)."""
     command = strip_determined_launcher(list(tokens))
     if not command:
         raise DsatError(
@@ -97,10 +104,10 @@ def trial_command(
         )
     is_python = command[0] in PYTHON_NAMES
     if is_python:
-        command = [sys.executable, *command[1:]]
+        command = [python, *command[1:]]
     if slots * nodes == 1:
         return command
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes)]
+    torchrun = [python, "-m", "torch.distributed.run", "--nnodes", str(nodes)]
     if nodes > 1:  # a static rendezvous: each node knows its rank
         torchrun += ["--node_rank", str(node_rank)]
     torchrun += [

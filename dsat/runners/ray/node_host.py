@@ -14,12 +14,13 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import IO, Any
 
 from dsat.runners.local.deepspeed_ops import clear_stale_locks
-from dsat.runners.local.entrypoint import interpreter_first
+from dsat.runners.local.entrypoint import NODE_PYTHON, interpreter_first
 from dsat.runners.local.runner import free_ports
 from dsat.runners.local.trial_outcome import classify, oom_kill_count, oom_killed_since
 from dsat.runners.local.trial_processes import guarded, kill_process_group
@@ -65,7 +66,9 @@ class TrialNodeHost:
         """Start the trial's command in its own process group, after removing the DeepSpeed
         op-build locks no living process holds (as the local runner does before each trial: a
         trial killed mid-build leaves one, and every later trial on the node waits on it until
-        its timeout); returns the locks removed."""
+        its timeout); returns the locks removed. ``NODE_PYTHON`` in ``command`` is this node's
+        interpreter (dsat's on this node, where dsat[ray] is installed)."""
+        command = [sys.executable if token == NODE_PYTHON else token for token in command]
         environ = interpreter_first({**os.environ, **env})
         removed = [str(lock) for lock in clear_stale_locks(environ)]
         self.oom_kills_at_start = oom_kill_count()

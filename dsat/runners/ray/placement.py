@@ -29,6 +29,10 @@ class TrialLayout:
         # STRICT_SPREAD puts each bundle on its own node: one torchrun per node.
         return "STRICT_PACK" if self.nodes == 1 else "STRICT_SPREAD"
 
+    def fits(self, capacities: Sequence[int]) -> bool:
+        """Whether nodes with ``capacities`` can hold this layout at all (when free)."""
+        return sum(1 for capacity in capacities if capacity >= self.slots_per_node) >= self.nodes
+
     def describe(self) -> str:
         unit = self.resource
         if self.nodes == 1:

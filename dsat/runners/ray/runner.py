@@ -29,13 +29,14 @@ from dsat.constants import (
     MODEL_INFO_FILE,
     TRIAL_OUTCOME_FILE,
 )
+from dsat.errors import DsatError
 from dsat.paths import shown
-from dsat.runners.local.entrypoint import rendezvous_environment, trial_command
+from dsat.runners.local.entrypoint import NODE_PYTHON, rendezvous_environment, trial_command
 from dsat.runners.local.full_run import FULL_RUN_DIR, FullExperimentFailed
 from dsat.runners.local.runner import HPARAMS_FILE
 from dsat.runners.local.trial_timeout import TrialTimeout
 from dsat.runners.ray.node_host import TrialNodeHost
-from dsat.runners.ray.placement import TrialLayout
+from dsat.runners.ray.placement import TrialLayout, node_capacities
 from dsat.trial import TrialOutcome, TrialStatus
 from dsat.trial_failure import FailureCause
 
@@ -46,6 +47,11 @@ POLL_SECONDS = 0.2
 # stopped (a rank that failed leaves the others waiting in a collective).
 OTHER_NODES_GRACE_S = 30.0
 STOP_WAIT_S = 15.0
+# A trial not placed yet: how often the live cluster is asked whether it can still hold it (a
+# node that left can make that impossible, and Ray then waits for ever), and after how long the
+# wait is said.
+PLACEMENT_CHECK_S = 10.0
+PLACEMENT_NOTE_S = 60.0
 LOG_CHUNK = 1 << 20
 KEPT_FILES = [TRIAL_OUTCOME_FILE, METRICS_FILE, MODEL_INFO_FILE, HPARAMS_FILE]
 
@@ -60,8 +66,20 @@ class RayTrial:
     placed: Any  # the object ref that resolves once the group is placed
     hosts: list[Any] = dataclasses.field(default_factory=list)  # actor handles, node rank order
     nodes: list[str] = dataclasses.field(default_factory=list)  # Ray node ids, same order
+    asked: float = 0.0  # when its placement group was asked for (runner time)
+    checked: float = 0.0  # when the cluster was last asked whether it can hold it
+    waiting_said: bool = False
     start: float | None = None  # when its processes started (None: still being placed)
     first_exit: float | None = None
+    # The node ranks whose processes ended by themselves before dsat stopped the rest: one of
+    # them says what happened to the trial, not a node dsat stopped (None: none was stopped).
+    ended_first: list[int] | None = None
+
+
+def one_line(text: str) -> str:
+    """Ray's messages span lines (tracebacks, indented context); the search's lines do not."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else text
 
 
 class RayRunner:
@@ -94,6 +112,7 @@ class RayRunner:
         self.started_at = time.monotonic()
         self._count = 0
         self._host_class = ray.remote(TrialNodeHost)
+        self.placement_check_s = PLACEMENT_CHECK_S
 
     # ------------------------------------------------------------------ the runner contract
 
@@ -181,7 +200,35 @@ class RayRunner:
             self._count += 1
             name = f"{self._count:03d}-{request_id[:8]}"
         group = placement_group(self.layout.bundles, strategy=self.layout.strategy)
-        return RayTrial(request_id, name, hparams, length, group, group.ready())
+        now = self.now()
+        return RayTrial(
+            request_id, name, hparams, length, group, group.ready(), asked=now, checked=now
+        )
+
+    def _check_placeable(self, trial: RayTrial) -> None:
+        """While ``trial`` waits for room: say so once it has waited a while, and end the search
+        in one line when the live cluster can no longer hold it (Ray would wait for ever)."""
+        now = self.now()
+        if now - trial.checked < self.placement_check_s:
+            return
+        trial.checked = now
+        capacities = node_capacities(self.ray.nodes(), self.layout.resource)
+        if not self.layout.fits(capacities):
+            self.stop_all()
+            have = ", ".join(str(c) for c in capacities) or "none"
+            raise DsatError(
+                f"the Ray cluster can no longer place a trial: each takes {self.layout.describe()}"
+                f", and its live nodes have {have} {self.layout.resource}(s) (a node left); add "
+                f"nodes, then resume the search with --resume {shown(self.results_dir)}"
+            )
+        if not trial.waiting_said and now - trial.asked > PLACEMENT_NOTE_S:
+            trial.waiting_said = True
+            logger.info(
+                "trial %s waits for room on the Ray cluster (%s), %.0f s so far",
+                trial.name,
+                self.layout.describe(),
+                now - trial.asked,
+            )
 
     def _launch_if_placed(self, trial: RayTrial) -> bool:
         """Start the trial's processes once its placement group is ready; True once started."""
@@ -189,6 +236,7 @@ class RayRunner:
             return True
         ready, _ = self.ray.wait([trial.placed], timeout=0)
         if not ready:
+            self._check_placeable(trial)
             return False
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -237,7 +285,13 @@ class RayRunner:
     def _command(self, rank: int, master_addr: str, master_port: int) -> list[str]:
         layout = self.layout
         return trial_command(
-            self.entrypoint, layout.slots_per_node, master_port, layout.nodes, rank, master_addr
+            self.entrypoint,
+            layout.slots_per_node,
+            master_port,
+            layout.nodes,
+            rank,
+            master_addr,
+            python=NODE_PYTHON,
         )
 
     def _environment(
@@ -281,8 +335,10 @@ class RayRunner:
 
     def _advance(self, trial: RayTrial) -> TrialOutcome | None:
         """The trial's outcome if it has one now; it is launched once placed. An actor of the
-        trial gone at any step means its node is gone."""
-        from ray.exceptions import RayActorError
+        trial gone at any step means its node is gone; one that could not start there (dsat not
+        installed on that node) ends the search in one line; a step that failed on a node (its
+        disk full) is that node's fault, said in its own words."""
+        from ray.exceptions import RayActorError, RayTaskError
 
         try:
             if not self._launch_if_placed(trial):
@@ -291,8 +347,37 @@ class RayRunner:
             if codes is None:
                 return self._node_lost(trial)
             return self._outcome_if_ended(trial, codes)
-        except RayActorError:
+        except RayActorError as err:
+            if err.actor_init_failed:
+                self.stop_all()
+                raise DsatError(
+                    f"dsat cannot run on a node of the Ray cluster ({one_line(str(err))}); "
+                    "install dsat with its ray extra on every node, the same version as here"
+                ) from None
             return self._node_lost(trial)
+        except RayTaskError as err:
+            return self._node_failed(trial, err)
+
+    def _node_failed(self, trial: RayTrial, err: Exception) -> TrialOutcome:
+        """A step of the trial's actor raised on its node: the machine's fault, not the
+        config's; its other nodes are stopped and the search runs it again."""
+        start = self.now() if trial.start is None else trial.start
+        cause = getattr(err, "cause", None) or err
+        self._stop(trial)
+        with contextlib.suppress(OSError):
+            self._collect_logs(trial)
+        self._release(trial)
+        return TrialOutcome(
+            trial.request_id,
+            TrialStatus.ERROR,
+            {},
+            f"a node of this trial failed to run it: {type(cause).__name__}: "
+            f"{one_line(str(cause))}",
+            start,
+            self.now(),
+            FailureCause.MACHINE,
+            str(self._log_path(trial, 0)),
+        )
 
     def _outcome_if_ended(self, trial: RayTrial, codes: list[int | None]) -> TrialOutcome | None:
         assert trial.start is not None
@@ -307,13 +392,16 @@ class RayRunner:
                 trial.first_exit = now
             failed = any(code not in (None, 0) for code in codes)
             if failed or now - trial.first_exit > OTHER_NODES_GRACE_S:
+                trial.ended_first = [rank for rank, code in enumerate(codes) if code is not None]
                 self._stop(trial)
                 return self._finish(trial, timed_out=False)
         return None
 
     def _finish(self, trial: RayTrial, timed_out: bool) -> TrialOutcome:
-        """Read each node's outcome, keep its log and files; the first node's outcome is the
-        trial's unless another node shows an OOM (out of memory on any rank ends them all)."""
+        """Read each node's outcome, keep its log and files. The trial's outcome is the first
+        node's, unless dsat stopped that node after another ended by itself: then the first of
+        those that failed (a rank that fails leaves the others waiting, and the one dsat stopped
+        would read as killed from outside). Out of memory on any rank overrides an error."""
         assert trial.start is not None
         results = self.ray.get(
             [host.outcome.remote(timed_out, self.timeout.seconds) for host in trial.hosts]
@@ -321,8 +409,19 @@ class RayRunner:
         self._collect_logs(trial)
         self._keep_files(trial)
         self._release(trial)
-        first = results[0]
-        oom = next((r for r in results[1:] if r["status"] == TrialStatus.OOM.value), None)
+        rank = 0
+        if trial.ended_first and 0 not in trial.ended_first:
+            failing = [r for r in trial.ended_first if results[r]["status"] != "completed"]
+            rank = (failing or trial.ended_first)[0]
+        first = results[rank]
+        oom = next(
+            (
+                r
+                for i, r in enumerate(results)
+                if i != rank and r["status"] == TrialStatus.OOM.value
+            ),
+            None,
+        )
         if first["status"] == TrialStatus.ERROR.value and oom is not None:
             first = oom
         status = TrialStatus(first["status"])
@@ -338,7 +437,7 @@ class RayRunner:
             trial.start,
             end,
             cause,
-            str(self._log_path(trial, 0)),
+            str(self._log_path(trial, rank)),
         )
 
     def _node_lost(self, trial: RayTrial) -> TrialOutcome:

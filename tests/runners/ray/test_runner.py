@@ -10,10 +10,12 @@ from pathlib import Path
 import pytest
 
 from dsat.constants import OVERWRITE_KEY
+from dsat.errors import DsatError
 from dsat.experiment.config import load_experiment
 from dsat.runners.local.entrypoint import entrypoint_tokens
 from dsat.runners.local.trial_processes import leftover_trials
 from dsat.runners.local.trial_timeout import TrialTimeout
+from dsat.runners.ray.node_host import TrialNodeHost
 from dsat.runners.ray.runner import RayRunner
 from dsat.runners.ray.setup import open_runner
 from dsat.search import MethodSettings, make_search_method
@@ -137,6 +139,101 @@ def test_a_node_lost_mid_trial_is_an_error_and_its_other_ranks_stop(
     assert trial.nodes[1] in outcome.error
     assert_nothing_left(runner.results_dir)
     assert runner.running_count() == 0
+
+
+RANK_ONE_FAILS = """
+import os, sys, time
+if os.environ["RANK"] == "1":
+    print("ModuleNotFoundError: No module named 'only_on_node_zero'", flush=True)
+    sys.exit(1)
+time.sleep(120)  # rank 0 waits, as in a collective with the rank that failed
+"""
+
+
+def test_a_spread_trial_says_what_the_rank_that_failed_said_not_the_rank_dsat_stopped(
+    ray_cluster: RayTestCluster, tmp_path: Path
+) -> None:
+    """The rank dsat stopped read as "killed by SIGKILL from outside dsat": a machine fault, run
+    again three times, and the failing node's own error lost."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "job.py").write_text(RANK_ONE_FAILS)
+    runner = runner_for(tmp_path, model, ["python3", "job.py"], slots=2)
+    assert runner.layout.nodes == 2
+    start(runner, 1, RUNS_UNTIL_STOPPED)
+    outcome = runner.wait()
+    assert outcome.status is TrialStatus.ERROR
+    assert outcome.error is not None and "only_on_node_zero" in outcome.error, outcome.error
+    assert outcome.cause is not FailureCause.MACHINE
+    assert outcome.log is not None and outcome.log.endswith("-node1.log")
+    assert_nothing_left(runner.results_dir)
+
+
+def test_a_step_that_fails_on_a_node_is_that_nodes_fault_in_its_own_words(
+    ray_cluster: RayTestCluster, tmp_path: Path
+) -> None:
+    """Unpacking the model dir there raised (a full disk, here an archive that is no zip): the
+    search got Ray's RayTaskError as a traceback and ended."""
+    import ray
+
+    runner = behaviour_runner(tmp_path, slots=1)
+    runner.archive = ray.put(b"not a zip archive")
+    start(runner, 1, COMPLETES)
+    outcome = runner.wait()
+    assert outcome.status is TrialStatus.ERROR and outcome.cause is FailureCause.MACHINE
+    assert outcome.error is not None
+    assert outcome.error.startswith("a node of this trial failed to run it: BadZipFile: ")
+    assert runner.running_count() == 0
+
+
+class HostThatCannotStart(TrialNodeHost):
+    """What a node without dsat installed does with the trial's actor."""
+
+    def __init__(self, name: str) -> None:
+        raise ModuleNotFoundError("No module named 'dsat'")
+
+
+def test_a_node_that_cannot_run_dsat_ends_the_search_in_one_line(
+    ray_cluster: RayTestCluster, tmp_path: Path
+) -> None:
+    """Each trial ran three times as "node lost" and the search ended with no trial done."""
+    import ray
+
+    runner = behaviour_runner(tmp_path, slots=1)
+    runner._host_class = ray.remote(HostThatCannotStart)
+    start(runner, 1, COMPLETES)
+    with pytest.raises(DsatError, match="dsat cannot run on a node of the Ray cluster") as info:
+        runner.wait()
+    message = str(info.value)
+    assert "No module named 'dsat'" in message and "\n" not in message
+    assert "install dsat with its ray extra on every node" in message
+    assert runner.running_count() == 0
+
+
+def test_a_trial_the_cluster_can_no_longer_place_ends_the_search_in_one_line(
+    ray_cluster: RayTestCluster, tmp_path: Path
+) -> None:
+    """A two-node trial after one of the two GPU nodes left: Ray's placement group waited for
+    ever, and the search with it, saying nothing."""
+    runner = behaviour_runner(tmp_path, slots=2)
+    runner.placement_check_s = 0.5
+    assert (runner.layout.nodes, runner.layout.slots_per_node) == (2, 1)
+    live = [n["NodeID"] for n in ray_cluster_nodes() if n["Resources"].get("GPU")]
+    try:
+        ray_cluster.remove(live[0])
+        start(runner, 1, COMPLETES)
+        with pytest.raises(DsatError, match="the Ray cluster can no longer place a trial") as info:
+            runner.wait()
+    finally:
+        ray_cluster.restore()
+    assert "1 GPU(s) on each of 2 nodes" in str(info.value) and "--resume" in str(info.value)
+    assert runner.running_count() == 0
+
+
+def ray_cluster_nodes() -> list[dict[str, object]]:
+    import ray
+
+    return [n for n in ray.nodes() if n["Alive"]]
 
 
 def test_a_trial_over_its_timeout_is_stopped_and_counted_as_a_timeout(
