@@ -162,6 +162,8 @@ class RayRunner:
         node's output streams here, every node's log goes to ``logs/``."""
         trial = self._place(FULL_RUN_DIR, hparams, None, name=FULL_RUN_DIR)
         print(f"dsat: full experiment on the Ray cluster ({self.layout.describe()})", flush=True)
+        from ray.exceptions import RayActorError
+
         offset, codes = 0, None
         try:
             while not self._launch_if_placed(trial):
@@ -175,6 +177,8 @@ class RayRunner:
                     break
                 if not chunk:
                     time.sleep(POLL_SECONDS)
+        except RayActorError:  # its first node left while it started or ran
+            codes = None
         finally:  # finished, failed or interrupted: nothing of it stays on the cluster
             self._stop(trial)
             self._collect_logs(trial)

@@ -15,7 +15,7 @@ import logging
 import signal
 import socket
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -92,12 +92,13 @@ class RaySetup:
         if not ray.is_initialized():
             stopping = signal.getsignal(signal.SIGTERM)
             try:
-                ray.init(
-                    address=address,
-                    logging_level=logging.ERROR,
-                    log_to_driver=False,
-                    **({} if address else {"include_dashboard": False}),
-                )
+                with slow_connect_note(address):
+                    ray.init(
+                        address=address,
+                        logging_level=logging.ERROR,
+                        log_to_driver=False,
+                        **({} if address else {"include_dashboard": False}),
+                    )
             except (ConnectionError, RuntimeError, ValueError) as err:
                 first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
                 raise DsatError(
@@ -125,6 +126,33 @@ class RaySetup:
         )
         print(f"dsat: {timeout.describe()}")
         return runner
+
+
+# An address that answers but is not a Ray head's GCS (the dashboard's 8265, the client's 10001)
+# keeps ray.init retrying for minutes, saying only that the GCS did not answer.
+CONNECT_NOTE_S = 20.0
+
+
+@contextlib.contextmanager
+def slow_connect_note(address: str | None, after: float = CONNECT_NOTE_S) -> Iterator[None]:
+    """Say what is likely wrong when connecting takes longer than ``after`` seconds."""
+
+    def note() -> None:
+        print(
+            f"dsat: still connecting to the Ray cluster at {address} after {after:.0f} s: is it "
+            "the head node's GCS address, which `ray start --head` prints (port 6379 by "
+            "default, not the dashboard's 8265 nor the client's 10001)? Ctrl-C stops",
+            flush=True,
+        )
+
+    timer = threading.Timer(after, note)
+    timer.daemon = True
+    if address is not None:
+        timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def keep_sigterm(handler: Any) -> None:
