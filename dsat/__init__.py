@@ -4,6 +4,15 @@ Trial code needs only these functions; importing dsat loads neither torch nor De
 trial that dsat runs, it loads Determined's Core API, which the trial uses anyway).
 """
 
+import sys
+
+# Before anything that needs 3.10: on a cluster the uploaded package runs on the image's Python.
+if sys.version_info < (3, 10):  # noqa: UP036 (pip enforces it; an upload does not)
+    raise SystemExit(
+        f"dsat needs Python 3.10 or later; {sys.executable} is {sys.version.split()[0]}: on "
+        "Determined, give the experiment an image with Python 3.10+ (environment.image)"
+    )
+
 from dsat.errors import DsatError
 from dsat.training.hf_args import get_hf_args_with_overwrites
 from dsat.training.reporting import dsat_reporting_context

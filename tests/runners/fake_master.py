@@ -64,6 +64,9 @@ class FakeMaster:
         self.crash_at_post: int | None = None  # the post that "kills" the search runner
         self.progress: list[float] = []
         self.final_state: bindings.experimentv1State | None = None
+        self.cancel_after_trials: int | None = None  # a user kills the trials' experiment
+        self.refuse_create: tuple[int, str] | None = None  # (HTTP status, the master's error)
+        self.trials_run = 0
 
     # ------------------------------------------------------------------ wiring
 
@@ -104,6 +107,10 @@ class FakeMaster:
         return self._reply(reply.to_json())
 
     def _create_experiment(self, request: Any) -> tuple[int, dict[str, str], str]:
+        if self.refuse_create is not None:
+            status, message = self.refuse_create
+            body = {"code": 7, "message": message, "details": []}
+            return status, {"Content-Type": "application/json"}, json.dumps(body)
         body = bindings.v1CreateExperimentRequest.from_json(json.loads(request.body))
         files = {
             f.path: base64.b64decode(f.content)
@@ -186,6 +193,16 @@ class FakeMaster:
 
     def _run_trial(self, request_id: str, length: str) -> None:
         assert self.outcome is not None, "this fake master was given no trial outcomes"
+        self.trials_run += 1
+        if self.cancel_after_trials is not None and self.trials_run > self.cancel_after_trials:
+            if self.final_state is None:  # the master's event for the user's kill, once
+                self.final_state = bindings.experimentv1State.CANCELED
+                self._event(
+                    experimentInactive=bindings.v1ExperimentInactive(
+                        experimentState=self.final_state
+                    )
+                )
+            return
         try:
             metrics = self.outcome(self.trial_hparams[request_id])
         except Exception as err:

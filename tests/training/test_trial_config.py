@@ -144,3 +144,18 @@ def test_overrides_that_are_not_a_mapping_are_one_clear_error(tmp_path: Path) ->
         dsat.get_ds_config_from_hparams(hparams, tmp_path)
     with pytest.raises(DsatError, match="overwrite_deepspeed_args must be a mapping"):
         dsat.get_hf_args_with_overwrites(["--deepspeed", str(tmp_path / "ds.json")], hparams)
+
+
+def test_an_older_python_is_told_what_dsat_needs_in_one_line() -> None:
+    """On a cluster the uploaded package runs on the task image's Python, which pip never
+    checked: 3.8 failed deep in an import, and the search runner's restarts replayed it."""
+    import subprocess
+    import sys
+
+    code = "import sys; sys.version_info = (3, 9, 18, 'final', 0); import dsat"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 1
+    assert run.stderr.strip().splitlines() == [
+        f"dsat needs Python 3.10 or later; {sys.executable} is {sys.version.split()[0]}: on "
+        "Determined, give the experiment an image with Python 3.10+ (environment.image)"
+    ]

@@ -153,9 +153,21 @@ def run(core_context: Any, workdir: Path, runner_experiment_id: int) -> DsatSear
     runner = CheckpointedSearchRunner(method, core_context, workdir / "dsat-results", utilization)
     includes = [*experiment.includes, workdir / DSAT_PACKAGE]  # trials `import dsat` too
     runner.run(exp_config, model_dir=str(experiment.model_dir), includes=includes)
+    # The trials' experiment ended without the search ending it (killed or canceled by a user):
+    # what ran is summed up, and nothing more is started on the cluster.
+    stopped_from_outside = not (runner.state.experiment_completed or method.finished)
     summary = runner.results_dir / SUMMARY_FILE
+    if stopped_from_outside:
+        runner.writer.write_summary(method.tracker, notes=method.summary_notes())
     if summary.is_file():
         logger.info("dsat summary:\n%s", summary.read_text())
+    if stopped_from_outside:
+        logger.info(
+            "dsat: search stopped: the trials' experiment %s was stopped from outside the search; "
+            "no full experiment is created",
+            runner.state.experiment_id,
+        )
+        return method
     logger.info("dsat: search ended: %s", method.shutdown_reason)
     best = method.tracker.best()
     if best is None:

@@ -119,9 +119,15 @@ def experiment_url(master_url: str, experiment_id: int) -> str:
     return f"{master_url.rstrip('/')}/det/experiments/{experiment_id}"
 
 
+def first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
 def submit(settings: SearchSettings, experiment: Experiment, environ: Mapping[str, str]) -> int:
     """Create the search-runner experiment; prints its id and URL, returns the id."""
     require_client_custom_searcher()
+    import requests
     from determined.common.api import bindings
     from determined.common.api import errors as api_errors
     from determined.experimental import client
@@ -155,9 +161,23 @@ def submit(settings: SearchSettings, experiment: Experiment, environ: Mapping[st
             "the Determined master refused the login; run `det user login` or set DET_USER and "
             "DET_PASS"
         ) from None
-    except api_errors.APIException as err:
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise DsatError(f"the Determined master rejected the search runner: {first_line}") from None
+    except api_errors.ForbiddenException as err:
+        raise DsatError(
+            f"the Determined master refused: {first_line(err)}; check the user's permissions on "
+            "the config's workspace and project"
+        ) from None
+    except (api_errors.BadRequestException, api_errors.BadResponseException) as err:
+        # Every other refusal and failed request (APIException is one), a timeout included.
+        raise DsatError(
+            f"the Determined master rejected the search runner: {first_line(err)}"
+        ) from None
+    except (api_errors.CorruptTokenCacheException, api_errors.CorruptCertificateCacheException):
+        raise DsatError("Determined's saved login is damaged; run `det user login` again") from None
+    except requests.exceptions.SSLError as err:
+        raise DsatError(
+            f"cannot talk to the Determined master over TLS ({first_line(err)}); set DET_MASTER_CERT_FILE "
+            "to the master's certificate, or check the address's scheme"
+        ) from None
     print(f"Created experiment {created.id}")
     print(f"dsat: follow the search at {experiment_url(master_url, created.id)}")
     return int(created.id)
@@ -182,6 +202,24 @@ class DeterminedSetup:
                 "live in the search runner's checkpoints and a restarted search runner resumes by "
                 "itself"
             )
+        # Accepted and ignored, these would leave the user trusting what does not happen there.
+        if settings.trial_timeout is not None:
+            raise DsatError(
+                "--trial-timeout applies to the local and Ray runners; on Determined set the "
+                "trials' limits in the experiment config (a hung trial can be killed there)"
+            )
+        for flag, given in (
+            ("--fresh-processes", settings.fresh_processes),
+            (
+                "--trial-host" if settings.trial_host else "--no-trial-host",
+                settings.trial_host is not None,
+            ),
+        ):
+            if given:
+                raise DsatError(
+                    f"{flag} applies to the local runner; on Determined each trial is its own "
+                    "task: drop it"
+                )
         return cls(settings, experiment, environ)
 
     def submit(self) -> int:

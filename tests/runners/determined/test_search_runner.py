@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import responses
+from determined.common.api import bindings
 
 from dsat.cli import main
 from dsat.results.directory import BEST_CONFIG_FILE, BEST_METRICS_FILE, SUMMARY_FILE, TRIALS_FILE
@@ -237,6 +238,23 @@ def test_run_full_experiment_submits_the_users_experiment_with_the_best_override
     latest = cluster.checkpoints[-1]
     run(core_context(monkeypatch, tmp_path / "ckpt", runner_id, latest), workdir, runner_id)
     assert len(cluster.experiments) == experiments
+
+
+def test_a_search_whose_trials_a_user_kills_starts_no_full_experiment(
+    cluster: FakeMaster, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The search runner went on to create the full experiment with the best trial so far, and
+    wrote no summary of what had run."""
+    workdir, runner_id = submitted_context(
+        cluster, tmp_path, "--max-trials", "12", "--run-full-experiment"
+    )
+    cluster.cancel_after_trials = 4
+    method = run(core_context(monkeypatch, tmp_path / "ckpt", runner_id, None), workdir, runner_id)
+    assert cluster.final_state is bindings.experimentv1State.CANCELED
+    assert [e.config["searcher"]["name"] for e in cluster.experiments[1:]] == ["custom"]
+    assert not method.finished
+    summary = workdir / "dsat-results" / SUMMARY_FILE
+    assert summary.is_file() and "| global" in summary.read_text()
 
 
 def test_the_search_runner_imports_only_what_a_task_image_has() -> None:

@@ -158,13 +158,39 @@ def test_upload_names_must_not_collide(tmp_path: Path) -> None:
         upload_names(experiment)
 
 
-def test_resume_and_results_dir_do_not_apply_to_determined(
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--results-dir", "r"], "--results-dir applies to the local and simulated runners"),
+        (["--trial-timeout", "60"], "--trial-timeout applies to the local and Ray runners"),
+        (["--fresh-processes"], "--fresh-processes applies to the local runner"),
+        (["--no-trial-host"], "--no-trial-host applies to the local runner"),
+    ],
+)
+def test_flags_of_other_runners_do_not_apply_to_determined(
+    master: FakeMaster,
+    model_dir: Path,
+    capsys: pytest.CaptureFixture[str],
+    flags: list[str],
+    named: str,
+) -> None:
+    """Accepted and ignored, a --trial-timeout left a hung trial holding the search."""
+    code = main(["asha", str(model_dir / "deepspeed.yaml"), str(model_dir), *flags])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and named in err[0], err
+    assert master.experiments == []
+
+
+def test_a_master_that_refuses_the_user_is_one_line(
     master: FakeMaster, model_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code = main(["asha", str(model_dir / "deepspeed.yaml"), str(model_dir), "--results-dir", "r"])
-    assert code == 2
-    assert "--results-dir applies to the local and simulated runners" in capsys.readouterr().err
-    assert master.experiments == []
+    master.refuse_create = (403, "user cannot create experiments in project 12")
+    code = main(["asha", str(model_dir / "deepspeed.yaml"), str(model_dir)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("dsat: error: the Determined master refused: ")
+    assert "permissions on the config's workspace and project" in err[0]
 
 
 def test_experiment_url() -> None:
