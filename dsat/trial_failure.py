@@ -9,6 +9,7 @@ search stops early and says so. Every runner reads its trials' logs through this
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import re
@@ -64,6 +65,22 @@ KNOWN_FAILURES: tuple[KnownFailure, ...] = (
         r"DeepSpeedConfigError|validation errors? for DeepSpeed\w*Config",
         FailureCause.CONFIG,
         "DeepSpeed rejected the configuration",
+    ),
+    _known(
+        r"Check batch related parameters",
+        FailureCause.CONFIG,
+        "DeepSpeed rejected the batch sizes",
+    ),
+    _known(
+        r"uncorrectable ECC error|No CUDA GPUs are available"
+        r"|CUDA-capable device\(s\) (?:is/are|are|is) busy or unavailable|cudaErrorDevicesUnavailable",
+        FailureCause.MACHINE,
+        "the trial's GPU is failing, busy or not visible",
+    ),
+    _known(
+        r"No space left on device|\[Errno 28\]",
+        FailureCause.MACHINE,
+        "the disk is full",
     ),
     _known(
         r"EADDRINUSE|Address already in use",
@@ -131,19 +148,20 @@ def exception_lines(log: str) -> list[str]:
     return found
 
 
-def exception_line(log: str) -> str | None:
-    """The last exception a traceback in ``log`` ends with."""
-    lines = exception_lines(log)
-    return lines[-1] if lines else None
-
-
 def known_failure(text: str) -> KnownFailure | None:
     return next((known for known in KNOWN_FAILURES if known.pattern.search(text)), None)
 
 
+# SIGKILL as other layers report it: a shell's 128 + 9, a DataLoader worker, DeepSpeed's launcher.
+SIGKILL_REPORTS = re.compile(
+    r"killed by signal: Killed|exits with return code = -9\b|exited with return code -9\b"
+)
+
+
 def killed_by_sigkill(log: str, code: int | None) -> bool:
-    """The trial's process, or the worker torchrun names as the first to fail, died of SIGKILL."""
-    if code == -signal.SIGKILL:
+    """The trial's process, or the worker torchrun names as the first to fail, died of SIGKILL
+    (or a layer between says one of its processes did)."""
+    if code in (-signal.SIGKILL, 128 + signal.SIGKILL) or SIGKILL_REPORTS.search(log):
         return True
     root = ROOT_CAUSE.search(log)
     return root is not None and re.search(r"exitcode\s*:\s*-9\b", root.group("block")) is not None
@@ -181,10 +199,22 @@ def diagnose_crash(log: str, code: int | None, oom_killed: bool | None) -> Diagn
     if known is not None:
         reason = known.summary if detail is None else f"{known.summary}: {detail}"
         return Diagnosis(known.cause, one_line(reason))
+    exit_code = f"exit code {code}"
+    with contextlib.suppress(ValueError, TypeError):
+        if code is not None and code < 0:
+            exit_code += f" ({signal.Signals(-code).name})"  # a segfault, an abort
     if detail is not None:
-        return Diagnosis(FailureCause.UNKNOWN, one_line(f"{detail} (exit code {code})"))
-    last = next((line for line in reversed(log.splitlines()) if line.strip()), "")
-    reason = f"exit code {code}: {last}" if last else f"exit code {code}"
+        return Diagnosis(FailureCause.UNKNOWN, one_line(f"{detail} ({exit_code})"))
+    # The trial's own last words, not dsat's note of how it ended.
+    last = next(
+        (
+            line
+            for line in reversed(log.splitlines())
+            if line.strip() and not line.startswith("dsat: ")
+        ),
+        "",
+    )
+    reason = f"{exit_code}: {last}" if last else exit_code
     return Diagnosis(FailureCause.UNKNOWN, one_line(reason))
 
 

@@ -11,7 +11,7 @@ from dsat.trial_failure import (
     REASON_CHARS,
     FailureCause,
     diagnose_crash,
-    exception_line,
+    exception_lines,
     first_line,
     known_failure,
 )
@@ -61,6 +61,19 @@ SAMPLES: dict[str, tuple[str, FailureCause]] = {
         TRACEBACK + "deepspeed.runtime.config.DeepSpeedConfigError: train_batch_size is not "
         "equal to micro_batch_per_gpu * gradient_acc_step * world_size 8 != 2 * 1 * 2\n",
         FailureCause.CONFIG,
+    ),
+    "batch sizes": (
+        TRACEBACK + "AssertionError: Check batch related parameters. train_batch_size is not equal "
+        "to micro_batch_per_gpu * gradient_acc_step * world_size 16 != 4 * 1 * 2\n",
+        FailureCause.CONFIG,
+    ),
+    "gpu": (
+        TRACEBACK + "RuntimeError: CUDA error: uncorrectable ECC error encountered\n",
+        FailureCause.MACHINE,
+    ),
+    "full disk": (
+        TRACEBACK + "OSError: [Errno 28] No space left on device: '/tmp/trial/ckpt'\n",
+        FailureCause.MACHINE,
     ),
     "taken port": (
         TRACEBACK + "torch.distributed.DistNetworkError: The server socket has failed to listen "
@@ -156,6 +169,28 @@ def test_sigkill_is_memory_unless_the_oom_killer_stood_still() -> None:
         assert unknown.out_of_memory and unknown.cause is FailureCause.CONFIG
 
 
+@pytest.mark.parametrize(
+    ("log", "code"),
+    [
+        ("RuntimeError: DataLoader worker (pid 4242) is killed by signal: Killed.\n", 1),
+        ("step 3\n", 137),  # a shell entrypoint: 128 + SIGKILL
+        ("[launch.py:319:sigkill_handler] ... exits with return code = -9\n", 247),  # deepspeed
+    ],
+)
+def test_sigkill_as_other_layers_report_it_is_memory_when_the_oom_killer_struck(
+    log: str, code: int
+) -> None:
+    assert diagnose_crash(log, code, oom_killed=True).out_of_memory
+    outside = diagnose_crash(log, code, oom_killed=False)
+    assert outside.cause is FailureCause.MACHINE and not outside.out_of_memory
+
+
+def test_a_signal_the_trial_died_of_is_named() -> None:
+    diagnosis = diagnose_crash("step 1\n\ndsat: the trial ended the process it ran in\n", -11, None)
+    assert diagnosis.cause is FailureCause.UNKNOWN
+    assert diagnosis.reason == "exit code -11 (SIGSEGV): step 1"  # its words, not dsat's note
+
+
 def test_a_worker_killed_after_another_failed_is_not_the_root_cause() -> None:
     # Rank 1 raised; torchrun then stopped rank 0 (its SIGTERM, SIGKILL after the grace period).
     log = (
@@ -189,5 +224,5 @@ def test_exception_line_skips_torchruns_summary() -> None:
     log = (
         TRACEBACK + "KeyError: 'labels'\n" + TORCHRUN_SUMMARY.format(code=1, name="", traceback="x")
     )
-    assert exception_line(log) == "KeyError: 'labels'"
+    assert exception_lines(log)[-1] == "KeyError: 'labels'"
     assert first_line("first\nsecond") == "first" and first_line(None) == ""

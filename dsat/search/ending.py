@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from typing import TYPE_CHECKING
 
 from dsat.search.confirmation import (
@@ -57,13 +58,22 @@ def profile_failure(profile: TrialRecord, tried: list[str] | None = None) -> str
     return f"the model-profile trial failed at micro-batch 1: {reason}{log}"
 
 
+# A trial's directory as the local and Ray runners name it: NNN-<request id's first 8>.
+TRIAL_DIRECTORY = re.compile(r"(?<=/)\d{3,}-[0-9a-f]{8}(?:-node\d+)?(?=/)")
+
+
 def repeated_script_failure(finished: list[TrialRecord]) -> str | None:
     """A stop reason when the last trials all failed for the training script with one reason,
     which no DeepSpeed configuration can cause (too few steps, no metrics reported)."""
     last = finished[-SCRIPT_FAILURES_TO_STOP:]
     if len(last) < SCRIPT_FAILURES_TO_STOP:
         return None
-    reasons = {first_line(r.error) for r in last if r.cause is FailureCause.SCRIPT}
+    # Each trial runs in its own directory, which its traceback may name: alike but for that.
+    reasons = {
+        TRIAL_DIRECTORY.sub("<trial>", first_line(r.error))
+        for r in last
+        if r.cause is FailureCause.SCRIPT
+    }
     if len(reasons) != 1 or any(r.cause is not FailureCause.SCRIPT for r in last):
         return None
     return (

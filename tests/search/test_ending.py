@@ -54,6 +54,22 @@ def test_failures_that_differ_or_may_be_the_configs_do_not_stop_it() -> None:
     assert repeated_script_failure([*alike[:-1], other]) is None
 
 
+def test_failures_alike_but_for_the_trial_directory_they_name_stop_it() -> None:
+    """Each trial runs in its own copy, which an ImportError names: never "alike" before."""
+    record = TrialRecord("a", 1, "search", {}, {}, 1, 1, 1, "a", status=TrialStatus.ERROR)  # type: ignore[arg-type]
+    alike = [
+        record.replace(
+            request_id=str(i),
+            error=f"ImportError: cannot import name 'collate' from 'utils' "
+            f"(/r/trials/00{i}-{i}abcdef0/utils.py)",
+            cause=FailureCause.SCRIPT,
+        )
+        for i in range(1, SCRIPT_FAILURES_TO_STOP + 1)
+    ]
+    reason = repeated_script_failure(alike)
+    assert reason is not None and "cannot import name 'collate'" in reason
+
+
 @pytest.mark.parametrize(
     ("status", "cause", "says", "fix_the_config"),
     [

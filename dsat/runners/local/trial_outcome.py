@@ -16,7 +16,7 @@ from dsat.constants import TRIAL_OUTCOME_FILE
 from dsat.training.oom import text_shows_out_of_memory
 from dsat.training.reporting import read_autotuning_result
 from dsat.trial import TrialStatus
-from dsat.trial_failure import FailureCause, diagnose_crash, exception_line
+from dsat.trial_failure import FailureCause, diagnose_crash, exception_lines
 
 LOG_TAIL_LINES = 20
 LOG_SCAN_BYTES = 256 * 1024
@@ -109,7 +109,10 @@ def classify(
         )
         return TrialEnd(TrialStatus.ERROR, {}, f"{reason}\n{tail}", FailureCause.SCRIPT)
     if outcome.get("status") == "oom" or text_shows_out_of_memory(text):
-        reason = exception_line(text) or "out of memory"
+        # The rank that ran out, not a peer's NCCL error that followed it.
+        lines = exception_lines(text)
+        oom_line = next((line for line in reversed(lines) if text_shows_out_of_memory(line)), None)
+        reason = oom_line or (lines[-1] if lines else "out of memory")
         return TrialEnd(TrialStatus.OOM, {}, f"{reason}\n{tail}", FailureCause.CONFIG)
     if code == 0:
         reason = (

@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 READY_TIMEOUT_S = 600.0
 WORKER_LOG = "warm-worker-{slot}.log"
 LOST_RETURNCODE = 1
+HOST_EXIT_WAIT_S = 5.0  # for a host that ended mid-trial to be reaped, its exit code read
 # How long a closed worker's reader may take to read what the worker wrote before it exited.
 READER_JOIN_S = 5.0
 
@@ -158,7 +159,20 @@ class WarmWorker:
         self.lost_a_trial = bool(self._pending) and not all(
             t.hosted and t.earlier_trials == 0 for t in self._pending.values()
         )
+        code: int | None = None
+        if any(t.hosted for t in self._pending.values()):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                code = self.process.wait(timeout=HOST_EXIT_WAIT_S)
         for trial in list(self._pending.values()):
+            if trial.hosted and code not in (None, 0):
+                # The host ran the trial in itself: its end (a segfault, an abort, a kill) is
+                # the trial's, judged as a fresh process's exit would be, not as a lost worker.
+                note = f"\ndsat: the trial ended the process it ran in (exit code {code})\n"
+                with contextlib.suppress(OSError), trial.log_path.open("ab") as log:
+                    log.write(note.encode())
+                assert code is not None
+                trial.exited(code)
+                continue
             with contextlib.suppress(OSError), trial.log_path.open("ab") as log:
                 log.write(b"\ndsat: the warm worker that ran this trial exited; trial stopped\n")
             trial.exited(LOST_RETURNCODE)

@@ -16,6 +16,7 @@ from dsat.runners.local.runner import HOST_TRIAL_MARK, LocalRunner
 from dsat.runners.local.slots import SlotPool
 from dsat.runners.local.trial_timeout import TrialTimeout
 from dsat.trial import TrialOutcome, TrialStatus
+from dsat.trial_failure import FailureCause
 from tests.conftest import REPO_ROOT
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
@@ -52,6 +53,9 @@ if mode == "oom_crash":
     os._exit(3)
 if mode == "crash" or (mode == "crash_once" and first_run):
     os._exit(3)
+if mode == "segfault":
+    import signal
+    os.kill(os.getpid(), signal.SIGSEGV)
 if mode == "hang":
     time.sleep(600)
 if mode == "settings":  # what a script may set for its whole process, each trial again
@@ -314,6 +318,16 @@ def test_a_crash_in_a_hosts_first_trial_is_its_own_and_hosts_go_on(tmp_path: Pat
     assert RERUN not in log_of(tmp_path, 1)
     assert hosted(tmp_path) == [True, True, True]
     assert pid(later[0]) == pid(later[1])
+
+
+def test_a_segfault_in_a_host_is_the_trials_own_end_not_a_lost_worker(tmp_path: Path) -> None:
+    """The host is the trial's process: a segfault there read as "the warm worker this trial
+    was forked from died", a machine fault, and ran three times."""
+    crashed, later = run_all(job_runner(tmp_path), [{"mode": "segfault"}, {}])
+    assert crashed.status is TrialStatus.ERROR and crashed.cause is not FailureCause.MACHINE
+    assert crashed.error is not None and crashed.error.startswith("exit code -11 (SIGSEGV)")
+    assert "the trial ended the process it ran in (exit code -11)" in log_of(tmp_path, 1)
+    assert later.status is TrialStatus.COMPLETED
 
 
 def test_a_crash_in_a_host_that_a_fresh_process_does_not_repeat_leaves_the_slot_fresh(

@@ -78,6 +78,16 @@ def test_an_oom_blames_the_config_and_quotes_the_allocator(tmp_path: Path) -> No
     assert end.error.splitlines()[0] == "torch.OutOfMemoryError: CUDA out of memory."
 
 
+def test_an_oom_quotes_the_rank_that_ran_out_not_a_peer_that_lost_it(tmp_path: Path) -> None:
+    text = (
+        "[rank1]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
+        "[rank0]: torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970\n"
+    )
+    end = classify(tmp_path, trial(tmp_path, text), 1, False, 60)
+    assert end.status is TrialStatus.OOM and end.error is not None
+    assert end.error.splitlines()[0].startswith("torch.OutOfMemoryError: CUDA out of memory.")
+
+
 def test_sigkill_tells_the_oom_killer_from_outside(tmp_path: Path) -> None:
     log = trial(tmp_path, "step 2\n")
     outside = classify(tmp_path, log, -signal.SIGKILL, False, 60, oom_killed=False)
