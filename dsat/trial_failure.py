@@ -47,6 +47,14 @@ def _known(pattern: str, cause: FailureCause, summary: str, killed: bool = False
 # and the config's come first: a rank that crashes leaves its peers failing to connect.
 KNOWN_FAILURES: tuple[KnownFailure, ...] = (
     _known(
+        # Before ImportError: an op only some configurations load (CPU Adam for offload), built
+        # in the trial, that this machine cannot build or load; the script is not to blame.
+        r"Error building extension '\w+'|\w+\.so: cannot open shared object file"
+        r"|has no attribute 'ds_opt_adam'",
+        FailureCause.CONFIG,
+        "a DeepSpeed op this configuration needs could not be built or loaded here",
+    ),
+    _known(
         r"ModuleNotFoundError|ImportError",
         FailureCause.SCRIPT,
         "the training script cannot import what it needs",

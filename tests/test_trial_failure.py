@@ -45,6 +45,11 @@ Root Cause (first observed failure):
 
 # One log per entry of the table, as the layer that fails prints it.
 SAMPLES: dict[str, tuple[str, FailureCause]] = {
+    "op build": (
+        TRACEBACK + "ImportError: /root/.cache/torch_extensions/py311_cpu/cpu_adam/cpu_adam.so: "
+        "cannot open shared object file: No such file or directory\n",
+        FailureCause.CONFIG,
+    ),
     "import": (
         TRACEBACK + "ModuleNotFoundError: No module named 'transformerz'\n",
         FailureCause.SCRIPT,
