@@ -175,6 +175,20 @@ def killed_by_sigkill(log: str, code: int | None) -> bool:
     return root is not None and re.search(r"exitcode\s*:\s*-9\b", root.group("block")) is not None
 
 
+def root_cause_signal(log: str) -> signal.Signals | None:
+    """The signal torchrun's first failed worker died of, where it was one of its own (not
+    SIGKILL, read apart, nor a stop from outside)."""
+    root = ROOT_CAUSE.search(log)
+    found = re.search(r"exitcode\s*:\s*-(\d+)\b", root.group("block")) if root else None
+    if found is None:
+        return None
+    try:
+        sig = signal.Signals(int(found.group(1)))
+    except ValueError:
+        return None
+    return None if sig in OUTSIDE_SIGNALS or sig is signal.SIGKILL else sig
+
+
 def diagnose_crash(log: str, code: int | None, oom_killed: bool | None) -> Diagnosis:
     """A trial that ended without metrics, no OOM in its log and not by dsat's timeout: what
     its exit ``code`` and ``log`` say. ``oom_killed``: whether the kernel's OOM killer struck
@@ -204,6 +218,14 @@ def diagnose_crash(log: str, code: int | None, oom_killed: bool | None) -> Diagn
     if known is not None and known.killed and oom_killed:
         reason = f"{known.summary}, killed by the kernel's out-of-memory killer"
         return Diagnosis(FailureCause.CONFIG, reason, out_of_memory=True)
+    crashed = root_cause_signal(log)
+    if crashed is not None and (known is None or known.cause is FailureCause.MACHINE):
+        # torchrun names the rank that failed first: it died of a signal of its own (a
+        # segfault), and its peers' connection errors followed from it.
+        return Diagnosis(
+            FailureCause.UNKNOWN,
+            one_line(f"a process of the trial died of {crashed.name} (torchrun's root cause)"),
+        )
     if known is not None:
         reason = known.summary if detail is None else f"{known.summary}: {detail}"
         return Diagnosis(known.cause, one_line(reason))
@@ -218,7 +240,7 @@ def diagnose_crash(log: str, code: int | None, oom_killed: bool | None) -> Diagn
         (
             line
             for line in reversed(log.splitlines())
-            if line.strip() and not line.startswith("dsat: ")
+            if line.strip().strip("=-") and not line.startswith("dsat: ")  # nor a rule
         ),
         "",
     )

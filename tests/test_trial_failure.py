@@ -196,6 +196,21 @@ def test_a_signal_the_trial_died_of_is_named() -> None:
     assert diagnosis.reason == "exit code -11 (SIGSEGV): step 1"  # its words, not dsat's note
 
 
+def test_a_rank_that_segfaulted_is_the_cause_not_its_peers_lost_connection() -> None:
+    log = (
+        TRACEBACK + "torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970, "
+        "unhandled system error, ncclSystemError: socket\n"
+        + TORCHRUN_SUMMARY.format(code=-11, name="SIGSEGV", traceback="Signal 11 (SIGSEGV)")
+    )
+    diagnosis = diagnose_crash(log, 1, oom_killed=False)
+    assert diagnosis.cause is FailureCause.UNKNOWN  # not the machine's: not run again
+    assert diagnosis.reason == "a process of the trial died of SIGSEGV (torchrun's root cause)"
+    bare = diagnose_crash(
+        "step 1\n" + TORCHRUN_SUMMARY.format(code=1, name="", traceback="x"), 1, None
+    )
+    assert "=====" not in bare.reason
+
+
 def test_a_worker_killed_after_another_failed_is_not_the_root_cause() -> None:
     # Rank 1 raised; torchrun then stopped rank 0 (its SIGTERM, SIGKILL after the grace period).
     log = (
