@@ -76,6 +76,15 @@ class RayTrial:
     ended_first: list[int] | None = None
 
 
+def ran_out_of_host_memory(err: Exception) -> bool:
+    """Whether Ray says its memory monitor killed the worker (``OutOfMemoryError``, or an
+    actor death whose cause names it), rather than that the node is gone."""
+    if type(err).__name__ == "OutOfMemoryError":
+        return True
+    text = str(err)
+    return "OutOfMemoryError" in text or "running low on memory" in text
+
+
 def one_line(text: str) -> str:
     """Ray's messages span lines (tracebacks, indented context); the search's lines do not."""
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
@@ -342,6 +351,7 @@ class RayRunner:
         trial gone at any step means its node is gone; one that could not start there (dsat not
         installed on that node) ends the search in one line; a step that failed on a node (its
         disk full) is that node's fault, said in its own words."""
+        from ray.exceptions import OutOfMemoryError as RayOutOfMemoryError
         from ray.exceptions import RayActorError, RayTaskError
 
         try:
@@ -351,7 +361,10 @@ class RayRunner:
             if codes is None:
                 return self._node_lost(trial)
             return self._outcome_if_ended(trial, codes)
-        except RayActorError as err:
+        except (RayActorError, RayOutOfMemoryError) as err:
+            if ran_out_of_host_memory(err):
+                return self._host_memory_out(trial, err)
+            assert isinstance(err, RayActorError)
             if err.actor_init_failed:
                 self.stop_all()
                 raise DsatError(
@@ -361,6 +374,27 @@ class RayRunner:
             return self._node_lost(trial)
         except RayTaskError as err:
             return self._node_failed(trial, err)
+
+    def _host_memory_out(self, trial: RayTrial, err: Exception) -> TrialOutcome:
+        """Ray's memory monitor stopped the trial's actor (and with it the trial) because its
+        node ran low on host memory: out of memory, as the kernel's OOM killer is on the local
+        runner, not a lost node."""
+        start = self.now() if trial.start is None else trial.start
+        self._stop(trial)
+        with contextlib.suppress(OSError):
+            self._collect_logs(trial)
+        self._release(trial)
+        return TrialOutcome(
+            trial.request_id,
+            TrialStatus.OOM,
+            {},
+            "out of host memory: Ray's memory monitor stopped the trial on its node "
+            f"({one_line(str(err))})",
+            start,
+            self.now(),
+            FailureCause.CONFIG,
+            str(self._log_path(trial, 0)),
+        )
 
     def _node_failed(self, trial: RayTrial, err: Exception) -> TrialOutcome:
         """A step of the trial's actor raised on its node: the machine's fault, not the

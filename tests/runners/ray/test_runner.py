@@ -259,3 +259,18 @@ def test_a_trial_that_cannot_be_placed_yet_waits_for_room(
     last = max(outcomes, key=lambda o: o.start)
     # The third one started once another had finished and given its GPU back.
     assert any(o.end <= last.start for o in outcomes if o is not last)
+
+
+def test_ray_s_memory_monitor_is_out_of_memory_not_a_lost_node() -> None:
+    """A node low on host memory has Ray kill the trial's worker; the node is still there."""
+    from ray.exceptions import ActorDiedError, OutOfMemoryError, RayActorError
+
+    from dsat.runners.ray.runner import ran_out_of_host_memory
+
+    assert ran_out_of_host_memory(
+        OutOfMemoryError("Task was killed due to the node running low on memory.")
+    )
+    assert ran_out_of_host_memory(
+        RayActorError(error_msg="The actor died: the node was running low on memory.")
+    )
+    assert not ran_out_of_host_memory(ActorDiedError())  # a node gone: its own case
