@@ -19,7 +19,13 @@ from dsat.search.confirmation import (
     search_trials,
 )
 from dsat.trial import TrialKind, TrialRecord, TrialStatus
-from dsat.trial_failure import SCRIPT_FAILURES_TO_STOP, FailureCause, first_line, log_note
+from dsat.trial_failure import (
+    MACHINE_FAILURES_TO_STOP,
+    SCRIPT_FAILURES_TO_STOP,
+    FailureCause,
+    first_line,
+    log_note,
+)
 
 if TYPE_CHECKING:
     from dsat.search.method import DsatSearchMethod
@@ -82,6 +88,21 @@ def repeated_script_failure(finished: list[TrialRecord]) -> str | None:
     )
 
 
+def repeated_machine_failure(finished: list[TrialRecord]) -> str | None:
+    """A stop reason when the machine failed the last trials on every attempt (a GPU gone, a
+    disk full): each would take its attempts in turn and say nothing of its configuration."""
+    last = finished[-MACHINE_FAILURES_TO_STOP:]
+    if len(last) < MACHINE_FAILURES_TO_STOP or any(
+        r.cause is not FailureCause.MACHINE for r in last
+    ):
+        return None
+    why = first_line(last[-1].error).rpartition("not its configuration: ")[2]  # the driver's
+    return (
+        f"the machine failed the last {len(last)} trials on every attempt, not their "
+        f"configurations: {why}{log_note(last[-1].log)}; fix the machine and start again"
+    )
+
+
 @dataclasses.dataclass
 class SearchEnding:
     """Why the search stopped, and the confirmation round's progress (saved with the state)."""
@@ -101,6 +122,7 @@ class SearchEnding:
             climbed = len(method.tracker.model_profiles)
             return profile_failure(profile, [r.name for r in method.fit_rungs[:climbed]])
         repeated = repeated_script_failure(method.tracker.finished)
+        repeated = repeated or repeated_machine_failure(method.tracker.finished)
         if repeated is not None:
             return repeated
         if method.early_stopping_triggered():

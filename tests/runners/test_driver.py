@@ -3,6 +3,7 @@ learns of it; only a trial the machine keeps failing is an error, and it says so
 
 from __future__ import annotations
 
+import collections
 import json
 from collections.abc import Callable
 from typing import Any
@@ -12,7 +13,7 @@ import pytest
 from dsat.runners.driver import SearchDriver
 from dsat.runners.simulated.runner import SimulatedRunner
 from dsat.trial import TrialOutcome, TrialStatus
-from dsat.trial_failure import MACHINE_ATTEMPTS, FailureCause
+from dsat.trial_failure import MACHINE_ATTEMPTS, MACHINE_FAILURES_TO_STOP, FailureCause
 from tests.search.helpers import cliff_function, method
 
 
@@ -83,7 +84,14 @@ def test_a_trial_the_machine_keeps_failing_is_an_error_that_blames_the_machine()
             f"the machine failed this trial {MACHINE_ATTEMPTS} time(s), not its configuration: "
             "ConnectionError: EADDRINUSE"
         )
-    assert len(listener.retried) == (MACHINE_ATTEMPTS - 1) * len(failed)
+    retries = collections.Counter(request_id for request_id, *_ in listener.retried)
+    assert all(retries[r.request_id] == MACHINE_ATTEMPTS - 1 for r in failed)
+    # Two trials in a row that the machine failed on every attempt end the search (whatever
+    # else ran then is stopped): the budget is not spent on a machine that fails everything.
+    assert len(failed) == MACHINE_FAILURES_TO_STOP
+    assert (m.shutdown_reason or "").startswith(
+        f"the machine failed the last {MACHINE_FAILURES_TO_STOP} trials on every attempt"
+    )
 
 
 def test_a_profile_the_machine_keeps_failing_ends_the_search_without_blaming_the_config() -> None:

@@ -8,7 +8,7 @@ import pytest
 
 from dsat.search.ending import profile_failure, repeated_script_failure
 from dsat.trial import TrialOutcome, TrialRecord, TrialStatus
-from dsat.trial_failure import SCRIPT_FAILURES_TO_STOP, FailureCause
+from dsat.trial_failure import MACHINE_FAILURES_TO_STOP, SCRIPT_FAILURES_TO_STOP, FailureCause
 from tests.search.helpers import method, start_profile, suggested
 
 TOO_SHORT = "DeepSpeed stopped after 3 steps; it needs 15 to measure this configuration"
@@ -36,6 +36,26 @@ def test_trials_failing_alike_for_the_script_stop_the_search_early(name: str) ->
     reason = m.shutdown_reason or ""
     assert reason.startswith(f"the last {SCRIPT_FAILURES_TO_STOP} trials failed alike")
     assert TOO_SHORT in reason and "(log: x.log)" in reason
+
+
+@pytest.mark.parametrize("name", ["binary", "guided"])
+def test_trials_the_machine_fails_on_every_attempt_stop_the_search(name: str) -> None:
+    """A GPU gone mid-search: each later trial took its three attempts and counted as its
+    configuration's failure, to the end of the budget."""
+    m = method(name, max_trials=40)
+    running = start_profile(m)
+    gone = "the machine failed this trial 3 time(s), not its configuration: the GPU is failing"
+    failed = 0
+    while running and not m.finished:
+        fail(m, running.pop(0), gone, FailureCause.MACHINE)
+        failed += 1
+        running += suggested(m)
+    assert failed == MACHINE_FAILURES_TO_STOP
+    reason = m.shutdown_reason or ""
+    assert reason.startswith(
+        f"the machine failed the last {MACHINE_FAILURES_TO_STOP} trials on every attempt, not "
+        "their configurations: the GPU is failing (log: x.log); fix the machine"
+    ), reason
 
 
 def test_failures_that_differ_or_may_be_the_configs_do_not_stop_it() -> None:
