@@ -42,12 +42,17 @@ class RandomSearch(DsatSearchMethod):
         stages = sorted(preferred) or self.live_stages()
         return int(stages[int(self.rng.integers(len(stages)))])
 
+    def fitted(self, record: TrialRecord) -> bool:
+        """A search trial that completed and left the memory margin: one that ran over it is as
+        good as out of memory (``too_large``), here as everywhere else."""
+        tracker = self.tracker
+        return tracker.metric_value(record) is not None and not tracker.too_large(record)
+
     def lower_stage_reach(self) -> int | None:
-        """The largest micro-batch stage 1 or 2 completed; None while neither has."""
+        """The largest micro-batch stage 1 or 2 completed within the margin; None while neither
+        has."""
         sizes = [
-            r.mbs
-            for r in self.tracker.records
-            if r.zero_stage in LOWER_STAGES and self.tracker.metric_value(r) is not None
+            r.mbs for r in self.tracker.records if r.zero_stage in LOWER_STAGES and self.fitted(r)
         ]
         return max(sizes) if sizes else None
 
@@ -125,9 +130,8 @@ class RandomSearch(DsatSearchMethod):
         if failed_above:
             return SearchRange(lo, min(failed_above))
         largest_success = max(
-            r.mbs
-            for r in self.tracker.records
-            if r.zero_stage == stage and self.tracker.metric_value(r) is not None
+            (r.mbs for r in self.tracker.records if r.zero_stage == stage and self.fitted(r)),
+            default=lo,
         )
         return SearchRange(lo, max(largest_success, best.search_range.hi, 2 * lo))
 
@@ -150,7 +154,7 @@ class RandomSearch(DsatSearchMethod):
             return any(
                 r.mbs >= search_range.hi
                 for r in tracker.records
-                if r.zero_stage == record.zero_stage and tracker.metric_value(r) is not None
+                if r.zero_stage == record.zero_stage and self.fitted(r)
             )
         return False
 
@@ -179,7 +183,9 @@ class RandomSearch(DsatSearchMethod):
         of the confirmation round is no lineage's next step: it always runs (dropped, its leader,
         often one whose lineage had used up --trials-per-random-config, could not win the round,
         and a new search trial ran in its place)."""
-        return record.kind is not TrialKind.SEARCH or not self.should_stop_lineage(record)
+        if record.kind is not TrialKind.SEARCH or self.ending.confirming(self):
+            return True  # the round's runs, and its memory check (a search trial of no lineage)
+        return not self.should_stop_lineage(record)
 
     def replacement(self, dropped: TrialRecord) -> list[TrialRecord]:
         fresh = self.new_lineage()

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+
 import pytest
+
+from dsat.cli import main
+from tests.conftest import REPO_ROOT
 
 from dsat.trial import SearchRange, TrialKind, TrialStatus
 from tests.search.helpers import cliff_function, created_ids, finish, method, run, start_profile
@@ -61,6 +68,20 @@ def test_stops_when_a_same_stage_trial_already_ran_above_its_ceiling() -> None:
     failed = m.tracker.get(b)
     assert m.should_stop_lineage(failed.replace(search_range=SearchRange(1, ran)))
     assert not m.should_stop_lineage(failed.replace(search_range=SearchRange(1, ran + 1)))
+
+
+def test_a_run_over_the_memory_margin_does_not_end_a_lineage_searching_below_it() -> None:
+    """A run that left less than the margin free is as good as out of memory: the lineage that
+    failed above it goes on looking for the largest micro-batch that may be handed over."""
+    m = method("random", zero_stages=(1,), max_concurrent_trials=2, memory_margin=0.05)
+    a, b = created_ids(start_profile(m))
+    over = {"FLOPS_per_gpu": 1.0, "memory_peak_bytes": 99, "memory_total_bytes": 100}
+    finish(m, a, ok=True, metrics=over)
+    ran = m.tracker.get(a).mbs
+    assert m.tracker.too_large(m.tracker.get(a))
+    m.tracker.mark_finished(b, TrialStatus.OOM)
+    failed = m.tracker.get(b)
+    assert not m.should_stop_lineage(failed.replace(search_range=SearchRange(1, ran)))
 
 
 def test_stage_three_is_pruned_once_stage_one_or_two_works() -> None:
@@ -126,3 +147,23 @@ def test_stage_three_stays_while_stages_one_and_two_hit_memory_below_its_reach()
     m.tracker.add(loser, queue=False)
     m.tracker.mark_finished("loser", TrialStatus.COMPLETED, {"FLOPS_per_gpu": 1e-3})
     assert all(m.choose_stage() == 1 for _ in range(20))
+
+
+def test_the_memory_check_runs_and_no_new_configuration_runs_in_its_place(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The check is a search trial of no lineage: random dropped it as a lineage that should
+    stop, and a new random configuration ran in the confirmation round instead."""
+    simulated = REPO_ROOT / "examples" / "simulated"
+    argv = ["random", str(simulated / "gpt2_large.yaml"), str(simulated), "--runner", "simulated"]
+    argv += ["--simulator", "dsat.runners.simulated.performance_models:gpt_760m_aligned_8xa100"]
+    assert main([*argv, "-r", "2", "--results-dir", str(tmp_path)]) == 0
+    check = re.search(
+        r"memory check: (\S+)'s configuration at micro-batch (\d+)", capsys.readouterr().out
+    )
+    assert check is not None  # the case this test is about
+    rows = [json.loads(line) for line in (tmp_path / "trials.jsonl").read_text().splitlines()]
+    first = next(i for i, row in enumerate(rows) if row["kind"] == "confirm")
+    late = [row for row in rows[first:] if row["kind"] == "search"]
+    leader_knobs = check.group(1).split("_", 2)[2]
+    assert [row["name"] for row in late] == [f"z1_mb{check.group(2)}_{leader_knobs}"]
