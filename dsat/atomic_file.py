@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,7 @@ def write_bytes_atomic(path: str | Path, data: bytes) -> None:
         _raise_naming(err, path)
         raise
     try:
+        os.fchmod(fd, file_mode(path))  # mkstemp makes it 0600: others could not read results
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
@@ -32,6 +35,26 @@ def write_bytes_atomic(path: str | Path, data: bytes) -> None:
         if isinstance(err, OSError):
             _raise_naming(err, path)
         raise
+
+
+def file_mode(path: Path) -> int:
+    """The mode the file keeps: the one it has (a chmod the user made), else what the umask
+    leaves of rw-rw-rw-, as for any new file."""
+    with contextlib.suppress(OSError):
+        return stat.S_IMODE(path.stat().st_mode)
+    return 0o666 & ~current_umask()
+
+
+def current_umask() -> int:
+    """The process's umask, read without changing it where Linux says it (os.umask sets it:
+    briefly wrong for other threads)."""
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _raise_naming(err: OSError, path: Path) -> None:

@@ -30,3 +30,20 @@ def test_failed_replace_keeps_the_old_file(tmp_path: Path, monkeypatch: pytest.M
         write_text_atomic(target, "new")
     assert target.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["best.json"]
+
+
+def test_a_new_file_gets_the_umask_s_mode_and_a_rewrite_keeps_the_users(tmp_path: Path) -> None:
+    """mkstemp's 0600 left best_ds_config.json unreadable to other users and containers."""
+    import os
+    import stat
+
+    previous = os.umask(0o022)
+    try:
+        path = tmp_path / "best_ds_config.json"
+        write_json_atomic(path, {"a": 1})
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644
+        path.chmod(0o640)  # the user's choice
+        write_json_atomic(path, {"a": 2})
+        assert stat.S_IMODE(path.stat().st_mode) == 0o640
+    finally:
+        os.umask(previous)

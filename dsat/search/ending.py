@@ -133,6 +133,8 @@ class SearchEnding:
 
     def should_shutdown(self, method: DsatSearchMethod) -> bool:
         tracker = method.tracker
+        if tracker.confirmed_id is not None and self.shutdown_reason is not None:
+            return True  # it has ended and handed over (a finished search resumed): as it was
         if self.confirming(method):
             if tracker.running or tracker.queue:
                 return False

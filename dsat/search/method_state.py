@@ -27,6 +27,10 @@ def state_json(method: DsatSearchMethod) -> dict[str, Any]:
         "confirmation_candidates": method.ending.confirmation_candidates,
         "search_end_reason": method.ending.search_end_reason,
         "extra_rounds": method.ending.extra_rounds,
+        # Why it ended and why the hand-over won: a finished search resumed (for a full run)
+        # rewrites its summary, which said so.
+        "shutdown_reason": method.ending.shutdown_reason,
+        "handover_reason": method.ending.handover_reason,
         # The trials the confirmation round added on top of --max-trials (which a resume may
         # raise): its runs and its memory check.
         "added_trials": method.tracker.max_trials - method.settings.max_trials,
@@ -45,6 +49,9 @@ def load_state_json(method: DsatSearchMethod, state: dict[str, Any]) -> None:
     method.ending.confirmation_candidates = list(state.get("confirmation_candidates", []))
     method.ending.search_end_reason = str(state.get("search_end_reason", ""))
     method.ending.extra_rounds = int(state.get("extra_rounds", 0))
+    shutdown_reason = state.get("shutdown_reason")
+    method.ending.shutdown_reason = None if shutdown_reason is None else str(shutdown_reason)
+    method.ending.handover_reason = str(state.get("handover_reason", ""))
     # The trials the round added on top of --max-trials (older states: its runs alone).
     confirm_runs = sum(1 for r in method.tracker.records if r.kind is TrialKind.CONFIRM)
     added = int(state.get("added_trials", confirm_runs))

@@ -123,6 +123,11 @@ def test_a_changed_flag_is_refused_and_a_safe_one_applied(
     assert len([row for row in rows(results) if row["kind"] != "confirm"]) == 16
     saved = json.loads((results / SETTINGS_FILE).read_text())
     assert saved["max_trials"] == 16 and saved["fresh_processes"] is False
+    # Resumed once it has handed over (as for --run-full-experiment), it keeps saying why.
+    summary = (results / "summary.txt").read_text()
+    assert "handed over: " in summary
+    assert main(["asha", "--resume", str(results)]) == 0
+    assert (results / "summary.txt").read_text() == summary
     # The search has handed over now: more trials would run none, and that is said, not ignored.
     finished = len(rows(results))
     assert_one_line_error(

@@ -36,8 +36,11 @@ REQUIRED = 10
 # 6 of 20 (by the device's margin, before: 12, 12, 13; without the confirmation round's memory
 # check, 5, 5 and 2 of 20 hand-overs were not safe by this rule). Random 6 -> 5 since, until an
 # OOM shows more, only what ran counts as usable near the device's total (2026-11-26): two of its
-# 20 hand-overs there had been unsafe, now none.
-REQUIRED_ON = {"gpt2_large_16xv100": {"asha": 1, "binary": 1, "random": 5}}
+# 20 hand-overs there had been unsafe, now none. Random 5 -> 3 since a run over the margin counts
+# as too large in its lineage rules too (2026-11-27): its draws reorder on this knife edge (each
+# of the three rules alone gives 3 or 4), while over the 23 tuned-on surfaces it went 201 -> 206
+# of 460 and on the 11 held-out 48 -> 53 of 220 (benchmarks/README.md).
+REQUIRED_ON = {"gpt2_large_16xv100": {"asha": 1, "binary": 1, "random": 3}}
 
 
 def regret(name: str, method: str, seed: int) -> float:
