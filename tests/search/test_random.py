@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 
 from dsat.cli import main
-from tests.conftest import REPO_ROOT
-
 from dsat.trial import SearchRange, TrialKind, TrialStatus
+from tests.conftest import REPO_ROOT
 from tests.search.helpers import cliff_function, created_ids, finish, method, run, start_profile
 
 
