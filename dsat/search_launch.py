@@ -31,6 +31,7 @@ from dsat.results.directory import (
     full_experiment_hparams,
     read_trial_rows,
 )
+from dsat.results.directory_lock import results_directory_lock
 from dsat.results.report import write_report
 from dsat.results.resume import (
     read_saved_state,
@@ -238,7 +239,13 @@ def launch(settings: SearchSettings, environ: Mapping[str, str]) -> None:
         plan.setup.submit()
         return
     print_experiment(plan, f"results in {shown(plan.results_dir)}")
-    search_here(plan, plan.setup.open(plan.results_dir))
+    flag = "--resume" if settings.resume else "--results-dir"
+    with results_directory_lock(plan.results_dir, flag):
+        if settings.resume is None and (plan.results_dir / STATE_FILE).is_file():
+            raise DsatError(  # another search began there since the plan was made
+                f"{flag} {shown(plan.results_dir)} already holds a search; choose another directory"
+            )
+        search_here(plan, plan.setup.open(plan.results_dir))
 
 
 def print_experiment(plan: LaunchPlan, where_results_go: str) -> None:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import signal
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from dsat.constants import STATE_FILE
@@ -21,6 +24,30 @@ from dsat.search.method_state import load_state, save_state
 from dsat.search.trial_builder import SearchSpec
 from dsat.trial import TrialOutcome
 
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+@contextlib.contextmanager
+def stops_held() -> Iterator[None]:
+    """Ctrl-C and SIGTERM wait until the block is done, then act as they would have. (Not by
+    the signal mask: a signal sent to the process goes to any thread that does not block it.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+
+    def hold(signum: int, frame: object) -> None:
+        caught.append(signum)
+
+    previous = {sig: signal.signal(sig, hold) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        for signum in caught[:1]:
+            signal.raise_signal(signum)
+
 
 class ResultsRecorder:
     """Writes each finished trial and the method's state, so nothing finished is ever lost."""
@@ -36,10 +63,14 @@ class ResultsRecorder:
 
     def trial_finished(self, request_id: str, outcome: TrialOutcome) -> None:
         record = self.method.tracker.get(request_id)
-        self.writer.trial_finished(
-            record, TrialTiming(outcome.start, outcome.end), self.method.tracker
-        )
-        save_state(self.method, self.writer.directory)
+        # The row and the state that says the trial finished are written as one: a Ctrl-C
+        # between them left a row whose state still said "running", and the resume ran the
+        # trial again, losing its first measurement.
+        with stops_held():
+            self.writer.trial_finished(
+                record, TrialTiming(outcome.start, outcome.end), self.method.tracker
+            )
+            save_state(self.method, self.writer.directory)
 
     def trial_retried(self, request_id: str, outcome: TrialOutcome, attempt: int) -> None:
         pass  # the trial still runs: the state on disk already says so

@@ -155,14 +155,16 @@ def read_saved_state(results_dir: Path, method: str) -> dict[str, Any]:
 def refuse_more_trials_when_finished(
     results_dir: Path, state: Mapping[str, Any], max_trials: int
 ) -> None:
-    """A finished search has run its confirmation round and handed over: more --max-trials there
-    would run nothing, so say so rather than reprint its summary as if it had searched on."""
-    finished = state["tracker"].get("confirmed_id") is not None
-    if finished and max_trials != saved_settings(results_dir).max_trials:
+    """A search that has ended (handed over, or in its confirmation round) runs no more search
+    trials: more --max-trials there would run nothing, so say so rather than take it."""
+    handed_over = state["tracker"].get("confirmed_id") is not None
+    confirming = bool(state.get("confirmation_candidates"))
+    if (handed_over or confirming) and max_trials != saved_settings(results_dir).max_trials:
+        where = "handed over its config" if handed_over else "is in its confirmation round"
         raise DsatError(
-            f"--resume {shown(results_dir)}: that search has finished and handed over its "
-            f"config; --max-trials changes only an interrupted search: start a new search "
-            f"with --max-trials {max_trials}"
+            f"--resume {shown(results_dir)}: that search has ended and {where}; --max-trials "
+            f"changes only a search still searching: start a new search with --max-trials "
+            f"{max_trials}"
         )
 
 

@@ -17,6 +17,7 @@ import pytest
 from dsat.cli import main
 from dsat.constants import SETTINGS_FILE, STATE_FILE
 from dsat.results.directory import TRIALS_FILE
+from dsat.results.directory_lock import results_directory_lock
 from tests.conftest import REPO_ROOT
 from tests.test_cli import assert_one_line_error
 
@@ -133,7 +134,7 @@ def test_a_changed_flag_is_refused_and_a_safe_one_applied(
     assert_one_line_error(
         capsys,
         ["asha", "--resume", str(results), "--max-trials", "20"],
-        "has finished",
+        "has ended and handed over its config",
         "start a new search with --max-trials 20",
     )
     assert len(rows(results)) == finished
@@ -205,3 +206,43 @@ def test_config_and_model_dir_are_required_without_resume(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     assert_one_line_error(capsys, ["asha"], "CONFIG_PATH", "--resume")
+
+
+def test_a_directory_another_search_runs_in_is_one_line(
+    interrupted: tuple[Path, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two resumes at once both ran every remaining trial, each rewriting the other's files."""
+    results, _ = interrupted
+    before = (results / TRIALS_FILE).read_text()
+    with results_directory_lock(results, "--resume"):  # as a search running there holds it
+        assert_one_line_error(
+            capsys,
+            ["asha", "--resume", str(results)],
+            f"is in use by another dsat search (pid {os.getpid()})",
+        )
+    assert (results / TRIALS_FILE).read_text() == before
+    assert main(["asha", "--resume", str(results)]) == 0  # once it has ended, it resumes
+
+
+def test_more_trials_for_a_search_in_its_confirmation_round_are_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Taken and saved, and no trial more ran: the round ends the search whatever the budget."""
+    (tmp_path / "sim.py").write_text(STOPPING_SIMULATOR)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("STOP_AT_CALL", "17")  # 14 trials and the baseline, then the round
+    args = ["asha", str(SIMULATED / "gpt2_large.yaml"), str(SIMULATED), "--runner", "simulated"]
+    assert (
+        main([*args, "--simulator", "sim.py:perf", "--results-dir", "out", *ORIGINAL_FLAGS]) == 130
+    )
+    assert any(row["kind"] == "confirm" for row in rows(tmp_path / "out"))
+    capsys.readouterr()
+    monkeypatch.delenv("STOP_AT_CALL")
+    assert_one_line_error(
+        capsys,
+        ["asha", "--resume", "out", "--max-trials", "20"],
+        "is in its confirmation round",
+        "start a new search with --max-trials 20",
+    )
+    assert json.loads((tmp_path / "out" / SETTINGS_FILE).read_text())["max_trials"] == 14
+    assert main(["asha", "--resume", "out"]) == 0  # as it was, it finishes

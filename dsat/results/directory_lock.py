@@ -1,0 +1,42 @@
+"""One search at a time in a results directory.
+
+Two `--resume DIR` at once both ran every remaining trial, each rewriting the other's files, and
+on a GPU they would have competed for the devices and blamed the configurations for the OOMs. An
+advisory lock on a file in the directory, held while the search runs, makes the second one line;
+the kernel lets go of it when the process ends, however it ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from dsat.errors import DsatError
+from dsat.paths import shown
+
+LOCK_FILE = ".dsat-search.lock"
+
+
+@contextlib.contextmanager
+def results_directory_lock(results_dir: Path, flag: str = "--results-dir") -> Iterator[None]:
+    """Hold the directory's lock, or raise DsatError naming the process that holds it."""
+    results_dir.mkdir(parents=True, exist_ok=True)
+    path = results_dir / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
+            raise DsatError(
+                f"{flag} {shown(results_dir)} is in use by another dsat search (pid {holder}); "
+                "wait for it to end, or choose another directory"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
