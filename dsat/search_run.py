@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import threading
 from collections.abc import Iterator
@@ -20,7 +21,7 @@ from dsat.runners.driver import SearchDriver, TrialListener
 from dsat.runners.trial_runner import TrialRunner
 from dsat.search import MethodSettings, make_search_method
 from dsat.search.method import DsatSearchMethod
-from dsat.search.method_state import load_state, save_state
+from dsat.search.method_state import experiment_changes, load_state_json, save_state
 from dsat.search.trial_builder import SearchSpec
 from dsat.trial import TrialOutcome
 
@@ -103,12 +104,24 @@ def run_search(
     resuming = (results_dir / STATE_FILE).is_file()
     if resuming:
         try:
-            load_state(method, results_dir)
+            state = json.loads((results_dir / STATE_FILE).read_text())
+            changed = experiment_changes(method, state)
+            if not changed:
+                load_state_json(method, state)
         except (KeyError, TypeError, ValueError) as err:
             raise DsatError(
                 f"{shown(results_dir / STATE_FILE)}: damaged search state ({err}); this search "
                 "cannot be resumed, start a new one"
             ) from None
+        # What a kill -9 left mid-write of a file (atomic_file's temporaries): the files
+        # themselves are whole, the old or the new.
+        for leftover in results_dir.glob(".*.tmp"):
+            leftover.unlink(missing_ok=True)
+        if changed:  # its trials would be ranked with others made from another experiment
+            raise DsatError(
+                f"--resume {shown(results_dir)}: the experiment changed since the search began "
+                f"({', '.join(changed)}); put it back as it was, or start a new search"
+            )
     with progress or contextlib.nullcontext():
         driver.run(resume=resuming)
     if driver.shutdown is not None or not runner.running_count():

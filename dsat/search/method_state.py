@@ -3,6 +3,7 @@ resumes where it stopped and proposes the trials the uninterrupted one would hav
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -13,6 +14,7 @@ from dsat.trial import TrialKind
 
 if TYPE_CHECKING:
     from dsat.search.method import DsatSearchMethod
+    from dsat.search.trial_builder import SearchSpec
 
 STATE_VERSION = 1
 
@@ -34,7 +36,49 @@ def state_json(method: DsatSearchMethod) -> dict[str, Any]:
         # The trials the confirmation round added on top of --max-trials (which a resume may
         # raise): its runs and its memory check.
         "added_trials": method.tracker.max_trials - method.settings.max_trials,
+        "experiment": experiment_fingerprint(method.spec),
     }
+
+
+def experiment_fingerprint(spec: SearchSpec) -> dict[str, Any]:
+    """What the search's trials were made from, to tell a resume of an edited experiment: the
+    slots per trial, and digests of the DeepSpeed config, the hyperparameters and the
+    entrypoint."""
+
+    def digest(value: Any) -> str:
+        text = json.dumps(value, sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    return {
+        "slots_per_trial": spec.slots_per_trial,
+        "ds_config": digest(spec.ds_config),
+        "hyperparameters": digest(spec.hparams),
+        "entrypoint": digest(spec.entrypoint),
+    }
+
+
+# How each part of the fingerprint is named to the user.
+FINGERPRINT_NAMES = {
+    "slots_per_trial": "resources.slots_per_trial",
+    "ds_config": "the DeepSpeed config",
+    "hyperparameters": "the hyperparameters",
+    "entrypoint": "the entrypoint",
+}
+
+
+def experiment_changes(method: DsatSearchMethod, state: dict[str, Any]) -> list[str]:
+    """What of the experiment differs from when the saved search began (none for a state from
+    before the fingerprint was kept)."""
+    saved = state.get("experiment")
+    if not isinstance(saved, dict):
+        return []
+    now = experiment_fingerprint(method.spec)
+    changes = []
+    for key, name in FINGERPRINT_NAMES.items():
+        if key in saved and saved[key] != now[key]:
+            detail = f" ({saved[key]} -> {now[key]})" if key == "slots_per_trial" else ""
+            changes.append(name + detail)
+    return changes
 
 
 def load_state_json(method: DsatSearchMethod, state: dict[str, Any]) -> None:

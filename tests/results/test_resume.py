@@ -145,12 +145,14 @@ def test_settings_saved_under_the_flags_earlier_name_resume(
 ) -> None:
     """A results dir from before --backend became --runner keeps its runner."""
     results, _ = interrupted
+    (results / ".trials.jsonl.x1y2.tmp").write_text("half a file a kill -9 left")
     saved = json.loads((results / SETTINGS_FILE).read_text())
     saved["backend"] = saved.pop("runner")
     (results / SETTINGS_FILE).write_text(json.dumps(saved))
     assert main(["asha", "--resume", str(results)]) == 0
     assert json.loads((results / SETTINGS_FILE).read_text())["runner"] == "simulated"
     assert len([row for row in rows(results) if row["kind"] != "confirm"]) == 14
+    assert not list(results.glob(".*.tmp"))  # cleared on resume
 
 
 def test_how_trials_start_may_change_on_resume(interrupted: tuple[Path, str]) -> None:
@@ -246,3 +248,35 @@ def test_more_trials_for_a_search_in_its_confirmation_round_are_refused(
     )
     assert json.loads((tmp_path / "out" / SETTINGS_FILE).read_text())["max_trials"] == 14
     assert main(["asha", "--resume", "out"]) == 0  # as it was, it finishes
+
+
+def test_an_experiment_edited_since_the_search_began_is_refused_on_resume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Trials at 16 GPUs and at 8 were ranked together, silently."""
+    import shutil
+
+    experiment = tmp_path / "simulated"
+    shutil.copytree(SIMULATED, experiment)
+    (tmp_path / "sim.py").write_text(STOPPING_SIMULATOR)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("STOP_AT_CALL", "6")
+    args = ["asha", str(experiment / "gpt2_large.yaml"), str(experiment), "--runner", "simulated"]
+    assert (
+        main([*args, "--simulator", "sim.py:perf", "--results-dir", "out", *ORIGINAL_FLAGS]) == 130
+    )
+    monkeypatch.delenv("STOP_AT_CALL")
+    capsys.readouterr()
+    yaml_path = experiment / "gpt2_large.yaml"
+    original = yaml_path.read_text()
+    yaml_path.write_text(original.replace("slots_per_trial: 16", "slots_per_trial: 8"))
+    before = rows(tmp_path / "out")
+    assert_one_line_error(
+        capsys,
+        ["asha", "--resume", "out"],
+        "the experiment changed since the search began (resources.slots_per_trial (16 -> 8))",
+        "put it back as it was, or start a new search",
+    )
+    assert rows(tmp_path / "out") == before
+    yaml_path.write_text(original)  # put back: it resumes
+    assert main(["asha", "--resume", "out"]) == 0
