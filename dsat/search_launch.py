@@ -150,6 +150,14 @@ RUNNER_SETUPS: dict[RunnerKind, type[LocalSetup | RaySetup | SimulatedSetup | De
 def plan_search(
     settings: SearchSettings, environ: Mapping[str, str], now: datetime.datetime | None = None
 ) -> LaunchPlan:
+    if settings.resume is not None:
+        for path, what in ((settings.config_path, "config"), (settings.model_dir, "MODEL_DIR")):
+            if not Path(path).exists():
+                raise DsatError(
+                    f"--resume {shown(Path(settings.resume))}: the search's {what} {path} is not "
+                    f"there any more; if the project moved, pass its new CONFIG_PATH and "
+                    f"MODEL_DIR with --resume"
+                )
     experiment = load_experiment(
         settings.config_path, settings.model_dir, settings.include, settings.global_batch
     )

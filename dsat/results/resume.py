@@ -27,6 +27,10 @@ from dsat.paths import absolute, shown
 # how trial processes start, where the Ray cluster is, and whether a full run follows. Everything
 # else decides which trials the search proposes.
 ADJUSTABLE_ON_RESUME = (
+    # Where the project is now (it moved, or another node mounts it elsewhere): what it holds
+    # must be what the search began with, which the state's fingerprint of it checks.
+    "config_path",
+    "model_dir",
     "max_trials",
     "max_slots",
     "max_concurrent_trials",

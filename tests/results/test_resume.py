@@ -280,3 +280,32 @@ def test_an_experiment_edited_since_the_search_began_is_refused_on_resume(
     assert rows(tmp_path / "out") == before
     yaml_path.write_text(original)  # put back: it resumes
     assert main(["asha", "--resume", "out"]) == 0
+
+
+def test_a_project_that_moved_resumes_from_its_new_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its paths are saved absolute: the old one was "config file not found", and the new one,
+    given, was refused as a changed flag; only editing settings.json by hand got it going."""
+    import shutil
+
+    old, new = tmp_path / "old", tmp_path / "new"
+    shutil.copytree(SIMULATED, old)
+    (tmp_path / "sim.py").write_text(STOPPING_SIMULATOR)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("STOP_AT_CALL", "6")
+    args = ["asha", str(old / "gpt2_large.yaml"), str(old), "--runner", "simulated"]
+    assert (
+        main([*args, "--simulator", "sim.py:perf", "--results-dir", "out", *ORIGINAL_FLAGS]) == 130
+    )
+    monkeypatch.delenv("STOP_AT_CALL")
+    capsys.readouterr()
+    old.rename(new)
+    assert_one_line_error(
+        capsys,
+        ["asha", "--resume", "out"],
+        f"the search's config {old / 'gpt2_large.yaml'} is not there any more",
+        "pass its new CONFIG_PATH and MODEL_DIR with --resume",
+    )
+    assert main(["asha", str(new / "gpt2_large.yaml"), str(new), "--resume", "out"]) == 0
+    assert json.loads((tmp_path / "out" / SETTINGS_FILE).read_text())["model_dir"] == str(new)
