@@ -5,6 +5,7 @@ All checks that can fail on a user mistake run here, before a single trial start
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import os
@@ -280,7 +281,10 @@ def search_here(plan: LaunchPlan, runner: TrialRunner) -> None:
     try:
         method = run_search(settings, spec, runner, plan.results_dir)
     except KeyboardInterrupt:
-        runner.stop_all()
+        # A second Ctrl-C while the trials stop (a Ray node takes seconds) stops the waiting,
+        # not the message: what is left of the trials dies with dsat (their guards, Ray).
+        with contextlib.suppress(KeyboardInterrupt):
+            runner.stop_all()
         raise SearchInterrupted(settings.method, plan.results_dir) from None
     except OSError as err:  # wherever the search was writing: the results files, a trial's copy
         failure = write_failure(err, plan.results_dir)

@@ -309,3 +309,22 @@ def test_a_project_that_moved_resumes_from_its_new_place(
     )
     assert main(["asha", str(new / "gpt2_large.yaml"), str(new), "--resume", "out"]) == 0
     assert json.loads((tmp_path / "out" / SETTINGS_FILE).read_text())["model_dir"] == str(new)
+
+
+def test_a_second_ctrl_c_while_the_trials_stop_still_says_how_to_resume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dsat.runners.simulated.runner import SimulatedRunner
+
+    def impatient(self: SimulatedRunner) -> None:
+        raise KeyboardInterrupt  # the user presses Ctrl-C again while trials stop
+
+    monkeypatch.setattr(SimulatedRunner, "stop_all", impatient)
+    (tmp_path / "sim.py").write_text(STOPPING_SIMULATOR)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("STOP_AT_CALL", "6")
+    args = ["asha", str(SIMULATED / "gpt2_large.yaml"), str(SIMULATED), "--runner", "simulated"]
+    assert (
+        main([*args, "--simulator", "sim.py:perf", "--results-dir", "out", *ORIGINAL_FLAGS]) == 130
+    )
+    assert "Resume with: " in capsys.readouterr().err.strip().splitlines()[-1]
