@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dsat.atomic_file import write_text_atomic
 from dsat.constants import (
     ENV_HPARAMS_FILE,
     ENV_RESULTS_DIR,
@@ -560,5 +561,5 @@ class RayRunner:
         directory = self.results_dir / "trials" / trial.name
         directory.mkdir(parents=True, exist_ok=True)
         for name, (text, mtime) in found.items():
-            (directory / name).write_text(text)
+            write_text_atomic(directory / name, text)
             os.utime(directory / name, (mtime, mtime))
