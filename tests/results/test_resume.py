@@ -171,6 +171,11 @@ def test_how_trials_start_may_change_on_resume(interrupted: tuple[Path, str]) ->
             "'random', not 'asha'",
         ),
         (STATE_FILE, lambda text: json.dumps({**json.loads(text), "rng": 7}), "damaged"),
+        (
+            STATE_FILE,
+            lambda text: json.dumps({**json.loads(text), "version": 99}),
+            "written by a newer dsat (state version 99",
+        ),
         (SETTINGS_FILE, lambda text: "{", "damaged search settings"),
         (TRIALS_FILE, lambda text: text + "{not json\n", "damaged trial records"),
     ],
