@@ -173,8 +173,10 @@ class ResultsWriter:
             if isinstance(request_id, str) and request_id in tracker:
                 row_record = tracker.get(request_id)
                 row[VALUE_KEY] = tracker.measured_value(row_record)
-                row[SAFE_KEY] = row_record.status is TrialStatus.COMPLETED and (
-                    tracker.may_hand_over(row_record)
+                row[SAFE_KEY] = (  # the profile and the user's own run are never handed over
+                    row_record.kind in (TrialKind.SEARCH, TrialKind.CONFIRM)
+                    and row_record.status is TrialStatus.COMPLETED
+                    and tracker.may_hand_over(row_record)
                 )
         text = "".join(json.dumps(line, sort_keys=True) + "\n" for line in lines)
         write_text_atomic(self.directory / TRIALS_FILE, text)
@@ -200,9 +202,7 @@ class ResultsWriter:
         cost = search_cost(self._lines, tracker.slots_per_trial, self.slot_kind)
         reason = f"{HANDED_OVER_PREFIX} {why}\n" if why else ""
         best = tracker.best()
-        rate = (
-            "" if best is None else self.utilization.line(best.metrics, tracker.model_flops(best))
-        )
+        rate = "" if best is None else self._rate_line(tracker, best)
         text = (
             summary_table(tracker)
             + confirmation_table(tracker)
@@ -214,6 +214,28 @@ class ResultsWriter:
         )
         write_text_atomic(self.directory / SUMMARY_FILE, text)
         return text
+
+    def _rate_line(self, tracker: TrialTracker, best: TrialRecord) -> str:
+        """Tokens/s and MFU of the handed-over configuration: the mean of its runs, as the
+        global row's figure is (its search trial alone read one lucky run)."""
+        runs = [
+            r
+            for r in (best, *tracker.confirmation_runs(best.request_id))
+            if r.status is TrialStatus.COMPLETED
+        ]
+        rates = [v for r in runs if (v := _positive(r.metrics.get("throughput"))) is not None]
+        flops = [v for r in runs if (v := tracker.model_flops(r)) is not None]
+        metrics = dict(best.metrics)
+        if rates:
+            metrics["throughput"] = sum(rates) / len(rates)
+        mean_flops = sum(flops) / len(flops) if flops else None
+        return self.utilization.line(metrics, mean_flops, tracker.slots_per_trial, len(runs))
+
+
+def _positive(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        return None
+    return float(value)
 
 
 def summary_table(tracker: TrialTracker) -> str:

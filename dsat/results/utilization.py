@@ -68,13 +68,26 @@ class Utilization:
             found[MFU_KEY] = flops / peak
         return found
 
-    def line(self, metrics: Mapping[str, Any], flops: float | None = None) -> str:
-        """The summary's line on the handed-over configuration; empty when neither is known."""
+    def line(
+        self,
+        metrics: Mapping[str, Any],
+        flops: float | None = None,
+        gpus: int = 1,
+        runs: int = 1,
+    ) -> str:
+        """The summary's line on the handed-over configuration (``metrics`` the mean of its
+        ``runs``, on ``gpus`` per trial); empty when neither is known. Tokens/s is the trial's
+        whole and per GPU: torchtitan reports it per GPU, a trial's throughput is its whole."""
         found = self.derived(metrics, flops)
         parts = []
         if TOKENS_KEY in found:
-            parts.append(f"{found[TOKENS_KEY]:.4g} tokens/s (sequence {self.seq_len})")
+            tokens = found[TOKENS_KEY]
+            each = f", {tokens / gpus:.4g} per GPU" if gpus > 1 else ""
+            parts.append(f"{tokens:.4g} tokens/s (sequence {self.seq_len}{each})")
         if MFU_KEY in found:
             peak = self.peak_flops or _number(metrics.get("device_peak_flops")) or 0.0
             parts.append(f"MFU {found[MFU_KEY]:.1%} of {peak / 1e12:.4g} TFLOPS per GPU")
-        return f"handed-over throughput: {', '.join(parts)}" if parts else ""
+        if not parts:
+            return ""
+        over = f" (the mean of its {runs} runs)" if runs > 1 else ""
+        return f"handed-over throughput{over}: {', '.join(parts)}"

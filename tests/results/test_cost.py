@@ -60,7 +60,7 @@ def test_a_tiny_cpu_search_in_cpu_slot_hours_with_its_seconds() -> None:
     ]
     assert search_cost(rows).line() == (
         "cost: 2 trials (1 model profile, 1 search), 0.00211 CPU slot-hours "
-        "(1 CPU slot per trial x 7.6 s of trials)"
+        "(1 CPU slot per trial x 7.60 s of trials)"
     )
 
 
@@ -135,3 +135,10 @@ def html_line(results: Path) -> str:
     """The page's cost line."""
     page = (results / REPORT_HTML).read_text()
     return next(line for line in page.splitlines() if line.startswith("cost: "))
+
+
+def test_the_factors_multiply_to_the_total_as_shown() -> None:
+    """8 GPUs x 5.2 h read as 41.6 beside a total of 42.0 (5.244 h of trials)."""
+    rows = [row("search", "completed", 0.0, 5.244 * 3600, slots=8, slot_kind="GPU")]
+    line = search_cost(rows).line()
+    assert line.endswith("42.0 GPU-hours (8 GPUs per trial x 5.24 h of trials)"), line

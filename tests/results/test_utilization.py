@@ -4,6 +4,7 @@ and the report."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -68,7 +69,22 @@ def test_a_search_reports_them_in_its_rows_summary_and_report(tmp_path: Path) ->
         assert metrics["mfu"] == pytest.approx(metrics["FLOPS_per_gpu"] / model.peak_flops)
         assert 0 < metrics["mfu"] < 1
     summary = (tmp_path / SUMMARY_FILE).read_text()
-    assert "handed-over throughput: " in summary and "tokens/s (sequence 2048), MFU " in summary
+    # The handed-over configuration's runs, as the global row averages them (not one lucky run),
+    # and tokens/s both the trial's whole and per GPU.
+    handed = re.search(r"^\| global .*\| (\S+) \(handed over\) *\|$", summary, re.M)
+    assert handed is not None
+    runs = [r for r in rows if r["name"] == handed.group(1) and r["kind"] in ("search", "confirm")]
+    tokens = sum(r["metrics"]["throughput"] for r in runs) / len(runs) * 2048
+    line = re.search(
+        r"^handed-over throughput(?: \(the mean of its (\d+) runs\))?: (\S+) tokens/s "
+        r"\(sequence 2048, (\S+) per GPU\), MFU ",
+        summary,
+        re.M,
+    )
+    assert line is not None, summary
+    assert int(line.group(1) or 1) == len(runs)
+    assert float(line.group(2)) == pytest.approx(tokens, rel=1e-3)
+    assert float(line.group(3)) == pytest.approx(tokens / slots, rel=1e-3)
     _, page = write_report(tmp_path)
     html = page.read_text()
     assert "<th>tokens/s</th><th>MFU</th>" in html
