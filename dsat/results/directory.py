@@ -173,6 +173,10 @@ class ResultsWriter:
             if isinstance(request_id, str) and request_id in tracker:
                 row_record = tracker.get(request_id)
                 row[VALUE_KEY] = tracker.measured_value(row_record)
+                if isinstance(row.get("metrics"), dict):
+                    # MFU counts the FLOPs as the value does, which a later trial can lower.
+                    flops = tracker.model_flops(row_record)
+                    row["metrics"].update(self.utilization.derived(row_record.metrics, flops))
                 row[SAFE_KEY] = (  # the profile and the user's own run are never handed over
                     row_record.kind in (TrialKind.SEARCH, TrialKind.CONFIRM)
                     and row_record.status is TrialStatus.COMPLETED
@@ -183,9 +187,9 @@ class ResultsWriter:
         self._lines = lines
         self._write_best(tracker)
 
-    def _write_best(self, tracker: TrialTracker) -> None:
+    def _write_best(self, tracker: TrialTracker, again: bool = False) -> None:
         best = tracker.best()
-        if best is not None and best.request_id != self._best_id:
+        if best is not None and (again or best.request_id != self._best_id):
             write_json_atomic(self.directory / BEST_CONFIG_FILE, best_ds_config(best))
             derived = self.utilization.derived(best.metrics, tracker.model_flops(best))
             metrics = {**best.metrics, **derived}
@@ -198,7 +202,7 @@ class ResultsWriter:
         user's own configuration against the hand-over), its throughput and what the search
         cost, and the best config as the search finally decided it (the confirmation round
         decides after its last trial is recorded)."""
-        self._write_best(tracker)
+        self._write_best(tracker, again=True)  # its MFU as the FLOPs are counted at the end
         cost = search_cost(self._lines, tracker.slots_per_trial, self.slot_kind)
         reason = f"{HANDED_OVER_PREFIX} {why}\n" if why else ""
         best = tracker.best()

@@ -170,7 +170,7 @@ def test_each_row_has_the_value_the_search_ranked_it_by_and_the_report_draws_tha
     far above the configuration handed over (make demo). A later trial that lowers the least
     changes an earlier row's value too."""
     t = tracker(Metric.FLOPS_PER_GPU)
-    writer = ResultsWriter(tmp_path, "CPU")
+    writer = ResultsWriter(tmp_path, "CPU", Utilization(peak_flops=1e9))
     for n, (rid, stage, throughput, per_sample) in enumerate(
         [("z3", 3, 300.0, 2e6), ("z1", 1, 340.0, 1e6)]
     ):
@@ -182,6 +182,8 @@ def test_each_row_has_the_value_the_search_ranked_it_by_and_the_report_draws_tha
     rows = {row["request_id"]: row for row in lines(tmp_path)}
     assert rows["z3"]["metrics"]["FLOPS_per_gpu"] == 600e6  # the trial's own figure, kept
     assert rows["z3"][VALUE_KEY] == 300e6 and rows["z1"][VALUE_KEY] == 340e6
+    # Its MFU follows: counted at the z3 trial's own figure when its row was written (0.6).
+    assert rows["z3"]["metrics"]["mfu"] == 0.3 and rows["z1"]["metrics"]["mfu"] == 0.34
     results = load_results(tmp_path)
     assert [results.value(row) for row in results.rows] == [300e6, 340e6]
     # A results directory written before rows had the value: drawn by the trials' own figures.
