@@ -278,7 +278,8 @@ def summary_table(tracker: TrialTracker) -> str:
         + " |"
     )
     note = (
-        f"best_metric_val: {tracker.metric.value}, in {tracker.metric.unit}, a stage's best trial"
+        f"best_metric_val: {tracker.metric.value}, in {tracker.metric.unit}, a stage's best "
+        "trial within the memory margin"
     )
     if tracker.confirmed_id is not None:
         note += "; global: the mean of every run of the handed-over configuration"

@@ -110,7 +110,8 @@ def test_results_files(tmp_path: Path) -> None:
     assert re.search(r"^\| global +\| +23 \|", summary, re.MULTILINE)  # the 23 search trials
     assert best.name in table.splitlines()[-2]
     assert table.splitlines()[-1].startswith(
-        "best_metric_val: FLOPS_per_gpu, in FLOP/s per GPU, a stage's best trial"
+        "best_metric_val: FLOPS_per_gpu, in FLOP/s per GPU, a stage's best trial within the "
+        "memory margin"
     )
 
 
