@@ -57,20 +57,30 @@ def rows(results: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in (results / TRIALS_FILE).read_text().splitlines()]
 
 
+def interrupt_at(
+    call: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, experiment: Path = SIMULATED
+) -> int:
+    """A search of ``experiment``'s GPT2-large run from tmp_path into ``out``, Ctrl-C'd in its
+    ``call``-th trial; returns dsat's exit code."""
+    (tmp_path / "sim.py").write_text(STOPPING_SIMULATOR)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("STOP_AT_CALL", str(call))
+    args = ["asha", str(experiment / "gpt2_large.yaml"), str(experiment), "--runner", "simulated"]
+    try:
+        return main([*args, "--simulator", "sim.py:perf", "--results-dir", "out", *ORIGINAL_FLAGS])
+    finally:
+        monkeypatch.delenv("STOP_AT_CALL")
+
+
 @pytest.fixture
 def interrupted(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> tuple[Path, str]:
     """A search interrupted a few trials in, started with relative paths from tmp_path; returns
     its results dir and the resume command dsat printed."""
-    (tmp_path / "sim.py").write_text(STOPPING_SIMULATOR)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("STOP_AT_CALL", "6")
-    args = ["asha", str(SIMULATED / "gpt2_large.yaml"), str(SIMULATED), "--runner", "simulated"]
-    code = main([*args, "--simulator", "sim.py:perf", "--results-dir", "out", *ORIGINAL_FLAGS])
+    code = interrupt_at(6, tmp_path, monkeypatch)
     err = capsys.readouterr().err
     assert code == 130 and 2 <= len(rows(tmp_path / "out")) < 14, err
-    monkeypatch.delenv("STOP_AT_CALL")
     hint = err.strip().splitlines()[-1]
     assert "Resume with: " in hint
     return tmp_path / "out", hint.split("Resume with: ", 1)[1]
@@ -196,14 +206,9 @@ def test_a_damaged_or_foreign_results_dir_is_one_line(
 def test_a_search_stopped_during_its_first_trial_resumes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    (tmp_path / "sim.py").write_text(STOPPING_SIMULATOR)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("STOP_AT_CALL", "1")  # Ctrl-C during the model-profile trial
-    args = ["asha", str(SIMULATED / "gpt2_large.yaml"), str(SIMULATED), "--runner", "simulated"]
-    code = main([*args, "--simulator", "sim.py:perf", "--results-dir", "out", *ORIGINAL_FLAGS])
+    code = interrupt_at(1, tmp_path, monkeypatch)  # Ctrl-C during the model-profile trial
     assert code == 130 and "Resume with: " in capsys.readouterr().err
     assert not (tmp_path / "out" / TRIALS_FILE).exists()  # nothing finished
-    monkeypatch.delenv("STOP_AT_CALL")
     assert main(["asha", "--resume", "out"]) == 0
     finished = [row for row in rows(tmp_path / "out") if row["kind"] != "confirm"]
     assert len(finished) == 14 and finished[0]["kind"] == "model_profile"
@@ -235,16 +240,10 @@ def test_more_trials_for_a_search_in_its_confirmation_round_are_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Taken and saved, and no trial more ran: the round ends the search whatever the budget."""
-    (tmp_path / "sim.py").write_text(STOPPING_SIMULATOR)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("STOP_AT_CALL", "17")  # 14 trials and the baseline, then the round
-    args = ["asha", str(SIMULATED / "gpt2_large.yaml"), str(SIMULATED), "--runner", "simulated"]
-    assert (
-        main([*args, "--simulator", "sim.py:perf", "--results-dir", "out", *ORIGINAL_FLAGS]) == 130
-    )
+    # 14 trials and the baseline, then the round
+    assert interrupt_at(17, tmp_path, monkeypatch) == 130
     assert any(row["kind"] == "confirm" for row in rows(tmp_path / "out"))
     capsys.readouterr()
-    monkeypatch.delenv("STOP_AT_CALL")
     assert_one_line_error(
         capsys,
         ["asha", "--resume", "out", "--max-trials", "20"],
@@ -263,14 +262,7 @@ def test_an_experiment_edited_since_the_search_began_is_refused_on_resume(
 
     experiment = tmp_path / "simulated"
     shutil.copytree(SIMULATED, experiment)
-    (tmp_path / "sim.py").write_text(STOPPING_SIMULATOR)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("STOP_AT_CALL", "6")
-    args = ["asha", str(experiment / "gpt2_large.yaml"), str(experiment), "--runner", "simulated"]
-    assert (
-        main([*args, "--simulator", "sim.py:perf", "--results-dir", "out", *ORIGINAL_FLAGS]) == 130
-    )
-    monkeypatch.delenv("STOP_AT_CALL")
+    assert interrupt_at(6, tmp_path, monkeypatch, experiment) == 130
     capsys.readouterr()
     yaml_path = experiment / "gpt2_large.yaml"
     original = yaml_path.read_text()
@@ -296,14 +288,7 @@ def test_a_project_that_moved_resumes_from_its_new_place(
 
     old, new = tmp_path / "old", tmp_path / "new"
     shutil.copytree(SIMULATED, old)
-    (tmp_path / "sim.py").write_text(STOPPING_SIMULATOR)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("STOP_AT_CALL", "6")
-    args = ["asha", str(old / "gpt2_large.yaml"), str(old), "--runner", "simulated"]
-    assert (
-        main([*args, "--simulator", "sim.py:perf", "--results-dir", "out", *ORIGINAL_FLAGS]) == 130
-    )
-    monkeypatch.delenv("STOP_AT_CALL")
+    assert interrupt_at(6, tmp_path, monkeypatch, old) == 130
     capsys.readouterr()
     old.rename(new)
     assert_one_line_error(
@@ -325,11 +310,5 @@ def test_a_second_ctrl_c_while_the_trials_stop_still_says_how_to_resume(
         raise KeyboardInterrupt  # the user presses Ctrl-C again while trials stop
 
     monkeypatch.setattr(SimulatedRunner, "stop_all", impatient)
-    (tmp_path / "sim.py").write_text(STOPPING_SIMULATOR)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("STOP_AT_CALL", "6")
-    args = ["asha", str(SIMULATED / "gpt2_large.yaml"), str(SIMULATED), "--runner", "simulated"]
-    assert (
-        main([*args, "--simulator", "sim.py:perf", "--results-dir", "out", *ORIGINAL_FLAGS]) == 130
-    )
+    assert interrupt_at(6, tmp_path, monkeypatch) == 130
     assert "Resume with: " in capsys.readouterr().err.strip().splitlines()[-1]

@@ -380,41 +380,38 @@ class RayRunner:
         """Ray's memory monitor stopped the trial's actor (and with it the trial) because its
         node ran low on host memory: out of memory, as the kernel's OOM killer is on the local
         runner, not a lost node."""
-        start = self.now() if trial.start is None else trial.start
-        self._stop(trial)
-        with contextlib.suppress(OSError):
-            self._collect_logs(trial)
-        self._release(trial)
-        return TrialOutcome(
-            trial.request_id,
-            TrialStatus.OOM,
-            {},
-            "out of host memory: Ray's memory monitor stopped the trial on its node "
-            f"({one_line(str(err))})",
-            start,
-            self.now(),
-            FailureCause.CONFIG,
-            str(self._log_path(trial, 0)),
+        reason = "out of host memory: Ray's memory monitor stopped the trial on its node"
+        return self._ended_by_ray(
+            trial, TrialStatus.OOM, f"{reason} ({one_line(str(err))})", FailureCause.CONFIG
         )
 
     def _node_failed(self, trial: RayTrial, err: Exception) -> TrialOutcome:
         """A step of the trial's actor raised on its node: the machine's fault, not the
         config's; its other nodes are stopped and the search runs it again."""
-        start = self.now() if trial.start is None else trial.start
         cause = getattr(err, "cause", None) or err
+        error = f"a node of this trial failed to run it: {type(cause).__name__}: "
+        return self._ended_by_ray(
+            trial, TrialStatus.ERROR, error + one_line(str(cause)), FailureCause.MACHINE
+        )
+
+    def _ended_by_ray(
+        self, trial: RayTrial, status: TrialStatus, error: str, cause: FailureCause
+    ) -> TrialOutcome:
+        """The trial's end as Ray said it (not as its processes exited): what still runs of it
+        is stopped, the logs that can be read come back, its actors and group go."""
+        start = self.now() if trial.start is None else trial.start  # ended while it started
         self._stop(trial)
         with contextlib.suppress(OSError):
             self._collect_logs(trial)
         self._release(trial)
         return TrialOutcome(
             trial.request_id,
-            TrialStatus.ERROR,
+            status,
             {},
-            f"a node of this trial failed to run it: {type(cause).__name__}: "
-            f"{one_line(str(cause))}",
+            error,
             start,
             self.now(),
-            FailureCause.MACHINE,
+            cause,
             str(self._log_path(trial, 0)),
         )
 
@@ -481,22 +478,12 @@ class RayRunner:
 
     def _node_lost(self, trial: RayTrial) -> TrialOutcome:
         """A node of the trial is gone: its other ranks are stopped; the trial is an error."""
-        start = self.now() if trial.start is None else trial.start  # lost while it started
-        lost = self._lost_nodes(trial)
-        self._stop(trial)
-        self._collect_logs(trial)
-        self._release(trial)
-        return TrialOutcome(
-            trial.request_id,
-            TrialStatus.ERROR,
-            {},
-            f"node lost: Ray node {', '.join(lost) or '(unknown)'} of this trial left the "
-            "cluster while it ran; its other nodes' processes were stopped",
-            start,
-            self.now(),
-            FailureCause.MACHINE,
-            str(self._log_path(trial, 0)),
+        lost = ", ".join(self._lost_nodes(trial)) or "(unknown)"
+        error = (
+            f"node lost: Ray node {lost} of this trial left the cluster while it ran; its other "
+            "nodes' processes were stopped"
         )
+        return self._ended_by_ray(trial, TrialStatus.ERROR, error, FailureCause.MACHINE)
 
     def _lost_nodes(self, trial: RayTrial) -> list[str]:
         alive = {node["NodeID"] for node in self.ray.nodes() if node["Alive"]}
