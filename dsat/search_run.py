@@ -21,12 +21,7 @@ from dsat.runners.driver import SearchDriver, TrialListener
 from dsat.runners.trial_runner import TrialRunner
 from dsat.search import MethodSettings, make_search_method
 from dsat.search.method import DsatSearchMethod
-from dsat.search.method_state import (
-    STATE_VERSION,
-    experiment_changes,
-    load_state_json,
-    save_state,
-)
+from dsat.search.method_state import experiment_changes, load_state_json, save_state
 from dsat.search.trial_builder import SearchSpec
 from dsat.trial import TrialOutcome
 
@@ -110,12 +105,6 @@ def run_search(
     if resuming:
         try:
             state = json.loads((results_dir / STATE_FILE).read_text())
-            version = state.get("version") if isinstance(state, dict) else None
-            if isinstance(version, int) and version > STATE_VERSION:
-                raise DsatError(
-                    f"{shown(results_dir / STATE_FILE)}: written by a newer dsat (state version "
-                    f"{version}, this one reads {STATE_VERSION}); resume it with that dsat"
-                )
             changed = experiment_changes(method, state)
             if not changed:
                 load_state_json(method, state)

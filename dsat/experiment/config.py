@@ -200,30 +200,19 @@ def hyperparameter_values(hparams: Mapping[str, Any], where: str) -> dict[str, A
     mapping (``optimizer: {type: adamw, lr: ...}``) is the user's own and stays as it is."""
     values: dict[str, Any] = {}
     for name, value in hparams.items():
-        path = f"{where}.{name}"
-        if (
-            isinstance(value, Mapping)
-            and value.get("type") == "const"
-            and set(value)
-            == {
-                "type",
-                "val",
-            }
-        ):
+        if not isinstance(value, Mapping):
+            values[name] = value
+            continue
+        kind, keys = value.get("type"), set(value) - {"type"}
+        if kind == "const" and keys == {"val"}:
             values[name] = value["val"]
-        elif (
-            isinstance(value, Mapping)
-            and value.get("type") in RANGE_KEYS
-            and set(value) - {"type"} <= RANGE_KEYS[value["type"]]
-        ):
+        elif kind in RANGE_KEYS and keys <= RANGE_KEYS[kind]:
             raise DsatError(
-                f"{path} is a range (type: {value['type']}); dsat tunes the DeepSpeed config of "
+                f"{where}.{name} is a range (type: {kind}); dsat tunes the DeepSpeed config of "
                 "your model as it is: give it one value (type: const, val: ...)"
             )
-        elif isinstance(value, Mapping):
-            values[name] = hyperparameter_values(value, path)
         else:
-            values[name] = value
+            values[name] = hyperparameter_values(value, f"{where}.{name}")
     return values
 
 

@@ -20,7 +20,7 @@ from dsat.atomic_file import write_json_atomic, write_text_atomic
 from dsat.constants import AUTOTUNING_KEY, DSAT_MODE_KEY, OVERWRITE_KEY
 from dsat.errors import DsatError
 from dsat.results.cost import search_cost
-from dsat.results.utilization import Utilization
+from dsat.results.utilization import Utilization, positive_number
 from dsat.search.confirmation import rounds_note
 from dsat.search.tracker import TrialTracker
 from dsat.trial import TrialKind, TrialRecord, TrialStatus
@@ -227,19 +227,13 @@ class ResultsWriter:
             for r in (best, *tracker.confirmation_runs(best.request_id))
             if r.status is TrialStatus.COMPLETED
         ]
-        rates = [v for r in runs if (v := _positive(r.metrics.get("throughput"))) is not None]
+        rates = [v for r in runs if (v := positive_number(r.metrics.get("throughput"))) is not None]
         flops = [v for r in runs if (v := tracker.model_flops(r)) is not None]
         metrics = dict(best.metrics)
         if rates:
             metrics["throughput"] = sum(rates) / len(rates)
         mean_flops = sum(flops) / len(flops) if flops else None
         return self.utilization.line(metrics, mean_flops, tracker.slots_per_trial, len(runs))
-
-
-def _positive(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        return None
-    return float(value)
 
 
 def summary_table(tracker: TrialTracker) -> str:

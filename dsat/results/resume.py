@@ -22,6 +22,7 @@ from dsat.constants import SETTINGS_FILE, STATE_FILE
 from dsat.errors import DsatError
 from dsat.experiment.settings import SearchSettings
 from dsat.paths import absolute, shown
+from dsat.search.method_state import STATE_VERSION
 
 # Settings a resumed search may change: how many trials, how many at once, how long each may run,
 # how trial processes start, where the Ray cluster is, and whether a full run follows. Everything
@@ -148,6 +149,12 @@ def read_saved_state(results_dir: Path, method: str) -> dict[str, Any]:
         ) from None
     if not isinstance(state, dict) or "tracker" not in state:
         raise DsatError(f"{shown(path)}: not a dsat search state; start a new search")
+    version = state.get("version")
+    if isinstance(version, int) and version > STATE_VERSION:
+        raise DsatError(
+            f"{shown(path)}: written by a newer dsat (state version {version}, this one reads "
+            f"{STATE_VERSION}); resume it with that dsat"
+        )
     if state.get("method") != method:
         raise DsatError(
             f"{shown(path)}: the saved search is {state.get('method')!r}, not {method!r} "

@@ -26,7 +26,8 @@ SEQ_LEN_FLAGS = tuple(f"--{key}" for key in SEQ_LEN_KEYS) + tuple(
 )
 
 
-def _number(value: Any) -> float | None:
+def positive_number(value: Any) -> float | None:
+    """``value`` as a float where it is a positive number (not a bool); else None."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
         return None
     return float(value)
@@ -47,10 +48,10 @@ class Utilization:
     ) -> Utilization:
         """From dsat's flags, else the experiment's hyperparameters, else its entrypoint's."""
         if seq_len is None:
-            found = [_number(hparams.get(key)) for key in SEQ_LEN_KEYS]
+            found = [positive_number(hparams.get(key)) for key in SEQ_LEN_KEYS]
             given = entrypoint_flag(entrypoint, SEQ_LEN_FLAGS)
             if given is not None and given.isdigit():
-                found.append(_number(int(given)))
+                found.append(positive_number(int(given)))
             seq_len = next((int(v) for v in found if v is not None), None)
         return cls(seq_len, None if peak_tflops is None else peak_tflops * 1e12)
 
@@ -59,11 +60,11 @@ class Utilization:
         ``flops``: its FLOPS_per_gpu counting the model once (TrialTracker.model_flops), else
         the trial's own."""
         found: dict[str, float] = {}
-        throughput = _number(metrics.get("throughput"))
+        throughput = positive_number(metrics.get("throughput"))
         if self.seq_len and throughput is not None:
             found[TOKENS_KEY] = throughput * self.seq_len
-        flops = _number(metrics.get("FLOPS_per_gpu")) if flops is None else flops
-        peak = self.peak_flops or _number(metrics.get("device_peak_flops"))
+        flops = positive_number(metrics.get("FLOPS_per_gpu")) if flops is None else flops
+        peak = self.peak_flops or positive_number(metrics.get("device_peak_flops"))
         if flops is not None and peak:
             found[MFU_KEY] = flops / peak
         return found
@@ -85,7 +86,7 @@ class Utilization:
             each = f", {tokens / gpus:.4g} per GPU" if gpus > 1 else ""
             parts.append(f"{tokens:.4g} tokens/s (sequence {self.seq_len}{each})")
         if MFU_KEY in found:
-            peak = self.peak_flops or _number(metrics.get("device_peak_flops")) or 0.0
+            peak = self.peak_flops or positive_number(metrics.get("device_peak_flops")) or 0.0
             parts.append(f"MFU {found[MFU_KEY]:.1%} of {peak / 1e12:.4g} TFLOPS per GPU")
         if not parts:
             return ""

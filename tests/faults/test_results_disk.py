@@ -97,28 +97,23 @@ def test_an_unwritable_results_dir_is_one_line_and_nothing_is_written(
         locked.chmod(0o700)
 
 
-def test_a_results_dir_under_a_file_is_one_line_and_nothing_is_written(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(
+    ("under_the_file", "says"),
+    [
+        ("results", "{}: cannot write the results there"),
+        # It said "cannot write the results there (File exists)".
+        ("", "{} is a file, not a directory"),
+    ],
+)
+def test_a_results_dir_under_or_at_a_file_is_one_line_and_nothing_is_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], under_the_file: str, says: str
 ) -> None:
     (tmp_path / "a-file").write_text("not a directory\n")
+    results = tmp_path / "a-file" / under_the_file  # "": the file itself
     one_line_error(
         capsys,
-        simulated_search(tmp_path / "a-file" / "results"),
-        f"--results-dir {tmp_path / 'a-file' / 'results'}: cannot write the results there",
-        "choose a writable directory with --results-dir",
-    )
-    assert (tmp_path / "a-file").read_text() == "not a directory\n"
-
-
-def test_a_results_dir_that_is_a_file_says_so(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """It said "cannot write the results there (File exists)"."""
-    (tmp_path / "a-file").write_text("not a directory\n")
-    one_line_error(
-        capsys,
-        simulated_search(tmp_path / "a-file"),
-        f"--results-dir {tmp_path / 'a-file'} is a file, not a directory",
+        simulated_search(results),
+        says.format(f"--results-dir {results}"),
         "choose a writable directory with --results-dir",
     )
     assert (tmp_path / "a-file").read_text() == "not a directory\n"

@@ -86,8 +86,9 @@ def ran_out_of_host_memory(err: Exception) -> bool:
     return "OutOfMemoryError" in text or "running low on memory" in text
 
 
-def one_line(text: str) -> str:
-    """Ray's messages span lines (tracebacks, indented context); the search's lines do not."""
+def last_line(text: str) -> str:
+    """The last line of one of Ray's messages, which span lines (tracebacks, indented context)
+    where the search's reasons do not: its exception, as its own last line says it."""
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     return lines[-1] if lines else text
 
@@ -369,7 +370,7 @@ class RayRunner:
             if err.actor_init_failed:
                 self.stop_all()
                 raise DsatError(
-                    f"dsat cannot run on a node of the Ray cluster ({one_line(str(err))}); "
+                    f"dsat cannot run on a node of the Ray cluster ({last_line(str(err))}); "
                     "install dsat with its ray extra on every node, the same version as here"
                 ) from None
             return self._node_lost(trial)
@@ -382,7 +383,7 @@ class RayRunner:
         runner, not a lost node."""
         reason = "out of host memory: Ray's memory monitor stopped the trial on its node"
         return self._ended_by_ray(
-            trial, TrialStatus.OOM, f"{reason} ({one_line(str(err))})", FailureCause.CONFIG
+            trial, TrialStatus.OOM, f"{reason} ({last_line(str(err))})", FailureCause.CONFIG
         )
 
     def _node_failed(self, trial: RayTrial, err: Exception) -> TrialOutcome:
@@ -391,7 +392,7 @@ class RayRunner:
         cause = getattr(err, "cause", None) or err
         error = f"a node of this trial failed to run it: {type(cause).__name__}: "
         return self._ended_by_ray(
-            trial, TrialStatus.ERROR, error + one_line(str(cause)), FailureCause.MACHINE
+            trial, TrialStatus.ERROR, error + last_line(str(cause)), FailureCause.MACHINE
         )
 
     def _ended_by_ray(
