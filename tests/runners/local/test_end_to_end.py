@@ -177,9 +177,17 @@ def test_a_search_runs_its_trials_in_a_trial_host(tmp_path: Path) -> None:
     assert all(measured_a_window(row["metrics"]) for row in rows[1:])
     trial_logs = sorted((results / "logs").glob("[0-9]*.log"))
     assert trial_logs and all(HOST_TRIAL_MARK in log.read_text() for log in trial_logs)
-    # One host served them all: none was replaced, none died.
+    # No host was replaced for an engine left alive or DeepSpeed imported after its baseline. One
+    # may leave for its measured pace: after ZeRO-3 on the CPU, gloo's threads keep OpenMP pools
+    # that slow small products, most where another process loads the cores (CI's other worker).
     worker_log = (results / "logs" / "warm-worker-cpu0.log").read_text()
-    assert "trial host" not in worker_log, worker_log[-3000:]
+    reasons = [
+        reason
+        for line in worker_log.splitlines()
+        if line.startswith("dsat: this trial host leaves: ")
+        for reason in line.removeprefix("dsat: this trial host leaves: ").split("; ")
+    ]
+    assert all(reason.startswith("torch's small CPU operations") for reason in reasons), reasons
     assert json.loads((results / "settings.json").read_text())["trial_host"] is True
 
 
