@@ -261,7 +261,7 @@ class GuidedSearch(DsatSearchMethod):
                     peak = float(record.metrics["memory_peak_bytes"])
                     limit = self.tracker.memory_limit(float(record.metrics["memory_total_bytes"]))
                     state.over_margin[record.mbs] = (peak - limit, peak)
-            elif record.status.failed:
+            elif record.status.failed and not self.tracker.machine_failed_once(record):
                 state.failed[record.mbs] = record.status
             elif not record.status.finished:
                 state.pending_mbs.add(record.mbs)

@@ -129,7 +129,9 @@ class DsatSearchMethod(SearchMethod):
                 cause=outcome.cause,
                 log=outcome.log,
             )
-            if record.kind is TrialKind.SEARCH:
+            if self.tracker.machine_failed_once(record):
+                self._follow_up(lambda: self.rerun(record))
+            elif record.kind is TrialKind.SEARCH:
                 self._follow_up(lambda: self.after_failure(record))
             elif record.kind is TrialKind.MODEL_PROFILE and self.next_fit_rung() is not None:
                 self._follow_up(self.climb)
@@ -346,6 +348,23 @@ class DsatSearchMethod(SearchMethod):
         if not self.settings.offload and level == 0:
             return [rung.zero]
         return offload_choices(stage, level, self.settings.offload_nvme) or [rung.zero]
+
+    def rerun(self, failed: TrialRecord) -> list[TrialRecord]:
+        """``failed``'s configuration once more, next in its lineage: the machine failed it on
+        every attempt, and a machine fault is not the configuration's (a GPU that comes back, a
+        node replaced). Were it left as failed, every method would take its micro-batch for too
+        large and search below it."""
+        again = failed.replace(
+            request_id=self.builder.request_id(self.next_index),
+            index=self.next_index,
+            parent_id=failed.request_id,
+            status=TrialStatus.QUEUED,
+            metrics={},
+            error=None,
+            cause=None,
+            log=None,
+        )
+        return [again] if self.register(again) is not None else []
 
     def make_trial(
         self,

@@ -132,6 +132,8 @@ class TrialTracker:
         self._records[request_id] = record
         self._usable_stale = True
         self._note_flops(record)
+        if self.machine_failed_once(record):  # free for the run again (method.rerun)
+            self._keys.discard(config_key(record))
         if record.kind is TrialKind.SEARCH:
             if self.best() is record:
                 self.trials_since_best = 0
@@ -317,8 +319,21 @@ class TrialTracker:
         but left less than the margin free. Searches treat both alike (a binary search goes
         below it), so that they look for the best configuration that can be handed over."""
         if record.status.failed:
-            return True
+            return not self.machine_failed_once(record)
         return record.status is TrialStatus.COMPLETED and not self.leaves_margin(record)
+
+    def machine_failed_once(self, record: TrialRecord) -> bool:
+        """Whether the machine failed this search trial on every attempt, the first time its
+        configuration ran: that says nothing of the configuration, which runs once more
+        (DsatSearchMethod.rerun). A second such failure of it counts against it, as any."""
+        if record.kind is not TrialKind.SEARCH or record.cause is not FailureCause.MACHINE:
+            return False
+        parent = self._records.get(record.parent_id) if record.parent_id else None
+        return not (
+            parent is not None
+            and parent.cause is FailureCause.MACHINE
+            and config_key(parent) == config_key(record)
+        )
 
     def best_of(self, records: list[TrialRecord]) -> TrialRecord | None:
         """The best of ``records`` that may be handed over (``may_hand_over``)."""
@@ -388,8 +403,10 @@ class TrialTracker:
         for item in data["records"]:
             record = TrialRecord.from_json(item)
             self._records[record.request_id] = record
-            self._keys.add(config_key(record))
             self._index_confirmation(record)
+        self._keys = {
+            config_key(r) for r in self._records.values() if not self.machine_failed_once(r)
+        }
         self.queue = list(data["queue"])
         self.trials_since_best = int(data["trials_since_best"])
         self.confirmed_id = data.get("confirmed_id")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -9,7 +10,7 @@ import pytest
 from dsat.search.ending import profile_failure, repeated_script_failure
 from dsat.trial import TrialOutcome, TrialRecord, TrialStatus
 from dsat.trial_failure import MACHINE_FAILURES_TO_STOP, SCRIPT_FAILURES_TO_STOP, FailureCause
-from tests.search.helpers import method, start_profile, suggested
+from tests.search.helpers import finish, method, start_profile, suggested
 
 TOO_SHORT = "DeepSpeed stopped after 3 steps; it needs 15 to measure this configuration"
 
@@ -56,6 +57,36 @@ def test_trials_the_machine_fails_on_every_attempt_stop_the_search(name: str) ->
         f"the machine failed the last {MACHINE_FAILURES_TO_STOP} trials on every attempt, not "
         "their configurations: the GPU is failing (log: x.log); fix the machine"
     ), reason
+
+
+@pytest.mark.parametrize("name", ["binary", "random", "guided", "asha"])
+def test_a_trial_the_machine_failed_runs_again_and_only_a_second_failure_counts(name: str) -> None:
+    """A trial the machine failed on every attempt (a GPU that came back) is not its
+    configuration's failure: it runs once more, and its micro-batch is not taken for too large
+    until the machine fails that run too."""
+    m = method(name, max_trials=40)
+    running = start_profile(m)
+    first = running.pop(0)
+    gone = "the machine failed this trial 3 time(s), not its configuration: the GPU is failing"
+    fail(m, first, gone, FailureCause.MACHINE)
+    assert not m.tracker.too_large(m.tracker.get(first.request_id))
+    again = [r for r in suggested(m) if r.parent_id == first.request_id]
+    assert [(r.hparams, r.mbs, r.lineage_id) for r in again] == [
+        (first.hparams, first.mbs, first.lineage_id)
+    ]
+    (rerun,) = again
+    if name == "guided":  # its own plan does not propose the micro-batch again beside it
+        keys = [(r.zero_key, r.mbs) for r in m.tracker.records if not r.status.finished]
+        assert keys.count((first.zero_key, first.mbs)) == 1
+    # Saved and loaded, the state says the same (a resume between the two runs).
+    loaded = method(name, max_trials=40)
+    loaded.load_state_json(json.loads(json.dumps(m.state_json())))
+    assert loaded.tracker.is_repeat(rerun) and not loaded.tracker.too_large(first)
+    if running:  # a success between the two: the machine's failures are not in a row
+        finish(m, running.pop(0).request_id)
+    fail(m, rerun, gone, FailureCause.MACHINE)
+    assert m.tracker.too_large(m.tracker.get(rerun.request_id))
+    assert not any(r.parent_id == rerun.request_id and r.mbs == rerun.mbs for r in suggested(m))
 
 
 def test_failures_that_differ_or_may_be_the_configs_do_not_stop_it() -> None:
