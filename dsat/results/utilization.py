@@ -17,7 +17,10 @@ from dsat.experiment.config import entrypoint_flag
 # What ``derived`` adds to a trial's metrics: worked out from them, not measured.
 TOKENS_KEY = "tokens_per_second"
 MFU_KEY = "mfu"
-DERIVED_KEYS = (TOKENS_KEY, MFU_KEY)
+# The peak ``mfu`` is against: --peak-tflops where given, which the trial's own
+# ``device_peak_flops`` (its GPU's in dsat's table) beside it would not say.
+MFU_PEAK_KEY = "mfu_peak_flops"
+DERIVED_KEYS = (TOKENS_KEY, MFU_KEY, MFU_PEAK_KEY)
 # Hyperparameters that name the sequence length, in the spellings training scripts use.
 SEQ_LEN_KEYS = ("seq_len", "seq_length", "sequence_length", "max_seq_length", "block_size")
 # Entrypoint flags that do (HF's example scripts: --max_seq_length, --block_size).
@@ -67,6 +70,7 @@ class Utilization:
         peak = self.peak_flops or positive_number(metrics.get("device_peak_flops"))
         if flops is not None and peak:
             found[MFU_KEY] = flops / peak
+            found[MFU_PEAK_KEY] = peak
         return found
 
     def line(
@@ -86,7 +90,7 @@ class Utilization:
             each = f", {tokens / gpus:.4g} per GPU" if gpus > 1 else ""
             parts.append(f"{tokens:.4g} tokens/s (sequence {self.seq_len}{each})")
         if MFU_KEY in found:
-            peak = self.peak_flops or positive_number(metrics.get("device_peak_flops")) or 0.0
+            peak = found[MFU_PEAK_KEY]
             parts.append(f"MFU {found[MFU_KEY]:.1%} of {peak / 1e12:.4g} TFLOPS per GPU")
         if not parts:
             return ""

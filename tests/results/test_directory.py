@@ -91,7 +91,7 @@ def test_results_files(tmp_path: Path) -> None:
     assert deepspeed_config_error(config, world_size=16) is None  # ready for deepspeed.initialize
     # The hand-over's metrics, with MFU worked out (the simulated GPU reports its peak).
     derived = Utilization().derived(best.metrics)
-    assert set(derived) == {"mfu"}
+    assert set(derived) == {"mfu", "mfu_peak_flops"}
     assert json.loads((tmp_path / BEST_METRICS_FILE).read_text()) == {**best.metrics, **derived}
     assert (tmp_path / STATE_FILE).is_file() and (tmp_path / SETTINGS_FILE).is_file()
     summary = (tmp_path / SUMMARY_FILE).read_text()

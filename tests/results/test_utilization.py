@@ -23,9 +23,17 @@ METRICS = {"throughput": 50.0, "FLOPS_per_gpu": 1.5e14, "device_peak_flops": 3.1
 
 def test_tokens_per_second_and_mfu_from_a_trials_metrics() -> None:
     found = Utilization(seq_len=1024).derived(METRICS)
-    assert found == {"tokens_per_second": 50.0 * 1024, "mfu": pytest.approx(1.5 / 3.12)}
-    # --peak-tflops overrides the device's; without a sequence length no tokens/s.
-    assert Utilization(peak_flops=3e14).derived(METRICS) == {"mfu": pytest.approx(0.5)}
+    assert found == {
+        "tokens_per_second": 50.0 * 1024,
+        "mfu": pytest.approx(1.5 / 3.12),
+        "mfu_peak_flops": 3.12e14,
+    }
+    # --peak-tflops overrides the device's, and the metrics say which peak the MFU is against;
+    # without a sequence length no tokens/s.
+    assert Utilization(peak_flops=3e14).derived(METRICS) == {
+        "mfu": pytest.approx(0.5),
+        "mfu_peak_flops": 3e14,
+    }
     assert Utilization().derived({"throughput": 50.0, "FLOPS_per_gpu": 1e12}) == {}
     line = Utilization(seq_len=1024).line(METRICS)
     assert (
