@@ -113,10 +113,16 @@ def full_experiment_hparams(record: TrialRecord) -> dict[str, Any]:
 class ResultsWriter:
     """Keeps the results directory current; every file is replaced atomically.
 
-    ``slot_kind``: what the trials' slots are, "GPU" or "CPU", for the cost in the summary."""
+    ``slot_kind``: what the trials' slots are, "GPU" or "CPU", for the cost in the summary.
+    ``continued_clock``: the runner's clock carries on across a resume (the wall clock of a
+    Determined search runner, restarted while its trials run on), so rows are not shifted."""
 
     def __init__(
-        self, directory: Path, slot_kind: str = "GPU", utilization: Utilization | None = None
+        self,
+        directory: Path,
+        slot_kind: str = "GPU",
+        utilization: Utilization | None = None,
+        continued_clock: bool = False,
     ) -> None:
         self.directory = Path(directory)
         self.slot_kind = slot_kind
@@ -135,7 +141,8 @@ class ResultsWriter:
         self._best_id: str | None = None
         # A resumed search's runner counts time from its own start: carry on from the last end,
         # so start/end stay seconds of search (the time it was stopped left out).
-        self._clock_offset = max((float(line.get("end", 0.0)) for line in self._lines), default=0.0)
+        ends = [float(line.get("end", 0.0)) for line in self._lines]
+        self._clock_offset = 0.0 if continued_clock else max(ends, default=0.0)
 
     @property
     def lines(self) -> list[dict[str, Any]]:

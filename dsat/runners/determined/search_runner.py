@@ -14,6 +14,7 @@ no DeepSpeed, no torch, no terminal UI.
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import time
@@ -51,6 +52,9 @@ logger = logging.getLogger(__name__)
 
 OPERATIONS_FILE = "searcher_operations.json"
 FULL_EXPERIMENT_FILE = "full_experiment_id.txt"
+# When each trial still running started (wall-clock seconds): its cost, once it ends after a
+# restart of the search runner, is counted from there.
+TRIAL_STARTS_FILE = "trial_starts.json"
 RESULT_FILES = (TRIALS_FILE, BEST_CONFIG_FILE, BEST_METRICS_FILE, SUMMARY_FILE)
 
 
@@ -71,10 +75,15 @@ class CheckpointedSearchRunner(searcher.RemoteSearchRunner):  # type: ignore[mis
         self.method = method
         self.results_dir = results_dir
         self.utilization = utilization
-        self.writer = ResultsWriter(results_dir, utilization=utilization)
+        self.writer = self._results_writer()
         self.started: dict[str, float] = {}
         self.last_operations: list[searcher.Operation] = []
         self.full_experiment_id: int | None = None
+
+    def _results_writer(self) -> ResultsWriter:
+        # Trials keep running on the cluster while the search runner restarts: the wall clock
+        # carries on, and a row's times are its own.
+        return ResultsWriter(self.results_dir, utilization=self.utilization, continued_clock=True)
 
     # ------------------------------------------------------------------ events
 
@@ -102,6 +111,7 @@ class CheckpointedSearchRunner(searcher.RemoteSearchRunner):  # type: ignore[mis
         with self.context.checkpoint.store_path(metadata) as (path, _storage_id):
             self.search_method.save(self.state, path, experiment_id=experiment_id)
             (path / OPERATIONS_FILE).write_text(operations_to_text(operations))
+            (path / TRIAL_STARTS_FILE).write_text(json.dumps(self.started, sort_keys=True))
             for name in RESULT_FILES:
                 if (self.results_dir / name).is_file():
                     shutil.copyfile(self.results_dir / name, path / name)
@@ -117,7 +127,10 @@ class CheckpointedSearchRunner(searcher.RemoteSearchRunner):  # type: ignore[mis
                     shutil.copyfile(path / name, self.results_dir / name)
             if (path / FULL_EXPERIMENT_FILE).is_file():
                 self.full_experiment_id = int((path / FULL_EXPERIMENT_FILE).read_text())
-        self.writer = ResultsWriter(self.results_dir, utilization=self.utilization)
+            if (path / TRIAL_STARTS_FILE).is_file():  # none in a checkpoint of an older dsat
+                starts = json.loads((path / TRIAL_STARTS_FILE).read_text())
+                self.started = {str(k): float(v) for k, v in starts.items()}
+        self.writer = self._results_writer()
         self.last_operations = operations
         return int(experiment_id), operations
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -190,6 +191,7 @@ def test_a_restarted_search_runner_resumes_and_ends_as_an_uninterrupted_one(
     tmp_path: Path,
 ) -> None:
     results = {}
+    began = time.time()
     for crash in (None, 9):
         master = FakeMaster(ScriptedTrials())
         with (
@@ -208,6 +210,11 @@ def test_a_restarted_search_runner_resumes_and_ends_as_an_uninterrupted_one(
             [line["request_id"] for line in trial_lines(checkpoint)],
             len(master.checkpoints),
         )
+        # Each row's time is its own, on the wall clock, across the restart: a trial that ran
+        # on while the search runner restarted is counted from its start (the cost line adds
+        # them up), and no row is shifted by the time before the restart.
+        times = [(line["start"], line["end"]) for line in trial_lines(checkpoint)]
+        assert all(began < start < end <= time.time() for start, end in times), times
     uninterrupted, restarted = results[None], results[9]
     assert restarted[0] == uninterrupted[0]  # the same trials, none created twice
     assert restarted[1] == uninterrupted[1]  # the same best config
