@@ -137,3 +137,18 @@ class TrialNodeHost:
         """Remove the trial's copy and log from the node (the runner has fetched what it keeps)."""
         shutil.rmtree(self.directory, ignore_errors=True)
         self.log_path.unlink(missing_ok=True)
+
+
+def left_behind_log(name: str, offset: int) -> bytes:
+    """Trial ``name``'s log on this node from ``offset``, and its copy and log removed: run on
+    the node after the trial's actor died there (Ray's memory monitor, a worker crash), when
+    nothing else reads or cleans them. A Ray task pinned to the node runs it."""
+    host = TrialNodeHost(name)
+    try:
+        with host.log_path.open("rb") as handle:
+            handle.seek(offset)
+            found = handle.read()
+    except OSError:
+        found = b""
+    host.clean()
+    return found

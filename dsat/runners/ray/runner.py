@@ -36,7 +36,7 @@ from dsat.runners.local.entrypoint import NODE_PYTHON, rendezvous_environment, t
 from dsat.runners.local.full_run import FULL_RUN_DIR, FullExperimentFailed
 from dsat.runners.local.runner import HPARAMS_FILE
 from dsat.runners.local.trial_timeout import TrialTimeout
-from dsat.runners.ray.node_host import TrialNodeHost
+from dsat.runners.ray.node_host import TrialNodeHost, left_behind_log
 from dsat.runners.ray.placement import TrialLayout, node_capacities
 from dsat.trial import TrialOutcome, TrialStatus
 from dsat.trial_failure import FailureCause
@@ -184,7 +184,7 @@ class RayRunner:
                 chunk = self.ray.get(trial.hosts[0].read_log.remote(offset, LOG_CHUNK))
                 offset += len(chunk)
                 print(chunk.decode(errors="replace"), end="", flush=True)
-                if codes is None or (codes[0] is not None and not chunk):
+                if codes[0] is not None and not chunk:
                     break
                 if not chunk:
                     time.sleep(POLL_SECONDS)
@@ -266,10 +266,9 @@ class RayRunner:
             strategy = PlacementGroupSchedulingStrategy(
                 placement_group=trial.group, placement_group_bundle_index=rank
             )
-            directory = f"{self.search_name}/{trial.name}-node{rank}"
             trial.hosts.append(
                 self._host_class.options(scheduling_strategy=strategy, **resources).remote(
-                    directory
+                    self._node_directory(trial, rank)
                 )
             )
         ray = self.ray
@@ -338,14 +337,10 @@ class RayRunner:
 
     # ------------------------------------------------------------------ waiting and finishing
 
-    def _poll(self, trial: RayTrial) -> list[int | None] | None:
-        """Each node's exit code (None: still running); None when a node was lost."""
-        from ray.exceptions import RayActorError
-
-        try:
-            codes: list[int | None] = self.ray.get([host.poll.remote() for host in trial.hosts])
-        except RayActorError:
-            return None
+    def _poll(self, trial: RayTrial) -> list[int | None]:
+        """Each node's exit code (None: still running). An actor gone raises Ray's error, which
+        says why (its node lost, Ray's memory monitor)."""
+        codes: list[int | None] = self.ray.get([host.poll.remote() for host in trial.hosts])
         return codes
 
     def _advance(self, trial: RayTrial) -> TrialOutcome | None:
@@ -359,10 +354,7 @@ class RayRunner:
         try:
             if not self._launch_if_placed(trial):
                 return None
-            codes = self._poll(trial)
-            if codes is None:
-                return self._node_lost(trial)
-            return self._outcome_if_ended(trial, codes)
+            return self._outcome_if_ended(trial, self._poll(trial))
         except (RayActorError, RayOutOfMemoryError) as err:
             if ran_out_of_host_memory(err):
                 return self._host_memory_out(trial, err)
@@ -373,7 +365,7 @@ class RayRunner:
                     f"dsat cannot run on a node of the Ray cluster ({last_line(str(err))}); "
                     "install dsat with its ray extra on every node, the same version as here"
                 ) from None
-            return self._node_lost(trial)
+            return self._node_lost(trial, err)
         except RayTaskError as err:
             return self._node_failed(trial, err)
 
@@ -477,13 +469,20 @@ class RayRunner:
             str(self._log_path(trial, rank)),
         )
 
-    def _node_lost(self, trial: RayTrial) -> TrialOutcome:
-        """A node of the trial is gone: its other ranks are stopped; the trial is an error."""
-        lost = ", ".join(self._lost_nodes(trial)) or "(unknown)"
-        error = (
-            f"node lost: Ray node {lost} of this trial left the cluster while it ran; its other "
-            "nodes' processes were stopped"
-        )
+    def _node_lost(self, trial: RayTrial, err: Exception | None = None) -> TrialOutcome:
+        """A node of the trial is gone, or its actor there died (``err``) with the node still
+        up: its other ranks are stopped; the trial is the machine's error."""
+        lost = ", ".join(self._lost_nodes(trial))
+        if lost or err is None:
+            error = (
+                f"node lost: Ray node {lost or '(unknown)'} of this trial left the cluster while "
+                "it ran; its other nodes' processes were stopped"
+            )
+        else:
+            error = (
+                "the trial's Ray actor died on a node that is still up "
+                f"({last_line(str(err))}); its other nodes' processes were stopped"
+            )
         return self._ended_by_ray(trial, TrialStatus.ERROR, error, FailureCause.MACHINE)
 
     def _lost_nodes(self, trial: RayTrial) -> list[str]:
@@ -515,6 +514,10 @@ class RayRunner:
 
     # ------------------------------------------------------------------ what comes back
 
+    def _node_directory(self, trial: RayTrial, rank: int) -> str:
+        """The trial's copy on its ``rank``-th node, under the node's NODE_ROOT."""
+        return f"{self.search_name}/{trial.name}-node{rank}"
+
     def _log_path(self, trial: RayTrial, rank: int) -> Path:
         suffix = "" if rank == 0 else f"-node{rank}"
         return self.results_dir / "logs" / f"{trial.name}{suffix}.log"
@@ -534,12 +537,38 @@ class RayRunner:
                             host.read_log.remote(offset, LOG_CHUNK), timeout=STOP_WAIT_S
                         )
                     except (RayActorError, GetTimeoutError):
-                        log.write(b"\n[dsat: the rest of this log was lost with its node]\n")
+                        rest = self._left_behind_log(trial, rank, offset)
+                        log.write(
+                            rest
+                            if rest is not None
+                            else b"\n[dsat: the rest of this log was lost with its node]\n"
+                        )
                         break
                     if not chunk:
                         break
                     log.write(chunk)
                     offset += len(chunk)
+
+    def _left_behind_log(self, trial: RayTrial, rank: int, offset: int) -> bytes | None:
+        """The rest of a node's log, read by a task on that node, where its actor died but the
+        node is still there (the task also removes the trial's copy, which the actor would have);
+        None where the node is gone too."""
+        from ray.exceptions import GetTimeoutError, RayError
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        if rank >= len(trial.nodes) or trial.nodes[rank] in self._lost_nodes(trial):
+            return None
+        read = self.ray.remote(left_behind_log).options(
+            num_cpus=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(trial.nodes[rank], soft=False),
+        )
+        try:
+            found: bytes = self.ray.get(
+                read.remote(self._node_directory(trial, rank), offset), timeout=STOP_WAIT_S
+            )
+        except (RayError, GetTimeoutError):
+            return None
+        return found
 
     def _keep_files(self, trial: RayTrial) -> None:
         """The first node's result files into ``trials/<name>/``, as the local runner keeps them."""

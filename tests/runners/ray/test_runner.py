@@ -141,6 +141,36 @@ def test_a_node_lost_mid_trial_is_an_error_and_its_other_ranks_stop(
     assert runner.running_count() == 0
 
 
+def test_a_trial_whose_actor_died_on_a_node_still_up_keeps_its_log_and_leaves_no_copy(
+    ray_cluster: RayTestCluster, tmp_path: Path
+) -> None:
+    """Ray's memory monitor, or a crash of Ray's worker, ends the trial's actor while its node
+    stays: the log it wrote there comes back, and nothing of the trial is left on the node."""
+    import ray
+
+    runner = behaviour_runner(tmp_path, slots=1)
+    start(runner, 1, RUNS_UNTIL_STOPPED)
+    wait_until_running(runner, processes=1)
+    trial = next(iter(runner.running.values()))
+    # The nodes of the test cluster share this host's /tmp.
+    on_node = TrialNodeHost(runner._node_directory(trial, 0))
+    deadline = time.monotonic() + 30
+    while b"ran at micro-batch" not in on_node.read_log(0, 1 << 16):
+        assert time.monotonic() < deadline, "the trial printed nothing"
+        time.sleep(0.2)
+    ray.kill(trial.hosts[0])
+    outcome = runner.wait()
+    assert outcome.status is TrialStatus.ERROR and outcome.cause is FailureCause.MACHINE
+    assert outcome.error is not None
+    assert outcome.error.startswith("the trial's Ray actor died on a node that is still up ("), (
+        outcome.error
+    )
+    assert outcome.log is not None
+    assert f"ran at micro-batch {RUNS_UNTIL_STOPPED}" in Path(outcome.log).read_text()
+    assert not on_node.directory.exists() and not on_node.log_path.exists()
+    assert_nothing_left(runner.results_dir)
+
+
 RANK_ONE_FAILS = """
 import os, sys, time
 if os.environ["RANK"] == "1":
