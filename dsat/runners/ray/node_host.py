@@ -11,6 +11,7 @@ Ray is imported only inside the actor's methods that need it: this module loads 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -56,7 +57,13 @@ class TrialNodeHost:
         """A fresh copy of the model dir (``archive``, a zip) with ``files`` written beside it."""
         if self.directory.exists():  # a trial run again after an interruption
             shutil.rmtree(self.directory)
-        self.directory.mkdir(parents=True)
+        for attempt in range(3):
+            try:
+                self.directory.mkdir(parents=True)
+                break
+            except FileNotFoundError:  # the search's directory, removed as its last trial ended
+                if attempt == 2:
+                    raise
         unpack(archive, self.directory)
         for name, text in files.items():
             (self.directory / name).write_text(text)
@@ -137,6 +144,8 @@ class TrialNodeHost:
         """Remove the trial's copy and log from the node (the runner has fetched what it keeps)."""
         shutil.rmtree(self.directory, ignore_errors=True)
         self.log_path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # the search's directory, once no trial is left in it
+            self.directory.parent.rmdir()
 
 
 def left_behind_log(name: str, offset: int) -> bytes:

@@ -194,7 +194,7 @@ def open_runner(
             f"dsat: MODEL_DIR and its includes weigh {len(archive) / 2**20:.0f} MB zipped, sent "
             "to every node of every trial; keep data outside MODEL_DIR"
         )
-    search_name = hashlib.sha256(str(results_dir.resolve()).encode()).hexdigest()[:12]
+    search_name = node_search_name(results_dir)
     return RayRunner(
         ray,
         entrypoint,
@@ -206,3 +206,9 @@ def open_runner(
         timeout,
         environ,
     )
+
+
+def node_search_name(results_dir: Path) -> str:
+    """The directory of a search's trial copies on every node (under NODE_ROOT), named after
+    its results directory: a resumed search's trials find their earlier copies."""
+    return hashlib.sha256(str(results_dir.resolve()).encode()).hexdigest()[:12]

@@ -8,12 +8,15 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
 from dsat.runners.local.trial_processes import leftover_trials
+from dsat.runners.ray.node_host import NODE_ROOT
+from dsat.runners.ray.setup import node_search_name
 from tests.dsat_process import dsat, env, trials
 from tests.runners.conftest import RayTestCluster
 from tests.runners.local.test_end_to_end import model_dir
@@ -104,6 +107,8 @@ def test_a_guided_search_on_the_cluster_hands_over_a_config_with_its_report(
     assert len(logs) == len(rows)  # the model profile's and each search trial's
     assert_nothing_left(results)
     assert_no_placement_group_left()
+    # Nothing of the search stays on the nodes (which share this host's temporary directory).
+    assert not (Path(tempfile.gettempdir()) / NODE_ROOT / node_search_name(results)).exists()
 
 
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])

@@ -168,6 +168,7 @@ def test_a_trial_whose_actor_died_on_a_node_still_up_keeps_its_log_and_leaves_no
     assert outcome.log is not None
     assert f"ran at micro-batch {RUNS_UNTIL_STOPPED}" in Path(outcome.log).read_text()
     assert not on_node.directory.exists() and not on_node.log_path.exists()
+    assert not on_node.directory.parent.exists()  # the search's own, its only trial gone
     assert_nothing_left(runner.results_dir)
 
 
