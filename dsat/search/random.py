@@ -15,6 +15,7 @@ from __future__ import annotations
 from dsat.memory import Offload
 from dsat.search.method import DsatSearchMethod
 from dsat.trial import SearchRange, TrialKind, TrialRecord
+from dsat.zero_space import needs_no_less_memory
 
 # ZeRO-3 partitions the parameters too: it saves memory and adds communication, nothing else.
 MEMORY_ONLY_STAGE = 3
@@ -171,8 +172,22 @@ class RandomSearch(DsatSearchMethod):
         assert record.search_range is not None
         remaining = SearchRange(record.mbs + 1, record.search_range.hi)
         if self.used_up(remaining):  # the memory model was too cautious: look higher
-            remaining = SearchRange(remaining.lo, 2 * remaining.lo)
+            remaining = SearchRange(remaining.lo, min(2 * remaining.lo, self.room_above(record)))
         return self._continue(record, remaining)
+
+    def room_above(self, record: TrialRecord) -> int:
+        """The largest micro-batch above ``record``'s not already too large for a configuration
+        that needs no more memory than its own (zero_space.needs_no_less_memory): the doubling
+        stops below it rather than run a certain OOM."""
+        known = [
+            r.mbs - 1
+            for r in self.tracker.records
+            if r.kind is TrialKind.SEARCH
+            and r.mbs > record.mbs
+            and self.tracker.too_large(r)
+            and needs_no_less_memory(record.zero_section, r.zero_section)
+        ]
+        return min(known, default=2 * (record.mbs + 1))
 
     def after_failure(self, record: TrialRecord) -> list[TrialRecord]:
         assert record.search_range is not None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from dsat.cli import main
+from dsat.constants import OVERWRITE_KEY
 from dsat.trial import SearchRange, TrialKind, TrialStatus
 from tests.conftest import REPO_ROOT
 from tests.search.helpers import cliff_function, created_ids, finish, method, run, start_profile
@@ -38,6 +40,33 @@ def test_lineage_continues_above_a_success_and_below_a_failure() -> None:
     assert grandchild.parent_id == child_id
     assert grandchild.search_range == SearchRange(parent.mbs + 1, child.mbs - 1)
     assert parent.mbs < grandchild.mbs < child.mbs
+
+
+def test_the_doubling_above_a_used_up_range_stops_below_a_known_oom() -> None:
+    """A success at the top of its range looks higher (the memory model was too cautious), but
+    not up to a micro-batch where a configuration needing no more memory ran out of it."""
+    m = method("random", zero_stages=(1,), max_concurrent_trials=1)
+    (first,) = created_ids(start_profile(m))
+    (child_id,) = created_ids(finish(m, first, ok=False))  # out of memory at the first's
+    finish(m, child_id, ok=True)
+    oom, child = m.tracker.get(first), m.tracker.get(child_id)
+    assert m.room_above(child) == oom.mbs - 1
+    # A lineage of its own, of the configuration with larger buckets, at the top of its range.
+    larger = child.zero_section["reduce_bucket_size"] * 2
+    overwrites = copy.deepcopy(child.hparams[OVERWRITE_KEY])
+    overwrites["zero_optimization"]["reduce_bucket_size"] = larger
+    at_the_top = child.replace(
+        hparams={**child.hparams, OVERWRITE_KEY: overwrites},
+        ds_config={**child.ds_config, "zero_optimization": overwrites["zero_optimization"]},
+        parent_id=None,
+        lineage_id=child.request_id,
+        search_range=SearchRange(1, child.mbs),
+    )
+    assert m.room_above(at_the_top) == oom.mbs - 1
+    higher = [r for r in m.after_success(at_the_top) if r.lineage_id == child.request_id]
+    assert 2 * (child.mbs + 1) >= oom.mbs  # where the doubling alone would reach the OOM
+    assert higher and all(r.search_range is not None for r in higher)
+    assert all(child.mbs < r.mbs and r.search_range.hi < oom.mbs for r in higher)  # type: ignore[union-attr]
 
 
 def test_stops_after_trials_per_random_config() -> None:
