@@ -32,7 +32,7 @@ from dsat.results.directory import (
     full_experiment_hparams,
     read_trial_rows,
 )
-from dsat.results.directory_lock import results_directory_lock
+from dsat.results.directory_lock import LOCK_FILE, results_directory_lock
 from dsat.results.report import write_report
 from dsat.results.resume import (
     read_saved_state,
@@ -207,6 +207,7 @@ def plan_search(
                 f"--results-dir {shown(results_dir)} already holds a search; continue it with "
                 f"`{resume_command(settings.method, results_dir)}` or choose another directory"
             )
+        refuse_others_files(results_dir)
     else:
         results_dir = default_results_dir(
             experiment.name, now or datetime.datetime.now(datetime.timezone.utc)
@@ -238,6 +239,22 @@ def room_needed(
         return RESULTS_FLOOR_BYTES
     copy = tree_bytes([experiment.model_dir, *experiment.includes], copy_ignore(results_dir))
     return RESULTS_FLOOR_BYTES + COPIES_AT_START * copy
+
+
+def refuse_others_files(results_dir: Path) -> None:
+    """One line where ``--results-dir`` names a directory holding files that are not a dsat
+    search's (MODEL_DIR itself, a project's folder): a search writes summary.txt, trials/, logs/
+    and more there, over whatever had those names, and would copy MODEL_DIR into itself."""
+    try:
+        found = sorted(p.name for p in results_dir.iterdir() if p.name != LOCK_FILE)
+    except OSError:  # not there yet, or not a directory: check_results_dir says which
+        return
+    if found and SETTINGS_FILE not in found:
+        names = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
+        raise DsatError(
+            f"--results-dir {shown(results_dir)} already holds files that are not a dsat "
+            f"search's ({names}); a search would write over them: choose a new or empty directory"
+        )
 
 
 def launch(settings: SearchSettings, environ: Mapping[str, str]) -> None:

@@ -90,7 +90,6 @@ def run_search(
     terminal). The runner's slot limit (the machine's) caps the slots trials use at once, without
     changing the settings saved for a resume.
     """
-    write_settings(settings, results_dir)
     method = make_search_method(MethodSettings.from_settings(settings, runner.slot_limit), spec)
     utilization = Utilization.of(
         spec.hparams, settings.seq_len, settings.peak_tflops, spec.entrypoint
@@ -122,6 +121,8 @@ def run_search(
                 f"--resume {shown(results_dir)}: the experiment changed since the search began "
                 f"({', '.join(changed)}); put it back as it was, or start a new search"
             )
+    # Once the resume is known to go ahead: a refused one leaves the settings it would resume.
+    write_settings(settings, results_dir)
     with progress or contextlib.nullcontext():
         driver.run(resume=resuming)
     if driver.shutdown is not None or not runner.running_count():

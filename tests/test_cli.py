@@ -675,6 +675,31 @@ def test_simulated_search_prints_the_summary_and_leaves_results(tmp_path: Path) 
     ) == len(kinds)
 
 
+def test_a_results_dir_holding_other_files_is_refused_and_left_as_it_was(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A project's folder, or MODEL_DIR itself, named by --results-dir: a search would write
+    summary.txt and the rest over the user's files (and copy MODEL_DIR into itself)."""
+    theirs = tmp_path / "out"
+    theirs.mkdir()
+    (theirs / "summary.txt").write_text("keep\n")
+    base = ["asha", str(SIMULATED / "gpt2_large.yaml"), str(SIMULATED), "--runner", "simulated"]
+    simulated = ["--simulator", GPT2]
+    for folder in (theirs, SIMULATED):
+        before = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+        line = assert_one_line_error(
+            capsys, [*base, *simulated, "--results-dir", str(folder)], "--results-dir"
+        )
+        assert "holds files that are not a dsat search's" in line and "new or empty" in line
+        assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()} == before
+    # An empty directory, or one a launch that failed left its lock file in, is taken.
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / ".dsat-search.lock").write_text("")
+    assert main([*base, *simulated, "--results-dir", str(empty), "--max-trials", "4"]) == 0
+    assert (empty / "summary.txt").is_file()
+
+
 def test_search_with_no_working_config_exits_1(tmp_path: Path) -> None:
     sim = tmp_path / "sim.py"
     sim.write_text("def perf(ds_config, slots):\n    raise MemoryError('nothing fits')\n")

@@ -275,7 +275,21 @@ def test_an_experiment_edited_since_the_search_began_is_refused_on_resume(
         "put it back as it was, or start a new search",
     )
     assert rows(tmp_path / "out") == before
-    yaml_path.write_text(original)  # put back: it resumes
+    yaml_path.write_text(original)  # put back
+    # Another project's copy named on the command line is refused too, and leaves the settings
+    # as they were: the plain resume still finds the search's own project.
+    other = tmp_path / "other"
+    shutil.copytree(experiment, other)
+    (other / "gpt2_large.yaml").write_text(
+        original.replace("slots_per_trial: 16", "slots_per_trial: 8")
+    )
+    settings = (tmp_path / "out" / SETTINGS_FILE).read_bytes()
+    assert_one_line_error(
+        capsys,
+        ["asha", str(other / "gpt2_large.yaml"), str(other), "--resume", "out"],
+        "the experiment changed since the search began",
+    )
+    assert (tmp_path / "out" / SETTINGS_FILE).read_bytes() == settings
     assert main(["asha", "--resume", "out"]) == 0
 
 
