@@ -122,7 +122,14 @@ def resolve_context_path(relative: str, model_dir: Path, includes: Sequence[Path
     candidates = [model_dir / relative]
     first_part = Path(relative).parts[0] if Path(relative).parts else ""
     candidates += [inc.parent / relative for inc in includes if inc.name == first_part]
-    return next((c for c in candidates if c.is_file()), None)
+    return next((c for c in candidates if c.is_file() and not escapes(relative)), None)
+
+
+def escapes(relative: str) -> bool:
+    """Whether a relative path climbs out of the directory it is relative to (``../x``): a
+    trial's copy holds MODEL_DIR and the includes only, so it would not find it there."""
+    path = Path(relative)
+    return not path.is_absolute() and ".." in Path(os.path.normpath(path)).parts
 
 
 def entrypoint_ds_config(entrypoint: str | Sequence[str] | None) -> str | None:
@@ -252,6 +259,12 @@ def load_experiment(
             "your DeepSpeed JSON, relative to MODEL_DIR"
         )
     ds_path = resolve_context_path(relative, model_dir, include_paths)
+    if ds_path is None and escapes(relative):
+        raise DsatError(
+            f"{config_path}: hyperparameters.{DS_CONFIG_KEY} names {relative}, outside MODEL_DIR; "
+            "each trial runs in a copy of MODEL_DIR (and --include), where it is not: move it "
+            "into MODEL_DIR, or --include its folder and name it <folder>/<file>"
+        )
     if ds_path is None:
         raise DsatError(
             f"{config_path}: hyperparameters.{DS_CONFIG_KEY} names {relative}, which is not in "

@@ -137,6 +137,28 @@ def test_an_entrypoint_script_that_is_not_there_is_one_line_before_any_trial(
     assert "fix the script's path in the entrypoint" in message and "\n" not in message
 
 
+def test_a_deepspeed_config_outside_model_dir_is_one_line_before_any_trial(
+    tmp_path: Path,
+) -> None:
+    """``../shared/ds.json`` exists here, but not in a trial's copy of MODEL_DIR: the model
+    profile failed with "DeepSpeed config not found" about a file that exists."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "ds.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 2}))
+    path = write_experiment(
+        tmp_path / "m", config={"hyperparameters": {"deepspeed_config": "../shared/ds.json"}}
+    )
+    with pytest.raises(DsatError) as raised:
+        load_experiment(path, path.parent)
+    message = str(raised.value)
+    assert "names ../shared/ds.json, outside MODEL_DIR" in message and "\n" not in message
+    assert "move it into MODEL_DIR, or --include its folder and name it <folder>/<file>" in message
+    # As the message says: its folder included, named under it.
+    included = {"hyperparameters": {"deepspeed_config": "shared/ds.json"}}
+    path = write_experiment(tmp_path / "m", config=included)
+    assert load_experiment(path, path.parent, [shared]).ds_config_path == shared / "ds.json"
+
+
 def test_an_entrypoint_script_from_an_include_is_found(tmp_path: Path) -> None:
     """An included folder lands at the trial's root under its own name, as with Determined's
     ``--include``: ``scripts/train.py`` with ``--include ../scripts`` is there."""
