@@ -72,6 +72,8 @@ def load_yaml_mapping(path: Path) -> dict[str, Any]:
         raise DsatError(f"{path}: config file not found; pass the path of your experiment YAML")
     try:
         data = yaml.safe_load(path.read_text())
+    except OSError as err:
+        raise DsatError(f"{path}: cannot read it ({err.strerror or err}); {READ_FIX}") from None
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -88,18 +90,66 @@ def load_ds_json(path: Path, source: str) -> dict[str, Any]:
     if not path.is_file():
         raise DsatError(f"{path}: DeepSpeed config not found (named by {source}); fix the path")
     try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise DsatError(
-            f"{path}: not valid JSON ({err.msg} at line {err.lineno}, column {err.colno})"
-        ) from None
+        text = path.read_text()
     except UnicodeDecodeError:
         raise DsatError(f"{path}: not valid JSON (not UTF-8 text)") from None
+    except OSError as err:
+        raise DsatError(f"{path}: cannot read it ({err.strerror or err}); {READ_FIX}") from None
+    try:
+        try:
+            data = json.loads(text, object_pairs_hook=_refuse_repeated_keys)
+        except json.JSONDecodeError as err:
+            data = _relaxed_json(text)  # comments, trailing commas: DeepSpeed reads them (hjson)
+            if data is None:
+                raise DsatError(
+                    f"{path}: not valid JSON ({err.msg} at line {err.lineno}, column "
+                    f"{err.colno}); fix the syntax"
+                ) from None
+    except RepeatedKey as err:
+        raise DsatError(
+            f"{path}: key {err.key!r} given twice in one object (DeepSpeed refuses such a "
+            "config); keep one"
+        ) from None
     if not isinstance(data, dict):
         raise DsatError(
             f"{path}: a DeepSpeed config must be a JSON object, got {type(data).__name__}"
         )
     return data
+
+
+class RepeatedKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _refuse_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """One JSON object, refusing a key given twice, as DeepSpeed's own reader does (json keeps
+    the last silently: ``"zero_optimization"`` twice searched the second)."""
+    found: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in found:
+            raise RepeatedKey(key)
+        found[key] = value
+    return found
+
+
+def _relaxed_json(text: str) -> dict[str, Any] | None:
+    """``text`` as DeepSpeed reads a config file (hjson: comments, trailing commas), where that
+    gives an object; None otherwise, or where hjson is not installed (a Determined search
+    runner's image)."""
+    try:
+        import hjson
+    except ImportError:
+        return None
+    try:
+        data = hjson.loads(text, object_pairs_hook=_refuse_repeated_keys)
+    except hjson.HjsonDecodeError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+READ_FIX = "make it readable by the user running dsat"
 
 
 def slots_per_trial(config: Mapping[str, Any], source: str) -> int:

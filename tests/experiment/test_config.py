@@ -159,6 +159,54 @@ def test_a_deepspeed_config_outside_model_dir_is_one_line_before_any_trial(
     assert load_experiment(path, path.parent, [shared]).ds_config_path == shared / "ds.json"
 
 
+def test_a_deepspeed_config_is_read_as_deepspeed_reads_it(tmp_path: Path) -> None:
+    """Comments and trailing commas, which DeepSpeed's reader (hjson) takes, are taken; a key
+    given twice, which it refuses (json kept the last, silently), is one line."""
+    path = write_experiment(tmp_path / "m")
+    ds_path = path.parent / "ds_config.json"
+    ds_path.write_text(
+        '{\n  // tuned by hand\n  "train_micro_batch_size_per_gpu": 8,\n'
+        '  "zero_optimization": {"stage": 2,},\n}\n'
+    )
+    experiment = load_experiment(path, path.parent)
+    assert experiment.ds_config == {
+        "train_micro_batch_size_per_gpu": 8,
+        "zero_optimization": {"stage": 2},
+    }
+    ds_path.write_text('{"zero_optimization": {"stage": 1}, "zero_optimization": {"stage": 3}}')
+    with pytest.raises(DsatError) as raised:
+        load_experiment(path, path.parent)
+    assert str(raised.value) == (
+        f"{ds_path}: key 'zero_optimization' given twice in one object (DeepSpeed refuses such "
+        "a config); keep one"
+    )
+    ds_path.write_text('{"zero_optimization": {"stage": 1, "stage": 3}}')  # nested too
+    with pytest.raises(DsatError, match="key 'stage' given twice"):
+        load_experiment(path, path.parent)
+
+
+@pytest.mark.parametrize("unreadable", ["deepspeed.yaml", "ds_config.json"])
+def test_an_unreadable_config_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, unreadable: str
+) -> None:
+    """Root reads a file of mode 000 anyway: the read is made to fail as it does for a user."""
+    path = write_experiment(tmp_path / "m")
+    read_text = Path.read_text
+
+    def denied(self: Path, *args: Any, **kwargs: Any) -> str:
+        if self.name == unreadable:
+            raise PermissionError(13, "Permission denied", str(self))
+        return read_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", denied)
+    with pytest.raises(DsatError) as raised:
+        load_experiment(path, path.parent)
+    assert str(raised.value) == (
+        f"{path.parent / unreadable}: cannot read it (Permission denied); make it readable by "
+        "the user running dsat"
+    )
+
+
 def test_an_entrypoint_script_from_an_include_is_found(tmp_path: Path) -> None:
     """An included folder lands at the trial's root under its own name, as with Determined's
     ``--include``: ``scripts/train.py`` with ``--include ../scripts`` is there."""
