@@ -45,6 +45,7 @@ from dsat.results.writable import (
     WriteFailure,
     check_results_dir,
     tree_bytes,
+    tree_files,
     write_failure,
 )
 from dsat.runners import RunnerKind, resolve_runner
@@ -212,6 +213,8 @@ def plan_search(
         results_dir = default_results_dir(
             experiment.name, now or datetime.datetime.now(datetime.timezone.utc)
         )
+    if runner is not RunnerKind.SIMULATED:
+        refuse_unreadable_files(experiment, results_dir)
     if runner is not RunnerKind.DETERMINED:  # Determined's search keeps its results on the cluster
         named_by = (
             "--resume" if settings.resume else "--results-dir" if settings.results_dir else ""
@@ -239,6 +242,18 @@ def room_needed(
         return RESULTS_FLOOR_BYTES
     copy = tree_bytes([experiment.model_dir, *experiment.includes], copy_ignore(results_dir))
     return RESULTS_FLOOR_BYTES + COPIES_AT_START * copy
+
+
+def refuse_unreadable_files(experiment: Experiment, results_dir: Path) -> None:
+    """One line where a file every trial's copy of MODEL_DIR (and the includes) holds cannot be
+    read: the first trial's copy failed on it, and was blamed on the results directory."""
+    roots = [experiment.model_dir, *experiment.includes]
+    for path in tree_files(roots, copy_ignore(results_dir)):
+        if not os.access(path, os.R_OK):
+            raise DsatError(
+                f"{shown(path)} cannot be read, and every trial runs in a copy of MODEL_DIR "
+                "(and --include); make it readable by the user running dsat, or move it out"
+            )
 
 
 def refuse_others_files(results_dir: Path) -> None:

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -698,6 +699,29 @@ def test_a_results_dir_holding_other_files_is_refused_and_left_as_it_was(
     (empty / ".dsat-search.lock").write_text("")
     assert main([*base, *simulated, "--results-dir", str(empty), "--max-trials", "4"]) == 0
     assert (empty / "summary.txt").is_file()
+
+
+def test_a_model_dir_file_that_cannot_be_read_is_one_line_before_any_trial(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The first trial's copy of MODEL_DIR failed on it, and the message blamed the results
+    directory ("cannot write .../train.py ... make it writable"). Root reads any file, so the
+    check is made to see it as a user does."""
+    path = write_experiment(tmp_path / "m")
+    (path.parent / "data").mkdir()
+    (path.parent / "data" / "secret.bin").write_bytes(b"x")
+    access = os.access
+
+    def user_access(target: Any, mode: int, **kwargs: Any) -> bool:
+        return Path(target).name != "secret.bin" and access(target, mode, **kwargs)
+
+    monkeypatch.setattr(os, "access", user_access)
+    results = tmp_path / "r"
+    line = assert_one_line_error(
+        capsys, ["asha", str(path), str(path.parent), "--results-dir", str(results)]
+    )
+    assert "m/data/secret.bin cannot be read" in line and "make it readable" in line, line
+    assert not results.exists()
 
 
 def test_search_with_no_working_config_exits_1(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from dsat.errors import DsatError
@@ -86,18 +86,23 @@ def tree_bytes(roots: Iterable[Path], ignore: Ignore) -> int:
     """The bytes ``shutil.copytree(root, ..., ignore=ignore)`` copies, for each of ``roots`` (a
     file counts itself); symlinked folders are not followed, so this errs low."""
     total = 0
+    for path in tree_files(roots, ignore):
+        with contextlib.suppress(OSError):
+            total += path.stat().st_size
+    return total
+
+
+def tree_files(roots: Iterable[Path], ignore: Ignore) -> Iterator[Path]:
+    """The files ``shutil.copytree(root, ..., ignore=ignore)`` copies, for each of ``roots`` (a
+    file is its own)."""
     for root in roots:
         if root.is_file():
-            total += root.stat().st_size
+            yield root
             continue
         for directory, folders, files in os.walk(root):
             ignored = set(ignore(directory, folders + files))
             folders[:] = [name for name in folders if name not in ignored]
-            for name in files:
-                if name not in ignored:
-                    with contextlib.suppress(OSError):
-                        total += os.stat(os.path.join(directory, name)).st_size
-    return total
+            yield from (Path(directory, name) for name in files if name not in ignored)
 
 
 def _missing_parents(directory: Path) -> list[Path]:
