@@ -13,6 +13,7 @@ import faulthandler
 import logging
 import math
 import os
+import re
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -31,12 +32,23 @@ from dsat.training.step_clock import MEASURED_STEPS, WARMUP_STEPS
 PROG = "dsat"
 
 
+def positionals_first(method: str | None) -> str:
+    """The fix where a flag that takes several values took CONFIG_PATH and MODEL_DIR too."""
+    return (
+        "put CONFIG_PATH and MODEL_DIR before the flags, e.g. "
+        f"`python3 -m dsat {method or 'guided'} deepspeed.yaml . --include data`"
+    )
+
+
 class DsatArgumentParser(argparse.ArgumentParser):
     """argparse, but its usage errors become a one-line ``DsatError`` instead of usage + exit."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
         parts = self.prog.split()
-        self._fail(message, parts[-1] if len(parts) > 1 else None)
+        method = parts[-1] if len(parts) > 1 else None
+        if re.search(r"invalid \w+ value: '[^']*(\.ya?ml|/|\.)'$", message):
+            message += f"; {positionals_first(method)}"  # `-z 1 2 deepspeed.yaml .`
+        self._fail(message, method)
 
     def parse_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
         """As argparse's, but a flag the method does not take points to that method's help
@@ -474,6 +486,11 @@ def parse_settings(argv: Sequence[str] | None = None) -> SearchSettings:
     if namespace.resume is not None:
         return resumed_settings(
             namespace.method, given_arguments(argv), namespace.resume, flag_names()
+        )
+    if (namespace.config_path is None or namespace.model_dir is None) and namespace.include:
+        raise DsatError(  # `-i extra.py deepspeed.yaml .`: --include took them
+            f"CONFIG_PATH and MODEL_DIR are required, and --include took every path after it "
+            f"({' '.join(namespace.include)}); {positionals_first(namespace.method)}"
         )
     if namespace.config_path is None or namespace.model_dir is None:
         raise DsatError(

@@ -464,6 +464,27 @@ def test_flag_of_another_method(experiment_yaml: Path, capsys: pytest.CaptureFix
     )
 
 
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["-i", "extra.py"], "--include took every path after it (extra.py deepspeed.yaml .)"),
+        (["-z", "1", "2"], "--zero-stages: invalid int value: 'deepspeed.yaml'"),
+    ],
+)
+def test_a_flag_of_several_values_before_the_positionals_says_to_put_them_first(
+    capsys: pytest.CaptureFixture[str], flags: list[str], said: str
+) -> None:
+    """It took CONFIG_PATH and MODEL_DIR as its own values: "CONFIG_PATH and MODEL_DIR are
+    required" to a user who had passed them."""
+    assert_one_line_error(
+        capsys,
+        ["binary", *flags, "deepspeed.yaml", "."],
+        said,
+        "put CONFIG_PATH and MODEL_DIR before the flags, e.g. `python3 -m dsat binary "
+        "deepspeed.yaml . --include data`",
+    )
+
+
 def test_unknown_runner(experiment_yaml: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert_one_line_error(
         capsys, ["asha", str(experiment_yaml), ".", "--runner", "k8s"], "--runner", "k8s"
