@@ -520,6 +520,41 @@ def test_deepspeed_rejects_the_config(tmp_path: Path, capsys: pytest.CaptureFixt
     )
 
 
+@pytest.mark.parametrize(
+    ("section", "said"),
+    [
+        (
+            {"optimizer": {"type": "Adamm"}},
+            "optimizer type 'Adamm' is none of DeepSpeed's (adagrad, adam",
+        ),
+        ({"scheduler": {"type": "WarmupLRR"}}, "scheduler type 'WarmupLRR' is none of DeepSpeed's"),
+        (
+            {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
+            "zero_optimization.offload_param goes to nvme with no nvme_path; set one",
+        ),
+    ],
+)
+def test_what_deepspeed_s_engine_refuses_in_every_trial_is_one_line_before_any(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], section: dict[str, Any], said: str
+) -> None:
+    """DeepSpeed's parser takes these and its engine refuses them: the model profile failed
+    with DeepSpeed's words, exit 1."""
+    ds = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}, **section}
+    path = write_experiment(tmp_path / "m", ds_config=ds)
+    assert_one_line_error(
+        capsys, ["asha", str(path), str(path.parent)], "DeepSpeed rejects this config", said
+    )
+    # Their right spellings pass: torch.optim's and DeepSpeed's own names, any case DeepSpeed takes.
+    for good in ({"type": "SGD"}, {"type": "AdamW"}):
+        ds["optimizer"] = good
+        ds.pop("scheduler", None)
+        ds["zero_optimization"] = {"stage": 1}
+        (path.parent / "ds_config.json").write_text(json.dumps(ds))
+        from dsat.experiment.ds_config_check import engine_config_error
+
+        assert engine_config_error(ds) is None
+
+
 def test_inconsistent_batch_triple(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = write_experiment(
         tmp_path / "m",

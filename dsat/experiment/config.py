@@ -263,6 +263,8 @@ def hyperparameter_values(hparams: Mapping[str, Any], where: str) -> dict[str, A
         kind, keys = value.get("type"), set(value) - {"type"}
         if kind == "const" and keys == {"val"}:
             values[name] = value["val"]
+        elif kind == "const" and not keys:  # the trial got {"type": "const"} as the value
+            raise DsatError(f"{where}.{name} is type: const without its val; add val: ...")
         elif kind in RANGE_KEYS and keys <= RANGE_KEYS[kind]:
             raise DsatError(
                 f"{where}.{name} is a range (type: {kind}); dsat tunes the DeepSpeed config of "

@@ -35,4 +35,40 @@ def deepspeed_config_error(config: Mapping[str, Any], world_size: int) -> str | 
         return f"{type(err).__name__}: {reason}" if reason else type(err).__name__
     finally:
         ds_logger.setLevel(previous_level)
+    return engine_config_error(config)
+
+
+def engine_config_error(config: Mapping[str, Any]) -> str | None:
+    """What DeepSpeed's parser lets through and its engine then refuses in every trial: an
+    optimizer or scheduler it does not know, NVMe offload with no path."""
+    import torch
+    from deepspeed.runtime import lr_schedules
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+
+    optimizer = _section(config, "optimizer").get("type")
+    if isinstance(optimizer, str) and not (
+        optimizer.lower() in DEEPSPEED_OPTIMIZERS or hasattr(torch.optim, optimizer)
+    ):
+        return (
+            f"optimizer type {optimizer!r} is none of DeepSpeed's ({', '.join(DEEPSPEED_OPTIMIZERS)}) "
+            "nor a torch.optim class"
+        )
+    scheduler = _section(config, "scheduler").get("type")
+    if isinstance(scheduler, str) and not (
+        hasattr(lr_schedules, scheduler) or hasattr(torch.optim.lr_scheduler, scheduler)
+    ):
+        return (
+            f"scheduler type {scheduler!r} is none of DeepSpeed's "
+            f"({', '.join(lr_schedules.VALID_LR_SCHEDULES)}) nor a torch.optim.lr_scheduler class"
+        )
+    zero = _section(config, "zero_optimization")
+    for part in ("offload_optimizer", "offload_param"):
+        offload = _section(zero, part)
+        if offload.get("device") == "nvme" and not offload.get("nvme_path"):
+            return f"zero_optimization.{part} goes to nvme with no nvme_path; set one"
     return None
+
+
+def _section(config: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    value = config.get(key)
+    return value if isinstance(value, Mapping) else {}

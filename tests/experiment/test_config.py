@@ -262,6 +262,17 @@ def test_a_determined_range_is_one_line_naming_the_hyperparameter(tmp_path: Path
         load_experiment(path, path.parent)
 
 
+def test_a_determined_constant_without_its_value_is_one_line(tmp_path: Path) -> None:
+    """The trial got ``{"type": "const"}`` as the value, and failed in its first line."""
+    hparams = {"deepspeed_config": "ds_config.json", "model": {"width": {"type": "const"}}}
+    path = write_experiment(tmp_path / "m", config={"hyperparameters": hparams})
+    with pytest.raises(DsatError) as raised:
+        load_experiment(path, path.parent)
+    assert str(raised.value).endswith(
+        "hyperparameters.model.width is type: const without its val; add val: ..."
+    )
+
+
 def test_name_defaults_to_the_config_file_stem(tmp_path: Path) -> None:
     path = write_experiment(tmp_path / "m", config={"name": ""})
     assert load_experiment(path, path.parent).name == "deepspeed"

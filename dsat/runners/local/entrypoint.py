@@ -33,6 +33,12 @@ def entrypoint_tokens(entrypoint: str | Sequence[str] | None, source: str) -> li
         except ValueError as err:
             raise DsatError(f"{source}: entrypoint does not parse as a command ({err})") from None
     if isinstance(entrypoint, (list, tuple)) and entrypoint:
+        for i, token in enumerate(entrypoint):
+            if not isinstance(token, (str, int, float)) or isinstance(token, bool):
+                raise DsatError(  # YAML's null, a nested list: no word of a command
+                    f"{source}: entrypoint item {i + 1} is {token!r}; give each word of the "
+                    "command as a string"
+                )
         return [str(token) for token in entrypoint]
     raise DsatError(
         f"{source}: no entrypoint; set it to the command that trains, e.g. python3 train.py"

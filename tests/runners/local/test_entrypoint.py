@@ -34,6 +34,16 @@ def test_missing_or_unparsable_entrypoint_names_the_file(bad: object) -> None:
         entrypoint_tokens(bad, "x.yaml")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("word", [None, True, ["train.py"], {"script": "train.py"}])
+def test_an_entrypoint_item_that_is_no_word_is_one_line(word: object) -> None:
+    """YAML's null in a list became the word "None", and the trial could not start."""
+    with pytest.raises(DsatError) as raised:
+        entrypoint_tokens(["python3", word, "3"], "x.yaml")  # type: ignore[list-item]
+    assert str(raised.value) == (
+        f"x.yaml: entrypoint item 2 is {word!r}; give each word of the command as a string"
+    )
+
+
 @pytest.mark.parametrize(
     "launcher",
     [
