@@ -27,6 +27,7 @@ from dsat.experiment.settings import SearchSettings
 from dsat.paths import shown
 from dsat.results.cost import search_cost
 from dsat.results.directory import (
+    FULL_RUN_DIR,
     SUMMARY_FILE,
     TRIALS_FILE,
     full_experiment_hparams,
@@ -215,6 +216,12 @@ def plan_search(
         )
     if runner is not RunnerKind.SIMULATED:
         refuse_unreadable_files(experiment, results_dir)
+    earlier = results_dir / FULL_RUN_DIR
+    if settings.run_full_experiment and earlier.is_dir() and any(earlier.iterdir()):
+        raise DsatError(  # a new full run starts from a fresh copy of MODEL_DIR there
+            f"--run-full-experiment: {shown(earlier)} holds an earlier full run (what it wrote, "
+            "checkpoints among them); move it away, then run the same command again"
+        )
     if runner is not RunnerKind.DETERMINED:  # Determined's search keeps its results on the cluster
         named_by = (
             "--resume" if settings.resume else "--results-dir" if settings.results_dir else ""

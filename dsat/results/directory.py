@@ -38,6 +38,13 @@ VALUE_KEY = "value"
 SAFE_KEY = "may_hand_over"
 # The summary's line that says why the handed-over configuration won.
 HANDED_OVER_PREFIX = "handed over:"
+# Where --run-full-experiment trains on this machine (the local runner's copy of MODEL_DIR).
+FULL_RUN_DIR = "full-experiment"
+
+
+def full_run_log(results_dir: Path) -> Path:
+    """Where a full run's output goes, on every runner: the mark that one has run."""
+    return results_dir / "logs" / f"{FULL_RUN_DIR}.log"
 
 
 def read_trial_rows(path: Path) -> list[dict[str, Any]]:

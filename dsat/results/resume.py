@@ -22,6 +22,7 @@ from dsat.constants import SETTINGS_FILE, STATE_FILE
 from dsat.errors import DsatError
 from dsat.experiment.settings import SearchSettings
 from dsat.paths import absolute, shown
+from dsat.results.directory import full_run_log
 from dsat.search.method_state import STATE_VERSION
 
 # Settings a resumed search may change: how many trials, how many at once, how long each may run,
@@ -123,6 +124,10 @@ def resumed_settings(
                 f"drop {flag}, or start a new search"
             )
         changes[key] = now
+    if saved.run_full_experiment and "run_full_experiment" not in given:
+        # Asked once, trained once: a plain resume after the full run does not train again.
+        if full_run_log(results_dir).is_file():
+            changes["run_full_experiment"] = False
     resumed = dataclasses.replace(saved, resume=str(results_dir), results_dir=None, **changes)
     return resumed.with_absolute_paths()
 

@@ -16,8 +16,6 @@ from typing import IO
 from dsat.paths import shown
 from dsat.runners.local.trial_processes import kill_process_group
 
-FULL_RUN_DIR = "full-experiment"
-
 # Starts the full run with its output on a pipe, having written its command into the log first.
 FullRunStarter = Callable[[IO[bytes]], tuple["subprocess.Popen[bytes]", list[str]]]
 

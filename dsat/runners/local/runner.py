@@ -29,13 +29,14 @@ from dsat.constants import (
     TRIAL_OUTCOME_FILE,
 )
 from dsat.paths import shown
+from dsat.results.directory import FULL_RUN_DIR, full_run_log
 from dsat.runners.local.deepspeed_ops import clear_stale_locks
 from dsat.runners.local.entrypoint import (
     interpreter_first,
     rendezvous_environment,
     trial_command,
 )
-from dsat.runners.local.full_run import FULL_RUN_DIR, run_to_the_end
+from dsat.runners.local.full_run import run_to_the_end
 from dsat.runners.local.slots import SlotPool
 from dsat.runners.local.trial_outcome import (
     TrialEnd,
@@ -430,7 +431,7 @@ class LocalRunner:
         slots = self.pool.take(self.slots_per_trial)
         try:
             run_to_the_end(
-                self.results_dir / "logs" / f"{FULL_RUN_DIR}.log",
+                full_run_log(self.results_dir),
                 lambda log: self.spawn(directory, slots, subprocess.PIPE, log),
             )
         finally:

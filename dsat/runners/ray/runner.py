@@ -32,8 +32,9 @@ from dsat.constants import (
 )
 from dsat.errors import DsatError
 from dsat.paths import shown
+from dsat.results.directory import FULL_RUN_DIR
 from dsat.runners.local.entrypoint import NODE_PYTHON, rendezvous_environment, trial_command
-from dsat.runners.local.full_run import FULL_RUN_DIR, FullExperimentFailed
+from dsat.runners.local.full_run import FullExperimentFailed
 from dsat.runners.local.runner import HPARAMS_FILE
 from dsat.runners.local.trial_timeout import TrialTimeout
 from dsat.runners.ray.node_host import TrialNodeHost, left_behind_log

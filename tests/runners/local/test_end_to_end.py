@@ -164,6 +164,21 @@ def test_small_search_writes_a_best_config_deepspeed_accepts(tmp_path: Path) -> 
     assert "trained 20 steps, loss" in run.stdout
     assert "trained 20 steps" in (results / "logs" / "full-experiment.log").read_text()
     assert run.stdout.rstrip().endswith("full-experiment.log")
+    # Asked once, trained once: the printed resume command does not train again, and asking
+    # again does not wipe what the full run wrote (a checkpoint, say): one line.
+    full_log = (results / "logs" / "full-experiment.log").read_bytes()
+    (results / "full-experiment" / "checkpoint.pt").write_bytes(b"weights")
+    again = dsat("asha", "--resume", str(results))
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "full experiment" not in again.stdout
+    assert (results / "logs" / "full-experiment.log").read_bytes() == full_log
+    refused = dsat("asha", "--resume", str(results), "--run-full-experiment")
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+        f"dsat: error: --run-full-experiment: {results / 'full-experiment'} holds an earlier "
+        "full run (what it wrote, checkpoints among them); move it away, then run the same "
+        "command again"
+    ]
+    assert (results / "full-experiment" / "checkpoint.pt").read_bytes() == b"weights"
 
 
 def test_a_search_runs_its_trials_in_a_trial_host(tmp_path: Path) -> None:
