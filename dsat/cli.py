@@ -540,7 +540,13 @@ def report_main(argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from dsat.runners.local.full_run import FullExperimentFailed
-    from dsat.search_launch import SearchFailed, SearchInterrupted, SearchStopped, launch
+    from dsat.search_launch import (
+        FullRunInterrupted,
+        SearchFailed,
+        SearchInterrupted,
+        SearchStopped,
+        launch,
+    )
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["report"]:
@@ -559,7 +565,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (FullExperimentFailed, SearchStopped) as err:
         print(f"{PROG}: {err}", file=sys.stderr)
         return 1
-    except SearchInterrupted as err:
+    except (SearchInterrupted, FullRunInterrupted) as err:
         print(f"{PROG}: {err}", file=sys.stderr)
         return 130
     except KeyboardInterrupt:

@@ -124,6 +124,18 @@ class SearchInterrupted(Exception):
         self.results_dir = results_dir
 
 
+class FullRunInterrupted(Exception):
+    """Ctrl-C or SIGTERM in the full run: it was stopped; the search's results stand."""
+
+    def __init__(self, method: str, results_dir: Path) -> None:
+        again = f"{resume_command(method, results_dir)} --run-full-experiment"
+        super().__init__(
+            f"interrupted; the full run was stopped, and the search's results are kept in "
+            f"{shown(results_dir)} (best_ds_config.json). To train again: move "
+            f"{shown(results_dir / FULL_RUN_DIR)} away if it is there, then {again}"
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class LaunchPlan:
     """A checked search, ready for its runner."""
@@ -340,6 +352,8 @@ def search_here(plan: LaunchPlan, runner: TrialRunner) -> None:
         assert best is not None  # report_end raised SearchFailed otherwise
         try:
             runner.run_full_experiment(full_experiment_hparams(best))
+        except KeyboardInterrupt:
+            raise FullRunInterrupted(settings.method, plan.results_dir) from None
         except OSError as err:
             failure = write_failure(err, plan.results_dir)
             if failure is None:

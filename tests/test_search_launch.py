@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from dsat.experiment.config import load_experiment
+from dsat.results.resume import resume_command
+from dsat.runners import RunnerKind
 from dsat.runners.simulated.runner import SimulatedRunner
+from dsat.runners.simulated.setup import SimulatedSetup
 from dsat.search.trial_builder import SearchSpec
-from dsat.search_launch import closing_lines
+from dsat.search_launch import FullRunInterrupted, LaunchPlan, closing_lines, search_here
 from dsat.search_run import run_search
 from tests.search.helpers import cliff_function, search_settings
 
 USER = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 1}}
+SIMULATED = Path(__file__).resolve().parents[1] / "examples" / "simulated"
 
 
 @pytest.mark.parametrize(
@@ -51,3 +57,28 @@ def test_the_next_step_is_said_as_the_users_script_takes_a_config(
         closing_lines(method, tmp_path, full_run=False, trains=False)[2]
         == (next_line.split(", or have dsat train with it")[0])
     )
+
+
+class FullRunStoppedByCtrlC(SimulatedRunner):
+    """A runner whose full run the user stops with Ctrl-C (a real one streams its output then)."""
+
+    def run_full_experiment(self, hparams: dict[str, Any]) -> None:
+        raise KeyboardInterrupt
+
+
+def test_ctrl_c_in_the_full_run_says_it_was_stopped_and_how_to_train_again(tmp_path: Path) -> None:
+    """It printed "dsat: interrupted" alone, though the search had ended and its results stood."""
+    experiment = load_experiment(SIMULATED / "gpt2_large.yaml", SIMULATED)
+    settings = search_settings("binary", max_trials=20, run_full_experiment=True)
+    runner = FullRunStoppedByCtrlC(cliff_function(24), experiment.slots_per_trial)
+    setup = SimulatedSetup(cliff_function(24), experiment.slots_per_trial)
+    plan = LaunchPlan(settings, experiment, RunnerKind.LOCAL, "test", tmp_path / "r", setup)
+    with pytest.raises(FullRunInterrupted) as raised:
+        search_here(plan, runner)
+    assert str(raised.value) == (
+        f"interrupted; the full run was stopped, and the search's results are kept in "
+        f"{tmp_path / 'r'} (best_ds_config.json). To train again: move "
+        f"{tmp_path / 'r' / 'full-experiment'} away if it is there, then "
+        f"{resume_command('binary', tmp_path / 'r')} --run-full-experiment"
+    )
+    assert (tmp_path / "r" / "best_ds_config.json").is_file()
