@@ -8,12 +8,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import json
 import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
-from dsat.constants import ENV_RAY_ADDRESS, RESULTS_ROOT, SETTINGS_FILE, STATE_FILE
+from dsat.constants import ENV_RAY_ADDRESS, OVERWRITE_KEY, RESULTS_ROOT, SETTINGS_FILE, STATE_FILE
 from dsat.errors import DsatError
 from dsat.experiment.config import (
     Experiment,
@@ -30,6 +32,7 @@ from dsat.results.directory import (
     FULL_RUN_DIR,
     SUMMARY_FILE,
     TRIALS_FILE,
+    best_ds_config,
     full_experiment_hparams,
     read_trial_rows,
 )
@@ -67,6 +70,7 @@ from dsat.search.method import DsatSearchMethod
 from dsat.search.trial_builder import SearchSpec
 from dsat.search_run import best_config_path, run_search
 from dsat.training.hf_args import HF_DS_FLAG
+from dsat.trial import TrialRecord
 
 
 class SearchFailed(Exception):
@@ -351,7 +355,7 @@ def search_here(plan: LaunchPlan, runner: TrialRunner) -> None:
         best = method.tracker.best()
         assert best is not None  # report_end raised SearchFailed otherwise
         try:
-            runner.run_full_experiment(full_experiment_hparams(best))
+            runner.run_full_experiment(full_run_hparams(best, plan.results_dir))
         except KeyboardInterrupt:
             raise FullRunInterrupted(settings.method, plan.results_dir) from None
         except OSError as err:
@@ -362,6 +366,28 @@ def search_here(plan: LaunchPlan, runner: TrialRunner) -> None:
                 f"full experiment not run: cannot write {shown(failure.path)} ({failure.reason}); "
                 "the search's results are kept"
             ) from None
+
+
+def full_run_hparams(best: TrialRecord, results_dir: Path) -> dict[str, Any]:
+    """The hand-over's hyperparameters for the full run, with best_ds_config.json as it is now:
+    the last lines tell the user to train "with it", so their edit of it counts (and is said)."""
+    hparams = full_experiment_hparams(best)
+    path = best_config_path(results_dir)
+    try:
+        on_disk = json.loads(path.read_text())
+    except FileNotFoundError:
+        return hparams
+    except (OSError, ValueError) as err:
+        raise DsatError(
+            f"{shown(path)}: cannot read it as JSON ({err}); fix it, or delete it to train with "
+            "the handed-over config"
+        ) from None
+    if not isinstance(on_disk, dict):
+        raise DsatError(f"{shown(path)}: not a JSON object; fix it, or delete it")
+    if on_disk != best_ds_config(best):
+        print(f"dsat: the full run trains with {shown(path)} as it is now (edited since written)")
+        hparams[OVERWRITE_KEY] = on_disk
+    return hparams
 
 
 def report_end(

@@ -123,6 +123,9 @@ def run_search(
             )
     # Once the resume is known to go ahead: a refused one leaves the settings it would resume.
     write_settings(settings, results_dir)
+    writer.keep_best_config = method.ending.shutdown_reason is not None and (
+        method.tracker.confirmed_id is not None
+    )
     with progress or contextlib.nullcontext():
         driver.run(resume=resuming)
     if driver.shutdown is not None or not runner.running_count():

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from dsat.constants import OVERWRITE_KEY
 from dsat.experiment.config import load_experiment
 from dsat.results.resume import resume_command
 from dsat.runners import RunnerKind
@@ -82,3 +85,45 @@ def test_ctrl_c_in_the_full_run_says_it_was_stopped_and_how_to_train_again(tmp_p
         f"{resume_command('binary', tmp_path / 'r')} --run-full-experiment"
     )
     assert (tmp_path / "r" / "best_ds_config.json").is_file()
+
+
+class FullRunRecorded(SimulatedRunner):
+    """A runner that keeps what its full run would train with."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.trained: list[dict[str, Any]] = []
+
+    def run_full_experiment(self, hparams: dict[str, Any]) -> None:
+        self.trained.append(hparams)
+
+
+def test_the_full_run_trains_with_best_ds_config_json_as_the_user_left_it(tmp_path: Path) -> None:
+    """The last lines say "or have dsat train with it: ... --resume DIR --run-full-experiment":
+    the resume put the handed-over config back over the user's edit, and trained without it."""
+    experiment = load_experiment(SIMULATED / "gpt2_large.yaml", SIMULATED)
+    results = tmp_path / "r"
+    settings = search_settings("binary", max_trials=20)
+    setup = SimulatedSetup(cliff_function(24), experiment.slots_per_trial)
+    plan = LaunchPlan(settings, experiment, RunnerKind.LOCAL, "test", results, setup)
+    search_here(plan, FullRunRecorded(cliff_function(24), experiment.slots_per_trial))
+    path = results / "best_ds_config.json"
+    handed_over = json.loads(path.read_text())
+    edited = {**handed_over, "optimizer": {"type": "AdamW", "params": {"lr": 5e-4}}}
+    path.write_text(json.dumps(edited))
+    resumed = dataclasses.replace(settings, run_full_experiment=True, resume=str(results))
+    runner = FullRunRecorded(cliff_function(24), experiment.slots_per_trial)
+    search_here(dataclasses.replace(plan, settings=resumed), runner)
+    assert json.loads(path.read_text()) == edited  # left as the user left it
+    assert runner.trained[-1][OVERWRITE_KEY] == edited
+    # Unedited (or deleted), it is the handed-over trial's own overrides, as before.
+    path.unlink()
+    search_here(dataclasses.replace(plan, settings=resumed), runner)
+    assert json.loads(path.read_text()) == handed_over
+    assert (
+        runner.trained[-1][OVERWRITE_KEY]["train_micro_batch_size_per_gpu"]
+        == (handed_over["train_micro_batch_size_per_gpu"])
+    )
+    assert (
+        OVERWRITE_KEY in runner.trained[-1] and "optimizer" not in runner.trained[-1][OVERWRITE_KEY]
+    )

@@ -146,6 +146,9 @@ class ResultsWriter:
                     "start a new one"
                 ) from None
         self._best_id: str | None = None
+        # A search resumed after it handed over: best_ds_config.json is the user's now (edited,
+        # say, for a full run) and is left as it is where it is there.
+        self.keep_best_config = False
         # A resumed search's runner counts time from its own start: carry on from the last end,
         # so start/end stay seconds of search (the time it was stopped left out).
         ends = [float(line.get("end", 0.0)) for line in self._lines]
@@ -204,7 +207,9 @@ class ResultsWriter:
     def _write_best(self, tracker: TrialTracker, again: bool = False) -> None:
         best = tracker.best()
         if best is not None and (again or best.request_id != self._best_id):
-            write_json_atomic(self.directory / BEST_CONFIG_FILE, best_ds_config(best))
+            config_path = self.directory / BEST_CONFIG_FILE
+            if not (self.keep_best_config and config_path.is_file()):
+                write_json_atomic(config_path, best_ds_config(best))
             derived = self.utilization.derived(best.metrics, tracker.model_flops(best))
             metrics = {**best.metrics, **derived}
             write_json_atomic(self.directory / BEST_METRICS_FILE, metrics)
