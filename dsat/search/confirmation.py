@@ -244,10 +244,17 @@ def decide(
         if by_runs is chosen:
             return ""
         lead = mean[by_runs.request_id] / mean[chosen.request_id] - 1
-        return (
+        said = (
             f"; {by_runs.name} measured {lead:.1%} faster over its "
             f"{len(ran[by_runs.request_id])} runs, within the noise ({noise:.1%} a run)"
         )
+        shown = repeat_spread(ran.values())
+        if shown is not None and shown < noise / 2:  # the prior, not these runs, says "noise"
+            said += (
+                f", which these runs did not show ({shown:.1%}): a few runs cannot rule out "
+                "what the search's other trials say, and the estimate decides"
+            )
+        return said
 
     if roomiest is not best and freed >= HEADROOM_STEP:
         return Verdict(

@@ -288,6 +288,19 @@ def test_runs_that_disagree_with_the_estimate_are_measured_again_then_decide() -
     # ... and says that the other measured faster in its runs, within the noise: the table
     # beside it shows that much.
     assert "; z1_mb32 measured 0.3% faster over its 3 runs, within the noise (" in verdict.reason
+    assert "did not show" not in verdict.reason  # these runs do spread by about that much
+    # Runs that repeat exactly, apart by less than the noise dsat assumes: the reason says the
+    # runs did not show that noise, and why the estimate decides all the same.
+    steady = method("binary", metric="throughput")
+    pooled = measured(steady, 40, [100.0, 100.0], memory=0.5, searched=100.0)
+    level = measured(steady, 32, [101.5, 101.5], memory=0.5, searched=101.5)
+    estimate = {pooled.request_id: 120.0, level.request_id: 105.0}
+    verdict = decide(steady.tracker, [pooled, level], score, measure_again=True)
+    assert verdict.chosen is pooled
+    assert verdict.reason.endswith(
+        "which these runs did not show (0.0%): a few runs cannot rule out what the search's "
+        "other trials say, and the estimate decides"
+    ), verdict.reason
 
 
 def test_the_reason_names_what_the_leaders_differ_in() -> None:
