@@ -66,6 +66,7 @@ from dsat.search.baseline import (
     speedup_over_yours,
     yours_handed_over,
 )
+from dsat.search.ending import no_search_trial_succeeded
 from dsat.search.method import DsatSearchMethod
 from dsat.search.trial_builder import SearchSpec
 from dsat.search_run import best_config_path, run_search
@@ -408,7 +409,9 @@ def report_end(
     except OSError as err:  # as is the report, when the disk is full by now
         print(f"dsat: no report drawn: cannot write it ({err.strerror or err})")
     if method.search_failed:
-        raise SearchFailed(method.shutdown_reason or "no trial succeeded")
+        reason = method.shutdown_reason or "no trial succeeded"
+        none_ran = no_search_trial_succeeded(method.tracker.finished)
+        raise SearchFailed(reason if none_ran is None else f"{none_ran} ({reason})")
     for line in closing_lines(method, results_dir, full_run, trains):
         print(line)
 

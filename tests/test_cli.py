@@ -780,6 +780,32 @@ def test_a_model_dir_file_that_cannot_be_read_is_one_line_before_any_trial(
     assert not results.exists()
 
 
+def test_a_search_whose_every_search_trial_failed_says_so_and_why(tmp_path: Path) -> None:
+    """It ended with "search failed: --max-trials used up (8)", and its summary did not say
+    that nothing was handed over."""
+    sim = tmp_path / "sim.py"
+    sim.write_text(
+        "from dsat.runners.simulated.performance_model import is_model_profile\n"
+        "from dsat.runners.simulated.performance_models import bert_base_16xv100\n"
+        "def perf(ds_config, slots):\n"
+        "    if not is_model_profile(ds_config):\n"
+        "        raise RuntimeError('CUDA error: an illegal memory access')\n"
+        "    return bert_base_16xv100(ds_config, slots)\n"
+    )
+    result = run_simulated(
+        "binary", "bert_base.yaml", f"{sim}:perf", tmp_path / "r", "--max-trials", "8"
+    )
+    assert result.returncode == 1, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(
+        "dsat: search failed: none of the 7 search trials succeeded; 7 ended "
+        "with: RuntimeError: CUDA error: an illegal memory access"
+    ), line
+    assert line.endswith("(--max-trials used up (8))"), line
+    summary = (tmp_path / "r" / "summary.txt").read_text()
+    assert "handed over: nothing: none of the 7 search trials succeeded" in summary
+
+
 def test_search_with_no_working_config_exits_1(tmp_path: Path) -> None:
     sim = tmp_path / "sim.py"
     sim.write_text("def perf(ds_config, slots):\n    raise MemoryError('nothing fits')\n")

@@ -88,6 +88,23 @@ def repeated_script_failure(finished: list[TrialRecord]) -> str | None:
     )
 
 
+def no_search_trial_succeeded(finished: list[TrialRecord]) -> str | None:
+    """Where search trials ran and none completed: how many, and their most common reason
+    with a log to read (None otherwise). "--max-trials used up" alone read as if trials had
+    run and merely found nothing better."""
+    searched = [r for r in finished if r.kind is TrialKind.SEARCH]
+    if not searched or any(r.status is TrialStatus.COMPLETED for r in searched):
+        return None
+    reasons: dict[str, list[TrialRecord]] = {}
+    for record in searched:
+        reasons.setdefault(first_line(record.error) or record.status.value, []).append(record)
+    reason, alike = max(reasons.items(), key=lambda item: len(item[1]))
+    return (
+        f"none of the {len(searched)} search trials succeeded; {len(alike)} ended with: "
+        f"{reason}{log_note(alike[-1].log)}"
+    )
+
+
 def repeated_machine_failure(finished: list[TrialRecord]) -> str | None:
     """A stop reason when the machine failed the last trials on every attempt (a GPU gone, a
     disk full): each would take its attempts in turn and say nothing of its configuration."""

@@ -34,7 +34,7 @@ from dsat.memory import (
 from dsat.search.baseline import baseline_line, baseline_trial
 from dsat.search.confirmation import Score, leaders
 from dsat.search.denoised_ranking import denoised_score
-from dsat.search.ending import SearchEnding
+from dsat.search.ending import SearchEnding, no_search_trial_succeeded
 from dsat.search.fit_ladder import (
     FitRung,
     ladder,
@@ -458,7 +458,10 @@ class DsatSearchMethod(SearchMethod):
     def summary_notes(self) -> list[str]:
         """The summary's lines on the global batch, on the user's own configuration and on
         trials fed short batches."""
+        failed = self.search_failed and not self.model_profile_failed()
+        none_ran = no_search_trial_succeeded(self.tracker.finished) if failed else None
         return [
+            f"handed over: nothing: {none_ran}" if none_ran else "",
             self.spec.batch_line(self.tracker.best()),
             self.fit_line(self.tracker.best()),
             baseline_line(self),
