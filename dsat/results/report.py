@@ -16,12 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from dsat.atomic_file import write_bytes_atomic, write_text_atomic
+from dsat.constants import AUTOTUNING_KEY
 from dsat.errors import DsatError
 from dsat.experiment.metric import Metric
 from dsat.experiment.settings import DEFAULT_METRIC
 from dsat.paths import shown
 from dsat.results.cost import COST_PREFIX, search_cost
 from dsat.results.directory import (
+    BEST_CONFIG_FILE,
     BEST_METRICS_FILE,
     SAFE_KEY,
     SUMMARY_FILE,
@@ -136,7 +138,24 @@ def picked_row(rows: list[dict[str, Any]], best_metrics: Path) -> dict[str, Any]
     # Compared by what the trial measured: the MFU derived beside it in either file counts its
     # FLOPs at the least a sample the search knew when that file was written, which can differ.
     matches = [row for row in rows if _measured(row.get("metrics")) == _measured(metrics)]
-    return matches[-1] if matches else None
+    # Two configurations can measure alike to the last digit (a simulated surface): the one
+    # best_ds_config.json holds is the one handed over.
+    try:
+        config = json.loads((best_metrics.parent / BEST_CONFIG_FILE).read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        config = None
+    held = [row for row in matches if _within(row.get("overwrites"), config)]
+    return (held or matches)[-1] if matches else None
+
+
+def _within(overwrites: Any, config: Any) -> bool:
+    """Whether ``config`` holds every override of a trial (dsat's autotuning block aside)."""
+    if not isinstance(overwrites, dict) or not isinstance(config, dict):
+        return bool(overwrites == config)
+    return all(
+        key == AUTOTUNING_KEY or _within(value, config.get(key))
+        for key, value in overwrites.items()
+    )
 
 
 def _measured(metrics: Any) -> Any:

@@ -8,6 +8,7 @@ import base64
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -106,6 +107,29 @@ def test_the_pick_is_found_where_its_derived_mfu_differs_between_the_files(
     best.write_text(json.dumps({**measured, "mfu": 0.06}))
     picked = picked_row(rows, best)
     assert picked is not None and picked["name"] == "z1_mb8"
+
+
+def test_of_two_trials_that_measured_alike_the_pick_is_the_one_best_ds_config_json_holds(
+    tmp_path: Path,
+) -> None:
+    """On a simulated surface two configurations measured the same to the last digit, and the
+    report circled the later one, not the one handed over."""
+    measured = {"throughput": 40.0, "FLOPS_per_gpu": 8e13}
+
+    def row(name: str, prefetch: float) -> dict[str, Any]:
+        zero = {"stage": 3, "stage3_prefetch_bucket_size": prefetch}
+        overwrites = {"zero_optimization": zero, "autotuning": {"enabled": True}}
+        return {"name": name, "kind": "search", "metrics": measured, "overwrites": overwrites}
+
+    rows = [row("z3_prefetch5e6", 5e6), row("z3_prefetch1e7", 1e7)]
+    (tmp_path / "best_ds_metrics.json").write_text(json.dumps(measured))
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "zero_optimization": rows[0]["overwrites"]["zero_optimization"],
+    }
+    (tmp_path / "best_ds_config.json").write_text(json.dumps(config))
+    picked = picked_row(rows, tmp_path / "best_ds_metrics.json")
+    assert picked is not None and picked["name"] == "z3_prefetch5e6"
 
 
 def test_the_stage_table_ranks_as_the_summary_does_leaving_out_runs_over_the_margin(
