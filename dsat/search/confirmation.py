@@ -126,6 +126,13 @@ def rounds_note(tracker: TrialTracker, candidates: Sequence[TrialRecord]) -> str
         return None
     rounds = rounds_run(tracker, candidates)
     said = f"one run's spread, search trials and runs: {spread:.1%}"
+    runs = {c.name: len(tracker.confirmation_runs(c.request_id)) for c in candidates}
+    more = [name for name, count in runs.items() if count > rounds]
+    if more:  # the estimate and the runs disagreed on them (decide): they ran again
+        said += (
+            f"; {' and '.join(more)} ran {max(runs.values()) - rounds} more time(s), where the "
+            "estimate and their runs disagreed"
+        )
     if rounds >= 2:
         return (
             f"{said} ({rounds} rounds: the leaders run again where the first round did not "

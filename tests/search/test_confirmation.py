@@ -235,6 +235,22 @@ def test_the_summary_says_when_the_share_of_the_search_allowed_one_round_only() 
     assert "the search's 3 trials: one round; a larger --max-trials allows two" in note
 
 
+def test_the_summary_says_which_leaders_ran_again_where_the_estimate_and_runs_disagreed() -> None:
+    """Two leaders ran three times, one once: "one round is enough" alone read as if none had
+    run again."""
+    m = method("binary", metric="throughput")
+    leaders = [
+        measured(m, 40, [100.0, 100.0, 100.0], memory=0.5, searched=100.0),
+        measured(m, 32, [100.0], memory=0.5, searched=100.0),
+        measured(m, 24, [101.0, 101.0, 101.0], memory=0.5, searched=101.0),
+    ]
+    note = rounds_note(m.tracker, leaders)
+    assert note is not None and note.startswith(
+        "one run's spread, search trials and runs: 0.0%; z1_mb40 and z1_mb24 ran 2 more "
+        "time(s), where the estimate and their runs disagreed"
+    ), note
+
+
 def test_no_round_with_confirm_top_0() -> None:
     m = search(performance(lucky_mbs=32), confirm_top=0)
     assert confirm_runs(m) == [] and m.tracker.best().mbs == 32
