@@ -400,7 +400,8 @@ def report_end(
         print(summary.read_text(), end="")
     # A failed search's reason is its last line, once (SearchFailed).
     ended = "" if method.search_failed else f"; search ended: {method.shutdown_reason}"
-    print(f"dsat: {len(method.tracker.finished)} trials{spent(method, results_dir)}{ended}")
+    count = len(method.tracker.finished)
+    print(f"dsat: {count} trial{'' if count == 1 else 's'}{spent(method, results_dir)}{ended}")
     try:
         png, page = write_report(results_dir)
         print(f"dsat: report: {shown(png)}, {shown(page)}")
@@ -427,7 +428,7 @@ def closing_lines(
     found = described_with_knobs(best)
     speedup = speedup_over_yours(method)
     if speedup is not None and yours_handed_over(method):
-        found += ": your own config; nothing this search ran was faster"
+        found += ": your own config; nothing faster that this search could hand over ran"
     elif speedup is not None:
         found += f": {speedup:.2f}x your config's {method.tracker.metric.value}"
         slower = slower_than_yours(method)

@@ -183,8 +183,8 @@ def baseline_line(method: DsatSearchMethod) -> str:
     if yours_handed_over(method):
         return (
             f"your config is the one handed over ({described_with_knobs(handed)}): nothing "
-            f"this search ran was faster ({speedup:.2f}x is its runs against your config's "
-            f"run, {tracker.metric.value} {mine:.4g})"
+            f"faster that this search could hand over ran ({speedup:.2f}x is its runs against "
+            f"your config's run, {tracker.metric.value} {mine:.4g})"
         )
     slower = slower_than_yours(method)
     return (

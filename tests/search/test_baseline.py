@@ -115,13 +115,14 @@ def test_a_hand_over_that_is_the_users_own_config_says_so(tmp_path: Path) -> Non
     assert own.tracker.best() is not None and own.tracker.best().name == "z1_mb8"
     assert yours_handed_over(own)
     assert baseline_line(own).startswith(
-        "your config is the one handed over (ZeRO-1 micro-batch 8): nothing this search ran was "
-        "faster (1.00x is its runs against your config's run"
+        "your config is the one handed over (ZeRO-1 micro-batch 8): nothing faster that this "
+        "search could hand over ran (1.00x is its runs against your config's run"
     )
     found = closing_lines(own, tmp_path / "own", False)[0]
     assert (
         found
-        == "dsat: found ZeRO-1 micro-batch 8: your own config; nothing this search ran was faster"
+        == "dsat: found ZeRO-1 micro-batch 8: your own config; nothing faster that this search "
+        "could hand over ran"
     )
     # Twenty: knob steps, all level here; the first found among equals, a knob away, is handed over.
     other = searched(20, tmp_path / "other")
