@@ -189,7 +189,7 @@ def plan_search(
         )
     validate_with_deepspeed(experiment.ds_config, slots, str(experiment.ds_config_path))
     if settings.search_runner_config is not None:
-        load_yaml_mapping(Path(settings.search_runner_config))
+        load_yaml_mapping(Path(settings.search_runner_config), "--search-runner-config")
     runner, reason = resolve_runner(settings.runner, environ, settings.ray_address)
     if settings.resume is not None and settings.runner != "auto":
         reason = f"as the search ran ({SETTINGS_FILE})"

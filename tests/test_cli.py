@@ -399,6 +399,35 @@ def test_model_dir_missing(
     )
 
 
+def test_paths_of_the_wrong_kind_say_what_they_are(
+    experiment_yaml: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A directory given as CONFIG_PATH, a file as MODEL_DIR, a number as deepspeed_config and a
+    missing --search-runner-config each read "not found", or "is missing", or named the wrong
+    fix."""
+    model = str(experiment_yaml.parent)
+    assert_one_line_error(
+        capsys, ["asha", model, model], f"{model}: a directory, not a file; pass the path of"
+    )
+    assert_one_line_error(
+        capsys,
+        ["asha", str(experiment_yaml), str(experiment_yaml)],
+        "a file, not a directory; pass the folder with your code as MODEL_DIR",
+    )
+    path = write_experiment(tmp_path / "m", config={"hyperparameters": {"deepspeed_config": 3}})
+    assert_one_line_error(
+        capsys,
+        ["asha", str(path), str(path.parent)],
+        "hyperparameters.deepspeed_config is 3, not a path",
+    )
+    runner_yaml = tmp_path / "runner.yaml"
+    assert_one_line_error(
+        capsys,
+        ["asha", str(experiment_yaml), model, "--search-runner-config", str(runner_yaml)],
+        f"{runner_yaml}: config file not found; fix --search-runner-config",
+    )
+
+
 def test_end_profile_step_not_after_start(
     experiment_yaml: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -67,9 +67,13 @@ def deep_merge(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[st
     return merged
 
 
-def load_yaml_mapping(path: Path) -> dict[str, Any]:
+def load_yaml_mapping(path: Path, named_by: str = "") -> dict[str, Any]:
+    """A YAML file's top-level mapping; ``named_by``: the flag that named the file, for the
+    message (none: CONFIG_PATH, the experiment's YAML)."""
     if not path.is_file():
-        raise DsatError(f"{path}: config file not found; pass the path of your experiment YAML")
+        what = "a directory, not a file" if path.is_dir() else "config file not found"
+        fix = f"fix {named_by}" if named_by else "pass the path of your experiment YAML"
+        raise DsatError(f"{path}: {what}; {fix}")
     try:
         data = yaml.safe_load(path.read_text())
     except OSError as err:
@@ -287,7 +291,8 @@ def load_experiment(
     include_paths = tuple(Path(p) for p in includes)
     config = load_yaml_mapping(config_path)
     if not model_dir.is_dir():
-        raise DsatError(f"{model_dir}: model directory not found; pass the folder with your code")
+        what = "a file, not a directory" if model_dir.exists() else "model directory not found"
+        raise DsatError(f"{model_dir}: {what}; pass the folder with your code as MODEL_DIR")
     for inc in include_paths:
         if not inc.exists():
             raise DsatError(f"--include {inc}: path not found")
@@ -305,6 +310,11 @@ def load_experiment(
             "to values (the reference's overrides of your JSON); fix or remove it"
         )
     relative = hparams.get(DS_CONFIG_KEY)
+    if relative is not None and not isinstance(relative, str):
+        raise DsatError(
+            f"{config_path}: hyperparameters.{DS_CONFIG_KEY} is {relative!r}, not a path; set it "
+            "to the path of your DeepSpeed JSON, relative to MODEL_DIR"
+        )
     if not isinstance(relative, str) or not relative.strip():
         raise DsatError(
             f"{config_path}: hyperparameters.{DS_CONFIG_KEY} is missing; set it to the path of "
