@@ -345,6 +345,13 @@ def load_experiment(
     experiment = Experiment(config_path, model_dir, config, ds_path, ds_config, include_paths)
     # Fail now, not in every trial, if the batch sizes cannot be made consistent.
     consistent_batch_sizes(ds_config, experiment.slots_per_trial, source=str(ds_path))
+    overwrites = hparams.get(OVERWRITE_KEY)
+    if overwrites and global_batch is None:  # as the user's own config runs (the baseline)
+        consistent_batch_sizes(
+            deep_merge(ds_config, overwrites),
+            experiment.slots_per_trial,
+            source=f"{config_path}: your JSON with hyperparameters.{OVERWRITE_KEY}",
+        )
     return experiment
 
 

@@ -273,6 +273,25 @@ def test_a_determined_constant_without_its_value_is_one_line(tmp_path: Path) -> 
     )
 
 
+def test_overrides_that_make_the_batch_sizes_wrong_are_one_line(tmp_path: Path) -> None:
+    """The search's trials set their own micro-batch over them, so the search ran and only the
+    summary said "your config: not run (its batch sizes do not add up...)"."""
+    overrides = {"train_micro_batch_size_per_gpu": "x"}
+    hparams = {"deepspeed_config": "ds_config.json", "overwrite_deepspeed_args": overrides}
+    path = write_experiment(tmp_path / "m", config={"hyperparameters": hparams})
+    with pytest.raises(DsatError) as raised:
+        load_experiment(path, path.parent)
+    assert str(raised.value) == (
+        f"{path}: your JSON with hyperparameters.overwrite_deepspeed_args: "
+        "train_micro_batch_size_per_gpu must be a positive integer or \"auto\", got 'x'"
+    )
+    hparams["overwrite_deepspeed_args"] = {"train_micro_batch_size_per_gpu": 4}
+    path = write_experiment(tmp_path / "m", config={"hyperparameters": hparams})
+    assert load_experiment(path, path.parent).hparams["overwrite_deepspeed_args"] == {
+        "train_micro_batch_size_per_gpu": 4
+    }
+
+
 def test_name_defaults_to_the_config_file_stem(tmp_path: Path) -> None:
     path = write_experiment(tmp_path / "m", config={"name": ""})
     assert load_experiment(path, path.parent).name == "deepspeed"
