@@ -23,6 +23,7 @@ LOCK_FILE = ".dsat-search.lock"
 @contextlib.contextmanager
 def results_directory_lock(results_dir: Path, flag: str = "--results-dir") -> Iterator[None]:
     """Hold the directory's lock, or raise DsatError naming the process that holds it."""
+    created = not results_dir.exists()
     results_dir.mkdir(parents=True, exist_ok=True)
     path = results_dir / LOCK_FILE
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -39,4 +40,9 @@ def results_directory_lock(results_dir: Path, flag: str = "--results-dir") -> It
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield
     finally:
+        if created and [p.name for p in results_dir.iterdir()] == [LOCK_FILE]:
+            # Nothing began there (a cluster that could not be reached): leave no empty folder.
+            with contextlib.suppress(OSError):
+                path.unlink()
+                results_dir.rmdir()
         os.close(fd)  # releases the lock

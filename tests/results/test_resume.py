@@ -16,6 +16,7 @@ import pytest
 
 from dsat.cli import main
 from dsat.constants import SETTINGS_FILE, STATE_FILE
+from dsat.errors import DsatError
 from dsat.results.directory import TRIALS_FILE
 from dsat.results.directory_lock import results_directory_lock
 from tests.conftest import REPO_ROOT
@@ -234,6 +235,23 @@ def test_a_directory_another_search_runs_in_is_one_line(
         )
     assert (results / TRIALS_FILE).read_text() == before
     assert main(["asha", "--resume", str(results)]) == 0  # once it has ended, it resumes
+
+
+def test_a_results_directory_nothing_began_in_is_not_left_behind(tmp_path: Path) -> None:
+    """A Ray cluster that could not be reached left dsat-results/<name>-<time>/ holding only the
+    lock; a directory that was there before, or where a search wrote, stays."""
+    fresh = tmp_path / "dsat-results" / "tiny-20261127T000000Z"
+    with pytest.raises(DsatError), results_directory_lock(fresh):
+        raise DsatError("the cluster did not answer")
+    assert not fresh.exists() and (tmp_path / "dsat-results").is_dir()
+    with results_directory_lock(fresh):
+        (fresh / "settings.json").write_text("{}")
+    assert (fresh / "settings.json").is_file()
+    kept = tmp_path / "mine"
+    kept.mkdir()
+    with results_directory_lock(kept):
+        pass
+    assert kept.is_dir()
 
 
 def test_more_trials_for_a_search_in_its_confirmation_round_are_refused(
