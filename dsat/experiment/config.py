@@ -67,6 +67,24 @@ def deep_merge(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[st
     return merged
 
 
+class UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping, as Determined's own
+    reader does (PyYAML keeps the last silently: a second ``hyperparameters`` hid the first)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` repeats keys on purpose
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} given twice in one mapping", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_yaml_mapping(path: Path, named_by: str = "") -> dict[str, Any]:
     """A YAML file's top-level mapping; ``named_by``: the flag that named the file, for the
     message (none: CONFIG_PATH, the experiment's YAML)."""
@@ -75,7 +93,7 @@ def load_yaml_mapping(path: Path, named_by: str = "") -> dict[str, Any]:
         fix = f"fix {named_by}" if named_by else "pass the path of your experiment YAML"
         raise DsatError(f"{path}: {what}; {fix}")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=UniqueKeyLoader)  # a SafeLoader
     except OSError as err:
         raise DsatError(f"{path}: cannot read it ({err.strerror or err}); {READ_FIX}") from None
     except yaml.MarkedYAMLError as err:

@@ -292,6 +292,23 @@ def test_overrides_that_make_the_batch_sizes_wrong_are_one_line(tmp_path: Path) 
     }
 
 
+def test_a_yaml_key_given_twice_is_one_line(tmp_path: Path) -> None:
+    """As Determined's reader refuses it; PyYAML kept the second silently."""
+    path = write_experiment(tmp_path / "m")
+    path.write_text(path.read_text() + "name: again\n")
+    with pytest.raises(DsatError) as raised:
+        load_experiment(path, path.parent)
+    assert str(raised.value).startswith(
+        f"{path}: not valid YAML (key 'name' given twice in one mapping at line "
+    )
+    # Anchors and merges, which repeat keys on purpose, still load.
+    path.write_text(
+        "base: &base {slots_per_trial: 1}\nresources:\n  <<: *base\n  slots_per_trial: 2\n"
+        "entrypoint: python3 train.py\nhyperparameters: {deepspeed_config: ds_config.json}\n"
+    )
+    assert load_experiment(path, path.parent).slots_per_trial == 2
+
+
 def test_name_defaults_to_the_config_file_stem(tmp_path: Path) -> None:
     path = write_experiment(tmp_path / "m", config={"name": ""})
     assert load_experiment(path, path.parent).name == "deepspeed"
