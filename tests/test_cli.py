@@ -833,6 +833,14 @@ def test_a_search_whose_every_search_trial_failed_says_so_and_why(tmp_path: Path
     assert line.endswith("(--max-trials used up (8))"), line
     summary = (tmp_path / "r" / "summary.txt").read_text()
     assert "handed over: nothing: none of the 7 search trials succeeded" in summary
+    # More trials for it would run none (its queue went with its end): one line, not taken.
+    again = run_cli("binary", "--resume", str(tmp_path / "r"), "--max-trials", "20")
+    _assert_subprocess_error(
+        again,
+        "that search has ended and handed over nothing (--max-trials used up (8)); --max-trials "
+        "changes only a search still searching: start a new search with --max-trials 20",
+    )
+    assert json.loads((tmp_path / "r" / "settings.json").read_text())["max_trials"] == 8
 
 
 def test_search_with_no_working_config_exits_1(tmp_path: Path) -> None:

@@ -171,12 +171,20 @@ def read_saved_state(results_dir: Path, method: str) -> dict[str, Any]:
 def refuse_more_trials_when_finished(
     results_dir: Path, state: Mapping[str, Any], max_trials: int
 ) -> None:
-    """A search that has ended (handed over, or in its confirmation round) runs no more search
-    trials: more --max-trials there would run nothing, so say so rather than take it."""
+    """A search that has ended (handed over, in its confirmation round, or failed: its queue is
+    gone) runs no more search trials: more --max-trials there would run nothing, so say so
+    rather than take it."""
     handed_over = state["tracker"].get("confirmed_id") is not None
     confirming = bool(state.get("confirmation_candidates"))
-    if (handed_over or confirming) and max_trials != saved_settings(results_dir).max_trials:
-        where = "handed over its config" if handed_over else "is in its confirmation round"
+    ended = handed_over or confirming or state.get("shutdown_reason") is not None
+    if ended and max_trials != saved_settings(results_dir).max_trials:
+        where = (
+            "handed over its config"
+            if handed_over
+            else "is in its confirmation round"
+            if confirming
+            else f"handed over nothing ({state['shutdown_reason']})"
+        )
         raise DsatError(
             f"--resume {shown(results_dir)}: that search has ended and {where}; --max-trials "
             f"changes only a search still searching: start a new search with --max-trials "
