@@ -281,7 +281,13 @@ def draw_memory(ax: Any, results: SearchResults) -> None:
     ax.set_ylabel("peak memory, GiB")
     ax.set_title("peak memory against the device's")
     if not device:  # the simulator measures none
-        ax.text(0.5, 0.5, "no peak memory measured", ha="center", transform=ax.transAxes)
+        ax.text(
+            0.5,
+            0.5,
+            "no search trial measured its peak memory",
+            ha="center",
+            transform=ax.transAxes,
+        )
         return
     ax.axhline(device / 2**30, color="black", ls="--", label="device memory")
     ax.legend(fontsize=8)
