@@ -129,8 +129,8 @@ class DsatSearchMethod(SearchMethod):
                 cause=outcome.cause,
                 log=outcome.log,
             )
-            if self.tracker.machine_failed_once(record):
-                self._follow_up(lambda: self.rerun(record))
+            if self.tracker.machine_failed_once(record):  # (or, queued already, as any end)
+                self._follow_up(lambda: self.rerun(record) or self.after_failure(record))
             elif record.kind is TrialKind.SEARCH:
                 self._follow_up(lambda: self.after_failure(record))
             elif record.kind is TrialKind.MODEL_PROFILE and self.next_fit_rung() is not None:
