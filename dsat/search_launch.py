@@ -64,6 +64,7 @@ from dsat.search.baseline import (
     described_with_knobs,
     slower_than_yours,
     speedup_over_yours,
+    yours_clearly_faster,
     yours_handed_over,
 )
 from dsat.search.ending import no_search_trial_succeeded
@@ -71,6 +72,7 @@ from dsat.search.method import DsatSearchMethod
 from dsat.search.trial_builder import SearchSpec
 from dsat.search_run import best_config_path, run_search
 from dsat.training.hf_args import HF_DS_FLAG
+from dsat.training.step_clock import measured_window
 from dsat.trial import TrialRecord
 
 
@@ -210,6 +212,7 @@ def plan_search(
         )
     if runner is not RunnerKind.SIMULATED:
         check_entrypoint_script(experiment)
+        check_entrypoint_steps(experiment, settings)
     if runner is RunnerKind.LOCAL and settings.offload_nvme is not None:
         check_local_directory(settings.offload_nvme, "--offload-nvme")
     setup = RUNNER_SETUPS[runner].prepare(settings, experiment, environ)
@@ -266,6 +269,23 @@ def room_needed(
         return RESULTS_FLOOR_BYTES
     copy = tree_bytes([experiment.model_dir, *experiment.includes], copy_ignore(results_dir))
     return RESULTS_FLOOR_BYTES + COPIES_AT_START * copy
+
+
+# HF's TrainingArguments flag for the optimizer steps a run trains (-1: by epochs).
+MAX_STEPS_FLAGS = ("--max_steps", "--max-steps")
+
+
+def check_entrypoint_steps(experiment: Experiment, settings: SearchSettings) -> None:
+    """One line where the entrypoint's ``--max_steps`` (HF's Trainer) stops training before a
+    trial's measured steps end: every trial failed with "stopped after N steps"."""
+    given = entrypoint_flag(experiment.config.get("entrypoint"), MAX_STEPS_FLAGS)
+    needed = measured_window(settings.start_profile_step, settings.end_profile_step)[1] + 1
+    if given is not None and given.isdigit() and 0 < int(given) < needed:
+        raise DsatError(
+            f"{experiment.config_path}: the entrypoint passes --max_steps {given}, but a trial "
+            f"measures up to optimizer step {needed} (--end-profile-step and dsat's window); "
+            f"give --max_steps {needed} or more"
+        )
 
 
 def refuse_unreadable_files(experiment: Experiment, results_dir: Path) -> None:
@@ -355,6 +375,11 @@ def search_here(plan: LaunchPlan, runner: TrialRunner) -> None:
     if settings.run_full_experiment:
         best = method.tracker.best()
         assert best is not None  # report_end raised SearchFailed otherwise
+        if yours_clearly_faster(method):
+            print(
+                "dsat: note: your own config measured faster than the hand-over, by more than "
+                "the noise; the full run trains with the hand-over, as asked"
+            )
         try:
             runner.run_full_experiment(full_run_hparams(best, plan.results_dir))
         except KeyboardInterrupt:

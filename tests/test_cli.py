@@ -428,6 +428,28 @@ def test_paths_of_the_wrong_kind_say_what_they_are(
     )
 
 
+def test_an_hf_entrypoint_training_fewer_steps_than_a_trial_measures_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every trial failed with "stopped after 10 steps; it needs 15"; the guide had said
+    --max_steps must only exceed --end-profile-step."""
+    entrypoint = "python3 train.py --deepspeed ds_config.json --max_steps 10"
+    path = write_experiment(tmp_path / "m", config={"entrypoint": entrypoint})
+    assert_one_line_error(
+        capsys,
+        ["asha", str(path), str(path.parent)],
+        "the entrypoint passes --max_steps 10, but a trial measures up to optimizer step 15",
+        "give --max_steps 15 or more",
+    )
+    # A later --end-profile-step asks for more.
+    path.write_text(path.read_text().replace("--max_steps 10", "--max_steps 15"))
+    assert_one_line_error(
+        capsys,
+        ["asha", str(path), str(path.parent), "--end-profile-step", "20"],
+        "give --max_steps 21 or more",
+    )
+
+
 def test_end_profile_step_not_after_start(
     experiment_yaml: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -159,9 +159,19 @@ def slower_than_yours(method: DsatSearchMethod) -> str | None:
     if math.log(1 / speedup) <= 2 * noise * math.sqrt(1 + 1 / runs):
         return f"level with your config within the noise ({noise:.1%} a run)"
     return (
-        f"your config measured faster, by more than the noise ({noise:.1%} a run): keep it, "
+        f"{YOURS_FASTER}, by more than the noise ({noise:.1%} a run): keep it, "
         f"or start a longer search (--max-trials, {method.settings.max_trials} here)"
     )
+
+
+YOURS_FASTER = "your config measured faster"
+
+
+def yours_clearly_faster(method: DsatSearchMethod) -> bool:
+    """Whether the user's own config measured faster than the hand-over, by more than the noise
+    (``slower_than_yours``): a full run with the hand-over then says so before it trains."""
+    verdict = slower_than_yours(method)
+    return verdict is not None and verdict.startswith(YOURS_FASTER)
 
 
 def baseline_line(method: DsatSearchMethod) -> str:

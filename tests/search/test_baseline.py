@@ -10,7 +10,12 @@ from typing import Any
 from dsat.results.directory import SUMMARY_FILE, TRIALS_FILE
 from dsat.runners.simulated.performance_models import BUILTIN_MODELS
 from dsat.runners.simulated.runner import SimulatedRunner
-from dsat.search.baseline import baseline_line, described_with_knobs, yours_handed_over
+from dsat.search.baseline import (
+    baseline_line,
+    described_with_knobs,
+    yours_clearly_faster,
+    yours_handed_over,
+)
 from dsat.search.method import DsatSearchMethod
 from dsat.search.trial_builder import SearchSpec
 from dsat.search_launch import closing_lines
@@ -92,7 +97,9 @@ def test_a_hand_over_slower_than_the_users_config_says_whether_that_is_the_noise
 
     level = measured_at(1.01)
     assert level.startswith("0.99x your config") and "; level with your config within" in level
+    assert not yours_clearly_faster(method)  # a full run with the hand-over says nothing more
     slower = measured_at(1.3)
+    assert yours_clearly_faster(method)  # ... here it says so before it trains
     assert slower.startswith("0.77x your config")
     assert "; your config measured faster, by more than the noise" in slower
     assert "keep it, or start a longer search (--max-trials, 10 here)" in slower
