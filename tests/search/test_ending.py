@@ -12,7 +12,7 @@ from dsat.trial import TrialOutcome, TrialRecord, TrialStatus
 from dsat.trial_failure import MACHINE_FAILURES_TO_STOP, SCRIPT_FAILURES_TO_STOP, FailureCause
 from tests.search.helpers import finish, method, start_profile, suggested
 
-TOO_SHORT = "DeepSpeed stopped after 3 steps; it needs 15 to measure this configuration"
+TOO_SHORT = "training ended after 3 optimizer steps; dsat needs 15 to measure this configuration"
 
 
 def fail(m: Any, record: TrialRecord, error: str, cause: FailureCause) -> None:

@@ -103,9 +103,10 @@ def classify(
     if code == 0 and outcome.get("status") == "incomplete":
         needed = outcome.get("needed")
         reason = (
-            f"DeepSpeed stopped after {outcome.get('steps')} steps; it needs {needed} to measure "
-            f"this configuration: let the training loop run at least {needed} steps (the "
-            f"searcher operation's length, op.length, is {needed})"
+            f"training ended after {outcome.get('steps')} optimizer steps; dsat needs {needed} to "
+            f"measure this configuration: let the training loop run at least {needed} steps (the "
+            f"searcher operation's length, op.length, is {needed}; an HF Trainer's --max_steps; "
+            "a loop over one epoch of the data ends sooner at a larger micro-batch: cycle it)"
         )
         return TrialEnd(TrialStatus.ERROR, {}, f"{reason}\n{tail}", FailureCause.SCRIPT)
     if outcome.get("status") == "oom" or text_shows_out_of_memory(text):

@@ -62,7 +62,7 @@ def test_failures_the_script_causes_whatever_the_config(tmp_path: Path) -> None:
     log = trial(tmp_path, "trained\n", {"status": "incomplete", "steps": 3, "needed": 15})
     end = classify(tmp_path, log, 0, False, 60)
     assert end.status is TrialStatus.ERROR and end.cause is FailureCause.SCRIPT
-    assert end.error is not None and end.error.startswith("DeepSpeed stopped after 3 steps")
+    assert end.error is not None and end.error.startswith("training ended after 3 optimizer steps")
     (tmp_path / TRIAL_OUTCOME_FILE).unlink()
     end = classify(tmp_path, log, 0, False, 60)  # it never called dsat's helpers
     assert end.cause is FailureCause.SCRIPT and end.error is not None
