@@ -3,7 +3,8 @@
 HF checks its ``--per_device_train_batch_size``/``--gradient_accumulation_steps`` against the
 ``--deepspeed`` JSON and refuses a mismatch, so both have to carry dsat's overrides. The merged
 JSON is written next to the original (the user's file is never modified) and ``--deepspeed`` is
-pointed at it; a file lock keeps the ranks of a multi-process trial from racing.
+pointed at it; each rank of a multi-process trial writes it whole (write_json_atomic: a temporary
+file of its own, renamed), so they need no lock, and none is left beside the user's file.
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
-
-import filelock
 
 from dsat.atomic_file import write_json_atomic
 from dsat.constants import (
@@ -109,8 +108,7 @@ def get_hf_args_with_overwrites(args: Sequence[str], hparams: Mapping[str, Any])
     target = merged_config_path(source)
     user_config = load_ds_json(source, "--deepspeed")  # a path that is wrong leaves no lock file
     merged = deep_merge(user_config, overwrites)
-    with filelock.FileLock(str(target) + ".lock"):
-        write_json_atomic(target, merged)
+    write_json_atomic(target, merged)
     # A search trial: dsat times its steps, and the Trainer's input_ids lead with the batch.
     start_clock(overwrites, hf_precision(args, merged), batch_first=True)
     args = _set_flag(args, HF_DS_FLAG, str(target))

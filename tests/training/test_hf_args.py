@@ -63,6 +63,10 @@ def test_rewrites_flags_and_config(ds_path: Path, caplog: pytest.LogCaptureFixtu
     assert merged["zero_optimization"] == {"stage": 3, "overlap_comm": True}
     assert merged["train_batch_size"] == 12
     assert json.loads(ds_path.read_text()) == BASE  # the user's file is untouched
+    # Nothing else beside it: the merged file is written whole by each rank, with no lock file.
+    assert sorted(p.name for p in ds_path.parent.iterdir()) == sorted(
+        [ds_path.name, merged_path.name]
+    )
     assert _value(new, "--output_dir") == "out" and args[3] == str(ds_path)  # input list untouched
     assert "changing --per_device_train_batch_size from 8 to 3" in caplog.text
 
