@@ -277,7 +277,7 @@ MAX_STEPS_FLAGS = ("--max_steps", "--max-steps")
 
 def check_entrypoint_steps(experiment: Experiment, settings: SearchSettings) -> None:
     """One line where the entrypoint's ``--max_steps`` (HF's Trainer) stops training before a
-    trial's measured steps end: every trial failed with "stopped after N steps"."""
+    trial's measured steps end: every trial failed with "training ended after N optimizer steps"."""
     given = entrypoint_flag(experiment.config.get("entrypoint"), MAX_STEPS_FLAGS)
     needed = measured_window(settings.start_profile_step, settings.end_profile_step)[1] + 1
     if given is not None and given.isdigit() and 0 < int(given) < needed:
