@@ -129,7 +129,9 @@ class DsatSearchMethod(SearchMethod):
                 cause=outcome.cause,
                 log=outcome.log,
             )
-            if self.tracker.machine_failed_once(record):  # (or, queued already, as any end)
+            if self.tracker.machine_failed_once(record):
+                # The machine's fault, not the config's: run it again; where it is queued
+                # already, go on as after any other end.
                 self._follow_up(lambda: self.rerun(record) or self.after_failure(record))
             elif record.kind is TrialKind.SEARCH:
                 self._follow_up(lambda: self.after_failure(record))
