@@ -48,7 +48,7 @@ from dsat.results.writable import (
     RESULTS_FLOOR_BYTES,
     WriteFailure,
     check_results_dir,
-    tree_bytes,
+    files_bytes,
     tree_files,
     write_failure,
 )
@@ -234,8 +234,15 @@ def plan_search(
         results_dir = default_results_dir(
             experiment.name, now or datetime.datetime.now(datetime.timezone.utc)
         )
-    if runner is not RunnerKind.SIMULATED:
-        refuse_unreadable_files(experiment, results_dir)
+    # What every trial's copy of MODEL_DIR holds (the simulator copies nothing), walked once.
+    copied = (
+        []
+        if runner is RunnerKind.SIMULATED
+        else list(
+            tree_files([experiment.model_dir, *experiment.includes], copy_ignore(results_dir))
+        )
+    )
+    refuse_unreadable_files(copied)
     earlier = results_dir / FULL_RUN_DIR
     if settings.run_full_experiment and earlier.is_dir() and any(earlier.iterdir()):
         raise DsatError(  # a new full run starts from a fresh copy of MODEL_DIR there
@@ -246,7 +253,7 @@ def plan_search(
         named_by = (
             "--resume" if settings.resume else "--results-dir" if settings.results_dir else ""
         )
-        check_results_dir(results_dir, named_by, room_needed(experiment, setup, results_dir))
+        check_results_dir(results_dir, named_by, room_needed(copied, setup))
     return LaunchPlan(settings, experiment, runner, reason, results_dir, setup)
 
 
@@ -261,14 +268,12 @@ def check_local_directory(path: str, flag: str) -> None:
         raise DsatError(f"{flag} {path} is not writable; give a directory you can write to")
 
 
-def room_needed(
-    experiment: Experiment, setup: RunnerSetup | DeterminedSetup, results_dir: Path
-) -> int:
-    """The free bytes a search needs where its results go before it starts (``writable``)."""
+def room_needed(copied: list[Path], setup: RunnerSetup | DeterminedSetup) -> int:
+    """The free bytes a search needs where its results go before it starts (``writable``):
+    ``copied``, the files of a trial's copy of MODEL_DIR, are copied there per trial."""
     if not isinstance(setup, LocalSetup):  # the others copy no model dir into the results
         return RESULTS_FLOOR_BYTES
-    copy = tree_bytes([experiment.model_dir, *experiment.includes], copy_ignore(results_dir))
-    return RESULTS_FLOOR_BYTES + COPIES_AT_START * copy
+    return RESULTS_FLOOR_BYTES + COPIES_AT_START * files_bytes(copied)
 
 
 # HF's TrainingArguments flag for the optimizer steps a run trains (-1: by epochs).
@@ -288,11 +293,10 @@ def check_entrypoint_steps(experiment: Experiment, settings: SearchSettings) -> 
         )
 
 
-def refuse_unreadable_files(experiment: Experiment, results_dir: Path) -> None:
+def refuse_unreadable_files(copied: list[Path]) -> None:
     """One line where a file every trial's copy of MODEL_DIR (and the includes) holds cannot be
     read: the first trial's copy failed on it, and was blamed on the results directory."""
-    roots = [experiment.model_dir, *experiment.includes]
-    for path in tree_files(roots, copy_ignore(results_dir)):
+    for path in copied:
         if not os.access(path, os.R_OK):
             raise DsatError(
                 f"{shown(path)} cannot be read, and every trial runs in a copy of MODEL_DIR "

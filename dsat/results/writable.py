@@ -82,11 +82,11 @@ def write_failure(err: BaseException, results_dir: Path) -> WriteFailure | None:
     return WriteFailure(path, reason, err.errno in SPACE_ERRNOS)
 
 
-def tree_bytes(roots: Iterable[Path], ignore: Ignore) -> int:
-    """The bytes ``shutil.copytree(root, ..., ignore=ignore)`` copies, for each of ``roots`` (a
-    file counts itself); symlinked folders are not followed, so this errs low."""
+def files_bytes(files: Iterable[Path]) -> int:
+    """The bytes of ``files`` (``tree_files``': symlinked folders are not followed there, so
+    this errs low)."""
     total = 0
-    for path in tree_files(roots, ignore):
+    for path in files:
         with contextlib.suppress(OSError):
             total += path.stat().st_size
     return total
