@@ -470,14 +470,14 @@ class RayRunner:
             str(self._log_path(trial, rank)),
         )
 
-    def _node_lost(self, trial: RayTrial, err: Exception | None = None) -> TrialOutcome:
-        """A node of the trial is gone, or its actor there died (``err``) with the node still
-        up: its other ranks are stopped; the trial is the machine's error."""
+    def _node_lost(self, trial: RayTrial, err: Exception) -> TrialOutcome:
+        """An actor of the trial is gone (``err``): its node left the cluster, or it died with
+        its node still up. Its other ranks are stopped; the trial is the machine's error."""
         lost = ", ".join(self._lost_nodes(trial))
-        if lost or err is None:
+        if lost:
             error = (
-                f"node lost: Ray node {lost or '(unknown)'} of this trial left the cluster while "
-                "it ran; its other nodes' processes were stopped"
+                f"node lost: Ray node {lost} of this trial left the cluster while it ran; its "
+                "other nodes' processes were stopped"
             )
         else:
             error = (
