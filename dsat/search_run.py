@@ -123,9 +123,7 @@ def run_search(
             )
     # Once the resume is known to go ahead: a refused one leaves the settings it would resume.
     write_settings(settings, results_dir)
-    writer.keep_best_config = method.ending.shutdown_reason is not None and (
-        method.tracker.confirmed_id is not None
-    )
+    writer.keep_best_config = method.ending.handed_over(method)
     with progress or contextlib.nullcontext():
         driver.run(resume=resuming)
     if driver.shutdown is not None or not runner.running_count():

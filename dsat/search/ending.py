@@ -150,8 +150,8 @@ class SearchEnding:
 
     def should_shutdown(self, method: DsatSearchMethod) -> bool:
         tracker = method.tracker
-        if tracker.confirmed_id is not None and self.shutdown_reason is not None:
-            return True  # it has ended and handed over (a finished search resumed): as it was
+        if self.handed_over(method):
+            return True  # a finished search resumed: as it was
         if self.confirming(method):
             if tracker.running or tracker.queue:
                 return False
@@ -178,6 +178,10 @@ class SearchEnding:
         if reason is not None:
             self.shutdown_reason = reason
         return reason is not None
+
+    def handed_over(self, method: DsatSearchMethod) -> bool:
+        """Whether the search has ended and handed its configuration over."""
+        return self.shutdown_reason is not None and method.tracker.confirmed_id is not None
 
     def confirming(self, method: DsatSearchMethod) -> bool:
         return bool(self.confirmation_candidates) and method.tracker.confirmed_id is None

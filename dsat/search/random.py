@@ -172,13 +172,13 @@ class RandomSearch(DsatSearchMethod):
         assert record.search_range is not None
         remaining = SearchRange(record.mbs + 1, record.search_range.hi)
         if self.used_up(remaining):  # the memory model was too cautious: look higher
-            remaining = SearchRange(remaining.lo, min(2 * remaining.lo, self.room_above(record)))
+            remaining = SearchRange(remaining.lo, self.room_above(record, 2 * remaining.lo))
         return self._continue(record, remaining)
 
-    def room_above(self, record: TrialRecord) -> int:
-        """The largest micro-batch above ``record``'s not already too large for a configuration
-        that needs no more memory than its own (zero_space.needs_no_less_memory): the doubling
-        stops below it rather than run a certain OOM."""
+    def room_above(self, record: TrialRecord, ceiling: int) -> int:
+        """The largest micro-batch up to ``ceiling`` not already too large for a configuration
+        that needs no more memory than ``record``'s (zero_space.needs_no_less_memory): the
+        doubling stops below it rather than run a certain OOM."""
         known = [
             r.mbs - 1
             for r in self.tracker.records
@@ -187,7 +187,7 @@ class RandomSearch(DsatSearchMethod):
             and self.tracker.too_large(r)
             and needs_no_less_memory(record.zero_section, r.zero_section)
         ]
-        return min(known, default=2 * (record.mbs + 1))
+        return min([ceiling, *known])
 
     def after_failure(self, record: TrialRecord) -> list[TrialRecord]:
         assert record.search_range is not None

@@ -50,7 +50,7 @@ def test_the_doubling_above_a_used_up_range_stops_below_a_known_oom() -> None:
     (child_id,) = created_ids(finish(m, first, ok=False))  # out of memory at the first's
     finish(m, child_id, ok=True)
     oom, child = m.tracker.get(first), m.tracker.get(child_id)
-    assert m.room_above(child) == oom.mbs - 1
+    assert m.room_above(child, 2 * (child.mbs + 1)) == oom.mbs - 1
     # A lineage of its own, of the configuration with larger buckets, at the top of its range.
     larger = child.zero_section["reduce_bucket_size"] * 2
     overwrites = copy.deepcopy(child.hparams[OVERWRITE_KEY])
@@ -62,7 +62,7 @@ def test_the_doubling_above_a_used_up_range_stops_below_a_known_oom() -> None:
         lineage_id=child.request_id,
         search_range=SearchRange(1, child.mbs),
     )
-    assert m.room_above(at_the_top) == oom.mbs - 1
+    assert m.room_above(at_the_top, 2 * (child.mbs + 1)) == oom.mbs - 1
     higher = [r for r in m.after_success(at_the_top) if r.lineage_id == child.request_id]
     assert 2 * (child.mbs + 1) >= oom.mbs  # where the doubling alone would reach the OOM
     assert higher and all(r.search_range is not None for r in higher)
