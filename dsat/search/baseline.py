@@ -146,9 +146,30 @@ def yours_handed_over(method: DsatSearchMethod) -> bool:
 def slower_than_yours(method: DsatSearchMethod) -> str | None:
     """Where the hand-over measured slower than the user's own config, what that means, in
     plain words (None where it did not): "0.83x your config" alone reads as "dsat made it
-    worse", while on a short, noisy trial the same configuration can measure 20% apart. Judged
-    by the noise this search's repeated runs showed, against the mean of the hand-over's runs
-    and the one run of the user's config."""
+    worse", while on a short, noisy trial the same configuration can measure 20% apart."""
+    judged = _against_yours(method)
+    if judged is None:
+        return None
+    beyond_noise, noise = judged
+    if not beyond_noise:
+        return f"level with your config within the noise ({noise:.1%} a run)"
+    return (
+        f"your config measured faster, by more than the noise ({noise:.1%} a run): keep it, "
+        f"or start a longer search (--max-trials, {method.settings.max_trials} here)"
+    )
+
+
+def yours_clearly_faster(method: DsatSearchMethod) -> bool:
+    """Whether the user's own config measured faster than the hand-over, by more than the noise
+    (``slower_than_yours``): a full run with the hand-over then says so before it trains."""
+    judged = _against_yours(method)
+    return judged is not None and judged[0]
+
+
+def _against_yours(method: DsatSearchMethod) -> tuple[bool, float] | None:
+    """Where the hand-over measured slower than the user's config: whether by more than the
+    noise, and that noise (one run's, as this search's repeated runs showed it), judged against
+    the mean of the hand-over's runs and the one run of the user's config. None otherwise."""
     speedup = speedup_over_yours(method)
     handed = method.tracker.best()
     if speedup is None or speedup >= 1 or handed is None:
@@ -156,22 +177,7 @@ def slower_than_yours(method: DsatSearchMethod) -> str | None:
     tracker = method.tracker
     noise = relative_noise([], repeated_measurements(tracker))
     runs = max(1, len(measurements(tracker, handed)))
-    if math.log(1 / speedup) <= 2 * noise * math.sqrt(1 + 1 / runs):
-        return f"level with your config within the noise ({noise:.1%} a run)"
-    return (
-        f"{YOURS_FASTER}, by more than the noise ({noise:.1%} a run): keep it, "
-        f"or start a longer search (--max-trials, {method.settings.max_trials} here)"
-    )
-
-
-YOURS_FASTER = "your config measured faster"
-
-
-def yours_clearly_faster(method: DsatSearchMethod) -> bool:
-    """Whether the user's own config measured faster than the hand-over, by more than the noise
-    (``slower_than_yours``): a full run with the hand-over then says so before it trains."""
-    verdict = slower_than_yours(method)
-    return verdict is not None and verdict.startswith(YOURS_FASTER)
+    return math.log(1 / speedup) > 2 * noise * math.sqrt(1 + 1 / runs), noise
 
 
 def baseline_line(method: DsatSearchMethod) -> str:
