@@ -140,6 +140,26 @@ class TrialNodeHost:
                 found[name] = (path.read_text(errors="replace"), path.stat().st_mtime)
         return found
 
+    def files(self) -> list[tuple[str, int, int]]:
+        """Every regular file in the trial's copy: its path relative to the copy, its size and
+        its permission bits. After a full run, these are the model dir with what the run wrote
+        beside it (its checkpoints, its outputs)."""
+        found = []
+        for directory, _, names in os.walk(self.directory):
+            for name in sorted(names):
+                path = Path(directory) / name
+                if path.is_file() and not path.is_symlink():
+                    status = path.stat()
+                    relative = str(path.relative_to(self.directory))
+                    found.append((relative, status.st_size, status.st_mode & 0o777))
+        return found
+
+    def read_file(self, relative: str, offset: int, limit: int) -> bytes:
+        """At most ``limit`` bytes of the copy's file ``relative``, from ``offset``."""
+        with (self.directory / relative).open("rb") as handle:
+            handle.seek(offset)
+            return handle.read(limit)
+
     def clean(self) -> None:
         """Remove the trial's copy and log from the node (the runner has fetched what it keeps)."""
         shutil.rmtree(self.directory, ignore_errors=True)

@@ -37,7 +37,7 @@ from dsat.runners.local.entrypoint import NODE_PYTHON, rendezvous_environment, t
 from dsat.runners.local.full_run import FullExperimentFailed
 from dsat.runners.local.runner import HPARAMS_FILE
 from dsat.runners.local.trial_timeout import TrialTimeout
-from dsat.runners.ray.node_host import TrialNodeHost, left_behind_log
+from dsat.runners.ray.node_host import NODE_ROOT, TrialNodeHost, left_behind_log
 from dsat.runners.ray.placement import TrialLayout, node_capacities
 from dsat.trial import TrialOutcome, TrialStatus
 from dsat.trial_failure import FailureCause
@@ -55,6 +55,7 @@ STOP_WAIT_S = 15.0
 PLACEMENT_CHECK_S = 10.0
 PLACEMENT_NOTE_S = 60.0
 LOG_CHUNK = 1 << 20
+COPY_CHUNK = 8 << 20  # what the full run wrote comes back in pieces of this size
 KEPT_FILES = [TRIAL_OUTCOME_FILE, METRICS_FILE, MODEL_INFO_FILE, HPARAMS_FILE]
 
 
@@ -171,12 +172,15 @@ class RayRunner:
 
     def run_full_experiment(self, hparams: dict[str, Any]) -> None:
         """Train once with ``hparams`` on the cluster, laid out as the trials were; the first
-        node's output streams here, every node's log goes to ``logs/``."""
+        node's output streams here, every node's log goes to ``logs/``, and what the run wrote in
+        its copies on the nodes comes back to ``full-experiment/`` (as the local runner keeps its
+        copy there), unless it was interrupted."""
         trial = self._place(FULL_RUN_DIR, hparams, None, name=FULL_RUN_DIR)
         print(f"dsat: full experiment on the Ray cluster ({self.layout.describe()})", flush=True)
         from ray.exceptions import RayActorError
 
-        offset, codes = 0, None
+        offset, codes, ended = 0, None, False
+        kept_on_nodes: list[str] = []
         try:
             while not self._launch_if_placed(trial):
                 time.sleep(POLL_SECONDS)
@@ -189,12 +193,17 @@ class RayRunner:
                     break
                 if not chunk:
                     time.sleep(POLL_SECONDS)
+            ended = True
         except RayActorError:  # its first node left while it started or ran
-            codes = None
-        finally:  # finished, failed or interrupted: nothing of it stays on the cluster
+            codes, ended = None, True
+        finally:  # nothing of it stays on the cluster, unless its files could not come back
             self._stop(trial)
-            self._collect_logs(trial)
-            self._release(trial)
+            try:
+                self._collect_logs(trial)
+                if ended:
+                    kept_on_nodes = self._bring_back(trial)
+            finally:
+                self._release(trial, keep=kept_on_nodes)
         log_path = shown(self._log_path(trial, 0))
         code = None if codes is None else codes[0]
         if code != 0:
@@ -203,6 +212,55 @@ class RayRunner:
                 f"the full experiment with the best config {reason}; its log is {log_path}"
             )
         print(f"dsat: full experiment finished; its log is {log_path}")
+
+    def _bring_back(self, trial: RayTrial) -> list[str]:
+        """Every node's copy of the full run into ``full-experiment/``, as one shared directory
+        would hold it: the first node's files, then the files of the others that it lacks (the
+        shards each rank wrote). Each file is written whole or not at all. A node gone loses its
+        files, said in one line; where this machine's disk cannot take them, they stay on the
+        nodes, and the node ids are returned (nothing is lost)."""
+        from ray.exceptions import RayActorError
+
+        directory = self.results_dir / FULL_RUN_DIR
+        taken: set[str] = set()
+        for rank, host in enumerate(trial.hosts):
+            try:
+                found = self.ray.get(host.files.remote())
+                for relative, size, mode in found:
+                    if relative not in taken:
+                        self._copy_back(host, relative, size, mode, directory / relative)
+                        taken.add(relative)
+            except RayActorError:
+                print(f"dsat: node {rank} of the full run was lost with what it wrote there")
+            except OSError as err:
+                kept = list(trial.nodes[rank:])
+                where = f"{NODE_ROOT}/{self.search_name}/{trial.name}-node<rank>"
+                print(
+                    f"dsat: what the full run wrote could not all come back to {shown(directory)} "
+                    f"({err.strerror or err}); it stays on its Ray nodes {', '.join(kept)}, "
+                    f"in {where} under each one's temporary directory"
+                )
+                return kept
+        print(f"dsat: what the full run wrote is in {shown(directory)}")
+        return []
+
+    def _copy_back(self, host: Any, relative: str, size: int, mode: int, target: Path) -> None:
+        """One file of a node's copy to ``target``, in chunks through the object store."""
+        target.parent.mkdir(parents=True, exist_ok=True)
+        part = target.with_name(f".{target.name}.dsat-part")
+        try:
+            with part.open("wb") as out:
+                offset = 0
+                while offset < size:
+                    chunk = self.ray.get(host.read_file.remote(relative, offset, COPY_CHUNK))
+                    if not chunk:
+                        break  # shortened while read: what there is
+                    out.write(chunk)
+                    offset += len(chunk)
+            os.chmod(part, mode)
+            os.replace(part, target)
+        finally:
+            part.unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ placing and launching
 
@@ -500,16 +558,18 @@ class RayRunner:
             except (RayActorError, GetTimeoutError):
                 continue  # gone with its node, whose processes went with it (trial_guard)
 
-    def _release(self, trial: RayTrial) -> None:
-        """Remove the trial's copies, actors and placement group."""
+    def _release(self, trial: RayTrial, keep: list[str] | None = None) -> None:
+        """Remove the trial's copies (but those on the nodes ``keep`` names), actors and
+        placement group."""
         from ray.exceptions import GetTimeoutError, RayActorError
         from ray.util.placement_group import remove_placement_group
 
-        for host in trial.hosts:
-            try:
-                self.ray.get(host.clean.remote(), timeout=STOP_WAIT_S)
-            except (RayActorError, GetTimeoutError):
-                pass
+        for rank, host in enumerate(trial.hosts):
+            if not (keep and rank < len(trial.nodes) and trial.nodes[rank] in keep):
+                try:
+                    self.ray.get(host.clean.remote(), timeout=STOP_WAIT_S)
+                except (RayActorError, GetTimeoutError):
+                    pass
             self.ray.kill(host)
         remove_placement_group(trial.group)
 

@@ -4,6 +4,7 @@ are checked for every runner in tests/runners/test_trial_runner.py."""
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from dsat.experiment.config import load_experiment
 from dsat.runners.local.entrypoint import entrypoint_tokens
 from dsat.runners.local.trial_processes import leftover_trials
 from dsat.runners.local.trial_timeout import TrialTimeout
-from dsat.runners.ray.node_host import TrialNodeHost
+from dsat.runners.ray.node_host import NODE_ROOT, TrialNodeHost
 from dsat.runners.ray.runner import RayRunner
 from dsat.runners.ray.setup import open_runner
 from dsat.search import MethodSettings, make_search_method
@@ -198,6 +199,71 @@ def test_a_spread_trial_says_what_the_rank_that_failed_said_not_the_rank_dsat_st
     assert outcome.cause is not FailureCause.MACHINE
     assert outcome.log is not None and outcome.log.endswith("-node1.log")
     assert_nothing_left(runner.results_dir)
+
+
+WRITES_ITS_OUTPUTS = """
+import os
+rank = os.environ["RANK"]
+os.makedirs("output/shards", exist_ok=True)
+open(f"output/shards/rank{rank}.pt", "wb").write(os.urandom(3 << 20) + rank.encode())
+open("output/latest", "w").write(f"written by rank {rank}")
+print(f"rank {rank} saved", flush=True)
+"""
+
+
+def full_run_on_two_nodes(tmp_path: Path) -> RayRunner:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "job.py").write_text(WRITES_ITS_OUTPUTS)
+    runner = runner_for(tmp_path, model, ["python3", "job.py"], slots=2)
+    assert runner.layout.nodes == 2
+    return runner
+
+
+def node_copies(runner: RayRunner) -> list[Path]:
+    """The full run's copies on the nodes (all on this host in the tests' cluster)."""
+    import tempfile
+
+    root = Path(tempfile.gettempdir()) / NODE_ROOT / runner.search_name
+    return sorted(path for path in root.glob("full-experiment-node*") if path.is_dir())
+
+
+def test_what_a_full_run_writes_on_its_nodes_comes_back_as_one_directory(
+    ray_cluster: RayTestCluster, tmp_path: Path
+) -> None:
+    """Without storage the nodes share, a checkpoint the script wrote in its own directory was
+    removed with the node's copy; now each rank's shards come back beside the model dir, larger
+    than one piece of the copy, byte for byte; a file every rank wrote is the first node's."""
+    runner = full_run_on_two_nodes(tmp_path)
+    runner.run_full_experiment({OVERWRITE_KEY: {"train_micro_batch_size_per_gpu": 1}})
+    kept = runner.results_dir / "full-experiment"
+    assert (kept / "job.py").read_text() == WRITES_ITS_OUTPUTS
+    for rank in (0, 1):
+        shard = (kept / "output" / "shards" / f"rank{rank}.pt").read_bytes()
+        assert len(shard) == (3 << 20) + 1 and shard.endswith(str(rank).encode())
+    assert (kept / "output" / "latest").read_text() == "written by rank 0"
+    assert not list(kept.rglob("*.dsat-part"))
+    assert node_copies(runner) == []
+    assert_nothing_left(runner.results_dir)
+
+
+def test_a_full_run_whose_files_cannot_come_back_leaves_them_on_its_nodes(
+    ray_cluster: RayTestCluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Where this machine cannot take them (here a file stands where the directory goes; a full
+    disk alike), the copies on the nodes are not removed, and the line says where they are."""
+    runner = full_run_on_two_nodes(tmp_path)
+    runner.results_dir.mkdir(parents=True, exist_ok=True)
+    (runner.results_dir / "full-experiment").write_text("in the way")
+    runner.run_full_experiment({OVERWRITE_KEY: {"train_micro_batch_size_per_gpu": 1}})
+    said = capsys.readouterr().out
+    assert "could not all come back" in said and "full-experiment-node<rank>" in said
+    copies = node_copies(runner)
+    try:
+        assert len(copies) == 2
+        assert all((copy / "output" / "latest").is_file() for copy in copies)
+    finally:
+        shutil.rmtree(copies[0].parent)
 
 
 def test_a_step_that_fails_on_a_node_is_that_nodes_fault_in_its_own_words(
