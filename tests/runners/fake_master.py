@@ -66,6 +66,7 @@ class FakeMaster:
         self.final_state: bindings.experimentv1State | None = None
         self.cancel_after_trials: int | None = None  # a user kills the trials' experiment
         self.refuse_create: tuple[int, str] | None = None  # (HTTP status, the master's error)
+        self.refuse_from = 0  # refuse_create applies once this many experiments were created
         self.trials_run = 0
 
     # ------------------------------------------------------------------ wiring
@@ -107,7 +108,7 @@ class FakeMaster:
         return self._reply(reply.to_json())
 
     def _create_experiment(self, request: Any) -> tuple[int, dict[str, str], str]:
-        if self.refuse_create is not None:
+        if self.refuse_create is not None and len(self.experiments) >= self.refuse_from:
             status, message = self.refuse_create
             body = {"code": 7, "message": message, "details": []}
             return status, {"Content-Type": "application/json"}, json.dumps(body)

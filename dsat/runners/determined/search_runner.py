@@ -14,6 +14,7 @@ no DeepSpeed, no torch, no terminal UI.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
@@ -24,6 +25,7 @@ from typing import Any
 
 from determined import searcher
 from determined.common.api import bindings
+from determined.common.api import errors as api_errors
 
 from dsat.experiment.config import load_experiment
 from dsat.experiment.settings import SearchSettings
@@ -47,6 +49,7 @@ from dsat.runners.determined.searcher_operations import operations_from_text, op
 from dsat.search import MethodSettings, make_search_method
 from dsat.search.method import DsatSearchMethod
 from dsat.search.trial_builder import SearchSpec
+from dsat.trial_failure import first_line
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +144,24 @@ def cluster_settings(workdir: Path) -> SearchSettings:
     return settings.on_cluster()
 
 
+def refused_for_good(err: Exception) -> bool:
+    """Whether the master said no to a request for good (a 4xx: the config, a permission, a
+    resource pool), which would fail again on every restart of the search runner; not one it
+    could not answer now (unreachable, a 5xx), which a restart may get past."""
+    status = getattr(err, "status_code", None)
+    return isinstance(err, api_errors.ForbiddenException) or (
+        isinstance(status, int) and 400 <= status < 500
+    )
+
+
+def master_said(err: Exception) -> str:
+    """The master's reason, in one line: its gateway's JSON body carries it as "message"."""
+    text = str(err)
+    with contextlib.suppress(ValueError, AttributeError):
+        text = json.loads(text).get("message") or text
+    return first_line(text)
+
+
 def run(core_context: Any, workdir: Path, runner_experiment_id: int) -> DsatSearchMethod:
     """The whole cluster-side search; returns the method (its tracker holds every trial)."""
     from determined.experimental import client
@@ -165,7 +186,19 @@ def run(core_context: Any, workdir: Path, runner_experiment_id: int) -> DsatSear
     )
     runner = CheckpointedSearchRunner(method, core_context, workdir / "dsat-results", utilization)
     includes = [*experiment.includes, workdir / DSAT_PACKAGE]  # trials `import dsat` too
-    runner.run(exp_config, model_dir=str(experiment.model_dir), includes=includes)
+    try:
+        runner.run(exp_config, model_dir=str(experiment.model_dir), includes=includes)
+    except api_errors.BadRequestException as err:
+        if getattr(runner.state, "experiment_id", None) is not None or not refused_for_good(err):
+            raise  # the master out of reach for now: Determined restarts the search runner
+        logger.error(
+            "dsat: the Determined master refused the trials' experiment: %s; the trials take "
+            "their resources, workspace and project from %s: fix it there, then submit the "
+            "search again",
+            master_said(err),
+            settings.config_path,
+        )
+        return method
     # The trials' experiment ended without the search ending it (killed or canceled by a user):
     # what ran is summed up, and nothing more is started on the cluster.
     stopped_from_outside = not (runner.state.experiment_completed or method.finished)
@@ -189,7 +222,18 @@ def run(core_context: Any, workdir: Path, runner_experiment_id: int) -> DsatSear
     logger.info("dsat: best trial %s, metrics %s", best.name, best.metrics)
     if settings.run_full_experiment and runner.full_experiment_id is None:
         config = full_experiment_config(experiment.config, best.hparams)
-        created = client.create_experiment(config, str(experiment.model_dir), includes)
+        try:
+            created = client.create_experiment(config, str(experiment.model_dir), includes)
+        except api_errors.BadRequestException as err:
+            if not refused_for_good(err):
+                raise
+            logger.error(
+                "dsat: the Determined master refused the full experiment: %s; the search's "
+                "%s is in its checkpoint: train with it by hand",
+                master_said(err),
+                BEST_CONFIG_FILE,
+            )
+            return method
         runner.full_experiment_id = int(created.id)
         runner.save_state(runner.state.experiment_id, runner.last_operations)
         logger.info("dsat: created the full experiment %s with the best config", created.id)

@@ -9,6 +9,7 @@ trials' outcomes are scripted. The upload the search runner works in is the one 
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import time
 from collections.abc import Iterator
@@ -360,3 +361,45 @@ def test_an_out_of_memory_trial_on_the_cluster_is_an_oom_and_lowers_the_ceiling(
     assert followed >= 1  # the search went on below the size that ran out of memory
     best = method.tracker.best()
     assert best is not None and best.mbs <= STAGE_CEILING[1]
+
+
+@pytest.mark.parametrize("whose", ["trials", "full"])
+def test_an_experiment_the_master_refuses_is_one_line_not_a_restart_that_fails_again(
+    cluster: FakeMaster,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    whose: str,
+) -> None:
+    """A refusal (a resource pool the trials' config names that the cluster lacks) was a
+    traceback, and Determined restarted the search runner to fail the same way each time."""
+    flags = ["--max-trials", "8"] + (["--run-full-experiment"] if whose == "full" else [])
+    workdir, runner_id = submitted_context(cluster, tmp_path, *flags)
+    refusal = "resources.resource_pool: resource pool a100 does not exist"
+    cluster.refuse_create = (400, refusal)
+    # The search runner's experiment is there; the full run's comes after the trials' one.
+    cluster.refuse_from = 2 if whose == "full" else 1
+    monkeypatch.setattr(logging.getLogger("dsat"), "propagate", True)  # the CLI's turned off
+    with caplog.at_level(logging.ERROR):
+        method = run(
+            core_context(monkeypatch, tmp_path / "ckpt", runner_id, None), workdir, runner_id
+        )
+    # One line (a parametrized run can leave the capture handler on twice: one message counts).
+    errors = sorted({r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR})
+    assert len(errors) == 1, errors
+    experiment = "the trials' experiment" if whose == "trials" else "the full experiment"
+    assert f"refused {experiment}: {refusal};" in errors[0]
+    if whose == "trials":
+        assert "deepspeed.yaml" in errors[0] and len(method.tracker) == 0
+    else:
+        assert method.tracker.best() is not None and BEST_CONFIG_FILE in errors[0]
+
+
+def test_a_master_failing_for_now_restarts_the_search_runner(
+    cluster: FakeMaster, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A 5xx may pass: the search runner fails, and Determined restarts it."""
+    workdir, runner_id = submitted_context(cluster, tmp_path, "--max-trials", "8")
+    cluster.refuse_create = (503, "the master is restarting")
+    with pytest.raises(Exception, match="restarting"):
+        run(core_context(monkeypatch, tmp_path / "ckpt", runner_id, None), workdir, runner_id)
