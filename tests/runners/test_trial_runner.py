@@ -14,11 +14,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from dsat.constants import OVERWRITE_KEY
 from dsat.errors import DsatError
-from dsat.runners.local.runner import HPARAMS_FILE, LocalRunner
+from dsat.runners.local.runner import HPARAMS_FILE, WARM_TRIAL_MARK, LocalRunner
 from dsat.runners.local.slots import SlotPool
 from dsat.runners.local.trial_timeout import TrialTimeout
 from dsat.runners.ray.runner import RayRunner
@@ -28,22 +29,29 @@ from dsat.runners.trial_runner import TrialRunner
 from dsat.trial import TrialStatus
 
 COMPLETES, RUNS_OUT_OF_MEMORY, CRASHES, RUNS_UNTIL_STOPPED = 1, 2, 3, 4
+LEAVES_CHILDREN, LINGERS = 5, 6  # both complete
 
 BEHAVIOUR_SCRIPT = """
-import json, os, sys, time
+import json, os, subprocess, sys, threading, time
 hparams = json.load(open(os.environ["DSAT_HPARAMS_FILE"]))
 mbs = hparams["overwrite_deepspeed_args"]["train_micro_batch_size_per_gpu"]
 open("ran", "w").write(str(mbs))
 print(f"ran at micro-batch {mbs}", flush=True)
-if mbs == 1:
+if mbs in (1, 5, 6):
     json.dump({"status": "completed", "values": {"throughput": 10.0}},
               open("dsat_trial_outcome.json", "w"))
+if mbs == 5:  # one child in the trial's process group, one in a session of its own
+    for session in (False, True):
+        child = subprocess.Popen(["sleep", "300"], start_new_session=session)
+        print(f"left pid {child.pid}", flush=True)
+elif mbs == 6:  # a thread that is no daemon keeps the process from exiting
+    threading.Thread(target=time.sleep, args=(300,)).start()
 elif mbs == 2:
     json.dump({"status": "oom"}, open("dsat_trial_outcome.json", "w"))
     sys.exit(1)
 elif mbs == 3:
     sys.exit(3)
-else:
+elif mbs == 4:
     time.sleep(120)
 """
 
@@ -58,14 +66,22 @@ def simulated_performance(ds_config: dict[str, Any], slots: int) -> dict[str, An
     return {"throughput": 10.0, "seconds": seconds}
 
 
-def make_local(tmp_path: Path) -> LocalRunner:
+def make_local(tmp_path: Path, warm: bool = True) -> LocalRunner:
     model = tmp_path / "model"
     model.mkdir()
     (model / "job.py").write_text(BEHAVIOUR_SCRIPT)
     environ = {"PATH": os.environ["PATH"], "CUDA_VISIBLE_DEVICES": ""}
     pool = SlotPool(["cpu0", "cpu1"], on_gpu=False)
     return LocalRunner(
-        ["python3", "job.py"], model, (), tmp_path / "results", pool, 1, TrialTimeout(60), environ
+        ["python3", "job.py"],
+        model,
+        (),
+        tmp_path / "results",
+        pool,
+        1,
+        TrialTimeout(60),
+        environ,
+        warm=warm,
     )
 
 
@@ -187,3 +203,39 @@ def test_a_local_trial_stopped_is_gone(tmp_path: Path) -> None:
     runner.stop_all()
     assert process.poll() is not None
     assert runner.pool.size == 2
+
+
+def test_what_a_trial_leaves_running_is_stopped_and_its_result_kept(runner: TrialRunner) -> None:
+    """A child it did not wait for (in a session of its own too) kept holding what it held (on a
+    GPU, memory the next trial ran short of); a thread that kept it from exiting after it
+    reported lost the result to the timeout, and a profile trial waited 20 minutes for it."""
+    if isinstance(runner, SimulatedRunner):
+        assert start(runner, 1, LEAVES_CHILDREN) and runner.wait().status is TrialStatus.COMPLETED
+        return
+    assert isinstance(runner, (LocalRunner, RayRunner))
+    runner.linger_s = 2.0
+    start(runner, 1, LEAVES_CHILDREN)
+    start(runner, 2, LINGERS)
+    outcomes = {o.request_id[-1]: o for o in (runner.wait(), runner.wait())}
+    for outcome in outcomes.values():
+        assert outcome.status is TrialStatus.COMPLETED, outcome.error
+        assert outcome.metrics["throughput"] == 10.0
+    assert outcomes["2"].end - outcomes["2"].start < 30  # not the timeout's 60 s
+    left = Path(outcomes["1"].log or "").read_text()
+    pids = [int(line.split()[-1]) for line in left.splitlines() if line.startswith("left pid")]
+    assert len(pids) == 2 and "stopped what the trial left running: sleep (pid" in left
+    assert not any(
+        psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in pids
+    )
+    lingered = Path(outcomes["2"].log or "").read_text()
+    # A trial forked from a warm worker ends with os._exit, which no thread holds up.
+    assert WARM_TRIAL_MARK in lingered.splitlines()[0] or "has not exited since" in lingered
+
+
+def test_a_fresh_local_trial_kept_alive_after_it_reported_is_stopped(tmp_path: Path) -> None:
+    runner = make_local(tmp_path, warm=False)
+    runner.linger_s = 2.0
+    start(runner, 1, LINGERS)
+    outcome = runner.wait()
+    assert outcome.status is TrialStatus.COMPLETED and outcome.end - outcome.start < 30
+    assert "has not exited since" in Path(outcome.log or "").read_text()

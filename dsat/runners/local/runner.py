@@ -39,12 +39,21 @@ from dsat.runners.local.entrypoint import (
 from dsat.runners.local.full_run import run_to_the_end
 from dsat.runners.local.slots import SlotPool
 from dsat.runners.local.trial_outcome import (
+    LINGER_S,
+    LINGERED,
+    ResultWatch,
     TrialEnd,
     classify,
     oom_kill_count,
     oom_killed_since,
+    reported,
 )
-from dsat.runners.local.trial_processes import TrialProcess, guarded, kill_process_group
+from dsat.runners.local.trial_processes import (
+    TrialProcess,
+    guarded,
+    kill_process_group,
+    stop_strays,
+)
 from dsat.runners.local.trial_timeout import TrialTimeout
 from dsat.runners.local.warm_trials import WarmWorkers, warm_command
 from dsat.trial import TrialOutcome, TrialStatus
@@ -99,6 +108,7 @@ class RunningTrial:
     rerun_start: float | None = None
     rerun_log_start: int = 0
     host_lost_on: list[str] = field(default_factory=list)
+    result_watch: ResultWatch = field(default_factory=ResultWatch)
 
     @property
     def run_start(self) -> float:
@@ -167,6 +177,7 @@ class LocalRunner:
         self.pool = pool
         self.slots_per_trial = slots_per_trial
         self.timeout = timeout
+        self.linger_s = LINGER_S
         self.environ = interpreter_first(os.environ if environ is None else environ)
         self.cpu_threads = max(1, (os.cpu_count() or 1) // max(pool.size, 1))
         self.running: dict[str, RunningTrial] = {}
@@ -348,6 +359,7 @@ class LocalRunner:
             trial.directory, trial.slots, trial.log, trial.log, trial.length
         )
         trial.rerun_start = self.now()
+        trial.result_watch = ResultWatch()
         trial.oom_kills_at_start = oom_kill_count()
         return True
 
@@ -377,11 +389,17 @@ class LocalRunner:
         while True:
             for trial in list(self.running.values()):
                 code = trial.process.poll()
-                timed_out = code is None and self.now() - trial.run_start > self.timeout.seconds
+                lingered = None if code is not None else self._lingered(trial)
+                timed_out = code is None and (
+                    lingered is not None or self.now() - trial.run_start > self.timeout.seconds
+                )
                 if code is None and not timed_out:
                     continue
                 if timed_out:
                     self._kill(trial)
+                if lingered is not None:
+                    trial.log.seek(0, os.SEEK_END)
+                    trial.log.write(f"\n{LINGERED.format(seconds=lingered)}\n".encode())
                 end = self._classified(trial, timed_out)
                 if self._confirm_in_fresh_process(trial, end, code):
                     continue
@@ -394,8 +412,22 @@ class LocalRunner:
                 return self._finish(trial, end)
             time.sleep(POLL_SECONDS)
 
+    def _lingered(self, trial: RunningTrial) -> float | None:
+        """Seconds since the trial wrote its result, where it has run on past ``linger_s``. A
+        trial host is left out: it says itself what a trial left running, and leaves."""
+        if getattr(trial.process, "hosted", False):
+            return None
+        trial.result_watch.linger_s = self.linger_s
+        return trial.result_watch.lingered(self.now(), lambda: reported(trial.directory))
+
     def _finish(self, trial: RunningTrial, classified: TrialEnd) -> TrialOutcome:
         del self.running[trial.request_id]
+        strays = stop_strays(trial.directory / HPARAMS_FILE, spare={trial.process.pid})
+        if strays:
+            trial.log.seek(0, os.SEEK_END)
+            trial.log.write(
+                f"\ndsat: stopped what the trial left running: {', '.join(strays)}\n".encode()
+            )
         trial.log.close()
         self.pool.give_back(trial.slots)
         status, metrics, error, cause = classified
@@ -436,3 +468,6 @@ class LocalRunner:
             )
         finally:
             self.pool.give_back(slots)
+            strays = stop_strays(directory / HPARAMS_FILE)
+            if strays:
+                print(f"dsat: stopped what the full experiment left running: {', '.join(strays)}")

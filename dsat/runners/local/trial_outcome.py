@@ -8,19 +8,28 @@ says why in its first line and whom it blames (``dsat.trial_failure``), the log'
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from dsat.constants import TRIAL_OUTCOME_FILE
+from dsat.constants import OOM_MARKER, TRIAL_OUTCOME_FILE
 from dsat.training.oom import text_shows_out_of_memory
 from dsat.training.reporting import read_autotuning_result
 from dsat.trial import TrialStatus
-from dsat.trial_failure import FailureCause, diagnose_crash, exception_lines
+from dsat.trial_failure import FailureCause, diagnose_crash, exception_lines, known_failure
 
 LOG_TAIL_LINES = 20
 LOG_SCAN_BYTES = 256 * 1024
 CGROUP_EVENTS = Path("/sys/fs/cgroup/memory.events")
+# How long a trial that wrote its result may take to exit (DeepSpeed's and the process group's
+# teardown) before what keeps it alive is stopped.
+LINGER_S = 60.0
+LINGERED = (
+    "dsat: the trial wrote its result {seconds:.0f} s ago and has not exited since (a thread or "
+    "a process it started keeps it alive): stopped, its result kept"
+)
 
 
 def log_end(path: Path, start: int = 0) -> str:
@@ -61,6 +70,60 @@ def oom_killed_since(count_at_start: int | None) -> bool | None:
     return now > count_at_start
 
 
+def read_outcome(directory: Path) -> dict[str, Any]:
+    """The trial's outcome file, where it is a JSON object whose "values", if any, are one too;
+    empty otherwise (absent, torn, or overwritten by the script with something else): then the
+    trial is judged by its exit and its log."""
+    try:
+        outcome = json.loads((directory / TRIAL_OUTCOME_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(outcome, dict) or not isinstance(outcome.get("values", {}), dict):
+        return {}
+    return outcome
+
+
+def reported(directory: Path) -> bool:
+    """Whether the trial in ``directory`` has written its result."""
+    return read_outcome(directory).get("status") == "completed"
+
+
+@dataclasses.dataclass
+class ResultWatch:
+    """Whether a running trial wrote its result long ago: one still running ``LINGER_S`` after
+    is kept alive by something it started (a thread, a child), not by its training, and is
+    stopped with its result kept. Looks once a second."""
+
+    linger_s: float = LINGER_S
+    reported_at: float | None = None  # when its result was first seen written
+    looked: float = -1.0
+
+    def lingered(self, now: float, has_reported: Callable[[], bool]) -> float | None:
+        """Seconds since its result was written, once past ``linger_s``; None until then."""
+        if self.reported_at is None:
+            if now - self.looked >= 1.0:
+                self.looked = now
+                if has_reported():
+                    self.reported_at = now
+            return None
+        waited = now - self.reported_at
+        return waited if waited > self.linger_s else None
+
+
+def shows_out_of_memory(text: str, exceptions: list[str]) -> bool:
+    """Whether the log says the trial ran out of memory: an exception that ended a process of
+    it says so, or dsat's own marker; or the words stand anywhere else in the log (a message a
+    layer printed) while no exception puts the crash down to the machine. A line that mentions
+    memory (a note, a comment in a traceback's source line) beside an EADDRINUSE is the
+    machine's fault, not the configuration's."""
+    if OOM_MARKER in text or any(text_shows_out_of_memory(line) for line in exceptions):
+        return True
+    machine = any(
+        getattr(known_failure(line), "cause", None) is FailureCause.MACHINE for line in exceptions
+    )
+    return not machine and text_shows_out_of_memory(text)
+
+
 class TrialEnd(NamedTuple):
     status: TrialStatus
     metrics: dict[str, Any]
@@ -78,22 +141,19 @@ def classify(
     log_start: int = 0,
 ) -> TrialEnd:
     """What a finished trial's exit ``code``, its outcome file in ``directory`` and its log (from
-    byte ``log_start``: this run's part) say about it. ``oom_killed``: whether the kernel's OOM
+    byte ``log_start``: this run's part) say about it. ``timed_out``: dsat stopped it (its
+    timeout, or ``LINGER_S`` after it reported). ``oom_killed``: whether the kernel's OOM
     killer struck while it ran (None: unknown), which tells a SIGKILL from outside from one for
     memory."""
-    outcome_path = directory / TRIAL_OUTCOME_FILE
-    outcome: dict[str, Any] = {}
-    if outcome_path.is_file():
-        try:
-            outcome = json.loads(outcome_path.read_text())
-        except (OSError, json.JSONDecodeError):
-            outcome = {}
+    outcome = read_outcome(directory)
     text = log_end(log_path, log_start)
     tail = log_tail(text)
+    completed = outcome.get("status") == "completed"
     if timed_out:
+        if completed:  # it reported, then did not exit: dsat stopped it, the measurement stands
+            return TrialEnd(TrialStatus.COMPLETED, dict(outcome.get("values", {})), None, None)
         reason = f"stopped after the trial timeout of {timeout:g} s"
         return TrialEnd(TrialStatus.TIMEOUT, {}, f"{reason}\n{tail}", FailureCause.UNKNOWN)
-    completed = outcome.get("status") == "completed"
     if completed and code == 0:
         return TrialEnd(TrialStatus.COMPLETED, dict(outcome.get("values", {})), None, None)
     if code == 0:
@@ -109,9 +169,9 @@ def classify(
             "a loop over one epoch of the data ends sooner at a larger micro-batch: cycle it)"
         )
         return TrialEnd(TrialStatus.ERROR, {}, f"{reason}\n{tail}", FailureCause.SCRIPT)
-    if outcome.get("status") == "oom" or text_shows_out_of_memory(text):
+    lines = exception_lines(text)
+    if outcome.get("status") == "oom" or shows_out_of_memory(text, lines):
         # The rank that ran out, not a peer's NCCL error that followed it.
-        lines = exception_lines(text)
         oom_line = next((line for line in reversed(lines) if text_shows_out_of_memory(line)), None)
         reason = oom_line or (lines[-1] if lines else "out of memory")
         return TrialEnd(TrialStatus.OOM, {}, f"{reason}\n{tail}", FailureCause.CONFIG)

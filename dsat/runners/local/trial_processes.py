@@ -10,12 +10,13 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, Protocol
 
 import psutil
 
-from dsat.constants import ENV_RESULTS_DIR
+from dsat.constants import ENV_HPARAMS_FILE, ENV_RESULTS_DIR
 
 GUARD = Path(__file__).with_name("trial_guard.py")
 KILL_GRACE_SECONDS = 5.0
@@ -96,3 +97,28 @@ def stop_leftover_trials(results_dir: Path) -> int:
             break
         time.sleep(0.1)
     return len(processes)
+
+
+def stop_strays(hparams_file: Path, spare: Collection[int] = ()) -> list[str]:
+    """Stop the processes a finished trial left running, and name them ("sleep (pid 12)"): a
+    child it started and did not wait for, a daemon it spawned in a session of its own. They
+    carry the trial's hyperparameters file in their environment. Left alone, one holds its GPU
+    (a DataLoader worker, a profiler), and later trials run short of memory and are blamed for
+    it. ``spare``: processes that may carry it and must live on (the trial host it ran in)."""
+    strays = []
+    for process in psutil.process_iter():
+        if process.pid == os.getpid() or process.pid in spare:
+            continue
+        try:
+            if process.environ().get(ENV_HPARAMS_FILE) == str(hparams_file):
+                strays.append((process, f"{process.name()} (pid {process.pid})"))
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+    for process, _ in strays:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.terminate()
+    _, alive = psutil.wait_procs([process for process, _ in strays], timeout=KILL_GRACE_SECONDS)
+    for process in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    return [name for _, name in strays]

@@ -22,9 +22,15 @@ from typing import IO, Any
 
 from dsat.runners.local.deepspeed_ops import clear_stale_locks
 from dsat.runners.local.entrypoint import NODE_PYTHON, interpreter_first
-from dsat.runners.local.runner import free_ports
-from dsat.runners.local.trial_outcome import classify, oom_kill_count, oom_killed_since
-from dsat.runners.local.trial_processes import guarded, kill_process_group
+from dsat.runners.local.runner import HPARAMS_FILE, free_ports
+from dsat.runners.local.trial_outcome import (
+    LINGERED,
+    classify,
+    oom_kill_count,
+    oom_killed_since,
+    reported,
+)
+from dsat.runners.local.trial_processes import guarded, kill_process_group, stop_strays
 from dsat.runners.ray.model_archive import unpack
 
 LOG_NAME = "trial.log"
@@ -102,9 +108,24 @@ class TrialNodeHost:
             kill_process_group(self.process)
         return self.poll()
 
-    def outcome(self, timed_out: bool, timeout: float) -> dict[str, Any]:
-        """What the process left behind, classified as the local runner classifies it."""
+    def reported(self) -> bool:
+        """Whether the trial has written its result (``trial_outcome.ResultWatch``)."""
+        return reported(self.directory)
+
+    def outcome(
+        self, timed_out: bool, timeout: float, lingered: float | None = None
+    ) -> dict[str, Any]:
+        """What the process left behind, classified as the local runner classifies it, once
+        what it left running on this node is stopped. ``lingered``: dsat stopped it that long
+        after it wrote its result."""
+        strays = stop_strays(self.directory / HPARAMS_FILE)
         if self.log is not None:
+            if lingered is not None:
+                self.log.write(f"\n{LINGERED.format(seconds=lingered)}\n".encode())
+            if strays:
+                self.log.write(
+                    f"\ndsat: stopped what the trial left running: {', '.join(strays)}\n".encode()
+                )
             self.log.close()
         end = classify(
             self.directory,

@@ -36,6 +36,7 @@ from dsat.results.directory import FULL_RUN_DIR
 from dsat.runners.local.entrypoint import NODE_PYTHON, rendezvous_environment, trial_command
 from dsat.runners.local.full_run import FullExperimentFailed
 from dsat.runners.local.runner import HPARAMS_FILE
+from dsat.runners.local.trial_outcome import LINGER_S, ResultWatch
 from dsat.runners.local.trial_timeout import TrialTimeout
 from dsat.runners.ray.node_host import NODE_ROOT, TrialNodeHost, left_behind_log
 from dsat.runners.ray.placement import TrialLayout, node_capacities
@@ -77,6 +78,7 @@ class RayTrial:
     # The node ranks whose processes ended by themselves before dsat stopped the rest: one of
     # them says what happened to the trial, not a node dsat stopped (None: none was stopped).
     ended_first: list[int] | None = None
+    result_watch: ResultWatch = dataclasses.field(default_factory=ResultWatch)
 
 
 def ran_out_of_host_memory(err: Exception) -> bool:
@@ -126,6 +128,7 @@ class RayRunner:
         self._count = 0
         self._host_class = ray.remote(TrialNodeHost)
         self.placement_check_s = PLACEMENT_CHECK_S
+        self.linger_s = LINGER_S
 
     # ------------------------------------------------------------------ the runner contract
 
@@ -276,7 +279,15 @@ class RayRunner:
         group = placement_group(self.layout.bundles, strategy=self.layout.strategy)
         now = self.now()
         return RayTrial(
-            request_id, name, hparams, length, group, group.ready(), asked=now, checked=now
+            request_id,
+            name,
+            hparams,
+            length,
+            group,
+            group.ready(),
+            asked=now,
+            checked=now,
+            result_watch=ResultWatch(self.linger_s),
         )
 
     def _check_placeable(self, trial: RayTrial) -> None:
@@ -472,9 +483,12 @@ class RayRunner:
         now = self.now()
         if all(code is not None for code in codes):
             return self._finish(trial, timed_out=False)
-        if now - trial.start > self.timeout.seconds:
+        lingered = trial.result_watch.lingered(
+            now, lambda: bool(self.ray.get(trial.hosts[0].reported.remote()))
+        )
+        if now - trial.start > self.timeout.seconds or lingered is not None:
             self._stop(trial)
-            return self._finish(trial, timed_out=True)
+            return self._finish(trial, timed_out=True, lingered=lingered)
         if any(code is not None for code in codes):
             if trial.first_exit is None:
                 trial.first_exit = now
@@ -485,14 +499,21 @@ class RayRunner:
                 return self._finish(trial, timed_out=False)
         return None
 
-    def _finish(self, trial: RayTrial, timed_out: bool) -> TrialOutcome:
+    def _finish(
+        self, trial: RayTrial, timed_out: bool, lingered: float | None = None
+    ) -> TrialOutcome:
         """Read each node's outcome, keep its log and files. The trial's outcome is the first
         node's, unless dsat stopped that node after another ended by itself: then the first of
         those that failed (a rank that fails leaves the others waiting, and the one dsat stopped
         would read as killed from outside). Out of memory on any rank overrides an error."""
         assert trial.start is not None
         results = self.ray.get(
-            [host.outcome.remote(timed_out, self.timeout.seconds) for host in trial.hosts]
+            [
+                host.outcome.remote(
+                    timed_out, self.timeout.seconds, lingered if rank == 0 else None
+                )
+                for rank, host in enumerate(trial.hosts)
+            ]
         )
         self._collect_logs(trial)
         self._keep_files(trial)

@@ -109,3 +109,41 @@ def test_the_oom_killer_count_moves_only_forward() -> None:
         return
     assert count >= 0 and oom_killed_since(count) is False
     assert oom_killed_since(count - 1) is True and oom_killed_since(None) is None
+
+
+def test_an_outcome_file_overwritten_with_something_else_is_no_crash_of_the_search(
+    tmp_path: Path,
+) -> None:
+    """A list, a string or "values" of the wrong kind raised in the runner (AttributeError,
+    TypeError): the search ended with a traceback. Now the trial is judged by its exit and log."""
+    log = trial(tmp_path, "trained\n")
+    for written in ([1, 2], "completed", {"status": "completed", "values": [3.0]}, None):
+        (tmp_path / TRIAL_OUTCOME_FILE).write_text(json.dumps(written))
+        end = classify(tmp_path, log, 0, False, 60)
+        assert end.status is TrialStatus.ERROR and end.cause is FailureCause.SCRIPT
+
+
+def test_memory_words_beside_a_machine_fault_do_not_blame_the_config(tmp_path: Path) -> None:
+    """A note that mentions memory, or a traceback's source line with a comment that does, made
+    a taken port an OOM of the configuration (its micro-batch ceiling lowered)."""
+    port_taken = "OSError: [Errno 98] Address already in use\n"
+    for before in (
+        "note: the allocator retries once on out of memory\n",
+        'Traceback (most recent call last):\n  File "train.py", line 9, in <module>\n'
+        "    _connect()  # before the model, so that an out of memory leaves no store\n",
+    ):
+        end = classify(tmp_path, trial(tmp_path, before + port_taken), 1, False, 60)
+        assert end.status is TrialStatus.ERROR and end.cause is FailureCause.MACHINE, end.error
+    # An allocator's message outside any exception line, with no machine fault, is still an OOM.
+    printed = "step 3\nCUDA out of memory. Tried to allocate 2.00 GiB\n"
+    assert classify(tmp_path, trial(tmp_path, printed), 1, False, 60).status is TrialStatus.OOM
+    # And the OOM's own exception wins over a peer's connection error after it.
+    both = "torch.OutOfMemoryError: CUDA out of memory.\n" + port_taken
+    assert classify(tmp_path, trial(tmp_path, both), 1, False, 60).status is TrialStatus.OOM
+
+
+def test_a_trial_stopped_after_it_reported_keeps_its_result(tmp_path: Path) -> None:
+    """It measured, then something it started kept it from exiting until dsat stopped it."""
+    done = {"status": "completed", "values": {"throughput": 3.0}}
+    end = classify(tmp_path, trial(tmp_path, "step 15\n", done), -signal.SIGKILL, True, 60)
+    assert end.status is TrialStatus.COMPLETED and end.metrics == {"throughput": 3.0}
