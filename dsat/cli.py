@@ -553,7 +553,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return report_main(argv[1:])
     show_progress_logs()
     dump_stacks_on_request()
-    previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    stopped_by: list[int] = []
+
+    def stop_as_ctrl_c(signum: int, frame: object) -> None:
+        """SIGTERM stops a search the way Ctrl-C does: trials stopped, state kept."""
+        stopped_by.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, stop_as_ctrl_c)
+    # Stopped, the exit is the shell's convention, 128 + the signal: 130 for Ctrl-C, 143 for
+    # SIGTERM (a scheduler that preempted the job tells it from a failure so).
     try:
         launch(parse_settings(argv), os.environ)
     except DsatError as err:
@@ -567,10 +576,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except (SearchInterrupted, FullRunInterrupted) as err:
         print(f"{PROG}: {err}", file=sys.stderr)
-        return 130
+        return 128 + (stopped_by[0] if stopped_by else signal.SIGINT)
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
+        return 128 + (stopped_by[0] if stopped_by else signal.SIGINT)
     finally:
         signal.signal(signal.SIGTERM, previous)
     return 0
@@ -585,11 +594,6 @@ def dump_stacks_on_request() -> None:
     # nowhere to print to.
     with contextlib.suppress(OSError, ValueError):
         faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
-
-
-def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
-    """SIGTERM stops a search the way Ctrl-C does: trials stopped, state kept."""
-    raise KeyboardInterrupt
 
 
 def main_exit() -> None:

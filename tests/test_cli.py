@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -953,3 +954,19 @@ def test_an_nvme_directory_this_machines_trials_cannot_use_is_one_line(
     assert_one_line_error(
         capsys, [*argv, "--offload-nvme", str(tmp_path / "a-file")], "is not a directory"
     )
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stopped_search_exits_with_the_shells_code_for_its_signal(
+    monkeypatch: pytest.MonkeyPatch, experiment_yaml: Path, sig: signal.Signals
+) -> None:
+    """130 for Ctrl-C, 143 for SIGTERM (it was 130 for both): a scheduler that preempts a job
+    tells a stop from a failure by it."""
+    import dsat.search_launch
+
+    def stopped_while_searching(settings: Any, environ: Any) -> None:
+        signal.raise_signal(sig)
+        raise AssertionError("the signal did not stop the search")
+
+    monkeypatch.setattr(dsat.search_launch, "launch", stopped_while_searching)
+    assert main(["asha", str(experiment_yaml), str(experiment_yaml.parent)]) == 128 + sig

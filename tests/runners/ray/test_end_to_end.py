@@ -120,7 +120,7 @@ def test_ctrl_c_or_sigterm_stops_every_trial_on_the_cluster(
     process = start_hanging_search(tmp_path, ray_cluster)
     process.send_signal(stop)
     output, _ = process.communicate(timeout=90)
-    assert process.returncode == 130, output[-3000:]
+    assert process.returncode == 128 + stop, output[-3000:]  # 130 or 143
     assert "SIGTERM received" not in output
     assert "interrupted; every trial was stopped. Resume with:" in output
     assert_nothing_left(tmp_path / "results")
