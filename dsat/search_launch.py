@@ -385,7 +385,7 @@ def search_here(plan: LaunchPlan, runner: TrialRunner) -> None:
                 "the noise; the full run trains with the hand-over, as asked"
             )
         try:
-            runner.run_full_experiment(full_run_hparams(best, plan.results_dir))
+            runner.run_full_experiment(full_run_hparams(method, best, plan.results_dir))
         except KeyboardInterrupt:
             raise FullRunInterrupted(settings.method, plan.results_dir) from None
         except OSError as err:
@@ -398,7 +398,9 @@ def search_here(plan: LaunchPlan, runner: TrialRunner) -> None:
             ) from None
 
 
-def full_run_hparams(best: TrialRecord, results_dir: Path) -> dict[str, Any]:
+def full_run_hparams(
+    method: DsatSearchMethod, best: TrialRecord, results_dir: Path
+) -> dict[str, Any]:
     """The hand-over's hyperparameters for the full run, with best_ds_config.json as it is now:
     the last lines tell the user to train "with it", so their edit of it counts (and is said)."""
     hparams = full_experiment_hparams(best)
@@ -414,7 +416,7 @@ def full_run_hparams(best: TrialRecord, results_dir: Path) -> dict[str, Any]:
         ) from None
     if not isinstance(on_disk, dict):
         raise DsatError(f"{shown(path)}: not a JSON object; fix it, or delete it")
-    if on_disk != best_ds_config(best):
+    if on_disk != best_ds_config(best, method.spec.ds_config):
         print(f"dsat: the full run trains with {shown(path)} as it is now (edited since written)")
         hparams[OVERWRITE_KEY] = on_disk
     return hparams

@@ -94,7 +94,7 @@ def run_search(
     utilization = Utilization.of(
         spec.hparams, settings.seq_len, settings.peak_tflops, spec.entrypoint
     )
-    writer = ResultsWriter(results_dir, runner.slot_kind, utilization)
+    writer = ResultsWriter(results_dir, runner.slot_kind, utilization, user_config=spec.ds_config)
     listeners: list[TrialListener] = [ResultsRecorder(method, writer)]
     progress = SearchProgress(method.tracker) if runner.takes_real_time else None
     if progress is not None:

@@ -95,9 +95,15 @@ def trial_line(
     }
 
 
-def best_ds_config(record: TrialRecord) -> dict[str, Any]:
+def best_ds_config(
+    record: TrialRecord, user_config: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The hand-over as DeepSpeed reads it: the trial's config without the autotuning block
+    dsat merged into it, and with the user's own block (``user_config``'s) as they wrote it."""
     config: dict[str, Any] = copy.deepcopy(record.ds_config)
     config.pop(AUTOTUNING_KEY, None)
+    if user_config is not None and AUTOTUNING_KEY in user_config:
+        config[AUTOTUNING_KEY] = copy.deepcopy(user_config[AUTOTUNING_KEY])
     return config
 
 
@@ -130,8 +136,10 @@ class ResultsWriter:
         slot_kind: str = "GPU",
         utilization: Utilization | None = None,
         continued_clock: bool = False,
+        user_config: Mapping[str, Any] | None = None,
     ) -> None:
         self.directory = Path(directory)
+        self.user_config = user_config  # the user's DeepSpeed config (best_ds_config)
         self.slot_kind = slot_kind
         self.utilization = utilization or Utilization()
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -209,7 +217,7 @@ class ResultsWriter:
         if best is not None and (again or best.request_id != self._best_id):
             config_path = self.directory / BEST_CONFIG_FILE
             if not (self.keep_best_config and config_path.is_file()):
-                write_json_atomic(config_path, best_ds_config(best))
+                write_json_atomic(config_path, best_ds_config(best, self.user_config))
             derived = self.utilization.derived(best.metrics, tracker.model_flops(best))
             metrics = {**best.metrics, **derived}
             write_json_atomic(self.directory / BEST_METRICS_FILE, metrics)

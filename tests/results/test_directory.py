@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -113,6 +114,20 @@ def test_results_files(tmp_path: Path) -> None:
         "best_metric_val: FLOPS_per_gpu, in FLOP/s per GPU, a stage's best trial within the "
         "memory margin"
     )
+
+
+def test_the_users_own_autotuning_block_is_handed_back_as_they_wrote_it(tmp_path: Path) -> None:
+    """dsat merges its block into the user's for the trials; removing the merged block for the
+    hand-over dropped the user's own settings in it (results_dir, metric) without a word."""
+    theirs = {"enabled": False, "metric": "latency", "results_dir": "my_autotuning_results"}
+    spec = dataclasses.replace(SPEC, ds_config={**SPEC.ds_config, "autotuning": theirs})
+    run_search(
+        search_settings("binary", max_trials=8, random_seed=3, search_range_factor=2.0),
+        spec,
+        SimulatedRunner(gpt2_large_16xv100, 16),
+        tmp_path,
+    )
+    assert json.loads((tmp_path / BEST_CONFIG_FILE).read_text())["autotuning"] == theirs
 
 
 def test_the_global_row_names_what_is_handed_over(tmp_path: Path) -> None:

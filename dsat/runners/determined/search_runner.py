@@ -86,7 +86,12 @@ class CheckpointedSearchRunner(searcher.RemoteSearchRunner):  # type: ignore[mis
     def _results_writer(self) -> ResultsWriter:
         # Trials keep running on the cluster while the search runner restarts: the wall clock
         # carries on, and a row's times are its own.
-        return ResultsWriter(self.results_dir, utilization=self.utilization, continued_clock=True)
+        return ResultsWriter(
+            self.results_dir,
+            utilization=self.utilization,
+            continued_clock=True,
+            user_config=self.method.spec.ds_config,
+        )
 
     # ------------------------------------------------------------------ events
 
