@@ -41,6 +41,8 @@ def train() -> None:
         model=model, model_parameters=model.parameters(), config=ds_config
     )
     generator = torch.Generator().manual_seed(engine.global_rank)
+    # The engine's precision (bf16 or fp16 in the DeepSpeed config) is the batch's too.
+    dtype = next(engine.module.parameters()).dtype
     loss_fn = torch.nn.MSELoss()
 
     with det.core.init(distributed=distributed) as core_context:
@@ -54,6 +56,7 @@ def train() -> None:
                     inputs, targets = synthetic_batch(
                         engine.train_micro_batch_size_per_gpu(), width, generator
                     )
+                    inputs, targets = inputs.to(dtype), targets.to(dtype)
                     loss = loss_fn(engine(inputs), targets)
                     engine.backward(loss)
                     engine.step()
