@@ -293,6 +293,7 @@ class LocalRunner:
             oom_kill_count(),
             hparams,
             length,
+            result_watch=ResultWatch(self.linger_s),
         )
 
     def _fork_warm(
@@ -359,7 +360,7 @@ class LocalRunner:
             trial.directory, trial.slots, trial.log, trial.log, trial.length
         )
         trial.rerun_start = self.now()
-        trial.result_watch = ResultWatch()
+        trial.result_watch = ResultWatch(self.linger_s)
         trial.oom_kills_at_start = oom_kill_count()
         return True
 
@@ -417,7 +418,6 @@ class LocalRunner:
         trial host is left out: it says itself what a trial left running, and leaves."""
         if getattr(trial.process, "hosted", False):
             return None
-        trial.result_watch.linger_s = self.linger_s
         return trial.result_watch.lingered(self.now(), lambda: reported(trial.directory))
 
     def _finish(self, trial: RunningTrial, classified: TrialEnd) -> TrialOutcome:
