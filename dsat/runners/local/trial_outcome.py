@@ -180,6 +180,12 @@ def classify(
             "the script exited without reporting metrics: train inside "
             "dsat.dsat_reporting_context (or with DeepSpeed's autotuning enabled)"
         )
+        if not outcome and (directory / TRIAL_OUTCOME_FILE).is_file():
+            reason = (
+                f"the script exited, and its {TRIAL_OUTCOME_FILE} is not what "
+                "dsat.dsat_reporting_context writes (torn, or overwritten by the script): leave "
+                "that file to dsat"
+            )
         return TrialEnd(TrialStatus.ERROR, {}, f"{reason}\n{tail}", FailureCause.SCRIPT)
     diagnosis = diagnose_crash(text, code, oom_killed)
     if completed and not diagnosis.out_of_memory:

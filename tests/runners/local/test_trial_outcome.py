@@ -121,6 +121,7 @@ def test_an_outcome_file_overwritten_with_something_else_is_no_crash_of_the_sear
         (tmp_path / TRIAL_OUTCOME_FILE).write_text(json.dumps(written))
         end = classify(tmp_path, log, 0, False, 60)
         assert end.status is TrialStatus.ERROR and end.cause is FailureCause.SCRIPT
+        assert end.error is not None and "is not what dsat" in end.error.splitlines()[0]
 
 
 def test_memory_words_beside_a_machine_fault_do_not_blame_the_config(tmp_path: Path) -> None:
