@@ -36,7 +36,7 @@ from dsat.results.directory import (
     full_experiment_hparams,
     read_trial_rows,
 )
-from dsat.results.directory_lock import LOCK_FILE, results_directory_lock
+from dsat.results.directory_lock import LOCK_FILE, DirectoryInUse, results_directory_lock
 from dsat.results.report import write_report
 from dsat.results.resume import (
     read_saved_state,
@@ -234,6 +234,8 @@ def plan_search(
         results_dir = default_results_dir(
             experiment.name, now or datetime.datetime.now(datetime.timezone.utc)
         )
+        if results_dir.exists():  # a search that began in the same second
+            results_dir = next_free_name(results_dir)
     # What every trial's copy of MODEL_DIR holds (the simulator copies nothing), walked once.
     copied = (
         []
@@ -329,12 +331,36 @@ def launch(settings: SearchSettings, environ: Mapping[str, str]) -> None:
         return
     print_experiment(plan, f"results in {shown(plan.results_dir)}")
     flag = "--resume" if settings.resume else "--results-dir"
-    with results_directory_lock(plan.results_dir, flag):
-        if settings.resume is None and (plan.results_dir / STATE_FILE).is_file():
-            raise DsatError(  # another search began there since the plan was made
-                f"{flag} {shown(plan.results_dir)} already holds a search; choose another directory"
+    # A directory dsat named itself that another search took first (one started in the same
+    # second, with the same name): the search goes to the next name instead.
+    chosen = settings.resume is None and settings.results_dir is None
+    while True:
+        try:
+            with results_directory_lock(plan.results_dir, flag):
+                if settings.resume is None and (plan.results_dir / STATE_FILE).is_file():
+                    raise DirectoryInUse(  # another search began there since the plan was made
+                        f"{flag} {shown(plan.results_dir)} already holds a search; choose another "
+                        "directory"
+                    )
+                search_here(plan, plan.setup.open(plan.results_dir))
+            return
+        except DirectoryInUse:
+            if not chosen:
+                raise
+            taken = plan.results_dir
+            plan = dataclasses.replace(plan, results_dir=next_free_name(taken))
+            print(
+                f"dsat: {shown(taken)} was taken by a search started at the same time; results "
+                f"in {shown(plan.results_dir)}"
             )
-        search_here(plan, plan.setup.open(plan.results_dir))
+
+
+def next_free_name(path: Path) -> Path:
+    """``path`` with the first suffix -2, -3, ... that names nothing yet."""
+    number = 2
+    while (path.parent / f"{path.name}-{number}").exists():
+        number += 1
+    return path.parent / f"{path.name}-{number}"
 
 
 def print_experiment(plan: LaunchPlan, where_results_go: str) -> None:

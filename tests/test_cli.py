@@ -970,3 +970,38 @@ def test_a_stopped_search_exits_with_the_shells_code_for_its_signal(
 
     monkeypatch.setattr(dsat.search_launch, "launch", stopped_while_searching)
     assert main(["asha", str(experiment_yaml), str(experiment_yaml.parent)]) == 128 + sig
+
+
+@pytest.mark.parametrize("when", ["before the plan", "between the plan and the lock"])
+def test_a_results_directory_dsat_named_that_another_search_holds_is_passed_over(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], when: str
+) -> None:
+    """Two searches started in the same second named the same directory; the second was refused
+    "--results-dir ... is in use", a flag it was never given."""
+    import contextlib
+
+    import dsat.search_launch
+    from dsat.results.directory_lock import results_directory_lock
+
+    simulated = Path(__file__).resolve().parents[1] / "examples" / "simulated"
+    named = tmp_path / "dsat-results" / "gpt2-large-20261127T193846Z"
+    monkeypatch.setattr(dsat.search_launch, "default_results_dir", lambda name, now: named)
+    argv = ["asha", str(simulated / "gpt2_large.yaml"), str(simulated), "--runner", "simulated"]
+    argv += ["--simulator", "dsat.runners.simulated.performance_models:gpt2_large_16xv100"]
+    with contextlib.ExitStack() as other_search:
+        if when == "before the plan":
+            other_search.enter_context(results_directory_lock(named))
+        else:
+            planned = dsat.search_launch.plan_search
+
+            def taken_after_the_plan(*args: Any, **kwargs: Any) -> Any:
+                plan = planned(*args, **kwargs)
+                other_search.enter_context(results_directory_lock(plan.results_dir))
+                return plan
+
+            monkeypatch.setattr(dsat.search_launch, "plan_search", taken_after_the_plan)
+        assert main([*argv, "--max-trials", "6"]) == 0
+    out = capsys.readouterr().out
+    assert f"results in {named.name}-2" in out.replace(str(named.parent) + "/", "")
+    assert (named.parent / f"{named.name}-2" / "summary.txt").is_file()
+    assert not (named / "summary.txt").exists()

@@ -20,6 +20,10 @@ from dsat.paths import shown
 LOCK_FILE = ".dsat-search.lock"
 
 
+class DirectoryInUse(DsatError):
+    """Another dsat search holds the results directory."""
+
+
 @contextlib.contextmanager
 def results_directory_lock(results_dir: Path, flag: str = "--results-dir") -> Iterator[None]:
     """Hold the directory's lock, or raise DsatError naming the process that holds it."""
@@ -32,7 +36,7 @@ def results_directory_lock(results_dir: Path, flag: str = "--results-dir") -> It
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
-            raise DsatError(
+            raise DirectoryInUse(
                 f"{flag} {shown(results_dir)} is in use by another dsat search (pid {holder}); "
                 "wait for it to end, or choose another directory"
             ) from None
