@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import datetime
 import json
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -17,9 +18,11 @@ from typing import Any
 
 from dsat.constants import ENV_RAY_ADDRESS, OVERWRITE_KEY, RESULTS_ROOT, SETTINGS_FILE, STATE_FILE
 from dsat.errors import DsatError
+from dsat.experiment.batch_size import batch_value, fixed_global_batch
 from dsat.experiment.config import (
     Experiment,
     check_entrypoint_script,
+    deep_merge,
     entrypoint_flag,
     load_experiment,
     load_yaml_mapping,
@@ -71,7 +74,7 @@ from dsat.search.ending import no_search_trial_succeeded
 from dsat.search.method import DsatSearchMethod
 from dsat.search.trial_builder import SearchSpec
 from dsat.search_run import best_config_path, run_search
-from dsat.training.hf_args import HF_DS_FLAG
+from dsat.training.hf_args import HF_BATCH_FLAGS, HF_DS_FLAG
 from dsat.training.step_clock import measured_window
 from dsat.trial import TrialRecord
 
@@ -213,6 +216,7 @@ def plan_search(
     if runner is not RunnerKind.SIMULATED:
         check_entrypoint_script(experiment)
         check_entrypoint_steps(experiment, settings)
+        check_hf_global_batch(experiment, settings)
     if runner is RunnerKind.LOCAL and settings.offload_nvme is not None:
         check_local_directory(settings.offload_nvme, "--offload-nvme")
     setup = RUNNER_SETUPS[runner].prepare(settings, experiment, environ)
@@ -292,6 +296,43 @@ def check_entrypoint_steps(experiment: Experiment, settings: SearchSettings) -> 
             f"{experiment.config_path}: the entrypoint passes --max_steps {given}, but a trial "
             f"measures up to optimizer step {needed} (--end-profile-step and dsat's window); "
             f"give --max_steps {needed} or more"
+        )
+
+
+def check_hf_global_batch(experiment: Experiment, settings: SearchSettings) -> None:
+    """One line where the DeepSpeed config's numeric ``train_batch_size`` is not what an HF
+    Trainer entrypoint's batch flags make of it (its micro-batch x accumulation x slots, each
+    from the config where it is a number, as ``get_hf_args_with_overwrites`` passes it, else
+    from the flag): HF refuses that run ("mismatch TrainingArguments values"), so the user's
+    own config, the baseline, is not what they run. Where a number is in neither (the script
+    may set it in code), nothing is said; ``--global-batch`` replaces the batch on purpose."""
+    entrypoint = experiment.config.get("entrypoint")
+    if settings.global_batch is not None or entrypoint_flag(entrypoint, (HF_DS_FLAG,)) is None:
+        return
+    merged = deep_merge(experiment.ds_config, experiment.hparams.get(OVERWRITE_KEY) or {})
+    source = str(experiment.ds_config_path)
+    batch = fixed_global_batch(merged, source)
+    if batch is None:
+        return
+    given: dict[str, int] = {}
+    for flag, key in HF_BATCH_FLAGS.items():
+        number = batch_value(merged, key, source)
+        value = entrypoint_flag(entrypoint, (flag, flag.replace("_", "-")))
+        if number is None and value is not None and value.isdigit():
+            number = int(value)
+        if number is None:
+            return
+        given[flag] = number
+    slots = experiment.slots_per_trial
+    made = math.prod(given.values()) * slots
+    if made != batch:
+        micro, accumulation = given.values()
+        raise DsatError(
+            f"{shown(experiment.ds_config_path)}: train_batch_size {batch} is not what your "
+            f"HF Trainer run makes of it, micro-batch {micro} x accumulation {accumulation} x "
+            f"{slots} slot(s) = {made} (--per_device_train_batch_size, "
+            "--gradient_accumulation_steps, or the config's numbers), and HF refuses that run: "
+            'make them agree, set train_batch_size to "auto", or pass --global-batch N'
         )
 
 

@@ -429,6 +429,46 @@ def test_paths_of_the_wrong_kind_say_what_they_are(
     )
 
 
+def test_an_hf_batch_that_does_not_make_the_configs_global_batch_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """train_batch_size 16 against --per_device_train_batch_size 4 x accumulation 2 on one slot:
+    HF refuses the user's own run, while dsat searched, ran a baseline with accumulation 4 that
+    the user never ran, and said nothing."""
+    from dsat.experiment.config import load_experiment
+    from dsat.search_launch import check_hf_global_batch
+
+    entrypoint = (
+        "python3 train.py --deepspeed ds_config.json --per_device_train_batch_size 4 "
+        "--gradient_accumulation_steps 2"
+    )
+    auto = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}
+    path = write_experiment(
+        tmp_path / "m",
+        config={"entrypoint": entrypoint},
+        ds_config={**auto, "train_batch_size": 16},
+    )
+    assert_one_line_error(
+        capsys,
+        ["asha", str(path), str(path.parent)],
+        "train_batch_size 16 is not what your HF Trainer run makes of it",
+        "micro-batch 4 x accumulation 2 x 1 slot(s) = 8",
+        'set train_batch_size to "auto", or pass --global-batch N',
+    )
+    settings = parse_settings(["asha", str(path), str(path.parent)])
+    # Where they agree, or where the config's own number replaces a flag, nothing is said.
+    for ds_config in (
+        {**auto, "train_batch_size": 8},
+        {**auto, "train_batch_size": 16, "gradient_accumulation_steps": 4},
+    ):
+        (path.parent / "ds_config.json").write_text(json.dumps(ds_config))
+        check_hf_global_batch(load_experiment(path, path.parent), settings)
+    # --global-batch searches at another batch on purpose.
+    (path.parent / "ds_config.json").write_text(json.dumps({**auto, "train_batch_size": 16}))
+    given = parse_settings(["asha", str(path), str(path.parent), "--global-batch", "16"])
+    check_hf_global_batch(load_experiment(path, path.parent, global_batch=16), given)
+
+
 def test_an_hf_entrypoint_training_fewer_steps_than_a_trial_measures_is_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
