@@ -5,7 +5,9 @@ the micro-batch. When the user's config gives a numeric ``train_batch_size`` (or
 sets one), that global batch is the user's optimisation (learning rate and warm-up are set for it)
 and every trial keeps it: the micro-batch is one of the values that divide the batch per rank, and
 the gradient accumulation makes up the rest. Without one the batch is free: dsat keeps the user's
-accumulation (1 when absent or ``"auto"``, as HF writes it) and derives the train batch size.
+accumulation (an HF Trainer entrypoint's ``--gradient_accumulation_steps`` where the config
+leaves it ``"auto"``, ``config.with_script_accumulation``; else 1 when absent or ``"auto"``) and
+derives the train batch size.
 """
 
 from __future__ import annotations

@@ -17,7 +17,14 @@ from typing import Any
 
 import yaml
 
-from dsat.constants import AUTO, AUTOTUNING_KEY, DS_CONFIG_KEY, OVERWRITE_KEY
+from dsat.constants import (
+    AUTO,
+    AUTOTUNING_KEY,
+    DS_CONFIG_KEY,
+    GRAD_ACCUM_STEPS,
+    OVERWRITE_KEY,
+    TRAIN_BATCH_SIZE,
+)
 from dsat.errors import DsatError
 from dsat.experiment.batch_size import (
     GLOBAL_BATCH_FLAG,
@@ -258,6 +265,31 @@ def entrypoint_flag(entrypoint: str | Sequence[str] | None, flags: Sequence[str]
     return None
 
 
+# HF's TrainingArguments flag for the accumulation, as HF scripts spell it.
+HF_ACCUMULATION_FLAGS = ("--gradient_accumulation_steps", "--gradient-accumulation-steps")
+
+
+def with_script_accumulation(
+    ds_config: dict[str, Any], entrypoint: str | Sequence[str] | None, hparams: Mapping[str, Any]
+) -> dict[str, Any]:
+    """``ds_config`` with the accumulation an HF Trainer entrypoint passes (``--deepspeed
+    FILE ... --gradient_accumulation_steps N``), where the batch is free and the config leaves
+    the accumulation to HF (``"auto"`` or absent): that is the user's accumulation, which every
+    trial keeps, as it keeps a number in the JSON. Read only for the baseline, it ran there at N
+    and every search trial at 1."""
+    merged = deep_merge(ds_config, hparams.get(OVERWRITE_KEY) or {})
+    if entrypoint_flag(entrypoint, ("--deepspeed",)) is None:
+        return ds_config
+    for key in (TRAIN_BATCH_SIZE, GRAD_ACCUM_STEPS):
+        value = merged.get(key)
+        if value is not None and not (isinstance(value, str) and value.strip() == AUTO):
+            return ds_config
+    given = entrypoint_flag(entrypoint, HF_ACCUMULATION_FLAGS)
+    if given is None or not given.isdigit() or int(given) < 1:
+        return ds_config
+    return {**ds_config, GRAD_ACCUM_STEPS: int(given)}
+
+
 def same_relative_file(a: str, b: str) -> bool:
     return os.path.normpath(a) == os.path.normpath(b)
 
@@ -360,6 +392,8 @@ def load_experiment(
     if global_batch is not None:
         slots = slots_per_trial(config, str(config_path))
         ds_config = with_global_batch(ds_config, global_batch, slots, GLOBAL_BATCH_FLAG)
+    else:
+        ds_config = with_script_accumulation(ds_config, config.get("entrypoint"), hparams)
     experiment = Experiment(config_path, model_dir, config, ds_path, ds_config, include_paths)
     # Fail now, not in every trial, if the batch sizes cannot be made consistent.
     consistent_batch_sizes(ds_config, experiment.slots_per_trial, source=str(ds_path))

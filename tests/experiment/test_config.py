@@ -401,3 +401,55 @@ def test_overrides_that_are_not_a_mapping_are_one_line(tmp_path: Path) -> None:
     path = write_experiment(tmp_path / "m", config={"hyperparameters": hparams})
     with pytest.raises(DsatError, match="overwrite_deepspeed_args must be a mapping"):
         load_experiment(path, path.parent)
+
+
+HF_ENTRYPOINT = (
+    "python3 train.py --deepspeed ds_config.json --per_device_train_batch_size 4 "
+    "--gradient_accumulation_steps 2"
+)
+HF_AUTO = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}
+
+
+@pytest.mark.parametrize(
+    ("entrypoint", "ds_config", "kept"),
+    [
+        (HF_ENTRYPOINT, HF_AUTO, 2),  # HF fills the "auto" from its flag: that is the user's
+        (HF_ENTRYPOINT, {"train_micro_batch_size_per_gpu": "auto"}, 2),
+        (HF_ENTRYPOINT, {**HF_AUTO, "gradient_accumulation_steps": 3}, 3),  # the JSON's number
+        (HF_ENTRYPOINT, {**HF_AUTO, "train_batch_size": 8}, "auto"),  # fixed: dsat makes it up
+        # DeepSpeed's own launcher arguments: a bare --deepspeed switch, no HF Trainer.
+        (
+            "python3 train.py --deepspeed --deepspeed_config ds_config.json "
+            "--gradient_accumulation_steps 2",
+            {"train_micro_batch_size_per_gpu": 4},
+            None,
+        ),
+    ],
+)
+def test_with_a_free_batch_the_hf_scripts_accumulation_is_the_users(
+    tmp_path: Path, entrypoint: str, ds_config: dict[str, Any], kept: object
+) -> None:
+    """The baseline ran at the script's --gradient_accumulation_steps 2, every search trial at
+    1, and the hand-over changed the user's accumulation without a word."""
+    path = write_experiment(tmp_path / "m", config={"entrypoint": entrypoint}, ds_config=ds_config)
+    experiment = load_experiment(path, path.parent)
+    assert experiment.ds_config.get("gradient_accumulation_steps") == kept
+    if kept != 2:
+        return
+    from dsat.search import MethodSettings, make_search_method
+    from dsat.search.trial_builder import SearchSpec
+    from dsat.trial import TrialOutcome, TrialStatus
+
+    spec = SearchSpec(experiment.hparams, experiment.ds_config, 1, entrypoint)
+    method = make_search_method(MethodSettings(method="binary", zero_stages=(1,)), spec)
+    profile = method.suggest()
+    assert profile is not None
+    profiled = {
+        "num_params": 10**6,
+        "trainable_num_params": 10**6,
+        "activation_mem_per_gpu": 10**6,
+        "gpu_mem": 16 * 2**30,
+    }
+    method.observe(TrialOutcome(profile.request_id, TrialStatus.COMPLETED, profiled, None, 0, 1))
+    trials = [method.suggest() for _ in range(3)]
+    assert all(t is not None and t.gas == 2 for t in trials)
