@@ -20,9 +20,11 @@ from dsat.constants import ENV_RAY_ADDRESS, OVERWRITE_KEY, RESULTS_ROOT, SETTING
 from dsat.errors import DsatError
 from dsat.experiment.batch_size import batch_value, fixed_global_batch
 from dsat.experiment.config import (
+    HF_BATCH_FLAGS,
     Experiment,
     check_entrypoint_script,
     deep_merge,
+    entrypoint_batch_flags,
     entrypoint_flag,
     load_experiment,
     load_yaml_mapping,
@@ -74,7 +76,7 @@ from dsat.search.ending import no_search_trial_succeeded
 from dsat.search.method import DsatSearchMethod
 from dsat.search.trial_builder import SearchSpec
 from dsat.search_run import best_config_path, run_search
-from dsat.training.hf_args import HF_BATCH_FLAGS, HF_DS_FLAG
+from dsat.training.hf_args import HF_DS_FLAG
 from dsat.training.step_clock import measured_window
 from dsat.trial import TrialRecord
 
@@ -314,15 +316,15 @@ def check_hf_global_batch(experiment: Experiment, settings: SearchSettings) -> N
     batch = fixed_global_batch(merged, source)
     if batch is None:
         return
+    flags = entrypoint_batch_flags(entrypoint)
     given: dict[str, int] = {}
-    for flag, key in HF_BATCH_FLAGS.items():
+    for key in HF_BATCH_FLAGS.values():
         number = batch_value(merged, key, source)
-        value = entrypoint_flag(entrypoint, (flag, flag.replace("_", "-")))
-        if number is None and value is not None and value.isdigit():
-            number = int(value)
+        if number is None:
+            number = flags.get(key)
         if number is None:
             return
-        given[flag] = number
+        given[key] = number
     slots = experiment.slots_per_trial
     made = math.prod(given.values()) * slots
     if made != batch:

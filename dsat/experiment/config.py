@@ -22,6 +22,7 @@ from dsat.constants import (
     AUTOTUNING_KEY,
     DS_CONFIG_KEY,
     GRAD_ACCUM_STEPS,
+    MICRO_BATCH_SIZE,
     OVERWRITE_KEY,
     TRAIN_BATCH_SIZE,
 )
@@ -265,8 +266,23 @@ def entrypoint_flag(entrypoint: str | Sequence[str] | None, flags: Sequence[str]
     return None
 
 
-# HF's TrainingArguments flag for the accumulation, as HF scripts spell it.
-HF_ACCUMULATION_FLAGS = ("--gradient_accumulation_steps", "--gradient-accumulation-steps")
+# HF's TrainingArguments batch flags (underscore spelling; HfArgumentParser also accepts dashes)
+# -> the DeepSpeed key each fills in where the config leaves it "auto".
+HF_BATCH_FLAGS = {
+    "--per_device_train_batch_size": MICRO_BATCH_SIZE,
+    "--gradient_accumulation_steps": GRAD_ACCUM_STEPS,
+}
+
+
+def entrypoint_batch_flags(entrypoint: str | Sequence[str] | None) -> dict[str, int]:
+    """The numbers an entrypoint passes an HF script with ``HF_BATCH_FLAGS`` (either
+    spelling), by DeepSpeed key; a flag given no number is left out."""
+    found = {}
+    for flag, key in HF_BATCH_FLAGS.items():
+        value = entrypoint_flag(entrypoint, (flag, flag.replace("_", "-")))
+        if value is not None and value.isdigit():
+            found[key] = int(value)
+    return found
 
 
 def with_script_accumulation(
@@ -284,10 +300,10 @@ def with_script_accumulation(
         value = merged.get(key)
         if value is not None and not (isinstance(value, str) and value.strip() == AUTO):
             return ds_config
-    given = entrypoint_flag(entrypoint, HF_ACCUMULATION_FLAGS)
-    if given is None or not given.isdigit() or int(given) < 1:
+    given = entrypoint_batch_flags(entrypoint).get(GRAD_ACCUM_STEPS)
+    if given is None or given < 1:
         return ds_config
-    return {**ds_config, GRAD_ACCUM_STEPS: int(given)}
+    return {**ds_config, GRAD_ACCUM_STEPS: given}
 
 
 def same_relative_file(a: str, b: str) -> bool:

@@ -16,10 +16,9 @@ from typing import TYPE_CHECKING
 from dsat.constants import GRAD_ACCUM_STEPS, MICRO_BATCH_SIZE
 from dsat.errors import DsatError
 from dsat.experiment.batch_size import batch_value, consistent_batch_sizes, fixed_global_batch
-from dsat.experiment.config import deep_merge, entrypoint_flag
+from dsat.experiment.config import deep_merge, entrypoint_batch_flags
 from dsat.search.confirmation import measurements, repeated_measurements
 from dsat.search.measurement_noise import relative_noise
-from dsat.training.hf_args import HF_BATCH_FLAGS
 from dsat.trial import TrialKind, TrialRecord, TrialStatus
 from dsat.zero_space import knob_tags
 
@@ -31,12 +30,8 @@ def script_batch(method: DsatSearchMethod) -> dict[str, int]:
     """The micro-batch and accumulation the entrypoint passes an HF script
     (``--per_device_train_batch_size``, ``--gradient_accumulation_steps``): what a config of
     ``"auto"`` values trains with."""
-    found = {}
-    for flag, key in HF_BATCH_FLAGS.items():
-        value = entrypoint_flag(method.spec.entrypoint, (flag, flag.replace("_", "-")))
-        if value is not None and value.isdigit() and int(value) > 0:
-            found[key] = int(value)
-    return found
+    flags = entrypoint_batch_flags(method.spec.entrypoint)
+    return {key: number for key, number in flags.items() if number > 0}
 
 
 def user_micro_batch(method: DsatSearchMethod) -> tuple[int, int, dict[str, int]] | None:

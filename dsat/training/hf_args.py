@@ -17,12 +17,10 @@ from typing import Any
 from dsat.atomic_file import write_json_atomic
 from dsat.constants import (
     CHECKPOINTING_HPARAM,
-    GRAD_ACCUM_STEPS,
-    MICRO_BATCH_SIZE,
 )
 from dsat.errors import DsatError
 from dsat.experiment.batch_size import batch_value
-from dsat.experiment.config import deep_merge, load_ds_json
+from dsat.experiment.config import HF_BATCH_FLAGS, deep_merge, load_ds_json
 from dsat.memory import Precision
 from dsat.training.step_clock import start_clock
 from dsat.training.trial_config import checked_overwrites
@@ -30,11 +28,6 @@ from dsat.training.trial_config import checked_overwrites
 logger = logging.getLogger(__name__)
 
 HF_DS_FLAG = "--deepspeed"
-# HF flag (underscore spelling; HfArgumentParser also accepts dashes) -> DeepSpeed key.
-HF_BATCH_FLAGS = {
-    "--per_device_train_batch_size": MICRO_BATCH_SIZE,
-    "--gradient_accumulation_steps": GRAD_ACCUM_STEPS,
-}
 MERGED_SUFFIX = ".dsat.json"
 # What HF's string_to_bool reads as false (a bare `--bf16` is true).
 HF_FALSE = ("no", "false", "f", "n", "0")
