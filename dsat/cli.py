@@ -561,8 +561,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, stop_as_ctrl_c)
-    # Stopped, the exit is the shell's convention, 128 + the signal: 130 for Ctrl-C, 143 for
-    # SIGTERM (a scheduler that preempted the job tells it from a failure so).
     try:
         launch(parse_settings(argv), os.environ)
     except DsatError as err:
@@ -574,11 +572,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (FullExperimentFailed, SearchStopped) as err:
         print(f"{PROG}: {err}", file=sys.stderr)
         return 1
-    except (SearchInterrupted, FullRunInterrupted) as err:
-        print(f"{PROG}: {err}", file=sys.stderr)
-        return 128 + (stopped_by[0] if stopped_by else signal.SIGINT)
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
+    except (SearchInterrupted, FullRunInterrupted, KeyboardInterrupt) as err:
+        said = "interrupted" if isinstance(err, KeyboardInterrupt) else str(err)
+        print(f"{PROG}: {said}", file=sys.stderr)
+        # The shell's convention, 128 + the signal: 130 for Ctrl-C, 143 for SIGTERM (a
+        # scheduler that preempted the job tells it from a failure so).
         return 128 + (stopped_by[0] if stopped_by else signal.SIGINT)
     finally:
         signal.signal(signal.SIGTERM, previous)
