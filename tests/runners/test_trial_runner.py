@@ -195,6 +195,21 @@ def test_the_full_run_trains_or_is_refused_in_one_line(runner: TrialRunner) -> N
     assert runner.running_count() == 0
 
 
+@pytest.mark.parametrize("runner", ["local", "ray"], indirect=True)  # simulated: no full run
+def test_what_the_full_run_leaves_running_is_stopped_and_named(
+    runner: TrialRunner, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A daemon in a session of its own outlived the full run's process group (on Ray, on its
+    node) and held what it held after the search had ended."""
+    assert isinstance(runner, (LocalRunner, RayRunner))
+    runner.run_full_experiment({OVERWRITE_KEY: {"train_micro_batch_size_per_gpu": LEAVES_CHILDREN}})
+    log = (runner.results_dir / "logs" / "full-experiment.log").read_text()
+    pids = [int(line.split()[-1]) for line in log.splitlines() if line.startswith("left pid")]
+    assert len(pids) == 2
+    assert "stopped what the full experiment left running: sleep (pid" in capsys.readouterr().out
+    assert not [pid for pid in pids if psutil.pid_exists(pid)]
+
+
 def test_a_local_trial_stopped_is_gone(tmp_path: Path) -> None:
     """The local runner's stop is real: the trial's process is no longer there."""
     runner = make_local(tmp_path)

@@ -53,6 +53,7 @@ from dsat.runners.local.trial_processes import (
     guarded,
     kill_process_group,
     stop_strays,
+    strays_note,
 )
 from dsat.runners.local.trial_timeout import TrialTimeout
 from dsat.runners.local.warm_trials import WarmWorkers, warm_command
@@ -344,10 +345,10 @@ class LocalRunner:
         if not again:
             return False
         what = "out of memory" if end.status is TrialStatus.OOM else "failed"
-        trial.log.seek(0, os.SEEK_END)  # after what the host wrote to it
-        trial.log.write(
-            f"\ndsat: {what} in the trial host; running it again in a fresh process "
-            "before the configuration is blamed\n".encode()
+        self._note(
+            trial,
+            f"dsat: {what} in the trial host; running it again in a fresh process "
+            "before the configuration is blamed",
         )
         trial.log.flush()
         trial.rerun_log_start = trial.log.tell()  # the fresh run is judged by its own output
@@ -399,8 +400,7 @@ class LocalRunner:
                 if timed_out:
                     self._kill(trial)
                 if lingered is not None:
-                    trial.log.seek(0, os.SEEK_END)
-                    trial.log.write(f"\n{LINGERED.format(seconds=lingered)}\n".encode())
+                    self._note(trial, LINGERED.format(seconds=lingered))
                 end = self._classified(trial, timed_out)
                 if self._confirm_in_fresh_process(trial, end, code):
                     continue
@@ -422,12 +422,9 @@ class LocalRunner:
 
     def _finish(self, trial: RunningTrial, classified: TrialEnd) -> TrialOutcome:
         del self.running[trial.request_id]
-        strays = stop_strays(trial.directory / HPARAMS_FILE, spare={trial.process.pid})
-        if strays:
-            trial.log.seek(0, os.SEEK_END)
-            trial.log.write(
-                f"\ndsat: stopped what the trial left running: {', '.join(strays)}\n".encode()
-            )
+        self._note(
+            trial, strays_note(stop_strays(trial.directory / HPARAMS_FILE, {trial.process.pid}))
+        )
         trial.log.close()
         self.pool.give_back(trial.slots)
         status, metrics, error, cause = classified
@@ -437,6 +434,13 @@ class LocalRunner:
         return TrialOutcome(
             trial.request_id, status, metrics, error, trial.start, end, cause, str(trial.log_path)
         )
+
+    @staticmethod
+    def _note(trial: RunningTrial, line: str | None) -> None:
+        """Add dsat's own line to the trial's log, after whatever a trial host wrote to it."""
+        if line is not None:
+            trial.log.seek(0, os.SEEK_END)
+            trial.log.write(f"\n{line}\n".encode())
 
     def _kill(self, trial: RunningTrial) -> None:
         kill_process_group(trial.process)
@@ -461,13 +465,17 @@ class LocalRunner:
             f"dsat: full experiment in {shown(directory)} ({HPARAMS_FILE} holds the best overrides)"
         )
         slots = self.pool.take(self.slots_per_trial)
+
+        def stop_left_running() -> None:
+            note = strays_note(stop_strays(directory / HPARAMS_FILE), "the full experiment")
+            if note:
+                print(note, flush=True)
+
         try:
             run_to_the_end(
                 full_run_log(self.results_dir),
                 lambda log: self.spawn(directory, slots, subprocess.PIPE, log),
+                stop_left_running,
             )
         finally:
             self.pool.give_back(slots)
-            strays = stop_strays(directory / HPARAMS_FILE)
-            if strays:
-                print(f"dsat: stopped what the full experiment left running: {', '.join(strays)}")

@@ -122,3 +122,8 @@ def stop_strays(hparams_file: Path, spare: Collection[int] = ()) -> list[str]:
         with contextlib.suppress(psutil.NoSuchProcess):
             process.kill()
     return [name for _, name in strays]
+
+
+def strays_note(strays: list[str], what: str = "the trial") -> str | None:
+    """The line that names what ``stop_strays`` stopped, for the trial's log; None if nothing."""
+    return f"dsat: stopped what {what} left running: {', '.join(strays)}" if strays else None

@@ -30,7 +30,12 @@ from dsat.runners.local.trial_outcome import (
     oom_killed_since,
     reported,
 )
-from dsat.runners.local.trial_processes import guarded, kill_process_group, stop_strays
+from dsat.runners.local.trial_processes import (
+    guarded,
+    kill_process_group,
+    stop_strays,
+    strays_note,
+)
 from dsat.runners.ray.model_archive import unpack
 
 LOG_NAME = "trial.log"
@@ -108,6 +113,10 @@ class TrialNodeHost:
             kill_process_group(self.process)
         return self.poll()
 
+    def stop_left_running(self) -> list[str]:
+        """Stop what the run left running on this node (``stop_strays``), and name it."""
+        return stop_strays(self.directory / HPARAMS_FILE)
+
     def reported(self) -> bool:
         """Whether the trial has written its result (``trial_outcome.ResultWatch``)."""
         return reported(self.directory)
@@ -118,14 +127,10 @@ class TrialNodeHost:
         """What the process left behind, classified as the local runner classifies it, once
         what it left running on this node is stopped. ``lingered``: dsat stopped it that long
         after it wrote its result."""
-        strays = stop_strays(self.directory / HPARAMS_FILE)
+        notes = [LINGERED.format(seconds=lingered)] if lingered is not None else []
+        notes += filter(None, [strays_note(stop_strays(self.directory / HPARAMS_FILE))])
         if self.log is not None:
-            if lingered is not None:
-                self.log.write(f"\n{LINGERED.format(seconds=lingered)}\n".encode())
-            if strays:
-                self.log.write(
-                    f"\ndsat: stopped what the trial left running: {', '.join(strays)}\n".encode()
-                )
+            self.log.write("".join(f"\n{line}\n" for line in notes).encode())
             self.log.close()
         end = classify(
             self.directory,

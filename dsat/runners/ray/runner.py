@@ -37,6 +37,7 @@ from dsat.runners.local.entrypoint import NODE_PYTHON, rendezvous_environment, t
 from dsat.runners.local.full_run import FullExperimentFailed
 from dsat.runners.local.runner import HPARAMS_FILE
 from dsat.runners.local.trial_outcome import LINGER_S, ResultWatch
+from dsat.runners.local.trial_processes import strays_note
 from dsat.runners.local.trial_timeout import TrialTimeout
 from dsat.runners.ray.node_host import NODE_ROOT, TrialNodeHost, left_behind_log
 from dsat.runners.ray.placement import TrialLayout, node_capacities
@@ -201,6 +202,7 @@ class RayRunner:
             codes, ended = None, True
         finally:  # nothing of it stays on the cluster, unless its files could not come back
             self._stop(trial)
+            self._stop_left_running(trial)
             try:
                 self._collect_logs(trial)
                 if ended:
@@ -578,6 +580,22 @@ class RayRunner:
                 self.ray.get(host.stop.remote(), timeout=STOP_WAIT_S)
             except (RayActorError, GetTimeoutError):
                 continue  # gone with its node, whose processes went with it (trial_guard)
+
+    def _stop_left_running(self, trial: RayTrial) -> None:
+        """Stop, on every node still there, what the full run left running (a daemon in a
+        session of its own outlives its process group), and say what it was."""
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        strays: list[str] = []
+        for rank, host in enumerate(trial.hosts):
+            try:
+                names = self.ray.get(host.stop_left_running.remote(), timeout=STOP_WAIT_S)
+            except (RayActorError, GetTimeoutError):
+                continue
+            strays += [f"{name} on node {rank}" for name in names]
+        note = strays_note(strays, "the full experiment")
+        if note:
+            print(note)
 
     def _release(self, trial: RayTrial, keep: list[str] | None = None) -> None:
         """Remove the trial's copies (but those on the nodes ``keep`` names), actors and
