@@ -146,15 +146,34 @@ def one_line(text: str) -> str:
     return line if len(line) <= REASON_CHARS else line[: REASON_CHARS - 3] + "..."
 
 
-def exception_lines(log: str) -> list[str]:
+def exception_lines(log: str, rank: int | None = None) -> list[str]:
     """The exceptions the tracebacks in ``log`` end with, in order, torchrun's summaries left
-    out."""
+    out; only those of the process torch labels ``[rank<rank>]:``, where given."""
     found = []
     for line in log.splitlines():
+        if rank is not None and not line.startswith(f"[rank{rank}]:"):
+            continue
         match = EXCEPTION_LINE.match(line.strip())
         if match and not any(name in match.group(1) for name in LAUNCHER_EXCEPTIONS):
             found.append(one_line(match.group(1)))
     return found
+
+
+# A traceback's frame line; the line after it quotes the frame's source, comments and all.
+FRAME_LINE = re.compile(r'^(?:\[rank\d+\]:)?\s*File ".*", line \d+')
+# Python's markers under a quoted source line (3.11 and later).
+MARKER_LINE = re.compile(r"^(?:\[rank\d+\]:)?\s*[\^~]+\s*$")
+
+
+def said_lines(log: str) -> list[str]:
+    """The lines of ``log`` that a process said, without the source lines its tracebacks quote:
+    a comment there ("# not out of memory here") says nothing about how the trial ended."""
+    said, quoting = [], False
+    for line in log.splitlines():
+        if not quoting and not MARKER_LINE.match(line):
+            said.append(line)
+        quoting = FRAME_LINE.match(line) is not None
+    return said
 
 
 def known_failure(text: str) -> KnownFailure | None:
@@ -176,6 +195,14 @@ def killed_by_sigkill(log: str, code: int | None) -> bool:
     return root is not None and re.search(r"exitcode\s*:\s*-9\b", root.group("block")) is not None
 
 
+def root_cause_rank(log: str) -> int | None:
+    """The rank torchrun names as the first to fail: its peers' errors (a connection closed by
+    it) followed from its own."""
+    root = ROOT_CAUSE.search(log)
+    found = re.search(r"^\s*rank\s*:\s*(\d+)", root.group("block"), re.MULTILINE) if root else None
+    return None if found is None else int(found.group(1))
+
+
 def root_cause_signal(log: str) -> signal.Signals | None:
     """The signal torchrun's first failed worker died of, where it was one of its own (not
     SIGKILL, read apart, nor a stop from outside)."""
@@ -188,6 +215,15 @@ def root_cause_signal(log: str) -> signal.Signals | None:
     except ValueError:
         return None
     return None if sig in OUTSIDE_SIGNALS or sig is signal.SIGKILL else sig
+
+
+def not_the_machines(exceptions: list[str]) -> list[str]:
+    """The exceptions the table does not put down to the machine."""
+    return [
+        line
+        for line in exceptions
+        if getattr(known_failure(line), "cause", None) is not FailureCause.MACHINE
+    ]
 
 
 def diagnose_crash(log: str, code: int | None, oom_killed: bool | None) -> Diagnosis:
@@ -209,11 +245,9 @@ def diagnose_crash(log: str, code: int | None, oom_killed: bool | None) -> Diagn
         name = signal.Signals(-code).name
         return Diagnosis(FailureCause.MACHINE, f"stopped by {name} from outside dsat")
     lines = exception_lines(log)
-    others = [
-        line
-        for line in lines
-        if getattr(known_failure(line), "cause", None) is not FailureCause.MACHINE
-    ]
+    first_rank = root_cause_rank(log)
+    others = [] if first_rank is None else not_the_machines(exception_lines(log, first_rank))
+    others = others or not_the_machines(lines)
     known = known_failure("\n".join(others) if others else log)
     detail = others[-1] if others else lines[-1] if lines else None
     if known is not None and known.killed and oom_killed:

@@ -110,12 +110,13 @@ def make_ray(tmp_path: Path) -> RayRunner:
 
 RUNNERS: dict[str, Callable[[Path], TrialRunner]] = {
     "local": make_local,
+    "local-fresh": lambda tmp_path: make_local(tmp_path, warm=False),
     "ray": make_ray,
     "simulated": make_simulated,
 }
 
 
-@pytest.fixture(params=sorted(RUNNERS))
+@pytest.fixture(params=sorted(set(RUNNERS) - {"local-fresh"}))
 def runner(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TrialRunner]:
     if request.param == "ray":
         request.getfixturevalue("ray_cluster")
@@ -193,6 +194,21 @@ def test_the_full_run_trains_or_is_refused_in_one_line(runner: TrialRunner) -> N
     assert json.loads((directory / HPARAMS_FILE).read_text()) == hparams
     assert runner.slot_limit == 2  # the slots came back
     assert runner.running_count() == 0
+
+
+@pytest.mark.parametrize("runner", ["local-fresh", "ray"], indirect=True)  # simulated: no process
+def test_a_trial_that_reported_and_ran_on_to_its_timeout_says_so_in_its_log(
+    runner: TrialRunner,
+) -> None:
+    """Its row said completed and its log ended mid-run: nothing said dsat had stopped it. (A
+    trial forked from a warm worker leaves at its end, threads or not.)"""
+    assert isinstance(runner, (LocalRunner, RayRunner))
+    runner.linger_s, runner.timeout = 600.0, TrialTimeout(8)
+    start(runner, 1, LINGERS)
+    outcome = runner.wait()
+    assert outcome.status is TrialStatus.COMPLETED and outcome.metrics["throughput"] == 10.0
+    said = Path(outcome.log or "").read_text()
+    assert "ran on to the trial timeout of 8 s" in said and "its result kept" in said
 
 
 @pytest.mark.parametrize("runner", ["local", "ray"], indirect=True)  # simulated: no full run

@@ -40,13 +40,13 @@ from dsat.runners.local.full_run import run_to_the_end
 from dsat.runners.local.slots import SlotPool
 from dsat.runners.local.trial_outcome import (
     LINGER_S,
-    LINGERED,
     ResultWatch,
     TrialEnd,
     classify,
     oom_kill_count,
     oom_killed_since,
     reported,
+    stopped_note,
 )
 from dsat.runners.local.trial_processes import (
     TrialProcess,
@@ -399,8 +399,9 @@ class LocalRunner:
                     continue
                 if timed_out:
                     self._kill(trial)
-                if lingered is not None:
-                    self._note(trial, LINGERED.format(seconds=lingered))
+                self._note(
+                    trial, stopped_note(trial.directory, timed_out, self.timeout.seconds, lingered)
+                )
                 end = self._classified(trial, timed_out)
                 if self._confirm_in_fresh_process(trial, end, code):
                     continue

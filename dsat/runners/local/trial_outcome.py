@@ -18,7 +18,14 @@ from dsat.constants import OOM_MARKER, TRIAL_OUTCOME_FILE
 from dsat.training.oom import text_shows_out_of_memory
 from dsat.training.reporting import read_autotuning_result
 from dsat.trial import TrialStatus
-from dsat.trial_failure import FailureCause, diagnose_crash, exception_lines, known_failure
+from dsat.trial_failure import (
+    FailureCause,
+    diagnose_crash,
+    exception_lines,
+    known_failure,
+    one_line,
+    said_lines,
+)
 
 LOG_TAIL_LINES = 20
 LOG_SCAN_BYTES = 256 * 1024
@@ -30,6 +37,21 @@ LINGERED = (
     "dsat: the trial wrote its result {seconds:.0f} s ago and has not exited since (a thread or "
     "a process it started keeps it alive): stopped, its result kept"
 )
+RAN_ON_TO_TIMEOUT = (
+    "dsat: the trial wrote its result and ran on to the trial timeout of {timeout:g} s (a process "
+    "of it did not exit): stopped, its result kept"
+)
+
+
+def stopped_note(
+    directory: Path, timed_out: bool, timeout: float, lingered: float | None
+) -> str | None:
+    """The line that says why dsat stopped a trial that wrote its result, if it did."""
+    if lingered is not None:
+        return LINGERED.format(seconds=lingered)
+    if timed_out and reported(directory):
+        return RAN_ON_TO_TIMEOUT.format(timeout=timeout)
+    return None
 
 
 def log_end(path: Path, start: int = 0) -> str:
@@ -110,18 +132,26 @@ class ResultWatch:
         return waited if waited > self.linger_s else None
 
 
-def shows_out_of_memory(text: str, exceptions: list[str]) -> bool:
-    """Whether the log says the trial ran out of memory: an exception that ended a process of
-    it says so, or dsat's own marker; or the words stand anywhere else in the log (a message a
-    layer printed) while no exception puts the crash down to the machine. A line that mentions
-    memory (a note, a comment in a traceback's source line) beside an EADDRINUSE is the
-    machine's fault, not the configuration's."""
-    if OOM_MARKER in text or any(text_shows_out_of_memory(line) for line in exceptions):
-        return True
-    machine = any(
+def out_of_memory_line(text: str, exceptions: list[str]) -> str | None:
+    """The line by which the log says the trial ran out of memory, if it does: an exception that
+    ended a process of it (the last, the rank that ran out, not a peer's error after it), or
+    dsat's own marker; or a line a layer printed (an allocator's message, NCCL's "Cuda failure
+    'out of memory'") while no exception puts the crash down to the machine. A traceback's
+    source line is not one: its comment made a rank's ValueError, or a taken port, an OOM of
+    the configuration, and lowered its micro-batch ceiling."""
+    found = next((line for line in reversed(exceptions) if text_shows_out_of_memory(line)), None)
+    if found is not None:
+        return found
+    marker = next((line for line in text.splitlines() if OOM_MARKER in line), None)
+    if marker is not None:  # dsat.training.reporting's, with the error's summary
+        return one_line(marker.partition(OOM_MARKER)[2].lstrip(": ")) or "out of memory"
+    if any(
         getattr(known_failure(line), "cause", None) is FailureCause.MACHINE for line in exceptions
+    ):
+        return None
+    return next(
+        (one_line(line) for line in said_lines(text) if text_shows_out_of_memory(line)), None
     )
-    return not machine and text_shows_out_of_memory(text)
 
 
 class TrialEnd(NamedTuple):
@@ -170,9 +200,8 @@ def classify(
         )
         return TrialEnd(TrialStatus.ERROR, {}, f"{reason}\n{tail}", FailureCause.SCRIPT)
     lines = exception_lines(text)
-    if outcome.get("status") == "oom" or shows_out_of_memory(text, lines):
-        # The rank that ran out, not a peer's NCCL error that followed it.
-        oom_line = next((line for line in reversed(lines) if text_shows_out_of_memory(line)), None)
+    oom_line = out_of_memory_line(text, lines)
+    if outcome.get("status") == "oom" or oom_line is not None:
         reason = oom_line or (lines[-1] if lines else "out of memory")
         return TrialEnd(TrialStatus.OOM, {}, f"{reason}\n{tail}", FailureCause.CONFIG)
     if code == 0:

@@ -24,11 +24,11 @@ from dsat.runners.local.deepspeed_ops import clear_stale_locks
 from dsat.runners.local.entrypoint import NODE_PYTHON, interpreter_first
 from dsat.runners.local.runner import HPARAMS_FILE, free_ports
 from dsat.runners.local.trial_outcome import (
-    LINGERED,
     classify,
     oom_kill_count,
     oom_killed_since,
     reported,
+    stopped_note,
 )
 from dsat.runners.local.trial_processes import (
     guarded,
@@ -127,10 +127,12 @@ class TrialNodeHost:
         """What the process left behind, classified as the local runner classifies it, once
         what it left running on this node is stopped. ``lingered``: dsat stopped it that long
         after it wrote its result."""
-        notes = [LINGERED.format(seconds=lingered)] if lingered is not None else []
-        notes += filter(None, [strays_note(stop_strays(self.directory / HPARAMS_FILE))])
+        notes = [
+            stopped_note(self.directory, timed_out, timeout, lingered),
+            strays_note(stop_strays(self.directory / HPARAMS_FILE)),
+        ]
         if self.log is not None:
-            self.log.write("".join(f"\n{line}\n" for line in notes).encode())
+            self.log.write("".join(f"\n{line}\n" for line in notes if line).encode())
             self.log.close()
         end = classify(
             self.directory,

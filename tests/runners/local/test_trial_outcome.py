@@ -148,3 +148,47 @@ def test_a_trial_stopped_after_it_reported_keeps_its_result(tmp_path: Path) -> N
     done = {"status": "completed", "values": {"throughput": 3.0}}
     end = classify(tmp_path, trial(tmp_path, "step 15\n", done), -signal.SIGKILL, True, 60)
     assert end.status is TrialStatus.COMPLETED and end.metrics == {"throughput": 3.0}
+
+
+RANK_ONE_FAILED_FIRST = """\
+[rank1]: Traceback (most recent call last):
+[rank1]:   File "train.py", line 36, in _fault
+[rank1]:     raise ValueError("bad value")  # not really out of memory here
+[rank1]: ValueError: bad value
+[rank0]: RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:58041.
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-27_21:44:33
+  rank      : 1 (local_rank: 1)
+  exitcode  : 1 (pid: 16930)
+============================================================
+"""
+
+
+def test_a_comment_in_a_traceback_is_no_oom_and_the_rank_that_failed_first_is_named(
+    tmp_path: Path,
+) -> None:
+    """The comment made rank 1's ValueError an OOM of the configuration, its micro-batch ceiling
+    lowered, and the reason was rank 0's closed connection, which only followed from it."""
+    end = classify(tmp_path, trial(tmp_path, RANK_ONE_FAILED_FIRST), 1, False, 60)
+    assert end.status is TrialStatus.ERROR and end.cause is FailureCause.UNKNOWN, end.error
+    assert end.error is not None and end.error.startswith("ValueError: bad value")
+
+
+def test_an_oom_said_outside_an_exception_line_is_the_reason_given(tmp_path: Path) -> None:
+    """NCCL says it on a line of its own below its exception; dsat's marker beats a machine fault
+    after it, and either is the reason, not the last exception of the log."""
+    nccl = (
+        "[rank0]: torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970, "
+        "unhandled cuda error\n[rank0]: Last error:\n[rank0]: Cuda failure 'out of memory'\n"
+    )
+    end = classify(tmp_path, trial(tmp_path, nccl), 1, False, 60)
+    assert end.status is TrialStatus.OOM and end.error is not None
+    assert end.error.splitlines()[0] == "[rank0]: Cuda failure 'out of memory'"
+    marked = "DSAT_TRIAL_OUT_OF_MEMORY: CUDA out of memory at micro-batch 64\n"
+    end = classify(
+        tmp_path, trial(tmp_path, marked + "OSError: Address already in use\n"), 1, False, 60
+    )
+    assert end.status is TrialStatus.OOM and end.error is not None
+    assert end.error.splitlines()[0] == "CUDA out of memory at micro-batch 64"
