@@ -45,6 +45,7 @@ from dsat.results.directory_lock import LOCK_FILE, DirectoryInUse, results_direc
 from dsat.results.report import write_report
 from dsat.results.resume import (
     read_saved_state,
+    refuse_lost_rows,
     refuse_more_trials_when_finished,
     resume_command,
 )
@@ -228,6 +229,7 @@ def plan_search(
             raise DsatError(f"--resume {results_dir}: no such results directory")
         state = read_saved_state(results_dir, settings.method)
         refuse_more_trials_when_finished(results_dir, state, settings.max_trials)
+        refuse_lost_rows(results_dir, state)
     elif settings.results_dir is not None:
         results_dir = Path(settings.results_dir)
         if (results_dir / STATE_FILE).is_file():

@@ -19,6 +19,7 @@ from typing import Any
 from dsat.atomic_file import write_json_atomic, write_text_atomic
 from dsat.constants import AUTOTUNING_KEY, DSAT_MODE_KEY, OVERWRITE_KEY
 from dsat.errors import DsatError
+from dsat.paths import shown
 from dsat.results.cost import search_cost
 from dsat.results.utilization import Utilization, positive_number
 from dsat.search.confirmation import rounds_note
@@ -47,10 +48,65 @@ def full_run_log(results_dir: Path) -> Path:
     return results_dir / "logs" / f"{FULL_RUN_DIR}.log"
 
 
+_NUMBER = (int, float)
+# What every reader of a row relies on, by type (as dsat has written them since its first rows);
+# then what it writes now, checked where a row has it (older rows lack some).
+ROW_KEYS: dict[str, tuple[type, ...]] = {
+    "trial": (int,),
+    "request_id": (str,),
+    "kind": (str,),
+    "status": (str,),
+    "zero_stage": (int,),
+    "mbs": (int,),
+    "start": _NUMBER,
+    "end": _NUMBER,
+}
+LATER_ROW_KEYS: dict[str, tuple[type, ...]] = {
+    "gas": (int,),
+    "name": (str,),
+    "metrics": (dict,),
+    "overwrites": (dict,),
+    "slots": (int,),
+    "slot_kind": (str,),
+    VALUE_KEY: (*_NUMBER, type(None)),
+    SAFE_KEY: (bool,),
+}
+
+
 def read_trial_rows(path: Path) -> list[dict[str, Any]]:
-    """The rows of a trials.jsonl; a damaged file raises json's or the decoder's error, which
-    each reader words for its user."""
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The rows of a trials.jsonl. A damaged file raises a ValueError that names the line and
+    what is wrong with it (the decoder's own for bytes that are not UTF-8), which each reader
+    words for its user: one edited row made the report, or a resume, end in a traceback."""
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(
+                f"line {number} is not JSON ({err.msg} at column {err.colno})"
+            ) from None
+        wrong = _wrong_key(row)
+        if wrong is not None:
+            raise ValueError(f"line {number} is not a trial's row ({wrong})")
+        rows.append(row)
+    return rows
+
+
+def _wrong_key(row: Any) -> str | None:
+    """What makes ``row`` other than a row dsat writes, if anything."""
+    if not isinstance(row, dict):
+        return f"a JSON {type(row).__name__}, not an object"
+    for key, types in (*ROW_KEYS.items(), *LATER_ROW_KEYS.items()):
+        if key not in row:
+            if key in ROW_KEYS:
+                return f"no {key!r}"
+            continue
+        value = row[key]
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            return f"{key!r} is {json.dumps(value)}"
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,10 +204,10 @@ class ResultsWriter:
         if path.is_file():  # a resumed search keeps what was written before
             try:
                 self._lines = read_trial_rows(path)
-            except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            except ValueError as err:
                 raise DsatError(
-                    f"{path}: damaged trial records ({err}); this search cannot be resumed, "
-                    "start a new one"
+                    f"{shown(path)}: {err}; put back the file as dsat wrote it to resume, or "
+                    "start a new search"
                 ) from None
         self._best_id: str | None = None
         # A search resumed after it handed over: best_ds_config.json is the user's now (edited,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import errno
 import html
 import io
 import json
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dsat.atomic_file import write_bytes_atomic, write_text_atomic
-from dsat.constants import AUTOTUNING_KEY
+from dsat.constants import AUTOTUNING_KEY, SETTINGS_FILE
 from dsat.errors import DsatError
 from dsat.experiment.metric import Metric
 from dsat.experiment.settings import DEFAULT_METRIC
@@ -51,6 +52,7 @@ class SearchResults:
     rows: list[dict[str, Any]]
     metric: Metric
     picked: dict[str, Any] | None
+    metric_unknown: str | None = None  # why the metric is the default, not the search's
 
     @property
     def search_rows(self) -> list[dict[str, Any]]:
@@ -114,19 +116,29 @@ class SearchResults:
 def load_results(results_dir: Path) -> SearchResults:
     """The results in ``results_dir``, or one line saying what is missing or damaged."""
     path = results_dir / TRIALS_FILE
+    if not results_dir.is_dir():
+        what = "not a directory" if results_dir.exists() else "no such directory"
+        raise DsatError(f"{shown(results_dir)}: {what}; pass the results directory a search wrote")
     if not path.is_file():
         raise DsatError(
             f"{shown(results_dir)}: no {TRIALS_FILE} there; pass a directory a dsat search wrote"
         )
     try:
         rows = read_trial_rows(path)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise DsatError(f"{shown(path)}: damaged trial records ({err})") from None
+    except ValueError as err:
+        raise DsatError(f"{shown(path)}: {err}; put back the file as dsat wrote it") from None
+    if not rows:
+        raise DsatError(f"{shown(path)}: no trial has finished yet; report it once one has")
+    metric, unknown = DEFAULT_METRIC, None
     try:
         metric = saved_settings(results_dir).metric
-    except DsatError:  # no or damaged settings: the default metric still makes a useful picture
-        metric = DEFAULT_METRIC
-    return SearchResults(rows, metric, picked_row(rows, results_dir / BEST_METRICS_FILE))
+    except DsatError:  # the default metric still makes a picture, said to be one
+        unknown = (
+            f"{shown(results_dir / SETTINGS_FILE)} is missing or damaged: the trials are ranked "
+            f"by {DEFAULT_METRIC.value}, the default metric, which may not be the search's"
+        )
+    picked = picked_row(rows, results_dir / BEST_METRICS_FILE)
+    return SearchResults(rows, metric, picked, unknown)
 
 
 def picked_row(rows: list[dict[str, Any]], best_metrics: Path) -> dict[str, Any] | None:
@@ -307,8 +319,10 @@ def draw_progress(by_trial: Any, by_time: Any, results: SearchResults) -> None:
 
 def page(results: SearchResults, results_dir: Path, png: bytes) -> str:
     """A self-contained HTML page: the picture inline, the summary with the cost, every trial."""
-    summary = results_dir / SUMMARY_FILE
-    text = summary.read_text() if summary.is_file() else stage_table(results) + "\n"
+    try:
+        text = (results_dir / SUMMARY_FILE).read_text(errors="replace")
+    except OSError:  # none yet (an interrupted search), or not a file
+        text = stage_table(results) + "\n"
     if not any(line.startswith(COST_PREFIX) for line in text.splitlines()):  # none written yet
         text += "\n" + results.cost_line() + "\n"
     # Tokens/s and MFU where the search could work them out (results/utilization.py).
@@ -354,11 +368,20 @@ tr:nth-child(even){{background:#f4f4f4}}</style></head><body>
 def report_to_terminal(results_dir: Path) -> None:
     """`dsat report DIR`: the files written, then the per-stage table and their paths."""
     results = load_results(results_dir)
-    png, page_path = write_report(results_dir, results)
+    if results.metric_unknown is not None:
+        print(f"dsat: {results.metric_unknown}")
     print(stage_table(results))
     if results.picked is not None:
         print(f"picked: {results.picked['name']}")
     print(results.cost_line())
+    try:
+        png, page_path = write_report(results_dir, results)
+    except OSError as err:  # the table above is the report's; the files are left as they were
+        raise DsatError(
+            f"cannot write {REPORT_PNG} and {REPORT_HTML} into {shown(results_dir)} "
+            f"({err.strerror or err}); make it writable, or move away what stands in their "
+            "place, and run it again (the table above is the report's)"
+        ) from None
     print(f"dsat: report: {shown(png)}, {shown(page_path)}")
 
 
@@ -368,7 +391,11 @@ def write_report(results_dir: Path, results: SearchResults | None = None) -> tup
     if results is None:
         results = load_results(results_dir)
     png = draw(results)
+    text = page(results, results_dir, png)
     png_path, html_path = results_dir / REPORT_PNG, results_dir / REPORT_HTML
+    for path in (png_path, html_path):  # neither written where the other cannot be
+        if path.exists() and not path.is_file():
+            raise IsADirectoryError(errno.EISDIR, "not a file", str(path))
     write_bytes_atomic(png_path, png)
-    write_text_atomic(html_path, page(results, results_dir, png))
+    write_text_atomic(html_path, text)
     return png_path, html_path

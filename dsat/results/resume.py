@@ -22,8 +22,9 @@ from dsat.constants import SETTINGS_FILE, STATE_FILE
 from dsat.errors import DsatError
 from dsat.experiment.settings import SearchSettings
 from dsat.paths import absolute, shown
-from dsat.results.directory import full_run_log
+from dsat.results.directory import TRIALS_FILE, full_run_log, read_trial_rows
 from dsat.search.method_state import STATE_VERSION
+from dsat.trial import TrialStatus
 
 # Settings a resumed search may change: how many trials, how many at once, how long each may run,
 # how trial processes start, where the Ray cluster is, and whether a full run follows. Everything
@@ -42,6 +43,7 @@ ADJUSTABLE_ON_RESUME = (
     "ray_address",
     "run_full_experiment",
 )
+FINISHED = {status.value for status in TrialStatus if status.finished}
 PATH_KEYS = ("config_path", "model_dir", "results_dir", "search_runner_config")
 
 
@@ -133,6 +135,8 @@ def resumed_settings(
 
 
 def _display(value: Any) -> str:
+    if value is None:
+        return "(not set)"
     if isinstance(value, (list, tuple)):
         return " ".join(str(v) for v in value) or "(none)"
     return str(value)
@@ -146,13 +150,14 @@ def read_saved_state(results_dir: Path, method: str) -> dict[str, Any]:
             f"--resume {shown(results_dir)}: no saved search there ({STATE_FILE} is missing)"
         )
     try:
-        state = json.loads(path.read_text())
+        state: Any = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise DsatError(
             f"{shown(path)}: damaged search state ({err}); this search cannot be resumed, start a "
             "new one"
         ) from None
-    if not isinstance(state, dict) or "tracker" not in state:
+    tracker = state.get("tracker") if isinstance(state, dict) else None
+    if not isinstance(tracker, dict) or not isinstance(tracker.get("records"), list):
         raise DsatError(f"{shown(path)}: not a dsat search state; start a new search")
     version = state.get("version")
     if isinstance(version, int) and version > STATE_VERSION:
@@ -165,7 +170,7 @@ def read_saved_state(results_dir: Path, method: str) -> dict[str, Any]:
             f"{shown(path)}: the saved search is {state.get('method')!r}, not {method!r} "
             f"(its {SETTINGS_FILE} and state disagree); start a new search"
         )
-    return state
+    return dict(state)
 
 
 def refuse_more_trials_when_finished(
@@ -173,11 +178,25 @@ def refuse_more_trials_when_finished(
 ) -> None:
     """A search that has ended (handed over, in its confirmation round, or failed: its queue is
     gone) runs no more search trials: more --max-trials there would run nothing, so say so
-    rather than take it."""
+    rather than take it. Fewer than it has run would leave no room for its confirmation round,
+    and every later resume stuck there."""
     handed_over = state["tracker"].get("confirmed_id") is not None
     confirming = bool(state.get("confirmation_candidates"))
     ended = handed_over or confirming or state.get("shutdown_reason") is not None
-    if ended and max_trials != saved_settings(results_dir).max_trials:
+    if max_trials == saved_settings(results_dir).max_trials:
+        return
+    started = sum(
+        1
+        for record in state["tracker"]["records"]
+        if not (isinstance(record, dict) and record.get("status") == "queued")
+    )
+    counted = started - int(state.get("added_trials", 0))  # the baseline run is on top
+    if not ended and max_trials < counted:
+        raise DsatError(
+            f"--max-trials {max_trials} is below the {counted} trials the search in "
+            f"{shown(results_dir)} has run; give {counted} to end it now, or more to run more"
+        )
+    if ended:
         where = (
             "handed over its config"
             if handed_over
@@ -189,6 +208,34 @@ def refuse_more_trials_when_finished(
             f"--resume {shown(results_dir)}: that search has ended and {where}; --max-trials "
             f"changes only a search still searching: start a new search with --max-trials "
             f"{max_trials}"
+        )
+
+
+def refuse_lost_rows(results_dir: Path, state: Mapping[str, Any]) -> None:
+    """Every trial the saved search finished has its row in trials.jsonl, written before the
+    state. Rows missing there were lost (the file removed, emptied or cut), and a resume would
+    rewrite the summary's cost, and number the trials, from the rows left; so say so instead."""
+    finished = {
+        record.get("request_id")
+        for record in state["tracker"]["records"]
+        if isinstance(record, dict) and record.get("status") in FINISHED
+    }
+    path = results_dir / TRIALS_FILE
+    if path.exists() and not path.is_file():
+        raise DsatError(
+            f"{shown(path)} is not a file: move it away and put back the file dsat wrote, or "
+            "start a new search"
+        )
+    try:
+        rows = read_trial_rows(path) if path.is_file() else []
+    except (OSError, ValueError):
+        return  # the results writer says what is wrong with it
+    missing = finished - {row["request_id"] for row in rows}
+    if missing:
+        raise DsatError(
+            f"{shown(path)}: {len(missing)} of the {len(finished)} trials the saved search "
+            "finished have no row there (the file was removed, emptied or cut); put it back as "
+            "dsat wrote it to resume, or start a new search"
         )
 
 

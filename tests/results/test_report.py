@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 import pytest
 
 from dsat.cli import main
+from dsat.experiment.settings import DEFAULT_METRIC
 from dsat.results.directory import SUMMARY_FILE, TRIALS_FILE
 from dsat.results.report import REPORT_HTML, REPORT_PNG, load_results, picked_row
 from tests.conftest import REPO_ROOT
@@ -89,8 +91,23 @@ def test_a_missing_or_damaged_results_dir_is_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert_one_line_error(capsys, ["report", str(tmp_path)], TRIALS_FILE, "no ")
-    (tmp_path / TRIALS_FILE).write_text('{"trial": 0}\n{not json\n')
-    assert_one_line_error(capsys, ["report", str(tmp_path)], "damaged trial records")
+    assert_one_line_error(capsys, ["report", str(tmp_path / "gone")], "no such directory")
+    (tmp_path / "a-file").write_text("")
+    assert_one_line_error(capsys, ["report", str(tmp_path / "a-file")], "not a directory")
+    code, results = simulated_search(tmp_path)
+    assert code == 0
+    good = (results / TRIALS_FILE).read_text()
+    # Rows edited into shapes dsat never writes were tracebacks (TypeError, KeyError, ...).
+    for damaged, said in (
+        (good + "{not json\n", "is not JSON"),
+        (good + "null\n", "(a JSON NoneType, not an object)"),
+        (good.replace('"end": ', '"end": null, "x": ', 1), "line 1 is not a trial's row ('end' is"),
+        (re.sub(r'"slots": \d+', '"slots": "sixteen"', good, count=1), "'slots' is \"sixteen\""),
+        (good.replace('"zero_stage": ', '"stage": ', 1), "no 'zero_stage'"),
+        (good.replace('"metrics": {', '"metrics": [1], "m": {', 1), "'metrics' is [1]"),
+    ):
+        (results / TRIALS_FILE).write_text(damaged)
+        assert_one_line_error(capsys, ["report", str(results)], TRIALS_FILE, said)
 
 
 def test_the_pick_is_found_where_its_derived_mfu_differs_between_the_files(
@@ -160,3 +177,39 @@ def test_the_stage_table_ranks_as_the_summary_does_leaving_out_runs_over_the_mar
         assert named[-2] == cells[-2], (stage, table, summary)
     for row in over:
         assert f"| {row['name']} |" not in table
+
+
+def test_a_report_that_cannot_be_written_is_one_line_after_its_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A directory in the page's place was a traceback, and left a new picture beside the old
+    page; the table, which needs no file, was not shown."""
+    code, results = simulated_search(tmp_path)
+    assert code == 0
+    picture = (results / REPORT_PNG).read_bytes()
+    (results / REPORT_HTML).unlink()
+    (results / REPORT_HTML).mkdir()
+    (results / SUMMARY_FILE).write_bytes(b"\xff\xfe not UTF-8")  # read as it is, no traceback
+    capsys.readouterr()
+    error = assert_one_line_error(capsys, ["report", str(results)], REPORT_HTML, "move away")
+    assert "Is a directory" in error or "not a file" in error
+    assert (results / REPORT_PNG).read_bytes() == picture
+
+
+def test_what_the_report_cannot_know_it_says(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Damaged settings ranked a latency search by throughput without a word; an empty
+    trials.jsonl drew an empty table and a cost of "0 trials ()"."""
+    code, results = simulated_search(tmp_path, "--metric", "latency")
+    assert code == 0
+    (results / "settings.json").write_text("{oops")
+    capsys.readouterr()
+    assert main(["report", str(results)]) == 0
+    said = capsys.readouterr().out
+    assert (
+        f"settings.json is missing or damaged: the trials are ranked by {DEFAULT_METRIC.value}"
+        in said
+    )
+    (results / TRIALS_FILE).write_text("")
+    assert_one_line_error(capsys, ["report", str(results)], "no trial has finished yet")

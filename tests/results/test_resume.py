@@ -121,6 +121,11 @@ def test_a_changed_flag_is_refused_and_a_safe_one_applied(
         capsys, ["asha", "--resume", str(results), "--no-baseline"], "--no-baseline differs from"
     )
     assert "False" not in switched and "True" not in switched
+    # A value the search ran without is said so, not as Python's None.
+    unset = assert_one_line_error(
+        capsys, ["asha", "--resume", str(results), "--global-batch", "64"], "--global-batch 64"
+    )
+    assert "(not set)" in unset and "None" not in unset
     assert_one_line_error(capsys, ["binary", "--resume", str(results)], "`asha`", "--resume")
     # Named as the user typed it, not by the flag's hidden earlier name (--backend).
     runner = assert_one_line_error(
@@ -188,7 +193,13 @@ def test_how_trials_start_may_change_on_resume(interrupted: tuple[Path, str]) ->
             "written by a newer dsat (state version 99",
         ),
         (SETTINGS_FILE, lambda text: "{", "damaged search settings"),
-        (TRIALS_FILE, lambda text: text + "{not json\n", "damaged trial records"),
+        (STATE_FILE, lambda text: json.dumps({**json.loads(text), "tracker": None}), "not a dsat"),
+        (TRIALS_FILE, lambda text: text + "{not json\n", "is not JSON"),
+        (TRIALS_FILE, lambda text: text.replace('"end": ', '"end": null, "was": ', 1), "'end' is"),
+        (TRIALS_FILE, lambda text: "[1, 2]\n" + text, "line 1 is not a trial's row (a JSON list"),
+        # A row lost: the resume rewrote the summary's cost and numbered trials from what was left.
+        (TRIALS_FILE, lambda text: "", "have no row there"),
+        (TRIALS_FILE, lambda text: text.split("\n", 1)[1], "1 of the"),
     ],
 )
 def test_a_damaged_or_foreign_results_dir_is_one_line(
@@ -201,7 +212,20 @@ def test_a_damaged_or_foreign_results_dir_is_one_line(
     results, _ = interrupted
     path = results / name
     path.write_text(damage(path.read_text()))  # type: ignore[operator]
+    before = {file.name: file.read_bytes() for file in results.iterdir() if file.is_file()}
     assert_one_line_error(capsys, ["asha", "--resume", str(results)], name, needle)
+    assert {file.name: file.read_bytes() for file in results.iterdir() if file.is_file()} == before
+
+
+def test_a_results_file_that_is_a_directory_says_to_move_it(
+    interrupted: tuple[Path, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """ "make it writable", said before, was no fix."""
+    results, _ = interrupted
+    (results / TRIALS_FILE).unlink()
+    (results / TRIALS_FILE).mkdir()
+    error = assert_one_line_error(capsys, ["asha", "--resume", str(results)], TRIALS_FILE)
+    assert "is not a file: move it away" in error
 
 
 def test_a_search_stopped_during_its_first_trial_resumes(
@@ -344,3 +368,22 @@ def test_a_second_ctrl_c_while_the_trials_stop_still_says_how_to_resume(
     monkeypatch.setattr(SimulatedRunner, "stop_all", impatient)
     assert interrupt_at(6, tmp_path, monkeypatch) == 130
     assert "Resume with: " in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_max_trials_below_what_ran_is_refused_and_leaves_the_search_resumable(
+    interrupted: tuple[Path, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It was taken: the search ended with no room for its confirmation round, handed over an
+    unconfirmed config, and every later resume was refused as "in its confirmation round"."""
+    results, _ = interrupted
+    settings = (results / SETTINGS_FILE).read_text()
+    state = json.loads((results / STATE_FILE).read_text())
+    started = sum(1 for r in state["tracker"]["records"] if r["status"] != "queued")
+    started -= state["added_trials"]  # a baseline run
+    error = assert_one_line_error(
+        capsys, ["asha", "--resume", str(results), "--max-trials", "2"], "--max-trials 2"
+    )
+    assert f"below the {started} trials" in error
+    assert (results / SETTINGS_FILE).read_text() == settings
+    assert main(["asha", "--resume", str(results), "--max-trials", str(started)]) == 0
+    assert "handed over: " in (results / "summary.txt").read_text()
