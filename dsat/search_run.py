@@ -68,9 +68,7 @@ class ResultsRecorder:
         # between them left a row whose state still said "running", and the resume ran the
         # trial again, losing its first measurement.
         with stops_held():
-            self.writer.trial_finished(
-                record, TrialTiming(outcome.start, outcome.end), self.method.tracker
-            )
+            self.writer.trial_finished(record, TrialTiming.of(outcome), self.method.tracker)
             save_state(self.method, self.writer.directory)
 
     def trial_retried(self, request_id: str, outcome: TrialOutcome, attempt: int) -> None:

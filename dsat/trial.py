@@ -63,6 +63,9 @@ class TrialOutcome:
     end: float
     cause: FailureCause | None = None  # who a failure is blamed on
     log: str | None = None  # the trial's log, where the runner keeps one
+    # The runs of it the machine failed before this one (SearchDriver.retried): their slots'
+    # time is the search's cost too, and their logs say what the machine did.
+    machine_failed: tuple[TrialOutcome, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,6 +26,10 @@ KIND_WORDS = {
     TrialKind.BASELINE.value: ("baseline", "baselines"),
 }
 
+# A row's runs of the trial that the machine failed before the one it records (a taken port, a
+# signal from outside): each one's start, end, reason and log; their slots were held too.
+MACHINE_FAILED_KEY = "machine_failed"
+
 
 @dataclasses.dataclass(frozen=True)
 class SearchCost:
@@ -87,7 +91,11 @@ def search_cost(
     for row in rows:
         kinds[str(row.get("kind"))] += 1
         failed += row.get("status") in ("oom", "error", "timeout")
-        seconds = max(0.0, float(row.get("end", 0.0)) - float(row.get("start", 0.0)))
+        seconds = sum(  # with the runs the machine failed before it: their slots were held
+            max(0.0, float(run.get("end", 0.0)) - float(run.get("start", 0.0)))
+            for run in [row, *(row.get(MACHINE_FAILED_KEY) or [])]
+            if isinstance(run, Mapping)
+        )
         trial_seconds += seconds
         count = row.get("slots", slots)
         seen_kinds.add(str(row.get("slot_kind", slot_kind)))

@@ -20,11 +20,12 @@ from dsat.atomic_file import write_json_atomic, write_text_atomic
 from dsat.constants import AUTOTUNING_KEY, DSAT_MODE_KEY, OVERWRITE_KEY
 from dsat.errors import DsatError
 from dsat.paths import shown
-from dsat.results.cost import search_cost
+from dsat.results.cost import MACHINE_FAILED_KEY, search_cost
 from dsat.results.utilization import Utilization, positive_number
 from dsat.search.confirmation import rounds_note
 from dsat.search.tracker import TrialTracker
-from dsat.trial import TrialKind, TrialRecord, TrialStatus
+from dsat.trial import TrialKind, TrialOutcome, TrialRecord, TrialStatus
+from dsat.trial_failure import first_line
 
 TRIALS_FILE = "trials.jsonl"
 BEST_CONFIG_FILE = "best_ds_config.json"
@@ -70,6 +71,7 @@ LATER_ROW_KEYS: dict[str, tuple[type, ...]] = {
     "slot_kind": (str,),
     VALUE_KEY: (*_NUMBER, type(None)),
     SAFE_KEY: (bool,),
+    MACHINE_FAILED_KEY: (list,),
 }
 
 
@@ -113,6 +115,26 @@ def _wrong_key(row: Any) -> str | None:
 class TrialTiming:
     start: float
     end: float
+    machine_failed: tuple[dict[str, Any], ...] = ()  # the earlier runs, as the row keeps them
+
+    @classmethod
+    def of(cls, outcome: TrialOutcome) -> TrialTiming:
+        earlier = tuple(
+            {"start": run.start, "end": run.end, "error": first_line(run.error), "log": run.log}
+            for run in outcome.machine_failed
+        )
+        return cls(outcome.start, outcome.end, earlier)
+
+    def shifted(self, offset: float) -> TrialTiming:
+        """The same times ``offset`` seconds later (a resumed search's clock carries on)."""
+        return TrialTiming(
+            self.start + offset,
+            self.end + offset,
+            tuple(
+                {**run, "start": run["start"] + offset, "end": run["end"] + offset}
+                for run in self.machine_failed
+            ),
+        )
 
 
 def trial_line(
@@ -148,6 +170,7 @@ def trial_line(
         "end": timing.end,
         "slots": slots,
         "slot_kind": slot_kind,
+        **({MACHINE_FAILED_KEY: list(timing.machine_failed)} if timing.machine_failed else {}),
     }
 
 
@@ -229,8 +252,7 @@ class ResultsWriter:
         """Its row into trials.jsonl, the whole file replaced: a full disk leaves the rows
         before. A trial that ran again on a resume (the search stopped after its row was
         written, before the state was) replaces its row instead of adding a second one."""
-        offset = self._clock_offset
-        shifted = TrialTiming(timing.start + offset, timing.end + offset)
+        shifted = timing.shifted(self._clock_offset)
         lines = list(self._lines)
         earlier = [i for i, line in enumerate(lines) if line.get("request_id") == record.request_id]
         number = earlier[0] if earlier else len(lines)

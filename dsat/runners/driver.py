@@ -39,6 +39,7 @@ class StartedTrial:
     ds_config: dict[str, Any]
     length: int
     attempts: int = 1
+    machine_failed: list[TrialOutcome] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +103,7 @@ class SearchDriver:
             return False
         for listener in self.listeners:
             listener.trial_retried(outcome.request_id, outcome, trial.attempts)
+        trial.machine_failed.append(outcome)
         trial.attempts += 1
         self._start(outcome.request_id)
         return True
@@ -123,9 +125,11 @@ class SearchDriver:
 
         The listeners (the results files, the saved state) hear of the outcome before any trial
         the method starts next, so an interruption while that one starts loses nothing."""
+        trial = self.started[outcome.request_id]
         outcome = self.blame_the_machine(outcome)
+        outcome = dataclasses.replace(outcome, machine_failed=tuple(trial.machine_failed))
         self.method.observe(outcome)
-        trial = self.started.pop(outcome.request_id)
+        del self.started[outcome.request_id]
         self.history.append(FinishedTrial(trial.hparams, trial.ds_config, outcome))
         for listener in self.listeners:
             listener.trial_finished(outcome.request_id, outcome)

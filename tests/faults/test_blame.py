@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from dsat.results.cost import search_cost
 from dsat.trial_failure import MACHINE_ATTEMPTS
 from tests.dsat_process import dsat, trials
 from tests.runners.local.test_end_to_end import binary_search, model_dir
@@ -55,6 +56,16 @@ def test_faults_of_the_machine_are_run_again_and_said(tmp_path: Path) -> None:
     rows = trials(results)
     assert [(row["status"], row["cause"]) for row in rows] == [("completed", None)] * 2
     assert len(list((results / "logs").glob("0*.log"))) == 5  # 3 profile runs, 2 search runs
+    # The rows keep the runs the machine failed (they said only "completed"), and the cost
+    # counts their slots' time.
+    profile_failed, search_failed = (row.get("machine_failed", []) for row in rows)
+    assert ["EADDRINUSE" in run["error"] for run in profile_failed] == [True, False]
+    assert "killed by SIGKILL from outside dsat" in search_failed[0]["error"]
+    for run in [*profile_failed, *search_failed]:
+        assert Path(run["log"]).is_file() and run["start"] <= run["end"]
+    assert profile_failed[-1]["end"] <= rows[0]["start"]
+    held = sum(r["end"] - r["start"] for r in [*rows, *profile_failed, *search_failed])
+    assert search_cost(rows).trial_seconds == pytest.approx(held)
 
 
 def test_a_rank_killed_mid_trial_is_run_again(tmp_path: Path) -> None:
