@@ -73,6 +73,11 @@ def saved_settings(results_dir: Path) -> SearchSettings:
             "start a new one"
         ) from None
     except DsatError as err:
+        if "unknown keys" in str(err):  # a setting this dsat does not have
+            raise DsatError(
+                f"{shown(path)}: {err} (written by a newer dsat, or edited); resume it with the "
+                "dsat that began it, or start a new search"
+            ) from None
         raise DsatError(
             f"{shown(path)}: damaged search settings ({err}); start a new search"
         ) from None

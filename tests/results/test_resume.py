@@ -193,6 +193,11 @@ def test_how_trials_start_may_change_on_resume(interrupted: tuple[Path, str]) ->
             "written by a newer dsat (state version 99",
         ),
         (SETTINGS_FILE, lambda text: "{", "damaged search settings"),
+        (
+            SETTINGS_FILE,
+            lambda text: json.dumps({**json.loads(text), "new_knob": 1}),
+            "written by a newer dsat, or edited",
+        ),
         (STATE_FILE, lambda text: json.dumps({**json.loads(text), "tracker": None}), "not a dsat"),
         (TRIALS_FILE, lambda text: text + "{not json\n", "is not JSON"),
         (TRIALS_FILE, lambda text: text.replace('"end": ', '"end": null, "was": ', 1), "'end' is"),
