@@ -195,7 +195,8 @@ def refuse_more_trials_when_finished(
         for record in state["tracker"]["records"]
         if not (isinstance(record, dict) and record.get("status") == "queued")
     )
-    counted = started - int(state.get("added_trials", 0))  # the baseline run is on top
+    added = state.get("added_trials", 0)  # the baseline run, on top of --max-trials
+    counted = started - (added if isinstance(added, int) else 0)
     if not ended and max_trials < counted:
         raise DsatError(
             f"--max-trials {max_trials} is below the {counted} trials the search in "

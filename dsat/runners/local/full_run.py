@@ -7,6 +7,7 @@ its output streams to the terminal and to ``logs/full-experiment.log``.
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import threading
@@ -59,8 +60,10 @@ def run_to_the_end(
 
 
 def _stream(output: IO[bytes], log: IO[bytes]) -> None:
-    """Copy the run's output to its log and to the terminal, line by line, to its end."""
-    for line in output:
-        log.write(line)
-        sys.stdout.buffer.write(line)
-        sys.stdout.flush()
+    """Copy the run's output to its log and to the terminal, line by line, to its end (or to
+    the log's closing, where a process that hides from ``stop_left_running`` holds the pipe)."""
+    with contextlib.suppress(ValueError):  # written to once closed
+        for line in output:
+            log.write(line)
+            sys.stdout.buffer.write(line)
+            sys.stdout.flush()
