@@ -88,6 +88,7 @@ class DsatSearchMethod(SearchMethod):
         # Whether an outcome (or a resume) came since the ending was last asked: the stop rules
         # run once per outcome, before the trials that outcome lets start.
         self._outcome_pending = False
+        self._interrupted: set[str] = set()  # running when the search stopped, put back by resume
         self._finished = False
 
     # ------------------------------------------------------------------ the protocol
@@ -163,7 +164,11 @@ class DsatSearchMethod(SearchMethod):
         return self.builder.last_measured_step + 1
 
     def resume(self) -> None:
-        self.tracker.requeue([r.request_id for r in self.tracker.running])
+        interrupted = [r.request_id for r in self.tracker.running]
+        self.tracker.requeue(interrupted)
+        # They run again as they were: the uninterrupted search ran them, and judged again by
+        # results that came after they started, some were dropped and new draws took their place.
+        self._interrupted = set(interrupted)
         self._outcome_pending = True
 
     def abandon(self, request_id: str, reason: str) -> None:
@@ -213,7 +218,8 @@ class DsatSearchMethod(SearchMethod):
             if request_id is None:
                 return None
             record = self.tracker.get(request_id)
-            if self.worth_running(record):
+            if request_id in self._interrupted or self.worth_running(record):
+                self._interrupted.discard(request_id)
                 return request_id
             self.tracker.discard(request_id)
             self._queue(functools.partial(self.replacement, record))

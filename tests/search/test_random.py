@@ -195,3 +195,31 @@ def test_the_memory_check_runs_and_no_new_configuration_runs_in_its_place(
     late = [row for row in rows[first:] if row["kind"] == "search"]
     leader_knobs = check.group(1).split("_", 2)[2]
     assert [row["name"] for row in late] == [f"z1_mb{check.group(2)}_{leader_knobs}"]
+
+
+def test_a_resume_runs_again_every_trial_the_interrupt_stopped(tmp_path: Path) -> None:
+    """With many in flight, a resume judged the trials it put back by results that came after
+    they started, and dropped some (6 of 16): the uninterrupted search ran them, and new draws
+    took their places, so every later trial differed too."""
+    from dsat.runners.simulated.performance_models import gpt2_large_16xv100
+    from dsat.runners.simulated.runner import SimulatedRunner
+    from dsat.search_run import run_search
+    from tests.search.helpers import search_settings
+    from tests.search.helpers import spec as make_spec
+
+    ds = {"train_micro_batch_size_per_gpu": 1, "fp16": {"enabled": True}}
+    chosen = search_settings("random", max_trials=40, max_concurrent_trials=16)
+    dropped = 0
+    for stop_after in (18, 20, 24):
+        results = tmp_path / str(stop_after)
+        stopped = run_search(
+            chosen, make_spec(16, ds), SimulatedRunner(gpt2_large_16xv100, 16), results, stop_after
+        )
+        running = {r.request_id for r in stopped.tracker.running}
+        assert running, "the interrupt stopped no trial"
+        resumed = run_search(
+            chosen, make_spec(16, ds), SimulatedRunner(gpt2_large_16xv100, 16), results
+        )
+        finished = {r.request_id for r in resumed.tracker.finished}
+        dropped += len(running - finished)
+    assert dropped == 0
