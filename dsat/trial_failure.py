@@ -203,6 +203,17 @@ def root_cause_rank(log: str) -> int | None:
     return None if found is None else int(found.group(1))
 
 
+def reporting_rank_left_first(log: str) -> bool:
+    """Whether torchrun reports a failed trial in which rank 0, the rank that reports, is not
+    among the ranks that failed: it exited cleanly before its peers, which then failed for
+    want of it (a connection reset by it)."""
+    start = log.rfind("Failures:")
+    if start < 0 or ROOT_CAUSE.search(log, start) is None:
+        return False
+    failed = {int(rank) for rank in re.findall(r"^\s*rank\s*:\s*(\d+)", log[start:], re.M)}
+    return bool(failed) and 0 not in failed
+
+
 def root_cause_signal(log: str) -> signal.Signals | None:
     """The signal torchrun's first failed worker died of, where it was one of its own (not
     SIGKILL, read apart, nor a stop from outside)."""

@@ -49,6 +49,20 @@ def full_run_log(results_dir: Path) -> Path:
     return results_dir / "logs" / f"{FULL_RUN_DIR}.log"
 
 
+def trials_numbered(results_dir: Path) -> int:
+    """The highest number a trial's log or directory in ``results_dir`` carries ("007-…"):
+    a resumed search numbers on from it, so that a trial run again (the interrupted one) does
+    not take its earlier run's name and overwrite its log."""
+    numbers = [
+        int(path.name.partition("-")[0])
+        for folder in ("logs", "trials")
+        if (results_dir / folder).is_dir()
+        for path in (results_dir / folder).iterdir()
+        if path.name.partition("-")[0].isdigit()
+    ]
+    return max(numbers, default=0)
+
+
 _NUMBER = (int, float)
 # What every reader of a row relies on, by type (as dsat has written them since its first rows);
 # then what it writes now, checked where a row has it (older rows lack some).

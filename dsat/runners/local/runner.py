@@ -29,7 +29,7 @@ from dsat.constants import (
     TRIAL_OUTCOME_FILE,
 )
 from dsat.paths import shown
-from dsat.results.directory import FULL_RUN_DIR, full_run_log
+from dsat.results.directory import FULL_RUN_DIR, full_run_log, trials_numbered
 from dsat.runners.local.deepspeed_ops import clear_stale_locks
 from dsat.runners.local.entrypoint import (
     interpreter_first,
@@ -183,7 +183,7 @@ class LocalRunner:
         self.cpu_threads = max(1, (os.cpu_count() or 1) // max(pool.size, 1))
         self.running: dict[str, RunningTrial] = {}
         self.started_at = time.monotonic()
-        self._count = 0
+        self._count = trials_numbered(results_dir)
         single = trial_command(entrypoint, 1, 0)  # one process: no port in the command
         self.warm_workers = (
             WarmWorkers(single, model_dir, includes, results_dir / "logs", trial_host)

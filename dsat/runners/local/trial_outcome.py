@@ -24,6 +24,7 @@ from dsat.trial_failure import (
     exception_lines,
     known_failure,
     one_line,
+    reporting_rank_left_first,
     said_lines,
 )
 
@@ -169,12 +170,14 @@ def classify(
     timeout: float,
     oom_killed: bool | None = None,
     log_start: int = 0,
+    every_rank_here: bool = True,
 ) -> TrialEnd:
     """What a finished trial's exit ``code``, its outcome file in ``directory`` and its log (from
     byte ``log_start``: this run's part) say about it. ``timed_out``: dsat stopped it (its
     timeout, or ``LINGER_S`` after it reported). ``oom_killed``: whether the kernel's OOM
     killer struck while it ran (None: unknown), which tells a SIGKILL from outside from one for
-    memory."""
+    memory. ``every_rank_here``: the log's launcher ran every rank (one node), so its summary
+    names every rank that failed; on one node of several, it names only that node's."""
     outcome = read_outcome(directory)
     text = log_end(log_path, log_start)
     tail = log_tail(text)
@@ -216,6 +219,18 @@ def classify(
                 "that file to dsat"
             )
         return TrialEnd(TrialStatus.ERROR, {}, f"{reason}\n{tail}", FailureCause.SCRIPT)
+    if (
+        every_rank_here
+        and not outcome
+        and read_autotuning_result(directory) is None
+        and reporting_rank_left_first(text)
+    ):
+        reason = (
+            "rank 0 (the rank that reports) exited cleanly before the others without reporting "
+            "metrics: the training script ended it early; the others then failed without it: "
+            f"{diagnose_crash(text, code, oom_killed).reason}"
+        )
+        return TrialEnd(TrialStatus.ERROR, {}, f"{one_line(reason)}\n{tail}", FailureCause.SCRIPT)
     diagnosis = diagnose_crash(text, code, oom_killed)
     if completed and not diagnosis.out_of_memory:
         # Rank 0 writes the metrics after every rank's measured steps, so a crash after them

@@ -122,11 +122,16 @@ class TrialNodeHost:
         return reported(self.directory)
 
     def outcome(
-        self, timed_out: bool, timeout: float, lingered: float | None = None
+        self,
+        timed_out: bool,
+        timeout: float,
+        lingered: float | None = None,
+        every_rank_here: bool = True,
     ) -> dict[str, Any]:
         """What the process left behind, classified as the local runner classifies it, once
         what it left running on this node is stopped. ``lingered``: dsat stopped it that long
-        after it wrote its result."""
+        after it wrote its result. ``every_rank_here``: the trial ran on this node alone, so its
+        launcher's summary names every rank that failed."""
         notes = [
             stopped_note(self.directory, timed_out, timeout, lingered),
             strays_note(stop_strays(self.directory / HPARAMS_FILE)),
@@ -141,6 +146,7 @@ class TrialNodeHost:
             timed_out,
             timeout,
             oom_killed_since(self.oom_kills_at_start),
+            every_rank_here=every_rank_here,
         )
         cause = None if end.cause is None else end.cause.value
         return {

@@ -32,7 +32,7 @@ from dsat.constants import (
 )
 from dsat.errors import DsatError
 from dsat.paths import shown
-from dsat.results.directory import FULL_RUN_DIR
+from dsat.results.directory import FULL_RUN_DIR, trials_numbered
 from dsat.runners.local.entrypoint import NODE_PYTHON, rendezvous_environment, trial_command
 from dsat.runners.local.full_run import FullExperimentFailed
 from dsat.runners.local.runner import HPARAMS_FILE
@@ -126,7 +126,7 @@ class RayRunner:
         self.environ = environ  # what dsat passes on to every trial
         self.running: dict[str, RayTrial] = {}
         self.started_at = time.monotonic()
-        self._count = 0
+        self._count = trials_numbered(results_dir)
         self._host_class = ray.remote(TrialNodeHost)
         self.placement_check_s = PLACEMENT_CHECK_S
         self.linger_s = LINGER_S
@@ -512,7 +512,10 @@ class RayRunner:
         results = self.ray.get(
             [
                 host.outcome.remote(
-                    timed_out, self.timeout.seconds, lingered if rank == 0 else None
+                    timed_out,
+                    self.timeout.seconds,
+                    lingered if rank == 0 else None,
+                    len(trial.hosts) == 1,
                 )
                 for rank, host in enumerate(trial.hosts)
             ]

@@ -176,3 +176,13 @@ def test_one_slot_trials_are_hosted_unless_asked_otherwise() -> None:
     assert parse_settings(["guided", "c.yaml", "."]).trial_host is None
     assert parse_settings(["guided", "c.yaml", ".", "--trial-host"]).trial_host is True
     assert parse_settings(["guided", "c.yaml", ".", "--no-trial-host"]).trial_host is False
+
+
+def test_a_resumed_search_numbers_its_trials_on(tmp_path: Path) -> None:
+    """Each resume numbered from 001 again: the trial the interrupt stopped, run again, took
+    its earlier run's name, and the second resume overwrote the first one's log of it."""
+    run_one(local_runner(tmp_path, ENV_DUMP, warm=False))
+    again = local_runner(tmp_path, ENV_DUMP, warm=False)  # a resume: a new runner, same results
+    run_one(again)
+    logs = sorted(path.name for path in (tmp_path / "results" / "logs").glob("0*.log"))
+    assert [name[:4] for name in logs] == ["001-", "002-"]

@@ -192,3 +192,25 @@ def test_an_oom_said_outside_an_exception_line_is_the_reason_given(tmp_path: Pat
     )
     assert end.status is TrialStatus.OOM and end.error is not None
     assert end.error.splitlines()[0] == "CUDA out of memory at micro-batch 64"
+
+
+def test_rank_0_leaving_cleanly_before_its_peers_is_the_scripts_fault(tmp_path: Path) -> None:
+    """It was an unknown crash, blamed on no one and learned from as the configuration's, with
+    rank 1's connection reset as the reason; torchrun lists rank 0 among no failures."""
+    log = (
+        "[rank1]: RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:22156: "
+        "Connection reset by peer.\n"
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n"
+        "Failures:\n  <NO_OTHER_FAILURES>\n"
+        "Root Cause (first observed failure):\n[0]:\n  rank      : 1 (local_rank: 1)\n"
+        "  exitcode  : 1 (pid: 17486)\n============================================================\n"
+    )
+    end = classify(tmp_path, trial(tmp_path, log), 1, False, 60)
+    assert end.status is TrialStatus.ERROR and end.cause is FailureCause.SCRIPT, end.error
+    assert end.error is not None and end.error.startswith("rank 0 (the rank that reports) exited")
+    # Rank 0 stopped by torchrun after rank 1 failed is among the failures: rank 1's crash.
+    stopped = log.replace(
+        "  <NO_OTHER_FAILURES>\n", "[1]:\n  rank      : 0 (local_rank: 0)\n  exitcode  : -15\n"
+    )
+    end = classify(tmp_path, trial(tmp_path, stopped), 1, False, 60)
+    assert end.cause is not FailureCause.SCRIPT, end.error

@@ -201,6 +201,34 @@ def test_a_spread_trial_says_what_the_rank_that_failed_said_not_the_rank_dsat_st
     assert_nothing_left(runner.results_dir)
 
 
+RANK_ONE_FAILS_UNDER_TORCHRUN = """
+import os, sys, time
+if os.environ["RANK"] == "1":  # as node 1's torchrun says it: its own ranks only
+    print("[rank1]: ValueError: the real failure, on rank 1")
+    print("Failures:\\n  <NO_OTHER_FAILURES>\\nRoot Cause (first observed failure):\\n[0]:")
+    print("  rank      : 1 (local_rank: 0)\\n  exitcode  : 1 (pid: 7)\\n" + "=" * 60, flush=True)
+    sys.exit(1)
+time.sleep(120)
+"""
+
+
+def test_a_failure_on_node_1_is_not_rank_0_leaving_early(
+    ray_cluster: RayTestCluster, tmp_path: Path
+) -> None:
+    """Node 1's torchrun lists only its own ranks among the failures: that rank 0 is not among
+    them made every spread trial whose rank 1 failed the script's fault (three in a row end a
+    search), with a reason that said rank 0 had left early."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "job.py").write_text(RANK_ONE_FAILS_UNDER_TORCHRUN)
+    runner = runner_for(tmp_path, model, ["python3", "job.py"], slots=2)
+    start(runner, 1, RUNS_UNTIL_STOPPED)
+    outcome = runner.wait()
+    assert outcome.status is TrialStatus.ERROR and outcome.cause is FailureCause.UNKNOWN
+    assert outcome.error is not None and outcome.error.startswith("ValueError: the real failure")
+    assert_nothing_left(runner.results_dir)
+
+
 WRITES_ITS_OUTPUTS = """
 import os
 rank = os.environ["RANK"]
