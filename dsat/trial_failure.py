@@ -195,6 +195,17 @@ def killed_by_sigkill(log: str, code: int | None) -> bool:
     return root is not None and re.search(r"exitcode\s*:\s*-9\b", root.group("block")) is not None
 
 
+# What a rank says when a peer it talked to has gone: its failure followed from the peer's.
+PEER_LOST = re.compile(
+    r"Connection (?:closed|reset) by peer|remote worker (?:crashing|hanging)|Broken pipe"
+)
+
+
+def lost_a_peer(reason: str) -> bool:
+    """Whether a rank's failure ``reason`` says only that a peer went away before it."""
+    return PEER_LOST.search(reason) is not None
+
+
 def root_cause_rank(log: str) -> int | None:
     """The rank torchrun names as the first to fail: its peers' errors (a connection closed by
     it) followed from its own."""
@@ -259,6 +270,7 @@ def diagnose_crash(log: str, code: int | None, oom_killed: bool | None) -> Diagn
     first_rank = root_cause_rank(log)
     others = [] if first_rank is None else not_the_machines(exception_lines(log, first_rank))
     others = others or not_the_machines(lines)
+    others = [line for line in others if not lost_a_peer(line)] or others
     known = known_failure("\n".join(others) if others else log)
     detail = others[-1] if others else lines[-1] if lines else None
     if known is not None and known.killed and oom_killed:

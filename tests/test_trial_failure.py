@@ -246,3 +246,13 @@ def test_exception_line_skips_torchruns_summary() -> None:
     )
     assert exception_lines(log)[-1] == "KeyError: 'labels'"
     assert first_line("first\nsecond") == "first" and first_line(None) == ""
+
+
+def test_without_torchrun_s_summary_a_rank_s_own_error_beats_its_peer_s_lost_connection() -> None:
+    """DeepSpeed's launcher names no first failure: the last exception, a peer's closed
+    connection, was the reason."""
+    log = (
+        "[rank1]: ValueError: the real failure\n"
+        "[rank0]: RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer\n"
+    )
+    assert diagnose_crash(log, 1, None).reason.startswith("ValueError: the real failure")

@@ -42,7 +42,7 @@ from dsat.runners.local.trial_timeout import TrialTimeout
 from dsat.runners.ray.node_host import NODE_ROOT, TrialNodeHost, left_behind_log
 from dsat.runners.ray.placement import TrialLayout, node_capacities
 from dsat.trial import TrialOutcome, TrialStatus
-from dsat.trial_failure import FailureCause
+from dsat.trial_failure import FailureCause, first_line, lost_a_peer
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +96,19 @@ def last_line(text: str) -> str:
     where the search's reasons do not: its exception, as its own last line says it."""
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     return lines[-1] if lines else text
+
+
+def speaking_rank(results: list[dict[str, Any]], ended_first: list[int] | None) -> int:
+    """The node whose outcome is the trial's: the first node's, unless dsat stopped it after
+    others ended by themselves (``ended_first``: those, where some ended before the rest), or
+    it failed after a peer it lost: then the first of those that failed by themselves, not for
+    want of a peer (two that failed within one look at the nodes both ended first)."""
+    candidates = ended_first or list(range(len(results)))
+    failing = [rank for rank in candidates if results[rank]["status"] != "completed"]
+    own = [rank for rank in failing if not lost_a_peer(first_line(results[rank]["error"]))]
+    if ended_first and 0 not in ended_first:
+        return (own or failing or ended_first)[0]
+    return own[0] if 0 in failing and own else 0
 
 
 class RayRunner:
@@ -523,10 +536,7 @@ class RayRunner:
         self._collect_logs(trial)
         self._keep_files(trial)
         self._release(trial)
-        rank = 0
-        if trial.ended_first and 0 not in trial.ended_first:
-            failing = [r for r in trial.ended_first if results[r]["status"] != "completed"]
-            rank = (failing or trial.ended_first)[0]
+        rank = speaking_rank(results, trial.ended_first)
         first = results[rank]
         oom = next(
             (

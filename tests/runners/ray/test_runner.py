@@ -17,7 +17,7 @@ from dsat.runners.local.entrypoint import entrypoint_tokens
 from dsat.runners.local.trial_processes import leftover_trials
 from dsat.runners.local.trial_timeout import TrialTimeout
 from dsat.runners.ray.node_host import NODE_ROOT, TrialNodeHost
-from dsat.runners.ray.runner import RayRunner
+from dsat.runners.ray.runner import RayRunner, speaking_rank
 from dsat.runners.ray.setup import open_runner
 from dsat.search import MethodSettings, make_search_method
 from dsat.search.trial_builder import SearchSpec
@@ -399,3 +399,19 @@ def test_ray_s_memory_monitor_is_out_of_memory_not_a_lost_node() -> None:
         RayActorError(error_msg="The actor died: the node was running low on memory.")
     )
     assert not ran_out_of_host_memory(ActorDiedError())  # a node gone: its own case
+
+
+def test_of_ranks_that_failed_together_the_one_that_failed_by_itself_speaks() -> None:
+    """Both nodes ended within one look: the first node's error, a connection its peer closed,
+    was the reason, and the peer's own failure was lost."""
+    peer_gone = "RuntimeError: [gloo/transport/tcp/pair.cc:534] Connection closed by peer [::1]:4"
+    own = "ValueError: the real failure, on rank 1"
+    failed = [{"status": "error", "error": peer_gone}, {"status": "error", "error": own}]
+    assert speaking_rank(failed, None) == 1
+    assert speaking_rank(failed, [0, 1]) == 1
+    # The first node speaks where it failed by itself, or where nothing else failed by itself.
+    assert speaking_rank([{"status": "oom", "error": "CUDA out of memory"}, failed[1]], None) == 0
+    assert speaking_rank([failed[0], {"status": "completed", "error": None}], None) == 0
+    # dsat stopped the first node after another ended: the other speaks, as before.
+    stopped = {"status": "error", "error": "stopped by SIGTERM from outside dsat"}
+    assert speaking_rank([stopped, failed[1]], [1]) == 1
