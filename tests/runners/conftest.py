@@ -31,8 +31,10 @@ class RayTestCluster:
         """The cluster's worker node with this Ray node id."""
         return next(n for n in self.cluster.worker_nodes if n.node_id == node_id)
 
-    def remove(self, node_id: str) -> None:
-        self.cluster.remove_node(self.worker(node_id))
+    def remove(self, node_id: str, graceful: bool = True) -> None:
+        """Take the node out: as when it shuts down, or (not ``graceful``) as when it dies, its
+        processes killed, and Ray learns of it only by the health checks it misses."""
+        self.cluster.remove_node(self.worker(node_id), allow_graceful=graceful)
 
     def restore(self) -> None:
         """Back to two live worker nodes, after a test removed one."""

@@ -51,6 +51,9 @@ POLL_SECONDS = 0.2
 # stopped (a rank that failed leaves the others waiting in a collective).
 OTHER_NODES_GRACE_S = 30.0
 STOP_WAIT_S = 15.0
+# How long Ray may take to mark a node that died as dead (its health checks, 3 s apart, missed
+# five times in a row by default), after one of its actors could no longer be reached.
+NODE_DEATH_WAIT_S = 30.0
 # A trial not placed yet: how often the live cluster is asked whether it can still hold it (a
 # node that left can make that impossible, and Ray then waits for ever), and after how long the
 # wait is said.
@@ -566,8 +569,16 @@ class RayRunner:
 
     def _node_lost(self, trial: RayTrial, err: Exception) -> TrialOutcome:
         """An actor of the trial is gone (``err``): its node left the cluster, or it died with
-        its node still up. Its other ranks are stopped; the trial is the machine's error."""
+        its node still up. Its other ranks are stopped; the trial is the machine's error. An
+        actor that cannot be reached may be on a node that has just died, which Ray marks dead
+        only once it missed its health checks: that long is waited for."""
+        from ray.exceptions import ActorUnavailableError
+
         lost = ", ".join(self._lost_nodes(trial))
+        deadline = time.monotonic() + NODE_DEATH_WAIT_S
+        while not lost and isinstance(err, ActorUnavailableError) and time.monotonic() < deadline:
+            time.sleep(1.0)
+            lost = ", ".join(self._lost_nodes(trial))
         if lost:
             error = (
                 f"node lost: Ray node {lost} of this trial left the cluster while it ran; its "

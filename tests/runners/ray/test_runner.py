@@ -122,15 +122,18 @@ def test_a_deepspeed_trial_spread_over_two_nodes_trains_and_its_logs_come_back(
     assert_nothing_left(runner.results_dir)
 
 
+@pytest.mark.parametrize("graceful", [True, False])
 def test_a_node_lost_mid_trial_is_an_error_and_its_other_ranks_stop(
-    ray_cluster: RayTestCluster, tmp_path: Path
+    ray_cluster: RayTestCluster, tmp_path: Path, graceful: bool
 ) -> None:
+    """A node that died (not ``graceful``) was said to be "still up": Ray had not yet marked it
+    dead when its actor could no longer be reached."""
     runner = behaviour_runner(tmp_path, slots=2)
     start(runner, 1, RUNS_UNTIL_STOPPED)
     wait_until_running(runner, processes=2)  # one trial guard per node
     trial = next(iter(runner.running.values()))
     try:
-        ray_cluster.remove(trial.nodes[1])
+        ray_cluster.remove(trial.nodes[1], graceful)
         outcome = runner.wait()
     finally:
         ray_cluster.restore()
