@@ -151,8 +151,13 @@ def read_saved_state(results_dir: Path, method: str) -> dict[str, Any]:
     """The search state saved in ``results_dir``, checked to be readable and this method's."""
     path = results_dir / STATE_FILE
     if not path.is_file():
+        rows = results_dir / TRIALS_FILE
+        kept = (
+            f"; `dsat report {shown(results_dir)}` still draws its trials" if rows.is_file() else ""
+        )
         raise DsatError(
-            f"--resume {shown(results_dir)}: no saved search there ({STATE_FILE} is missing)"
+            f"--resume {shown(results_dir)}: no saved search there ({STATE_FILE} is missing; "
+            f"start a new search){kept}"
         )
     try:
         state: Any = json.loads(path.read_text())

@@ -392,3 +392,12 @@ def test_max_trials_below_what_ran_is_refused_and_leaves_the_search_resumable(
     assert (results / SETTINGS_FILE).read_text() == settings
     assert main(["asha", "--resume", str(results), "--max-trials", str(started)]) == 0
     assert "handed over: " in (results / "summary.txt").read_text()
+
+
+def test_a_directory_without_its_state_says_its_trials_can_still_be_reported(
+    interrupted: tuple[Path, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    results, _ = interrupted
+    (results / STATE_FILE).unlink()
+    error = assert_one_line_error(capsys, ["asha", "--resume", str(results)], STATE_FILE)
+    assert "is missing" in error and "`dsat report out` still draws its trials" in error
