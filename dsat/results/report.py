@@ -245,16 +245,20 @@ def draw_throughput(ax: Any, results: SearchResults) -> None:
     picked = results.picked
     if picked is not None and (value := results.value(picked)) is not None:
         ax.scatter([picked["mbs"]], [value], s=300, facecolors="none", edgecolors="red", lw=2)
-        # Its label on the side with room: a pick at the left edge had its name cut off.
+        # Its label on the sides with room: a pick at the left edge had its name cut off, and
+        # one at the top ran into the panel's title.
         drawn = [int(row["mbs"]) for row in results.search_rows]
         left = picked["mbs"] <= (min(drawn) + max(drawn)) / 2
+        values = [v for row in results.search_rows if (v := results.value(row)) is not None]
+        below = value >= (min(values, default=value) + max(values, default=value)) / 2
         ax.annotate(
             f"picked: {picked['name']}",
             (picked["mbs"], value),
             color="red",
-            xytext=(12 if left else -12, 12),
+            xytext=(12 if left else -12, -14 if below else 12),
             textcoords="offset points",
             ha="left" if left else "right",
+            va="top" if below else "baseline",
         )
         again = [
             v

@@ -213,3 +213,19 @@ def test_what_the_report_cannot_know_it_says(
     )
     (results / TRIALS_FILE).write_text("")
     assert_one_line_error(capsys, ["report", str(results)], "no trial has finished yet")
+
+
+def test_the_picks_label_stays_inside_its_panel(tmp_path: Path) -> None:
+    """A pick at the top of the panel had its label drawn over the panel's title."""
+    from dsat.results.report import draw_throughput, import_pyplot
+
+    code, results_dir = simulated_search(tmp_path)
+    assert code == 0
+    results = load_results(results_dir)
+    assert results.picked is not None
+    figure, ax = import_pyplot().subplots()
+    draw_throughput(ax, results)
+    figure.canvas.draw()
+    (label,) = [text for text in ax.texts if text.get_text().startswith("picked: ")]
+    box = label.get_window_extent().transformed(ax.transAxes.inverted())
+    assert box.y1 <= 1.0 and box.y0 >= 0.0
