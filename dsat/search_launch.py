@@ -254,6 +254,11 @@ def plan_search(
     )
     refuse_unreadable_files(copied)
     earlier = results_dir / FULL_RUN_DIR
+    if settings.run_full_experiment and earlier.exists() and not earlier.is_dir():
+        raise DsatError(  # found only once the run had trained: its files could not come back
+            f"--run-full-experiment: {shown(earlier)} is not a directory, and the full run "
+            "writes there; move it away, then run the same command again"
+        )
     if settings.run_full_experiment and earlier.is_dir() and any(earlier.iterdir()):
         raise DsatError(  # a new full run starts from a fresh copy of MODEL_DIR there
             f"--run-full-experiment: {shown(earlier)} holds an earlier full run (what it wrote, "

@@ -209,7 +209,11 @@ class RayRunner:
                 chunk = self.ray.get(trial.hosts[0].read_log.remote(offset, LOG_CHUNK))
                 offset += len(chunk)
                 print(chunk.decode(errors="replace"), end="", flush=True)
-                if codes[0] is not None and not chunk:
+                # A node that failed ends the run (its peers would wait for it in the launcher's
+                # exit barrier, or a collective, for minutes), as the first node's end does.
+                if any(code not in (None, 0) for code in codes[1:]) or (
+                    codes[0] is not None and not chunk
+                ):
                     break
                 if not chunk:
                     time.sleep(POLL_SECONDS)
@@ -225,10 +229,15 @@ class RayRunner:
                     kept_on_nodes = self._bring_back(trial)
             finally:
                 self._release(trial, keep=kept_on_nodes)
-        log_path = shown(self._log_path(trial, 0))
-        code = None if codes is None else codes[0]
+        # Judged by every node: a rank that failed on another node, its first node ending
+        # cleanly, was a full run "finished".
+        failed = [rank for rank, code in enumerate(codes or []) if code not in (None, 0)]
+        rank = failed[0] if failed else 0
+        log_path = shown(self._log_path(trial, rank))
+        code = None if codes is None else codes[rank]
         if code != 0:
-            reason = "a node was lost" if codes is None else f"exited with code {code}"
+            on = f" on node {rank} of {len(trial.hosts)}" if rank else ""
+            reason = "a node was lost" if codes is None else f"exited with code {code}{on}"
             raise FullExperimentFailed(
                 f"the full experiment with the best config {reason}; its log is {log_path}"
             )
@@ -259,7 +268,8 @@ class RayRunner:
                 print(
                     f"dsat: what the full run wrote could not all come back to {shown(directory)} "
                     f"({err.strerror or err}); it stays on its Ray nodes {', '.join(kept)}, "
-                    f"in {where} under each one's temporary directory"
+                    f"in {where} under each one's temporary directory: copy it off before the "
+                    "next --run-full-experiment of this search, which replaces it there"
                 )
                 return kept
         print(f"dsat: what the full run wrote is in {shown(directory)}")

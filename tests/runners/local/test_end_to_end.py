@@ -179,6 +179,13 @@ def test_small_search_writes_a_best_config_deepspeed_accepts(tmp_path: Path) -> 
         "command again"
     ]
     assert (results / "full-experiment" / "checkpoint.pt").read_bytes() == b"weights"
+    # A file in its place was found only once the run had trained (on Ray its files then stayed
+    # on the nodes): one line before it starts.
+    (results / "full-experiment").rename(tmp_path / "kept-full-run")
+    (results / "full-experiment").write_text("not a directory")
+    in_the_way = dsat("asha", "--resume", str(results), "--run-full-experiment")
+    assert in_the_way.returncode == 2, in_the_way.stdout[-3000:] + in_the_way.stderr[-3000:]
+    assert "full-experiment is not a directory, and the full run writes there" in in_the_way.stderr
 
 
 def test_a_search_runs_its_trials_in_a_trial_host(tmp_path: Path) -> None:

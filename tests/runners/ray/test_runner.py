@@ -14,6 +14,7 @@ from dsat.constants import OVERWRITE_KEY
 from dsat.errors import DsatError
 from dsat.experiment.config import load_experiment
 from dsat.runners.local.entrypoint import entrypoint_tokens
+from dsat.runners.local.full_run import FullExperimentFailed
 from dsat.runners.local.trial_processes import leftover_trials
 from dsat.runners.local.trial_timeout import TrialTimeout
 from dsat.runners.ray.node_host import NODE_ROOT, TrialNodeHost
@@ -249,6 +250,36 @@ def full_run_on_two_nodes(tmp_path: Path) -> RayRunner:
     runner = runner_for(tmp_path, model, ["python3", "job.py"], slots=2)
     assert runner.layout.nodes == 2
     return runner
+
+
+RANK_ONE_FAILS_IN_THE_FULL_RUN = """
+import os, sys, time
+if os.environ["RANK"] == "1":
+    print("rank 1 fails", flush=True)
+    sys.exit(3)
+time.sleep(120)  # rank 0 ends cleanly, once its launcher's exit barrier gives up (5 min)
+"""
+
+
+def test_a_full_run_whose_other_node_fails_fails_at_once_naming_that_node(
+    ray_cluster: RayTestCluster, tmp_path: Path
+) -> None:
+    """It was judged by its first node alone: "finished", exit 0, five minutes after node 1 had
+    failed, and node 1's failure said nowhere."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "job.py").write_text(RANK_ONE_FAILS_IN_THE_FULL_RUN)
+    runner = runner_for(tmp_path, model, ["python3", "job.py"], slots=2)
+    assert runner.layout.nodes == 2
+    began = time.monotonic()
+    with pytest.raises(
+        FullExperimentFailed, match=r"exited with code [1-9][0-9]* on node 1 of 2"
+    ) as failed:
+        runner.run_full_experiment({OVERWRITE_KEY: {"train_micro_batch_size_per_gpu": 1}})
+    assert time.monotonic() - began < 60
+    assert str(failed.value).endswith("full-experiment-node1.log")
+    assert "rank 1 fails" in (runner.results_dir / "logs" / "full-experiment-node1.log").read_text()
+    assert_nothing_left(runner.results_dir)
 
 
 def node_copies(runner: RayRunner) -> list[Path]:
