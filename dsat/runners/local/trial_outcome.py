@@ -19,16 +19,21 @@ from dsat.training.oom import text_shows_out_of_memory
 from dsat.training.reporting import read_autotuning_result
 from dsat.trial import TrialStatus
 from dsat.trial_failure import (
+    EXCEPTION_LINE,
     FailureCause,
     diagnose_crash,
     exception_lines,
     known_failure,
+    lost_a_peer,
     one_line,
     reporting_rank_left_first,
     said_lines,
 )
 
 LOG_TAIL_LINES = 20
+# The lines after an exception's own that may still be its message (NCCL's "Last error:", then
+# "Cuda failure 'out of memory'").
+MESSAGE_LINES = 5
 LOG_SCAN_BYTES = 256 * 1024
 CGROUP_EVENTS = Path("/sys/fs/cgroup/memory.events")
 # How long a trial that wrote its result may take to exit (DeepSpeed's and the process group's
@@ -137,9 +142,11 @@ def out_of_memory_line(text: str, exceptions: list[str]) -> str | None:
     """The line by which the log says the trial ran out of memory, if it does: an exception that
     ended a process of it (the last, the rank that ran out, not a peer's error after it), or
     dsat's own marker; or a line a layer printed (an allocator's message, NCCL's "Cuda failure
-    'out of memory'") while no exception puts the crash down to the machine. A traceback's
-    source line is not one: its comment made a rank's ValueError, or a taken port, an OOM of
-    the configuration, and lowered its micro-batch ceiling."""
+    'out of memory'") while no exception puts the crash down to the machine, and, where a
+    process ended in an exception of its own, within the lines of that exception's message. A
+    traceback's source line is not one, nor a note printed before an exception of another kind:
+    each made a rank's ValueError or KeyError, or a taken port, an OOM of the configuration, and
+    lowered its micro-batch ceiling."""
     found = next((line for line in reversed(exceptions) if text_shows_out_of_memory(line)), None)
     if found is not None:
         return found
@@ -150,8 +157,20 @@ def out_of_memory_line(text: str, exceptions: list[str]) -> str | None:
         getattr(known_failure(line), "cause", None) is FailureCause.MACHINE for line in exceptions
     ):
         return None
+    said = said_lines(text)
+    ended = [  # where a process's own exception (not a peer's lost connection) was said
+        i
+        for i, line in enumerate(said)
+        if EXCEPTION_LINE.match(line.strip()) and not lost_a_peer(line)
+    ]
     return next(
-        (one_line(line) for line in said_lines(text) if text_shows_out_of_memory(line)), None
+        (
+            one_line(line)
+            for i, line in enumerate(said)
+            if text_shows_out_of_memory(line)
+            and (not ended or any(0 < i - end <= MESSAGE_LINES for end in ended))
+        ),
+        None,
     )
 
 

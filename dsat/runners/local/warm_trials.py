@@ -164,9 +164,10 @@ class WarmWorker:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 code = self.process.wait(timeout=HOST_EXIT_WAIT_S)
         for trial in list(self._pending.values()):
-            if trial.hosted and code not in (None, 0):
-                # The host ran the trial in itself: its end (a segfault, an abort, a kill) is
-                # the trial's, judged as a fresh process's exit would be, not as a lost worker.
+            if trial.hosted and code is not None:
+                # The host ran the trial in itself: its end (a segfault, an abort, a kill, the
+                # script's own os._exit(0)) is the trial's, judged as a fresh process's exit
+                # would be, not as a lost worker.
                 note = f"\ndsat: the trial ended the process it ran in (exit code {code})\n"
                 with contextlib.suppress(OSError), trial.log_path.open("ab") as log:
                     log.write(note.encode())

@@ -53,6 +53,8 @@ if mode == "oom_crash":
     os._exit(3)
 if mode == "crash" or (mode == "crash_once" and first_run):
     os._exit(3)
+if mode == "exit_0":
+    os._exit(0)
 if mode == "segfault":
     import signal
     os.kill(os.getpid(), signal.SIGSEGV)
@@ -365,3 +367,11 @@ def test_zero_0_then_3_then_1_in_one_host(tmp_path: Path) -> None:
     assert losses[0] == losses[2]
     # The trials' atexit callbacks ran when each trial ended, as at a fresh process's exit.
     assert all((d / "atexit_ran").exists() for d in trial_dirs)
+
+
+def test_a_trial_that_ends_its_host_with_exit_0_is_the_scripts_own_end(tmp_path: Path) -> None:
+    """os._exit(0) in a hosted trial read as "the warm worker this trial was forked from died",
+    a machine fault, run three times; the search ended saying to fix the machine."""
+    _, ended = run_all(job_runner(tmp_path), [{}, {"mode": "exit_0"}])
+    assert ended.status is TrialStatus.ERROR and ended.cause is FailureCause.SCRIPT, ended.error
+    assert "the trial ended the process it ran in (exit code 0)" in log_of(tmp_path, 2)

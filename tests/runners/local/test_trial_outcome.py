@@ -214,3 +214,19 @@ def test_rank_0_leaving_cleanly_before_its_peers_is_the_scripts_fault(tmp_path: 
     )
     end = classify(tmp_path, trial(tmp_path, stopped), 1, False, 60)
     assert end.cause is not FailureCause.SCRIPT, end.error
+
+
+def test_a_note_printed_before_an_exception_of_another_kind_is_no_oom(tmp_path: Path) -> None:
+    """The note made the script's own KeyError an OOM of every configuration it reached."""
+    log = (
+        "# note: this is not an out of memory error\n"
+        'Traceback (most recent call last):\n  File "train.py", line 9, in <module>\n'
+        "    step()\nKeyError: 'x'\n"
+    )
+    end = classify(tmp_path, trial(tmp_path, log), 1, False, 60)
+    assert end.status is TrialStatus.ERROR and end.error is not None
+    assert end.error.startswith("KeyError: 'x'")
+    # Said by a process that crashed without an exception of its own, beside a peer that lost
+    # it, it is still the OOM.
+    native = "CUDA out of memory (cuBLAS)\n[rank1]: RuntimeError: Connection reset by peer\n"
+    assert classify(tmp_path, trial(tmp_path, native), 1, False, 60).status is TrialStatus.OOM
