@@ -206,11 +206,15 @@ def lost_a_peer(reason: str) -> bool:
     return PEER_LOST.search(reason) is not None
 
 
+# The rank a torchrun failure report names ("  rank      : 1 (local_rank: 1)").
+RANK_FIELD = re.compile(r"^\s*rank\s*:\s*(\d+)", re.MULTILINE)
+
+
 def root_cause_rank(log: str) -> int | None:
     """The rank torchrun names as the first to fail: its peers' errors (a connection closed by
     it) followed from its own."""
     root = ROOT_CAUSE.search(log)
-    found = re.search(r"^\s*rank\s*:\s*(\d+)", root.group("block"), re.MULTILINE) if root else None
+    found = RANK_FIELD.search(root.group("block")) if root else None
     return None if found is None else int(found.group(1))
 
 
@@ -221,7 +225,7 @@ def reporting_rank_left_first(log: str) -> bool:
     start = log.rfind("Failures:")
     if start < 0 or ROOT_CAUSE.search(log, start) is None:
         return False
-    failed = {int(rank) for rank in re.findall(r"^\s*rank\s*:\s*(\d+)", log[start:], re.M)}
+    failed = {int(rank) for rank in RANK_FIELD.findall(log, start)}
     return bool(failed) and 0 not in failed
 
 
