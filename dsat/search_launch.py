@@ -73,7 +73,7 @@ from dsat.search.baseline import (
     yours_clearly_faster,
     yours_handed_over,
 )
-from dsat.search.ending import no_search_trial_succeeded
+from dsat.search.ending import no_search_trial_succeeded, repeated_failure
 from dsat.search.method import DsatSearchMethod
 from dsat.search.trial_builder import SearchSpec
 from dsat.search_run import best_config_path, run_search
@@ -519,7 +519,9 @@ def report_end(
     if method.search_failed:
         reason = method.shutdown_reason or "no trial succeeded"
         none_ran = no_search_trial_succeeded(method.tracker.finished)
-        raise SearchFailed(reason if none_ran is None else f"{none_ran} ({reason})")
+        if none_ran is None or reason == repeated_failure(method.tracker.finished):
+            raise SearchFailed(reason)
+        raise SearchFailed(f"{none_ran} ({reason})")
     for line in closing_lines(method, results_dir, full_run, trains):
         print(line)
 

@@ -872,6 +872,27 @@ def test_a_model_dir_file_that_cannot_be_read_is_one_line_before_any_trial(
     assert not results.exists()
 
 
+def test_a_search_stopped_for_trials_failing_alike_says_why_once(tmp_path: Path) -> None:
+    """Its last line said the failure twice: "none of the 3 search trials succeeded; 3 ended
+    with: X (the machine failed the last 3 trials ...: X ...)"."""
+    sim = tmp_path / "sim.py"
+    sim.write_text(
+        "from dsat.runners.simulated.performance_model import is_model_profile\n"
+        "from dsat.runners.simulated.performance_models import bert_base_16xv100\n"
+        "def perf(ds_config, slots):\n"
+        "    if not is_model_profile(ds_config):\n"
+        "        raise ConnectionError('the GPU fell off the bus')\n"
+        "    return bert_base_16xv100(ds_config, slots)\n"
+    )
+    result = run_simulated(
+        "binary", "bert_base.yaml", f"{sim}:perf", tmp_path / "r", "--max-trials", "20"
+    )
+    assert result.returncode == 1, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("dsat: search failed: the machine failed the last "), line
+    assert line.count("the GPU fell off the bus") == 1 and "none of the" not in line, line
+
+
 def test_a_search_whose_every_search_trial_failed_says_so_and_why(tmp_path: Path) -> None:
     """It ended with "search failed: --max-trials used up (8)", and its summary did not say
     that nothing was handed over."""

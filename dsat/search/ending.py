@@ -66,6 +66,7 @@ def profile_failure(profile: TrialRecord, tried: list[str] | None = None) -> str
 
 # A trial's directory as the local and Ray runners name it: NNN-<request id's first 8>.
 TRIAL_DIRECTORY = re.compile(r"(?<=/)\d{3,}-[0-9a-f]{8}(?:-node\d+)?(?=/)")
+NUMBER = re.compile(r"\d+")
 
 
 def repeated_script_failure(finished: list[TrialRecord]) -> str | None:
@@ -74,9 +75,10 @@ def repeated_script_failure(finished: list[TrialRecord]) -> str | None:
     last = finished[-SCRIPT_FAILURES_TO_STOP:]
     if len(last) < SCRIPT_FAILURES_TO_STOP:
         return None
-    # Each trial runs in its own directory, which its traceback may name: alike but for that.
+    # Each trial runs in its own directory, which its traceback may name, and counts its own
+    # steps (an epoch is fewer steps at a larger micro-batch): alike but for those.
     reasons = {
-        TRIAL_DIRECTORY.sub("<trial>", first_line(r.error))
+        NUMBER.sub("N", TRIAL_DIRECTORY.sub("<trial>", first_line(r.error)))
         for r in last
         if r.cause is FailureCause.SCRIPT
     }
@@ -84,8 +86,15 @@ def repeated_script_failure(finished: list[TrialRecord]) -> str | None:
         return None
     return (
         f"the last {len(last)} trials failed alike, whatever their configuration: "
-        f"{reasons.pop()}{log_note(last[-1].log)}; fix the training script and start again"
+        f"{first_line(last[-1].error)}{log_note(last[-1].log)}; fix the training script and "
+        "start again"
     )
+
+
+def repeated_failure(finished: list[TrialRecord]) -> str | None:
+    """A stop reason when the last trials failed alike for the script or the machine; it says
+    why they failed itself."""
+    return repeated_script_failure(finished) or repeated_machine_failure(finished)
 
 
 def no_search_trial_succeeded(finished: list[TrialRecord]) -> str | None:
@@ -138,8 +147,7 @@ class SearchEnding:
             assert profile is not None  # it failed
             climbed = len(method.tracker.model_profiles)
             return profile_failure(profile, [r.name for r in method.fit_rungs[:climbed]])
-        repeated = repeated_script_failure(method.tracker.finished)
-        repeated = repeated or repeated_machine_failure(method.tracker.finished)
+        repeated = repeated_failure(method.tracker.finished)
         if repeated is not None:
             return repeated
         if method.early_stopping_triggered():

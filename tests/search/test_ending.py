@@ -40,6 +40,22 @@ def test_trials_failing_alike_for_the_script_stop_the_search_early(name: str) ->
 
 
 @pytest.mark.parametrize("name", ["binary", "guided"])
+def test_an_epoch_too_short_at_every_micro_batch_stops_the_search(name: str) -> None:
+    """A loop over one epoch runs fewer steps at a larger micro-batch: each trial's reason
+    counts its own steps, and they are still alike."""
+    m = method(name, max_trials=40)
+    running = start_profile(m)
+    failed = 0
+    while running and not m.finished:
+        record = running.pop(0)
+        fail(m, record, TOO_SHORT.replace(" 3 ", f" {3 + failed} "), FailureCause.SCRIPT)
+        failed += 1
+        running += suggested(m)
+    assert failed == SCRIPT_FAILURES_TO_STOP
+    assert (m.shutdown_reason or "").startswith("the last 3 trials failed alike")
+
+
+@pytest.mark.parametrize("name", ["binary", "guided"])
 def test_trials_the_machine_fails_on_every_attempt_stop_the_search(name: str) -> None:
     """A GPU gone mid-search: each later trial took its three attempts and counted as its
     configuration's failure, to the end of the budget."""

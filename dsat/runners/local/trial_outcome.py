@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -47,6 +48,18 @@ RAN_ON_TO_TIMEOUT = (
     "dsat: the trial wrote its result and ran on to the trial timeout of {timeout:g} s (a process "
     "of it did not exit): stopped, its result kept"
 )
+
+
+# A data iterator exhausted inside the training loop: ``next()`` on it raised, or a generator
+# that called it did (PEP 479 turns that into this RuntimeError).
+DATA_RAN_OUT = re.compile(
+    r"^(?:\[rank\d+\]:\s*)?(?:RuntimeError: generator raised )?StopIteration\b", re.MULTILINE
+)
+
+
+def data_ran_out(log: str) -> bool:
+    """Whether a process of the trial ended on an exhausted iterator (an epoch's end)."""
+    return DATA_RAN_OUT.search("\n".join(said_lines(log))) is not None
 
 
 def stopped_note(
@@ -212,10 +225,11 @@ def classify(
         result = read_autotuning_result(directory)  # the script reported without dsat
         if result is not None:
             return TrialEnd(TrialStatus.COMPLETED, result.values, None, None)
-    if code == 0 and outcome.get("status") == "incomplete":
+    if outcome.get("status") == "incomplete" and (code == 0 or data_ran_out(text)):
         needed = outcome.get("needed")
+        ended = "training ended" if code == 0 else "the data ran out (StopIteration)"
         reason = (
-            f"training ended after {outcome.get('steps')} optimizer steps; dsat needs {needed} to "
+            f"{ended} after {outcome.get('steps')} optimizer steps; dsat needs {needed} to "
             f"measure this configuration: let the training loop run at least {needed} steps (the "
             f"searcher operation's length, op.length, is {needed}; an HF Trainer's --max_steps; "
             "a loop over one epoch of the data ends sooner at a larger micro-batch: cycle it)"

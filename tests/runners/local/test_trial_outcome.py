@@ -70,6 +70,42 @@ def test_failures_the_script_causes_whatever_the_config(tmp_path: Path) -> None:
     assert end.error.splitlines()[1] == "trained"  # the log's tail follows
 
 
+RAN_OUT = (
+    "Traceback (most recent call last):\n"
+    '  File "train.py", line 57, in train\n'
+    "    batch = next(data)\n"
+    "[rank0]: {last}\n"
+)
+
+
+def test_data_that_runs_out_in_the_measured_steps_is_the_scripts_with_the_advice(
+    tmp_path: Path,
+) -> None:
+    """An epoch's loader exhausted mid-window (``next(data)`` raised) was an unknown crash,
+    "exit code 1: StopIteration", learned from as the configuration's; it is the same too-short
+    loop as one that ends cleanly."""
+    short = {"status": "incomplete", "steps": 4, "needed": 15}
+    for last in ("StopIteration", "RuntimeError: generator raised StopIteration"):
+        log = trial(tmp_path, RAN_OUT.format(last=last), short)
+        end = classify(tmp_path, log, 1, False, 60)
+        assert end.status is TrialStatus.ERROR and end.cause is FailureCause.SCRIPT
+        assert end.error is not None
+        assert end.error.startswith("the data ran out (StopIteration) after 4 optimizer steps")
+        assert "cycle it" in end.error.splitlines()[0]
+    # Another exception in the measured steps stays what it was.
+    log = trial(tmp_path, RAN_OUT.format(last="RuntimeError: shape mismatch"), short)
+    end = classify(tmp_path, log, 1, False, 60)
+    assert end.cause is FailureCause.UNKNOWN and end.error is not None
+    assert "RuntimeError: shape mismatch" in end.error.splitlines()[0]
+    # A quoted source line that says StopIteration is not the process saying it.
+    quoted = RAN_OUT.format(last="RuntimeError: shape mismatch").replace(
+        "next(data)", "next(data)  # StopIteration at the epoch's end"
+    )
+    assert classify(tmp_path, trial(tmp_path, quoted, short), 1, False, 60).cause is not (
+        FailureCause.SCRIPT
+    )
+
+
 def test_an_oom_blames_the_config_and_quotes_the_allocator(tmp_path: Path) -> None:
     text = "Traceback (most recent call last):\ntorch.OutOfMemoryError: CUDA out of memory.\n"
     end = classify(tmp_path, trial(tmp_path, text), 1, False, 60)
