@@ -45,11 +45,20 @@ def entrypoint_tokens(entrypoint: str | Sequence[str] | None, source: str) -> li
     )
 
 
+# What Determined's launchers run a Trial class with: a module, not the user's command.
+DETERMINED_HARNESS = "determined.exec.harness"
+
+
 def trial_class(tokens: Sequence[str]) -> str | None:
     """The Trial class an entrypoint names (``--trial model_def:MyTrial`` after a Determined
-    launcher, or a bare ``model_def:MyTrial``); None for a command."""
-    if len(tokens) == 1 and ":" in tokens[0] and not tokens[0].startswith(("/", ".")):
-        return tokens[0]
+    launcher, a bare ``model_def:MyTrial`` with or without a launcher before it, or Determined's
+    harness named directly); None for a command."""
+    command = strip_determined_launcher(list(tokens))
+    if len(command) == 1 and ":" in command[0] and not command[0].startswith(("/", ".")):
+        return command[0]
+    if command[:3] in ([name, "-m", DETERMINED_HARNESS] for name in PYTHON_NAMES):
+        named = [token for token in command[3:] if not token.startswith("-")]
+        return named[0] if named else DETERMINED_HARNESS
     for flag, value in itertools.pairwise(tokens):
         if flag == "--trial":
             return value

@@ -90,6 +90,11 @@ def test_launcher_without_a_command_is_a_user_error() -> None:
         ("python3 -m determined.launch.deepspeed --trial model_def:MyTrial", "model_def:MyTrial"),
         ("python3 -m determined.launch.torch_distributed --trial=a.b:T", "a.b:T"),
         ("model_def:MyTrial", "model_def:MyTrial"),
+        # Without --trial, and Determined's harness named directly: both ran the class name as
+        # a command and failed with cause unknown.
+        ("python3 -m determined.launch.deepspeed model_def:MyTrial", "model_def:MyTrial"),
+        ("python3 -m determined.exec.harness model_def:MyTrial", "model_def:MyTrial"),
+        ("python -m determined.exec.harness --trial model_def:T", "model_def:T"),
         ("python3 train.py --data s3://bucket/x", None),
         ("python3 -m determined.launch.deepspeed python3 train.py", None),
         ("./run.sh", None),
