@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import dataclasses
 import faulthandler
+import io
 import logging
 import math
 import os
@@ -514,6 +515,15 @@ class CurrentStdout:
         sys.stdout.flush()
 
 
+def printable_output() -> None:
+    """A path or reason the terminal's encoding cannot show (a non-ASCII results directory under
+    ``PYTHONIOENCODING=ascii``, ``LANG=C`` on an old Python) is escaped, not a traceback after the
+    work is done."""
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper) and stream.errors == "strict":
+            stream.reconfigure(errors="backslashreplace")
+
+
 def show_progress_logs() -> None:
     """dsat's own INFO messages (memory estimates, why a search ended) on stdout."""
     log = logging.getLogger("dsat")
@@ -549,6 +559,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    printable_output()
     if argv[:1] == ["report"]:
         return report_main(argv[1:])
     show_progress_logs()

@@ -17,7 +17,7 @@ from dsat.cli import main
 from dsat.experiment.settings import DEFAULT_METRIC
 from dsat.results.directory import SUMMARY_FILE, TRIALS_FILE
 from dsat.results.report import REPORT_HTML, REPORT_PNG, load_results, picked_row
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, run_cli
 from tests.results.test_resume import STOPPING_SIMULATOR
 from tests.test_cli import assert_one_line_error
 
@@ -229,3 +229,14 @@ def test_the_picks_label_stays_inside_its_panel(tmp_path: Path) -> None:
     (label,) = [text for text in ax.texts if text.get_text().startswith("picked: ")]
     box = label.get_window_extent().transformed(ax.transAxes.inverted())
     assert box.y1 <= 1.0 and box.y0 >= 0.0
+
+
+def test_a_path_the_terminal_cannot_encode_is_escaped_not_a_traceback(tmp_path: Path) -> None:
+    """Under ``PYTHONIOENCODING=ascii`` the report of a non-ASCII directory raised
+    UnicodeEncodeError at its last print, after the files were written."""
+    code, results = simulated_search(tmp_path)
+    assert code == 0
+    moved = results.rename(tmp_path / "résultats")
+    run = run_cli("report", str(moved), env={"PYTHONIOENCODING": "ascii"})
+    assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr
+    assert f"dsat: report: {tmp_path}/r\\xe9sultats/{REPORT_PNG}" in run.stdout
