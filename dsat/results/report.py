@@ -222,6 +222,22 @@ def draw(results: SearchResults) -> bytes:
     return buffer.getvalue()
 
 
+# Characters of a configuration's name on one line of a label: about 40% of a panel's width.
+LABEL_LINE_CHARS = 26
+
+
+def name_lines(name: str) -> list[str]:
+    """A configuration's name broken between its settings (``z3_mb20_..._offload-opt-cpu``), so
+    that its label stays inside the panel: one line of 80 characters ran off its side."""
+    lines: list[str] = []
+    for part in name.split("_"):
+        if lines and len(lines[-1]) + 1 + len(part) <= LABEL_LINE_CHARS:
+            lines[-1] += f"_{part}"
+        else:
+            lines.append(part)
+    return lines
+
+
 def draw_throughput(ax: Any, results: SearchResults) -> None:
     metric = results.metric.value
     floor = min((v for r in results.search_rows if (v := results.value(r)) is not None), default=0)
@@ -246,13 +262,13 @@ def draw_throughput(ax: Any, results: SearchResults) -> None:
     if picked is not None and (value := results.value(picked)) is not None:
         ax.scatter([picked["mbs"]], [value], s=300, facecolors="none", edgecolors="red", lw=2)
         # Its label on the sides with room: a pick at the left edge had its name cut off, and
-        # one at the top ran into the panel's title.
+        # one at the top ran into the panel's title; a long name (offload's knobs) in lines.
         drawn = [int(row["mbs"]) for row in results.search_rows]
         left = picked["mbs"] <= (min(drawn) + max(drawn)) / 2
         values = [v for row in results.search_rows if (v := results.value(row)) is not None]
         below = value >= (min(values, default=value) + max(values, default=value)) / 2
         ax.annotate(
-            f"picked: {picked['name']}",
+            "\n".join(name_lines(f"picked: {picked['name']}")),
             (picked["mbs"], value),
             color="red",
             xytext=(12 if left else -12, -14 if below else 12),

@@ -223,12 +223,17 @@ def test_the_picks_label_stays_inside_its_panel(tmp_path: Path) -> None:
     assert code == 0
     results = load_results(results_dir)
     assert results.picked is not None
-    figure, ax = import_pyplot().subplots()
-    draw_throughput(ax, results)
-    figure.canvas.draw()
-    (label,) = [text for text in ax.texts if text.get_text().startswith("picked: ")]
-    box = label.get_window_extent().transformed(ax.transAxes.inverted())
-    assert box.y1 <= 1.0 and box.y0 >= 0.0
+    # As it is, and with an offload search's name, which ran off the panel's side in one line.
+    long_name = "z3_mb20_ag1e9_prefetch1e8_persist9.09e4_offload-opt-cpu_offload-param-cpu"
+    for name in (results.picked["name"], long_name):
+        results.picked["name"] = name
+        figure, ax = import_pyplot().subplots()
+        draw_throughput(ax, results)
+        figure.canvas.draw()
+        (label,) = [text for text in ax.texts if text.get_text().startswith("picked: ")]
+        assert label.get_text().replace("\n", "_") == f"picked: {name}"
+        box = label.get_window_extent().transformed(ax.transAxes.inverted())
+        assert box.y1 <= 1.0 and box.y0 >= 0.0 and box.x0 >= 0.0 and box.x1 <= 1.0, (name, box)
 
 
 def test_a_path_the_terminal_cannot_encode_is_escaped_not_a_traceback(tmp_path: Path) -> None:
