@@ -58,12 +58,20 @@ def write_settings(settings: SearchSettings, results_dir: Path) -> None:
     write_text_atomic(results_dir / SETTINGS_FILE, stored.to_json() + "\n")
 
 
+def report_still_draws(results_dir: Path) -> str:
+    """Where a search cannot be resumed but its trials were kept, that they can still be seen."""
+    if not (results_dir / TRIALS_FILE).is_file():
+        return ""
+    return f"; `dsat report {shown(results_dir)}` still draws its trials"
+
+
 def saved_settings(results_dir: Path) -> SearchSettings:
     """The settings an interrupted search ran with, or one line naming what is wrong."""
     path = results_dir / SETTINGS_FILE
     if not path.is_file():
         raise DsatError(
             f"--resume {shown(results_dir)}: no saved search there ({SETTINGS_FILE} is missing)"
+            f"{report_still_draws(results_dir)}"
         )
     try:
         return SearchSettings.from_json(path.read_text())
@@ -151,13 +159,9 @@ def read_saved_state(results_dir: Path, method: str) -> dict[str, Any]:
     """The search state saved in ``results_dir``, checked to be readable and this method's."""
     path = results_dir / STATE_FILE
     if not path.is_file():
-        rows = results_dir / TRIALS_FILE
-        kept = (
-            f"; `dsat report {shown(results_dir)}` still draws its trials" if rows.is_file() else ""
-        )
         raise DsatError(
             f"--resume {shown(results_dir)}: no saved search there ({STATE_FILE} is missing; "
-            f"start a new search){kept}"
+            f"start a new search){report_still_draws(results_dir)}"
         )
     try:
         state: Any = json.loads(path.read_text())

@@ -401,3 +401,6 @@ def test_a_directory_without_its_state_says_its_trials_can_still_be_reported(
     (results / STATE_FILE).unlink()
     error = assert_one_line_error(capsys, ["asha", "--resume", str(results)], STATE_FILE)
     assert "is missing" in error and "`dsat report out` still draws its trials" in error
+    (results / SETTINGS_FILE).unlink()  # read first: it said only that it was missing
+    error = assert_one_line_error(capsys, ["asha", "--resume", str(results)], SETTINGS_FILE)
+    assert "is missing" in error and "`dsat report out` still draws its trials" in error
