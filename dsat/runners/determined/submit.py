@@ -32,6 +32,7 @@ from dsat.runners.determined.configs import (
     SETTINGS_UPLOAD,
     search_runner_config,
 )
+from dsat.trial_failure import first_line
 
 # determined 0.38 removed `determined.searcher` and the master's custom searcher.
 FIRST_VERSION_WITHOUT_CUSTOM_SEARCHER = (0, 38)
@@ -119,9 +120,9 @@ def experiment_url(master_url: str, experiment_id: int) -> str:
     return f"{master_url.rstrip('/')}/det/experiments/{experiment_id}"
 
 
-def first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
+def said_by(err: BaseException) -> str:
+    """The first line of what the master's client raised, or its kind where it said nothing."""
+    return first_line(str(err).strip()) or type(err).__name__
 
 
 def submit(settings: SearchSettings, experiment: Experiment, environ: Mapping[str, str]) -> int:
@@ -163,19 +164,19 @@ def submit(settings: SearchSettings, experiment: Experiment, environ: Mapping[st
         ) from None
     except api_errors.ForbiddenException as err:
         raise DsatError(
-            f"the Determined master refused: {first_line(err)}; check the user's permissions on "
+            f"the Determined master refused: {said_by(err)}; check the user's permissions on "
             "the config's workspace and project"
         ) from None
     except (api_errors.BadRequestException, api_errors.BadResponseException) as err:
         # Every other refusal and failed request (APIException is one), a timeout included.
         raise DsatError(
-            f"the Determined master rejected the search runner: {first_line(err)}"
+            f"the Determined master rejected the search runner: {said_by(err)}"
         ) from None
     except (api_errors.CorruptTokenCacheException, api_errors.CorruptCertificateCacheException):
         raise DsatError("Determined's saved login is damaged; run `det user login` again") from None
     except requests.exceptions.SSLError as err:
         raise DsatError(
-            f"cannot talk to the Determined master over TLS ({first_line(err)}); set DET_MASTER_CERT_FILE "
+            f"cannot talk to the Determined master over TLS ({said_by(err)}); set DET_MASTER_CERT_FILE "
             "to the master's certificate, or check the address's scheme"
         ) from None
     print(f"Created experiment {created.id}")
