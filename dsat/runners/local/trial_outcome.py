@@ -24,8 +24,8 @@ from dsat.trial_failure import (
     FailureCause,
     diagnose_crash,
     exception_lines,
-    known_failure,
     lost_a_peer,
+    not_the_machines,
     one_line,
     reporting_rank_left_first,
     said_lines,
@@ -166,9 +166,7 @@ def out_of_memory_line(text: str, exceptions: list[str]) -> str | None:
     marker = next((line for line in text.splitlines() if OOM_MARKER in line), None)
     if marker is not None:  # dsat.training.reporting's, with the error's summary
         return one_line(marker.partition(OOM_MARKER)[2].lstrip(": ")) or "out of memory"
-    if any(
-        getattr(known_failure(line), "cause", None) is FailureCause.MACHINE for line in exceptions
-    ):
+    if not_the_machines(exceptions) != exceptions:  # an exception puts it down to the machine
         return None
     said = said_lines(text)
     ended = [  # where a process's own exception (not a peer's lost connection) was said
