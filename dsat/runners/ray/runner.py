@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -563,6 +564,17 @@ class RayRunner:
             first = oom
         status = TrialStatus(first["status"])
         cause = None if first["cause"] is None else FailureCause(first["cause"])
+        error = first["error"]
+        if status is TrialStatus.TIMEOUT and error and len(trial.hosts) > 1:
+            # A hang is often another node's (its rank stuck, node 0 waiting on it in a
+            # collective): every node's log, not node 0's waiting alone.
+            others = ", ".join(
+                f"node {i}: {shown(self._log_path(trial, i))}"
+                for i in range(len(trial.hosts))
+                if i != rank
+            )
+            head, _, tail = error.partition("\n")
+            error = f"{head} (the other nodes' logs: {others})\n{tail}"
         end = self.now()
         if status is TrialStatus.COMPLETED:  # the first to complete is the model-profile trial
             self.timeout.profile_finished(end - trial.start)
@@ -570,7 +582,7 @@ class RayRunner:
             trial.request_id,
             status,
             dict(first["metrics"]),
-            first["error"],
+            error,
             trial.start,
             end,
             cause,
@@ -605,28 +617,34 @@ class RayRunner:
         alive = {node["NodeID"] for node in self.ray.nodes() if node["Alive"]}
         return [node for node in trial.nodes if node not in alive]
 
-    def _stop(self, trial: RayTrial) -> None:
-        """Stop the trial's process group on every node still there (SIGTERM, then SIGKILL)."""
+    def _ask_each_node(
+        self, trial: RayTrial, method: str, skip: Collection[int] = ()
+    ) -> dict[int, Any]:
+        """What ``method`` of the trial's host on each node still there answers, by the node's
+        rank (those in ``skip`` not asked): a node gone took its processes and copies with it
+        (trial_guard), so there is nothing left there to stop or remove."""
         from ray.exceptions import GetTimeoutError, RayActorError
 
-        for host in trial.hosts:
-            try:
-                self.ray.get(host.stop.remote(), timeout=STOP_WAIT_S)
-            except (RayActorError, GetTimeoutError):
-                continue  # gone with its node, whose processes went with it (trial_guard)
+        answers: dict[int, Any] = {}
+        for rank, host in enumerate(trial.hosts):
+            if rank not in skip:
+                try:
+                    answers[rank] = self.ray.get(
+                        getattr(host, method).remote(), timeout=STOP_WAIT_S
+                    )
+                except (RayActorError, GetTimeoutError):
+                    continue
+        return answers
+
+    def _stop(self, trial: RayTrial) -> None:
+        """Stop the trial's process group on every node still there (SIGTERM, then SIGKILL)."""
+        self._ask_each_node(trial, "stop")
 
     def _stop_left_running(self, trial: RayTrial) -> None:
         """Stop, on every node still there, what the full run left running (a daemon in a
         session of its own outlives its process group), and say what it was."""
-        from ray.exceptions import GetTimeoutError, RayActorError
-
-        strays: list[str] = []
-        for rank, host in enumerate(trial.hosts):
-            try:
-                names = self.ray.get(host.stop_left_running.remote(), timeout=STOP_WAIT_S)
-            except (RayActorError, GetTimeoutError):
-                continue
-            strays += [f"{name} on node {rank}" for name in names]
+        answers = self._ask_each_node(trial, "stop_left_running")
+        strays = [f"{name} on node {rank}" for rank, names in answers.items() for name in names]
         note = strays_note(strays, "the full experiment")
         if note:
             print(note)
@@ -634,15 +652,11 @@ class RayRunner:
     def _release(self, trial: RayTrial, keep: list[str] | None = None) -> None:
         """Remove the trial's copies (but those on the nodes ``keep`` names), actors and
         placement group."""
-        from ray.exceptions import GetTimeoutError, RayActorError
         from ray.util.placement_group import remove_placement_group
 
-        for rank, host in enumerate(trial.hosts):
-            if not (keep and rank < len(trial.nodes) and trial.nodes[rank] in keep):
-                try:
-                    self.ray.get(host.clean.remote(), timeout=STOP_WAIT_S)
-                except (RayActorError, GetTimeoutError):
-                    pass
+        kept = [rank for rank, node in enumerate(trial.nodes) if keep and node in keep]
+        self._ask_each_node(trial, "clean", skip=kept)
+        for host in trial.hosts:
             self.ray.kill(host)
         remove_placement_group(trial.group)
 

@@ -406,6 +406,33 @@ def test_a_trial_over_its_timeout_is_stopped_and_counted_as_a_timeout(
     assert_nothing_left(runner.results_dir)
 
 
+RANK_ONE_HANGS = """
+import os, time
+print(f"rank {os.environ['RANK']} starts", flush=True)
+time.sleep(120)  # rank 1 hangs; rank 0 waits on it, as in a collective
+"""
+
+
+def test_a_spread_trial_over_its_timeout_names_every_nodes_log(
+    ray_cluster: RayTestCluster, tmp_path: Path
+) -> None:
+    """The reason and its log named node 0's, which shows only waiting, when the hang may be
+    node 1's."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "job.py").write_text(RANK_ONE_HANGS)
+    runner = runner_for(tmp_path, model, ["python3", "job.py"], slots=2, timeout=4)
+    assert runner.layout.nodes == 2
+    request_id = start(runner, 1, RUNS_UNTIL_STOPPED)
+    outcome = runner.wait()
+    assert outcome.status is TrialStatus.TIMEOUT and outcome.error is not None
+    first_line = outcome.error.splitlines()[0]
+    node1 = runner.results_dir / "logs" / f"001-{request_id[:8]}-node1.log"
+    assert "trial timeout of 4 s" in first_line and f"node 1: {node1}" in first_line, first_line
+    assert "rank 1 starts" in node1.read_text()
+    assert_nothing_left(runner.results_dir)
+
+
 def test_a_trial_that_cannot_be_placed_yet_waits_for_room(
     ray_cluster: RayTestCluster, tmp_path: Path
 ) -> None:
