@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -34,3 +36,25 @@ class SyntheticRegression(torch.utils.data.Dataset):  # type: ignore[type-arg]
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.inputs[index], self.targets[index]
+
+
+def in_engine_precision(engine: Any, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch in the engine's precision: with fp16 or bf16 on, DeepSpeed casts the model's
+    weights, not its inputs (unless the config's ``auto_cast``), so float32 inputs fail."""
+    dtype = next(engine.module.parameters()).dtype
+    inputs, targets = batch
+    return inputs.to(dtype), targets.to(dtype)
+
+
+def train_step(engine: Any, batch: Any) -> torch.Tensor:
+    """One optimizer step (the trial's ``train_batch``); the loss."""
+    inputs, targets = in_engine_precision(engine, batch)
+    loss = torch.nn.functional.mse_loss(engine(inputs), targets)
+    engine.backward(loss)
+    engine.step()
+    return loss
+
+
+def validation_loss(engine: Any, batch: Any) -> torch.Tensor:
+    inputs, targets = in_engine_precision(engine, batch)
+    return torch.nn.functional.mse_loss(engine(inputs), targets)

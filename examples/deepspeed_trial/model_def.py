@@ -11,11 +11,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import deepspeed
-import torch
 from attrdict import AttrDict
 from determined.pytorch import DataLoader
 from determined.pytorch.deepspeed import DeepSpeedTrial, DeepSpeedTrialContext
-from model import Regressor, SyntheticRegression
+from model import Regressor, SyntheticRegression, train_step, validation_loss
 
 import dsat
 
@@ -30,7 +29,6 @@ class RegressorTrial(DeepSpeedTrial):  # type: ignore[misc]
             model=model, model_parameters=model.parameters(), config=ds_config
         )
         self.engine = context.wrap_model_engine(engine)
-        self.loss = torch.nn.MSELoss()
 
     def build_training_data_loader(self) -> DataLoader:
         dataset = SyntheticRegression(self.hparams.samples, self.hparams.width)
@@ -51,15 +49,11 @@ class RegressorTrial(DeepSpeedTrial):  # type: ignore[misc]
         self, dataloader_iter: Iterator[Any] | None, epoch_idx: int, batch_idx: int
     ) -> dict[str, Any]:
         assert dataloader_iter is not None
-        inputs, targets = self.context.to_device(next(dataloader_iter))
-        loss = self.loss(self.engine(inputs), targets)
-        self.engine.backward(loss)
-        self.engine.step()
-        return {"loss": loss}
+        return {"loss": train_step(self.engine, self.context.to_device(next(dataloader_iter)))}
 
     def evaluate_batch(
         self, dataloader_iter: Iterator[Any] | None, batch_idx: int
     ) -> dict[str, Any]:
         assert dataloader_iter is not None
-        inputs, targets = self.context.to_device(next(dataloader_iter))
-        return {"val_loss": self.loss(self.engine(inputs), targets)}
+        batch = self.context.to_device(next(dataloader_iter))
+        return {"val_loss": validation_loss(self.engine, batch)}

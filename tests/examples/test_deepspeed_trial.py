@@ -77,16 +77,18 @@ def test_the_trials_deepspeed_config_is_what_deepspeed_accepts(stage: int) -> No
 TRAIN_WITH_TRIAL_OVERRIDES = """
 import deepspeed, determined as det, torch
 import dsat
-from model import Regressor, SyntheticRegression
+from model import Regressor, SyntheticRegression, train_step
 from model_def import RegressorTrial
 
 assert issubclass(RegressorTrial, det.pytorch.deepspeed.DeepSpeedTrial)
 config = dsat.get_ds_config_from_hparams(dsat.get_hparams())
-# On the CPU: one process, no fp16, DeepSpeed's Adam through torch (no JIT build).
+# On the CPU: one process, bf16 for the config's fp16 (which the CPU lacks; half precision
+# either way: the batch must be cast as on a GPU), DeepSpeed's Adam through torch (no JIT build).
+assert config.pop("fp16") == {"enabled": True}
 config.update(
     train_micro_batch_size_per_gpu=4,
     train_batch_size=4,
-    fp16={"enabled": False},
+    bf16={"enabled": True},
     optimizer={"type": "Adam", "params": {"lr": 0.001, "torch_adam": True}},
 )
 model = Regressor(width=32, depth=2)
@@ -97,10 +99,8 @@ data = torch.utils.data.DataLoader(SyntheticRegression(256, 32), batch_size=4)
 core_context = det.core._dummy_init()
 op = next(iter(core_context.searcher.operations()))
 with dsat.dsat_reporting_context(core_context, op):
-    for inputs, targets in data:
-        loss = torch.nn.functional.mse_loss(engine(inputs), targets)
-        engine.backward(loss)
-        engine.step()
+    for batch in data:  # the trial's train_batch, as model_def.py runs it
+        train_step(engine, batch)
 raise AssertionError("DeepSpeed's autotuning did not end the trial")
 """
 
