@@ -21,6 +21,9 @@ REASON_CHARS = 200  # the one-line reason a terminal line shows
 MACHINE_ATTEMPTS = 3  # runs of a trial the machine keeps failing before it counts as an error
 SCRIPT_FAILURES_TO_STOP = 3  # trials in a row failing alike for the script before a search stops
 MACHINE_FAILURES_TO_STOP = 2  # trials in a row the machine failed on every attempt, likewise
+# Trials in a row failing alike with a crash of no known kind, before anything succeeded, over
+# at least two ZeRO stages and three micro-batches: what no configuration tried escapes.
+UNKNOWN_FAILURES_TO_STOP = 5
 
 
 class FailureCause(str, enum.Enum):

@@ -893,38 +893,63 @@ def test_a_search_stopped_for_trials_failing_alike_says_why_once(tmp_path: Path)
     assert line.count("the GPU fell off the bus") == 1 and "none of the" not in line, line
 
 
+ILLEGAL_ACCESS_SIMULATOR = (
+    "from dsat.runners.simulated.performance_model import is_model_profile\n"
+    "from dsat.runners.simulated.performance_models import bert_base_16xv100\n"
+    "def perf(ds_config, slots):\n"
+    "    if not is_model_profile(ds_config):\n"
+    "        raise RuntimeError('CUDA error: an illegal memory access')\n"
+    "    return bert_base_16xv100(ds_config, slots)\n"
+)
+
+
 def test_a_search_whose_every_search_trial_failed_says_so_and_why(tmp_path: Path) -> None:
     """It ended with "search failed: --max-trials used up (8)", and its summary did not say
     that nothing was handed over."""
     sim = tmp_path / "sim.py"
-    sim.write_text(
-        "from dsat.runners.simulated.performance_model import is_model_profile\n"
-        "from dsat.runners.simulated.performance_models import bert_base_16xv100\n"
-        "def perf(ds_config, slots):\n"
-        "    if not is_model_profile(ds_config):\n"
-        "        raise RuntimeError('CUDA error: an illegal memory access')\n"
-        "    return bert_base_16xv100(ds_config, slots)\n"
-    )
+    sim.write_text(ILLEGAL_ACCESS_SIMULATOR)
     result = run_simulated(
-        "binary", "bert_base.yaml", f"{sim}:perf", tmp_path / "r", "--max-trials", "8"
+        "binary", "bert_base.yaml", f"{sim}:perf", tmp_path / "r", "--max-trials", "4"
     )
     assert result.returncode == 1, result.stderr
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith(
-        "dsat: search failed: none of the 7 search trials succeeded; 7 ended "
+        "dsat: search failed: none of the 3 search trials succeeded; 3 ended "
         "with: RuntimeError: CUDA error: an illegal memory access"
     ), line
-    assert line.endswith("(--max-trials used up (8))"), line
+    assert line.endswith("(--max-trials used up (4))"), line
     summary = (tmp_path / "r" / "summary.txt").read_text()
-    assert "handed over: nothing: none of the 7 search trials succeeded" in summary
+    assert "handed over: nothing: none of the 3 search trials succeeded" in summary
     # More trials for it would run none (its queue went with its end): one line, not taken.
     again = run_cli("binary", "--resume", str(tmp_path / "r"), "--max-trials", "20")
     _assert_subprocess_error(
         again,
-        "that search has ended and handed over nothing (--max-trials used up (8)); --max-trials "
+        "that search has ended and handed over nothing (--max-trials used up (4)); --max-trials "
         "changes only a search still searching: start a new search with --max-trials 20",
     )
-    assert json.loads((tmp_path / "r" / "settings.json").read_text())["max_trials"] == 8
+    assert json.loads((tmp_path / "r" / "settings.json").read_text())["max_trials"] == 4
+
+
+def test_trials_crashing_alike_whatever_their_configuration_end_the_search(
+    tmp_path: Path,
+) -> None:
+    """The same crash of no known kind in every search trial ran the whole budget (64 trials,
+    each a GPU's start-up), to say at the end that none succeeded."""
+    sim = tmp_path / "sim.py"
+    sim.write_text(ILLEGAL_ACCESS_SIMULATOR)
+    result = run_simulated(
+        "binary", "bert_base.yaml", f"{sim}:perf", tmp_path / "r", "--max-trials", "40"
+    )
+    assert result.returncode == 1, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert re.match(
+        r"dsat: search failed: the last 5 trials failed alike over ZeRO stages (\d, )+\d at "
+        r"micro-batch(es \d+ to)? \d+, and none has succeeded: RuntimeError: CUDA error: an illegal "
+        r"memory access; no configuration seems to be the cause: fix the training script",
+        line,
+    ), line
+    rows = (tmp_path / "r" / "trials.jsonl").read_text().splitlines()
+    assert len(rows) == 6  # the model profile and the five
 
 
 def test_search_with_no_working_config_exits_1(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from dsat.trial import TrialKind, TrialRecord, TrialStatus
 from dsat.trial_failure import (
     MACHINE_FAILURES_TO_STOP,
     SCRIPT_FAILURES_TO_STOP,
+    UNKNOWN_FAILURES_TO_STOP,
     FailureCause,
     first_line,
     log_note,
@@ -92,9 +93,41 @@ def repeated_script_failure(finished: list[TrialRecord]) -> str | None:
 
 
 def repeated_failure(finished: list[TrialRecord]) -> str | None:
-    """A stop reason when the last trials failed alike for the script or the machine; it says
-    why they failed itself."""
-    return repeated_script_failure(finished) or repeated_machine_failure(finished)
+    """A stop reason when the last trials failed alike for the script or the machine, or alike
+    whatever their configuration before any succeeded; it says why they failed itself."""
+    return (
+        repeated_script_failure(finished)
+        or repeated_machine_failure(finished)
+        or repeated_unknown_failure(finished)
+    )
+
+
+def repeated_unknown_failure(finished: list[TrialRecord]) -> str | None:
+    """A stop reason when nothing but the model profile has succeeded and the last trials all
+    crashed with one reason of no known kind over several stages and micro-batches: a script's
+    bug after the profile's steps (the same RuntimeError in every trial) ran the whole
+    --max-trials budget, each trial a GPU's start-up for nothing."""
+    last = finished[-UNKNOWN_FAILURES_TO_STOP:]
+    configured = [r for r in finished if r.kind is not TrialKind.MODEL_PROFILE]
+    if len(last) < UNKNOWN_FAILURES_TO_STOP or any(
+        r.status is TrialStatus.COMPLETED for r in configured
+    ):
+        return None
+    if any(r.cause is not FailureCause.UNKNOWN or r.status is TrialStatus.TIMEOUT for r in last):
+        return None
+    reasons = {NUMBER.sub("N", TRIAL_DIRECTORY.sub("<trial>", first_line(r.error))) for r in last}
+    stages = sorted({r.zero_stage for r in last})
+    batches = sorted({r.mbs for r in last})
+    if len(reasons) != 1 or len(stages) < 2 or len({r.name for r in last}) < 3:
+        return None
+    sizes = f" {batches[0]}" if len(batches) == 1 else f"es {batches[0]} to {batches[-1]}"
+    return (
+        f"the last {len(last)} trials failed alike over ZeRO stages "
+        f"{', '.join(map(str, stages))} at micro-batch{sizes}, and "
+        f"none has succeeded: {first_line(last[-1].error)}{log_note(last[-1].log)}; no "
+        "configuration seems to be the cause: fix the training script (or the machine) and "
+        "start again"
+    )
 
 
 def no_search_trial_succeeded(finished: list[TrialRecord]) -> str | None:

@@ -9,7 +9,12 @@ import pytest
 
 from dsat.search.ending import profile_failure, repeated_script_failure
 from dsat.trial import TrialOutcome, TrialRecord, TrialStatus
-from dsat.trial_failure import MACHINE_FAILURES_TO_STOP, SCRIPT_FAILURES_TO_STOP, FailureCause
+from dsat.trial_failure import (
+    MACHINE_FAILURES_TO_STOP,
+    SCRIPT_FAILURES_TO_STOP,
+    UNKNOWN_FAILURES_TO_STOP,
+    FailureCause,
+)
 from tests.search.helpers import finish, method, start_profile, suggested
 
 TOO_SHORT = "training ended after 3 optimizer steps; dsat needs 15 to measure this configuration"
@@ -53,6 +58,35 @@ def test_an_epoch_too_short_at_every_micro_batch_stops_the_search(name: str) -> 
         running += suggested(m)
     assert failed == SCRIPT_FAILURES_TO_STOP
     assert (m.shutdown_reason or "").startswith("the last 3 trials failed alike")
+
+
+ILLEGAL_ACCESS = "RuntimeError: CUDA error: an illegal memory access was encountered"
+
+
+@pytest.mark.parametrize("name", ["binary", "random", "guided", "asha"])
+@pytest.mark.parametrize("one_completed", [False, True])
+def test_crashes_of_no_known_kind_alike_whatever_the_config_stop_a_search_with_no_success(
+    name: str, one_completed: bool
+) -> None:
+    """Before any configuration has succeeded, five trials crashing alike over several stages
+    and micro-batches stop the search; once one has, such crashes are configurations' (a stage or
+    a size that breaks something), and the search goes on."""
+    m = method(name, max_trials=40)
+    running = start_profile(m)
+    if one_completed:
+        running += finish(m, running.pop(0).request_id)
+    failed = 0
+    while running and not m.finished and failed < 3 * UNKNOWN_FAILURES_TO_STOP:
+        fail(m, running.pop(0), ILLEGAL_ACCESS, FailureCause.UNKNOWN)
+        failed += 1
+        running += suggested(m)
+    reason = m.shutdown_reason or ""
+    if one_completed:
+        assert "failed alike" not in reason and failed > UNKNOWN_FAILURES_TO_STOP
+        return
+    assert failed == UNKNOWN_FAILURES_TO_STOP and m.search_failed
+    assert reason.startswith(f"the last {UNKNOWN_FAILURES_TO_STOP} trials failed alike over ZeRO")
+    assert ILLEGAL_ACCESS in reason and "fix the training script" in reason
 
 
 @pytest.mark.parametrize("name", ["binary", "guided"])
