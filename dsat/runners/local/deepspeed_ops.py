@@ -67,8 +67,10 @@ OP_LIBRARIES = {
 }
 
 
-def ops_for_trials(ds_config: Mapping[str, Any], on_gpu: bool) -> list[str]:
-    """DeepSpeed op builders the trials of ``ds_config`` will load (class names)."""
+def ops_for_trials(ds_config: Mapping[str, Any], on_gpu: bool, offload: bool = False) -> list[str]:
+    """DeepSpeed op builders the trials of ``ds_config`` will load (class names); ``offload``:
+    the search puts the optimizer on the CPU too (--offload), whose Adam is another op, else
+    built inside the first such trial, on its clock."""
     names = [] if on_gpu else ["ShareMemCommBuilder"]
     optimizer = ds_config.get("optimizer")
     if isinstance(optimizer, Mapping):
@@ -76,7 +78,10 @@ def ops_for_trials(ds_config: Mapping[str, Any], on_gpu: bool) -> list[str]:
         params = optimizer.get("params")
         torch_adam = isinstance(params, Mapping) and bool(params.get("torch_adam"))
         if kind in ("adam", "adamw") and not torch_adam:
-            names.append("CPUAdamBuilder" if _offloads_optimizer(ds_config) else "FusedAdamBuilder")
+            offloads = _offloads_optimizer(ds_config)
+            names.append("CPUAdamBuilder" if offloads else "FusedAdamBuilder")
+            if offload and not offloads:
+                names.append("CPUAdamBuilder")
     return names
 
 

@@ -79,7 +79,7 @@ class LocalSetup:
             trial_host=hosts_trials(self.settings.trial_host),
         )
         build_ops(
-            ops_for_trials(self.experiment.ds_config, pool.on_gpu),
+            ops_for_trials(self.experiment.ds_config, pool.on_gpu, self.settings.offload),
             runner.op_build_environment(),
             results_dir / "logs" / OPS_LOG,
         )

@@ -32,6 +32,10 @@ def test_trials_need_the_cpu_comm_op_and_the_optimizers_fused_op() -> None:
     assert ops_for_trials(torch_adam, on_gpu=True) == []
     offload = {**adam, "zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
     assert ops_for_trials(offload, on_gpu=True) == ["CPUAdamBuilder"]
+    # --offload: the search's offload trials load CPU Adam beside the others' fused Adam.
+    assert ops_for_trials(adam, on_gpu=True, offload=True) == ["FusedAdamBuilder", "CPUAdamBuilder"]
+    assert ops_for_trials(offload, on_gpu=True, offload=True) == ["CPUAdamBuilder"]
+    assert ops_for_trials(torch_adam, on_gpu=True, offload=True) == []
     assert ops_for_trials({"optimizer": {"type": "SGD"}}, on_gpu=True) == []
 
 
