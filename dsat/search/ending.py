@@ -21,6 +21,7 @@ from dsat.search.confirmation import (
 from dsat.trial import TrialKind, TrialRecord, TrialStatus
 from dsat.trial_failure import (
     MACHINE_FAILURES_TO_STOP,
+    OP_NOT_BUILT,
     SCRIPT_FAILURES_TO_STOP,
     UNKNOWN_FAILURES_TO_STOP,
     FailureCause,
@@ -50,6 +51,12 @@ def profile_failure(profile: TrialRecord, tried: list[str] | None = None) -> str
             f"the model-profile trial ran out of memory at micro-batch 1 ({reason}){log}: the "
             "model must fit at micro-batch 1 with the submitted DeepSpeed config; fix the config "
             "(a higher ZeRO stage, offload) and try again"
+        )
+    if profile.cause is FailureCause.CONFIG and reason.startswith(OP_NOT_BUILT):
+        return (
+            f"the model-profile trial failed: {reason}{log}; the config is valid, this machine "
+            "cannot build what it needs: fix the build (the log says why: a compiler, the CUDA "
+            "toolkit), or give the optimizer's params \"torch_adam\": true (torch's Adam, no build)"
         )
     if profile.cause is FailureCause.CONFIG:
         return f"the model-profile trial failed: {reason}{log}; fix the DeepSpeed config"

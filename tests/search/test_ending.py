@@ -11,6 +11,7 @@ from dsat.search.ending import profile_failure, repeated_script_failure
 from dsat.trial import TrialOutcome, TrialRecord, TrialStatus
 from dsat.trial_failure import (
     MACHINE_FAILURES_TO_STOP,
+    OP_NOT_BUILT,
     SCRIPT_FAILURES_TO_STOP,
     UNKNOWN_FAILURES_TO_STOP,
     FailureCause,
@@ -194,3 +195,16 @@ def test_a_failed_profile_quotes_its_reason_and_blames_the_config_only_when_it_i
     reason = profile_failure(record)
     assert says in reason and error in reason and "(log: l.log)" in reason
     assert ("fix the" in reason and "config" in reason.split("fix the")[1]) is fix_the_config
+
+
+def test_a_profile_whose_op_this_machine_cannot_build_blames_the_build_not_the_config() -> None:
+    """It said "fix the DeepSpeed config" of a valid config whose fused Adam the machine's
+    compiler could not build."""
+    (profile,) = suggested(method("binary"))
+    error = f"{OP_NOT_BUILT}: RuntimeError: Error building extension 'fused_adam'"
+    record = profile.replace(
+        status=TrialStatus.ERROR, error=error, cause=FailureCause.CONFIG, log="l.log"
+    )
+    reason = profile_failure(record)
+    assert error in reason and "fix the DeepSpeed config" not in reason
+    assert "fix the build" in reason and '"torch_adam": true' in reason
