@@ -420,6 +420,13 @@ def print_experiment(plan: LaunchPlan, where_results_go: str) -> None:
         f"{shown(experiment.ds_config_path)}, {experiment.slots_per_trial} slot(s) per trial, "
         f"{where_results_go}"
     )
+    if experiment.replaced_batch is not None:
+        print(
+            f"dsat: --global-batch {plan.settings.global_batch} replaces the batch "
+            f"{shown(experiment.ds_config_path)} sets ({experiment.replaced_batch}): every trial, "
+            f"your config's own run (the baseline) and the hand-over train at "
+            f"{plan.settings.global_batch}"
+        )
 
 
 def search_here(plan: LaunchPlan, runner: TrialRunner) -> None:

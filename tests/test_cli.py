@@ -872,6 +872,29 @@ def test_a_model_dir_file_that_cannot_be_read_is_one_line_before_any_trial(
     assert not results.exists()
 
 
+def test_a_global_batch_that_replaces_the_configs_is_said_at_launch(tmp_path: Path) -> None:
+    """--global-batch replaced the file's batch without a word, and "your config" then ran at
+    another micro-batch than the file's."""
+    result = run_simulated(
+        "binary",
+        "bert_base.yaml",
+        "dsat.runners.simulated.performance_models:bert_base_16xv100",
+        tmp_path / "r",
+        "--max-trials",
+        "4",
+        "--global-batch",
+        "256",
+    )
+    assert result.returncode == 0, result.stderr
+    assert (
+        "dsat: --global-batch 256 replaces the batch ds_bert_base.json sets (micro-batch 32 x "
+        "accumulation 1 x 16 slot(s) = 512): every trial, your config's own run (the baseline) "
+        "and the hand-over train at 256"
+    ) in result.stdout.replace("examples/simulated/", ""), result.stdout
+    best = json.loads((tmp_path / "r" / "best_ds_config.json").read_text())
+    assert best["train_batch_size"] == 256
+
+
 def test_a_search_stopped_for_trials_failing_alike_says_why_once(tmp_path: Path) -> None:
     """Its last line said the failure twice: "none of the 3 search trials succeeded; 3 ended
     with: X (the machine failed the last 3 trials ...: X ...)"."""

@@ -78,6 +78,25 @@ def with_global_batch(
     return config
 
 
+def replaced_batch(
+    ds_config: Mapping[str, Any], global_batch: int, slots: int, source: str
+) -> str | None:
+    """The batch ``ds_config`` trains with, where ``--global-batch`` changes it (None where it
+    sets none or the same): said at launch, since every trial and the user's own config as the
+    baseline then train at another batch than the file says."""
+    train_batch = fixed_global_batch(ds_config, source)
+    if train_batch is not None:
+        return None if train_batch == global_batch else f"{TRAIN_BATCH_SIZE} {train_batch}"
+    micro_batch = batch_value(ds_config, MICRO_BATCH_SIZE, source)
+    if micro_batch is None:
+        return None
+    accumulation = batch_value(ds_config, GRAD_ACCUM_STEPS, source) or 1
+    batch = micro_batch * accumulation * slots
+    if batch == global_batch:
+        return None
+    return f"micro-batch {micro_batch} x accumulation {accumulation} x {slots} slot(s) = {batch}"
+
+
 def consistent_batch_sizes(
     ds_config: Mapping[str, Any], slots: int, micro_batch: int | None = None, source: str = "config"
 ) -> dict[str, int]:

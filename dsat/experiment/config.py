@@ -30,6 +30,7 @@ from dsat.errors import DsatError
 from dsat.experiment.batch_size import (
     GLOBAL_BATCH_FLAG,
     consistent_batch_sizes,
+    replaced_batch,
     with_global_batch,
 )
 
@@ -48,6 +49,7 @@ class Experiment:
     ds_config_path: Path
     ds_config: dict[str, Any]
     includes: tuple[Path, ...] = ()
+    replaced_batch: str | None = None  # the file's batch, where --global-batch changed it
 
     @property
     def name(self) -> str:
@@ -405,12 +407,16 @@ def load_experiment(
             f"hyperparameters.{DS_CONFIG_KEY} is {relative}; make them name the same file"
         )
     ds_config = load_ds_json(ds_path, f"hyperparameters.{DS_CONFIG_KEY} in {config_path}")
+    replaced = None
     if global_batch is not None:
         slots = slots_per_trial(config, str(config_path))
+        replaced = replaced_batch(ds_config, global_batch, slots, str(ds_path))
         ds_config = with_global_batch(ds_config, global_batch, slots, GLOBAL_BATCH_FLAG)
     else:
         ds_config = with_script_accumulation(ds_config, config.get("entrypoint"), hparams)
-    experiment = Experiment(config_path, model_dir, config, ds_path, ds_config, include_paths)
+    experiment = Experiment(
+        config_path, model_dir, config, ds_path, ds_config, include_paths, replaced
+    )
     # Fail now, not in every trial, if the batch sizes cannot be made consistent.
     consistent_batch_sizes(ds_config, experiment.slots_per_trial, source=str(ds_path))
     overwrites = hparams.get(OVERWRITE_KEY)

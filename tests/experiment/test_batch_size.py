@@ -14,6 +14,7 @@ from dsat.errors import DsatError
 from dsat.experiment.batch_size import (
     consistent_batch_sizes,
     micro_batches_for,
+    replaced_batch,
     with_global_batch,
 )
 from dsat.experiment.ds_config_check import deepspeed_config_error
@@ -194,6 +195,18 @@ def test_the_global_batch_flag_keeps_the_users_micro_batch_where_it_divides() ->
     assert consistent_batch_sizes(dropped, 2)["train_batch_size"] == 64
     with pytest.raises(DsatError, match="--global-batch: train_batch_size 63 cannot be split"):
         with_global_batch(user, 63, 2, "--global-batch")
+
+
+def test_what_the_global_batch_flag_replaces_is_named() -> None:
+    """A config's train_batch_size 48 under --global-batch 40 became 40 without a word, and the
+    baseline labelled "your config" ran at micro-batch 20, not the file's 24."""
+    assert replaced_batch({"train_batch_size": 48}, 40, 2, "c") == "train_batch_size 48"
+    assert replaced_batch({"train_batch_size": 40}, 40, 2, "c") is None
+    assert replaced_batch({"train_batch_size": "auto"}, 40, 2, "c") is None
+    assert replaced_batch({}, 40, 2, "c") is None
+    user = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1}
+    assert replaced_batch(user, 12, 2, "c") == "micro-batch 8 x accumulation 1 x 2 slot(s) = 16"
+    assert replaced_batch(user, 16, 2, "c") is None
 
 
 def test_deepspeed_check_catches_an_inconsistent_triple() -> None:
