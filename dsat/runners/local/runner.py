@@ -26,10 +26,11 @@ from dsat.constants import (
     METRICS_FILE,
     MODEL_INFO_FILE,
     RESULTS_ROOT,
+    STATE_FILE,
     TRIAL_OUTCOME_FILE,
 )
 from dsat.paths import shown
-from dsat.results.directory import FULL_RUN_DIR, full_run_log, trials_numbered
+from dsat.results.directory import FULL_RUN_DIR, TRIALS_FILE, full_run_log, trials_numbered
 from dsat.runners.local.deepspeed_ops import clear_stale_locks
 from dsat.runners.local.entrypoint import (
     interpreter_first,
@@ -118,15 +119,26 @@ class RunningTrial:
 
 
 def copy_ignore(results_dir: Path) -> Callable[[str, list[str]], set[str]]:
-    """What a trial's copy leaves out: caches, environments, and the search's own results (which
-    may lie inside MODEL_DIR, as with `--results-dir out` or the default from `.`)."""
+    """What a trial's copy leaves out: caches, environments, and dsat's results, this search's
+    and earlier ones' (which may lie inside MODEL_DIR, as with `--results-dir out` or the
+    default from `.`): each search copied every earlier one into each of its trials."""
 
     def ignore(directory: str, names: list[str]) -> set[str]:
         ignored = set(COPY_IGNORE(directory, names))
-        ignored.update(n for n in names if os.path.join(directory, n) == str(results_dir))
+        ignored.update(
+            n
+            for n in names
+            if os.path.join(directory, n) == str(results_dir)
+            or holds_search_results(Path(directory, n))
+        )
         return ignored
 
     return ignore
+
+
+def holds_search_results(path: Path) -> bool:
+    """Whether ``path`` is a dsat search's results directory (its state or its trials' rows)."""
+    return (path / STATE_FILE).is_file() or (path / TRIALS_FILE).is_file()
 
 
 def prepare_trial_directory(

@@ -159,6 +159,14 @@ def test_a_results_dir_inside_the_model_dir_is_not_copied_into_trials(tmp_path: 
     model = tmp_path / "model"
     (model / "out" / "trials").mkdir(parents=True)
     (model / "out" / "big.log").write_text("x")
+    # An earlier search's, under another name: each search copied every earlier one into each
+    # of its trials. A folder of the user's that merely has a settings.json is kept.
+    (model / "out1").mkdir()
+    (model / "out1" / "trials.jsonl").write_text("{}\n")
+    (model / "out2").mkdir()
+    (model / "out2" / "dsat_search_state.json").write_text("{}")
+    (model / "conf").mkdir()
+    (model / "conf" / "settings.json").write_text("{}")
     (model / "job.py").write_text(ENV_DUMP)
     environ = {"PATH": os.environ["PATH"], "CUDA_VISIBLE_DEVICES": ""}
     pool = SlotPool.for_machine(1, 1, environ)
@@ -168,6 +176,8 @@ def test_a_results_dir_inside_the_model_dir_is_not_copied_into_trials(tmp_path: 
     assert run_one(ex)[0] is TrialStatus.COMPLETED
     [trial] = (model / "out" / "trials").iterdir()
     assert (trial / "job.py").is_file() and not (trial / "out").exists()
+    assert not (trial / "out1").exists() and not (trial / "out2").exists()
+    assert (trial / "conf" / "settings.json").is_file()
 
 
 def test_one_slot_trials_are_hosted_unless_asked_otherwise() -> None:
