@@ -39,6 +39,7 @@ from dsat.runners.local.entrypoint import (
 )
 from dsat.runners.local.full_run import run_to_the_end
 from dsat.runners.local.slots import SlotPool
+from dsat.runners.local.trial_copy import LARGE_FILE_BYTES, drop_unchanged_copies
 from dsat.runners.local.trial_outcome import (
     LINGER_S,
     ResultWatch,
@@ -438,6 +439,14 @@ class LocalRunner:
         self._note(
             trial, strays_note(stop_strays(trial.directory / HPARAMS_FILE, {trial.process.pid}))
         )
+        freed = drop_unchanged_copies(trial.directory, self.model_dir, self.includes)
+        if freed:
+            self._note(
+                trial,
+                f"dsat: removed from this trial's copy the files of {LARGE_FILE_BYTES // 2**20} "
+                f"MiB or more it left unchanged ({freed / 2**20:.0f} MiB; the originals are "
+                "where they were)",
+            )
         trial.log.close()
         self.pool.give_back(trial.slots)
         status, metrics, error, cause = classified

@@ -180,6 +180,34 @@ def test_a_results_dir_inside_the_model_dir_is_not_copied_into_trials(tmp_path: 
     assert (trial / "conf" / "settings.json").is_file()
 
 
+LARGE_FILES = """
+import json
+assert len(open("data.bin", "rb").read()) == 3 * 2**20  # the trial reads it from its copy
+open("written.bin", "wb").write(b"w" * 2**21)
+with open("rewritten.bin", "r+b") as f:
+    f.write(b"x")
+json.dump({"status": "completed", "values": {"throughput": 7.0}},
+          open("dsat_trial_outcome.json", "w"))
+"""
+
+
+def test_a_finished_trial_keeps_what_it_wrote_not_copies_of_large_files(tmp_path: Path) -> None:
+    """A 300 MB data file in MODEL_DIR was kept in every trial's copy: 20 GB for a search."""
+    runner = local_runner(tmp_path, LARGE_FILES, warm=False)
+    model = tmp_path / "model"
+    (model / "data.bin").write_bytes(b"d" * 3 * 2**20)
+    (model / "rewritten.bin").write_bytes(b"r" * 2**20)
+    (model / "small.txt").write_text("kept")
+    assert run_one(runner)[0] is TrialStatus.COMPLETED
+    [trial] = (tmp_path / "results" / "trials").iterdir()
+    assert not (trial / "data.bin").exists() and (model / "data.bin").stat().st_size == 3 * 2**20
+    assert (trial / "written.bin").stat().st_size == 2**21  # the trial's own
+    assert (trial / "rewritten.bin").read_bytes()[:2] == b"xr"  # changed by the trial: kept
+    assert (trial / "small.txt").read_text() == "kept" and (trial / "job.py").is_file()
+    [log] = (tmp_path / "results" / "logs").iterdir()
+    assert "left unchanged (3 MiB; the originals are where they were)" in log.read_text()
+
+
 def test_one_slot_trials_are_hosted_unless_asked_otherwise() -> None:
     assert hosts_trials(None)  # on the CPU and, since the H100 check, on a GPU
     assert hosts_trials(True) and not hosts_trials(False)
