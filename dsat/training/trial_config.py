@@ -50,7 +50,16 @@ def get_ds_config_from_hparams(
             f"hyperparameters.{DS_CONFIG_KEY} is missing; set it to the path of your DeepSpeed "
             "JSON in the experiment YAML"
         )
-    base = load_ds_json(Path(base_dir) / relative, f"hyperparameters.{DS_CONFIG_KEY}")
+    path = Path(base_dir) / relative
+    if not path.is_absolute() and not path.is_file():
+        # The YAML's path was checked at launch: read from elsewhere, the script has changed
+        # its working directory (os.chdir), and "fix the path" sent the user to a right one.
+        raise DsatError(
+            f"hyperparameters.{DS_CONFIG_KEY}: {path} is not in the working directory "
+            f"{os.getcwd()}; the trial starts in the directory that holds it: call "
+            "get_ds_config_from_hparams before changing directory, or pass base_dir="
+        )
+    base = load_ds_json(path, f"hyperparameters.{DS_CONFIG_KEY}")
     overwrites = checked_overwrites(hparams)
     merged = deep_merge(base, overwrites)
     start_clock(overwrites, Precision.of(merged))  # a search trial: dsat times the steps itself

@@ -41,6 +41,23 @@ def test_get_ds_config_from_hparams_missing_file(tmp_path: Path) -> None:
         dsat.get_ds_config_from_hparams({"deepspeed_config": "nope.json"}, tmp_path)
 
 
+def test_a_script_that_changed_directory_is_told_so_not_to_fix_a_right_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After ``os.chdir('/tmp')`` it said "ds_config.json: DeepSpeed config not found ...; fix
+    the path", of the YAML's path dsat had checked at launch."""
+    (tmp_path / "trial").mkdir()
+    (tmp_path / "trial" / "ds_config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)  # the script's os.chdir, away from its trial directory
+    with pytest.raises(DsatError) as err:
+        dsat.get_ds_config_from_hparams({"deepspeed_config": "ds_config.json"})
+    message = str(err.value)
+    assert f"not in the working directory {tmp_path}" in message and "base_dir=" in message
+    assert "fix the path" not in message
+    config = dsat.get_ds_config_from_hparams({"deepspeed_config": "ds_config.json"}, "trial")
+    assert config == {}
+
+
 def test_overwrite_deepspeed_config_takes_a_dict_or_a_path(tmp_path: Path) -> None:
     base = {"optimizer": {"type": "Adam", "params": {"lr": 0.1, "eps": 1e-8}}}
     overwrites = {"optimizer": {"params": {"lr": 0.005}}, "train_batch_size": 16}
