@@ -125,7 +125,12 @@ class WarmWorker:
 
     def _read(self) -> None:
         assert self.process.stdout is not None  # stdout=PIPE
-        for line in self.process.stdout:
+        with self.process.stdout:  # closed here, by its only reader (left open: a ResourceWarning)
+            self._read_events(self.process.stdout)
+        self._lost()
+
+    def _read_events(self, stdout: IO[bytes]) -> None:
+        for line in stdout:
             try:
                 event: dict[str, Any] = json.loads(line)
             except ValueError:
@@ -150,7 +155,6 @@ class WarmWorker:
             elif kind == "cold":
                 self.cold_reason = str(event.get("reason"))
                 self._replies.put(self.cold_reason)
-        self._lost()
 
     def _lost(self) -> None:
         """The worker is gone: its trials (killed with it) end as errors that say why."""

@@ -68,6 +68,21 @@ def test_trials_fork_from_one_worker_which_a_resumed_search_would_find(tmp_path:
         ex.close()
 
 
+def test_a_stopped_worker_leaves_no_pipe_open(tmp_path: Path) -> None:
+    """Under PYTHONWARNINGS=error dsat's console showed "Exception ignored ... ResourceWarning:
+    unclosed file <_io.BufferedReader name=11>": a stopped worker's event pipe was never
+    closed."""
+    ex = local_runner(tmp_path, COMPLETES)
+    try:
+        run(ex, 1)
+        assert ex.warm_workers is not None
+        worker = ex.warm_workers.workers["cpu0"]
+        ex.warm_workers.stop("cpu0")
+        assert worker.process.stdout is not None and worker.process.stdout.closed
+    finally:
+        ex.close()
+
+
 def test_a_worker_lost_between_trials_is_started_again(tmp_path: Path) -> None:
     ex = local_runner(tmp_path, COMPLETES)
     try:
