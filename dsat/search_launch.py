@@ -41,7 +41,12 @@ from dsat.results.directory import (
     full_experiment_hparams,
     read_trial_rows,
 )
-from dsat.results.directory_lock import LOCK_FILE, DirectoryInUse, results_directory_lock
+from dsat.results.directory_lock import (
+    LOCK_FILE,
+    DirectoryInUse,
+    refuse_if_in_use,
+    results_directory_lock,
+)
 from dsat.results.report import write_report
 from dsat.results.resume import (
     read_saved_state,
@@ -178,6 +183,11 @@ RUNNER_SETUPS: dict[RunnerKind, type[LocalSetup | RaySetup | SimulatedSetup | De
 def plan_search(
     settings: SearchSettings, environ: Mapping[str, str], now: datetime.datetime | None = None
 ) -> LaunchPlan:
+    # First: a search running there is all there is to say (not its settings' faults, nor
+    # "continue it with --resume", which its lock then refused).
+    for flag, named in (("--resume", settings.resume), ("--results-dir", settings.results_dir)):
+        if named is not None and Path(named).is_dir():
+            refuse_if_in_use(Path(named), flag)
     if settings.resume is not None:
         for path, what in ((settings.config_path, "config"), (settings.model_dir, "MODEL_DIR")):
             if not Path(path).exists():

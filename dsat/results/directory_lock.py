@@ -24,6 +24,31 @@ class DirectoryInUse(DsatError):
     """Another dsat search holds the results directory."""
 
 
+def in_use_message(results_dir: Path, flag: str, holder: str) -> str:
+    return (
+        f"{flag} {shown(results_dir)} is in use by another dsat search (pid {holder}); wait for "
+        "it to end, or choose another directory"
+    )
+
+
+def refuse_if_in_use(results_dir: Path, flag: str) -> None:
+    """Raise DirectoryInUse now where a running search holds ``results_dir``: before anything is
+    printed or read, and before "continue it with --resume", which that lock then refused."""
+    path = results_dir / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # no lock file: no search ran there, or it cannot be read (said later)
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
+            raise DirectoryInUse(in_use_message(results_dir, flag, holder)) from None
+    finally:
+        os.close(fd)  # releases the look
+
+
 @contextlib.contextmanager
 def results_directory_lock(results_dir: Path, flag: str = "--results-dir") -> Iterator[None]:
     """Hold the directory's lock, or raise DsatError naming the process that holds it."""
@@ -36,10 +61,7 @@ def results_directory_lock(results_dir: Path, flag: str = "--results-dir") -> It
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
-            raise DirectoryInUse(
-                f"{flag} {shown(results_dir)} is in use by another dsat search (pid {holder}); "
-                "wait for it to end, or choose another directory"
-            ) from None
+            raise DirectoryInUse(in_use_message(results_dir, flag, holder)) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield

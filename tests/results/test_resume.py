@@ -17,6 +17,7 @@ import pytest
 from dsat.cli import main
 from dsat.constants import SETTINGS_FILE, STATE_FILE
 from dsat.errors import DsatError
+from dsat.paths import shown
 from dsat.results.directory import TRIALS_FILE
 from dsat.results.directory_lock import results_directory_lock
 from tests.conftest import REPO_ROOT
@@ -256,12 +257,21 @@ def test_a_directory_another_search_runs_in_is_one_line(
     """Two resumes at once both ran every remaining trial, each rewriting the other's files."""
     results, _ = interrupted
     before = (results / TRIALS_FILE).read_text()
+    settings = json.loads((results / SETTINGS_FILE).read_text())
+    new_search = ["asha", settings["config_path"], settings["model_dir"], "--results-dir"]
     with results_directory_lock(results, "--resume"):  # as a search running there holds it
-        assert_one_line_error(
-            capsys,
-            ["asha", "--resume", str(results)],
-            f"is in use by another dsat search (pid {os.getpid()})",
-        )
+        for argv, flag in (
+            (["asha", "--resume", str(results)], "--resume"),
+            # It said "already holds a search; continue it with --resume", which then refused.
+            ([*new_search, str(results)], "--results-dir"),
+        ):
+            assert main(argv) == 2
+            out, err = capsys.readouterr()
+            assert out == ""  # it printed its runner and experiment first
+            assert err.strip() == (
+                f"dsat: error: {flag} {shown(results)} is in use by another dsat search (pid "
+                f"{os.getpid()}); wait for it to end, or choose another directory"
+            )
     assert (results / TRIALS_FILE).read_text() == before
     assert main(["asha", "--resume", str(results)]) == 0  # once it has ended, it resumes
 
