@@ -926,16 +926,22 @@ ILLEGAL_ACCESS_SIMULATOR = (
 )
 
 
-def test_a_search_whose_every_search_trial_failed_says_so_and_why(tmp_path: Path) -> None:
-    """It ended with "search failed: --max-trials used up (8)", and its summary did not say
-    that nothing was handed over."""
+def illegal_access_search(tmp_path: Path, max_trials: int) -> str:
+    """A binary search whose every search trial crashes alike; its one line on stderr."""
     sim = tmp_path / "sim.py"
     sim.write_text(ILLEGAL_ACCESS_SIMULATOR)
     result = run_simulated(
-        "binary", "bert_base.yaml", f"{sim}:perf", tmp_path / "r", "--max-trials", "4"
+        "binary", "bert_base.yaml", f"{sim}:perf", tmp_path / "r", "--max-trials", str(max_trials)
     )
     assert result.returncode == 1, result.stderr
     (line,) = result.stderr.strip().splitlines()
+    return line
+
+
+def test_a_search_whose_every_search_trial_failed_says_so_and_why(tmp_path: Path) -> None:
+    """It ended with "search failed: --max-trials used up (8)", and its summary did not say
+    that nothing was handed over."""
+    line = illegal_access_search(tmp_path, 4)
     assert line.startswith(
         "dsat: search failed: none of the 3 search trials succeeded; 3 ended "
         "with: RuntimeError: CUDA error: an illegal memory access"
@@ -958,13 +964,7 @@ def test_trials_crashing_alike_whatever_their_configuration_end_the_search(
 ) -> None:
     """The same crash of no known kind in every search trial ran the whole budget (64 trials,
     each a GPU's start-up), to say at the end that none succeeded."""
-    sim = tmp_path / "sim.py"
-    sim.write_text(ILLEGAL_ACCESS_SIMULATOR)
-    result = run_simulated(
-        "binary", "bert_base.yaml", f"{sim}:perf", tmp_path / "r", "--max-trials", "40"
-    )
-    assert result.returncode == 1, result.stderr
-    (line,) = result.stderr.strip().splitlines()
+    line = illegal_access_search(tmp_path, 40)
     assert re.match(
         r"dsat: search failed: the last 5 trials failed alike over ZeRO stages (\d, )+\d at "
         r"micro-batch(es \d+ to)? \d+, and none has succeeded: RuntimeError: CUDA error: an illegal "

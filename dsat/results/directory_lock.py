@@ -24,27 +24,28 @@ class DirectoryInUse(DsatError):
     """Another dsat search holds the results directory."""
 
 
-def in_use_message(results_dir: Path, flag: str, holder: str) -> str:
-    return (
-        f"{flag} {shown(results_dir)} is in use by another dsat search (pid {holder}); wait for "
-        "it to end, or choose another directory"
-    )
+def lock_or_refuse(fd: int, mode: int, results_dir: Path, flag: str) -> None:
+    """Take the lock file ``fd`` in ``mode`` (flock's), or raise DirectoryInUse naming the
+    search that holds it."""
+    try:
+        fcntl.flock(fd, mode | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
+        raise DirectoryInUse(
+            f"{flag} {shown(results_dir)} is in use by another dsat search (pid {holder}); "
+            "wait for it to end, or choose another directory"
+        ) from None
 
 
 def refuse_if_in_use(results_dir: Path, flag: str) -> None:
     """Raise DirectoryInUse now where a running search holds ``results_dir``: before anything is
     printed or read, and before "continue it with --resume", which that lock then refused."""
-    path = results_dir / LOCK_FILE
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(results_dir / LOCK_FILE, os.O_RDONLY)
     except OSError:  # no lock file: no search ran there, or it cannot be read (said later)
         return
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
-            raise DirectoryInUse(in_use_message(results_dir, flag, holder)) from None
+        lock_or_refuse(fd, fcntl.LOCK_SH, results_dir, flag)
     finally:
         os.close(fd)  # releases the look
 
@@ -57,11 +58,7 @@ def results_directory_lock(results_dir: Path, flag: str = "--results-dir") -> It
     path = results_dir / LOCK_FILE
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
-            raise DirectoryInUse(in_use_message(results_dir, flag, holder)) from None
+        lock_or_refuse(fd, fcntl.LOCK_EX, results_dir, flag)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield
