@@ -548,6 +548,10 @@ def report_main(argv: Sequence[str]) -> int:
     return 0
 
 
+# Signals that stop a search as Ctrl-C does (SIGINT itself raises KeyboardInterrupt).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from dsat.runners.local.full_run import FullExperimentFailed
     from dsat.search_launch import (
@@ -567,11 +571,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     stopped_by: list[int] = []
 
     def stop_as_ctrl_c(signum: int, frame: object) -> None:
-        """SIGTERM stops a search the way Ctrl-C does: trials stopped, state kept."""
+        """SIGTERM, and SIGHUP (the terminal closed), stop a search the way Ctrl-C does: trials
+        stopped, state kept; SIGHUP could end dsat between a trial's row and the state."""
         stopped_by.append(signum)
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, stop_as_ctrl_c)
+    previous = {
+        signum: signal.signal(signum, stop_as_ctrl_c)
+        for signum in STOP_SIGNALS
+        if signal.getsignal(signum) is not signal.SIG_IGN  # nohup's stays ignored
+    }
     try:
         launch(parse_settings(argv), os.environ)
     except DsatError as err:
@@ -590,7 +599,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # scheduler that preempted the job tells it from a failure so).
         return 128 + (stopped_by[0] if stopped_by else signal.SIGINT)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     return 0
 
 
@@ -606,5 +616,9 @@ def dump_stacks_on_request() -> None:
 
 
 def main_exit() -> None:
-    """Console-script entry point."""
-    sys.exit(main())
+    """Console-script entry point. Once dsat has said how it ended, a second Ctrl-C is
+    ignored: it landed in torch's exit handlers and printed a traceback after the message."""
+    code = main()
+    for signum in (signal.SIGINT, *STOP_SIGNALS):
+        signal.signal(signum, signal.SIG_IGN)
+    sys.exit(code)

@@ -67,7 +67,7 @@ from dsat.runners import RunnerKind, resolve_runner
 from dsat.runners.determined.submit import DeterminedSetup
 from dsat.runners.local.full_run import FullExperimentFailed
 from dsat.runners.local.runner import copy_ignore
-from dsat.runners.local.setup import LocalSetup
+from dsat.runners.local.setup import OPS_LOG, LocalSetup
 from dsat.runners.ray.setup import RaySetup
 from dsat.runners.simulated.setup import SimulatedSetup
 from dsat.runners.trial_runner import RunnerSetup, TrialRunner
@@ -133,11 +133,13 @@ def recorded_trials(results_dir: Path) -> int:
 
 
 class SearchInterrupted(Exception):
-    """Ctrl-C or SIGTERM: every trial was stopped and the state is saved for --resume."""
+    """Ctrl-C or SIGTERM: every trial was stopped and the state is saved for --resume (or
+    ``said``: what else was stopped, and what to do)."""
 
-    def __init__(self, method: str, results_dir: Path) -> None:
+    def __init__(self, method: str, results_dir: Path, said: str | None = None) -> None:
         super().__init__(
-            f"interrupted; every trial was stopped. Resume with: {resume_command(method, results_dir)}"
+            said
+            or f"interrupted; every trial was stopped. Resume with: {resume_command(method, results_dir)}"
         )
         self.results_dir = results_dir
 
@@ -402,7 +404,7 @@ def launch(settings: SearchSettings, environ: Mapping[str, str]) -> None:
                         f"{flag} {shown(plan.results_dir)} already holds a search; choose another "
                         "directory"
                     )
-                search_here(plan, plan.setup.open(plan.results_dir))
+                search_here(plan, open_runner(plan))
             return
         except DirectoryInUse:
             if not chosen:
@@ -439,6 +441,34 @@ def print_experiment(plan: LaunchPlan, where_results_go: str) -> None:
         )
 
 
+def open_runner(plan: LaunchPlan) -> TrialRunner:
+    """The runner, ready for trials. Ctrl-C while it gets ready (DeepSpeed's ops building, slots
+    another search holds) said only "interrupted", and a new search's directory was left
+    holding the build's log, which a second try refused as files that are not a search's."""
+    assert not isinstance(plan.setup, DeterminedSetup)  # its search runs on the cluster
+    try:
+        return plan.setup.open(plan.results_dir)
+    except KeyboardInterrupt:
+        settings = plan.settings
+        if settings.resume is not None:
+            raise SearchInterrupted(
+                settings.method,
+                plan.results_dir,
+                "interrupted before the search went on (no trial had started); resume with: "
+                f"{resume_command(settings.method, plan.results_dir)}",
+            ) from None
+        logs = plan.results_dir / "logs"
+        with contextlib.suppress(OSError):
+            (logs / OPS_LOG).unlink()
+            logs.rmdir()  # the lock's end then removes the directory it made
+        raise SearchInterrupted(
+            settings.method,
+            plan.results_dir,
+            "interrupted before the first trial (while the runner got ready); nothing was "
+            "kept: run the same command again",
+        ) from None
+
+
 def search_here(plan: LaunchPlan, runner: TrialRunner) -> None:
     """The search on this machine with ``runner``, then its report and the full run if asked."""
     settings = plan.settings
@@ -468,7 +498,16 @@ def search_here(plan: LaunchPlan, runner: TrialRunner) -> None:
     finally:
         runner.close()
     trains = plan.runner is not RunnerKind.SIMULATED
-    report_end(method, plan.results_dir, settings.run_full_experiment, trains)
+    try:
+        report_end(method, plan.results_dir, settings.run_full_experiment, trains)
+    except KeyboardInterrupt:
+        again = resume_command(settings.method, plan.results_dir)
+        raise SearchInterrupted(
+            settings.method,
+            plan.results_dir,
+            "interrupted while the report was written; the search had ended and is kept: "
+            f"{again} writes the report and shows the hand-over again",
+        ) from None
     if settings.run_full_experiment:
         best = method.tracker.best()
         assert best is not None  # report_end raised SearchFailed otherwise

@@ -1065,7 +1065,7 @@ def test_an_nvme_directory_this_machines_trials_cannot_use_is_one_line(
     )
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_a_stopped_search_exits_with_the_shells_code_for_its_signal(
     monkeypatch: pytest.MonkeyPatch, experiment_yaml: Path, sig: signal.Signals
 ) -> None:
@@ -1079,6 +1079,25 @@ def test_a_stopped_search_exits_with_the_shells_code_for_its_signal(
 
     monkeypatch.setattr(dsat.search_launch, "launch", stopped_while_searching)
     assert main(["asha", str(experiment_yaml), str(experiment_yaml.parent)]) == 128 + sig
+
+
+def test_once_dsat_has_said_how_it_ended_a_second_ctrl_c_is_ignored(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A second Ctrl-C landed in torch's exit handlers and printed a traceback after dsat's
+    own "interrupted" line."""
+    import dsat.cli
+
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, *dsat.cli.STOP_SIGNALS)}
+    monkeypatch.setattr(dsat.cli, "main", lambda: 130)
+    try:
+        with pytest.raises(SystemExit) as ended:
+            dsat.cli.main_exit()
+        assert ended.value.code == 130
+        assert all(signal.getsignal(s) is signal.SIG_IGN for s in handlers)
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
 
 
 @pytest.mark.parametrize("when", ["before the plan", "between the plan and the lock"])

@@ -127,3 +127,70 @@ def test_the_full_run_trains_with_best_ds_config_json_as_the_user_left_it(tmp_pa
     assert (
         OVERWRITE_KEY in runner.trained[-1] and "optimizer" not in runner.trained[-1][OVERWRITE_KEY]
     )
+
+
+SIMULATED_ARGV = [
+    "asha",
+    str(SIMULATED / "gpt2_large.yaml"),
+    str(SIMULATED),
+    "--runner",
+    "simulated",
+    "--simulator",
+    "dsat.runners.simulated.performance_models:gpt2_large_16xv100",
+    "--max-trials",
+    "6",
+]
+
+
+def test_ctrl_c_while_the_runner_gets_ready_keeps_nothing_and_says_to_run_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C during DeepSpeed's op build said only "interrupted", and left the directory
+    holding the build's log, which the same command then refused as not a search's files."""
+    from dsat.cli import main
+    from dsat.runners.local.setup import OPS_LOG
+
+    opened = SimulatedSetup.open
+
+    def building(self: SimulatedSetup, results_dir: Path) -> Any:
+        (results_dir / "logs").mkdir()
+        (results_dir / "logs" / OPS_LOG).write_text("building deepspeed_shm_comm\n")
+        raise KeyboardInterrupt
+
+    argv = [*SIMULATED_ARGV, "--results-dir", str(tmp_path / "r")]
+    monkeypatch.setattr(SimulatedSetup, "open", building)
+    assert main(argv) == 130
+    assert capsys.readouterr().err.strip() == (
+        "dsat: interrupted before the first trial (while the runner got ready); nothing was "
+        "kept: run the same command again"
+    )
+    assert not (tmp_path / "r").exists()
+    monkeypatch.setattr(SimulatedSetup, "open", opened)
+    assert main(argv) == 0  # the same command again
+
+
+def test_ctrl_c_while_the_report_is_written_says_how_to_get_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It said only "interrupted": no hand-over, no report, and no word that --resume gives
+    both."""
+    import dsat.search_launch
+    from dsat.cli import main
+
+    reported = dsat.search_launch.report_end
+
+    def interrupted(*args: Any, **kwargs: Any) -> None:
+        raise KeyboardInterrupt
+
+    results = tmp_path / "r"
+    monkeypatch.setattr(dsat.search_launch, "report_end", interrupted)
+    assert main([*SIMULATED_ARGV, "--results-dir", str(results)]) == 130
+    again = resume_command("asha", results)
+    assert capsys.readouterr().err.strip() == (
+        "dsat: interrupted while the report was written; the search had ended and is kept: "
+        f"{again} writes the report and shows the hand-over again"
+    )
+    monkeypatch.setattr(dsat.search_launch, "report_end", reported)
+    assert main(["asha", "--resume", str(results)]) == 0
+    assert "best DeepSpeed config" in capsys.readouterr().out
+    assert (results / "report.html").is_file()
