@@ -610,6 +610,12 @@ def closing_lines(
         use = f"pass it as your DeepSpeed config (deepspeed.initialize(..., config={path!r}))"
     if full_run:
         nxt = "the full training run with it starts now"
+    elif yours_clearly_faster(method):
+        # It recommended the file that measured slower, right after "keep it".
+        nxt = (
+            "keep training with your own config, which measured faster; the file above holds "
+            "the best this search could hand over, should a longer search not beat yours either"
+        )
     elif not trains:
         nxt = use
     else:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import re
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from dsat.trial_failure import FailureCause
@@ -84,6 +86,19 @@ class SearchRange:
         return (self.lo + self.hi) // 2
 
 
+# A runner's name for a trial's log and its directory: logs/NNN-<id>.log, trials/NNN-<id>/.
+LOG_NUMBER = re.compile(r"^(\d{3,})-")
+
+
+def trial_number(index: int, log: str | None) -> int:
+    """The number of the trial's log and directory where its runner wrote them (launch order,
+    carried on by a resume), else its place in the search from 1: the screen counted from 0 in
+    creation order and trials.jsonl in finishing order, so with trials at once "trial 1" named
+    three different trials."""
+    found = LOG_NUMBER.match(Path(log).name) if log else None
+    return int(found.group(1)) if found else index + 1
+
+
 @dataclasses.dataclass(frozen=True)
 class TrialRecord:
     """A trial and, once finished, its outcome. Immutable: updates make a new record.
@@ -127,6 +142,12 @@ class TrialRecord:
         """Its ZeRO section's identity (zero_space.section_key): equal for two trials with the
         same knobs."""
         return section_key(self._zero_section)
+
+    @property
+    def number(self) -> int:
+        """The number a user finds it by, on screen, in trials.jsonl and the report: see
+        ``trial_number``."""
+        return trial_number(self.index, self.log)
 
     @property
     def memory_fraction(self) -> float | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from dsat.trial import SearchRange, TrialKind, TrialRecord, TrialStatus
+from dsat.trial import SearchRange, TrialKind, TrialRecord, TrialStatus, trial_number
 
 
 def test_status_groups() -> None:
@@ -43,3 +43,12 @@ def test_record_round_trips_through_json() -> None:
     assert record.name == "z2_mb4"  # DeepSpeed's defaults: nothing more to show
     assert record.replace(status=TrialStatus.COMPLETED).status is TrialStatus.COMPLETED
     assert record.status is TrialStatus.OOM  # frozen: replace made a new one
+
+
+def test_a_trial_is_numbered_as_its_log_and_directory_are() -> None:
+    """With trials at once, "trial 1" on screen (creation order from 0), in trials.jsonl
+    (finishing order) and logs/001-* (launch order) were three different trials."""
+    assert trial_number(0, "/r/logs/003-bb4b6df8.log") == 3
+    assert trial_number(5, "r/logs/012-0a1b2c3d-node1.log") == 12
+    assert trial_number(0, None) == 1  # no log (the simulator): its place in the search
+    assert trial_number(4, "/elsewhere/train.log") == 5

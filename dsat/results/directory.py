@@ -152,7 +152,6 @@ class TrialTiming:
 
 
 def trial_line(
-    number: int,
     record: TrialRecord,
     timing: TrialTiming,
     slots: int,
@@ -167,7 +166,7 @@ def trial_line(
     if utilization is not None and record.status is TrialStatus.COMPLETED:
         metrics = {**metrics, **utilization.derived(metrics, flops)}
     return {
-        "trial": number,
+        "trial": record.number,
         "request_id": record.request_id,
         "kind": record.kind.value,
         "status": record.status.value,
@@ -269,9 +268,8 @@ class ResultsWriter:
         shifted = timing.shifted(self._clock_offset)
         lines = list(self._lines)
         earlier = [i for i, line in enumerate(lines) if line.get("request_id") == record.request_id]
-        number = earlier[0] if earlier else len(lines)
+        position = earlier[0] if earlier else len(lines)
         line = trial_line(
-            number,
             record,
             shifted,
             tracker.slots_per_trial,
@@ -280,7 +278,7 @@ class ResultsWriter:
             tracker.model_flops(record),
         )
         if earlier:
-            lines[number] = line
+            lines[position] = line
         else:
             lines.append(line)
         # What the search ranks each trial by, as it counts it now: a trial's FLOPs are counted

@@ -17,7 +17,7 @@ from rich.live import Live
 from rich.text import Text
 
 from dsat.search.tracker import TrialTracker
-from dsat.trial import TrialKind, TrialOutcome, TrialRecord, TrialStatus
+from dsat.trial import TrialKind, TrialOutcome, TrialRecord, TrialStatus, trial_number
 from dsat.trial_failure import MACHINE_ATTEMPTS, first_line, log_note
 
 PREFIX = "dsat:"
@@ -58,7 +58,8 @@ class SearchProgress:
     def trial_retried(self, request_id: str, outcome: TrialOutcome, attempt: int) -> None:
         record = self.tracker.get(request_id)
         line = (
-            f"{PREFIX} trial {record.index} {self.trial_label(record)}: the machine failed it, "
+            f"{PREFIX} trial {trial_number(record.index, outcome.log)} "
+            f"{self.trial_label(record)}: the machine failed it, "
             f"not its configuration: {first_line(outcome.error)}{log_note(outcome.log)}; running "
             f"it again (attempt {attempt + 1} of {MACHINE_ATTEMPTS})"
         )
@@ -80,7 +81,7 @@ class SearchProgress:
 
     def trial_line(self, record: TrialRecord) -> str:
         """Its result, with its unit; a failed one says why in one line, and where its log is."""
-        text = f"trial {record.index} {self.trial_label(record)}: {record.status.value}"
+        text = f"trial {record.number} {self.trial_label(record)}: {record.status.value}"
         value = self.tracker.measured_value(record)
         if value is not None:
             text += f", {self.tracker.metric.describe(value)}"

@@ -98,18 +98,22 @@ class SearchResults:
         return sorted({int(row["zero_stage"]) for row in self.search_rows})
 
     def best_so_far(self) -> list[tuple[int, float, float]]:
-        """(trial number, seconds since the first start, best value so far) per search trial."""
+        """(trials finished, seconds since the first start, best value so far) per search trial,
+        in the order they finished (a trial's number is its launch's, out of order when trials
+        run at once)."""
         if not self.rows:
             return []
         origin = min(float(row.get("start", 0.0)) for row in self.rows)
         best: float | None = None
         points = []
-        for row in self.search_rows:
+        for finished, row in enumerate(self.rows, start=1):
+            if row.get("kind") != "search":
+                continue
             value = None if row.get(SAFE_KEY) is False else self.value(row)
             if value is not None and (best is None or self.metric.is_better(value, best)):
                 best = value
             if best is not None:
-                points.append((int(row["trial"]), float(row["end"]) - origin, best))
+                points.append((finished, float(row["end"]) - origin, best))
         return points
 
 
@@ -329,7 +333,7 @@ def draw_progress(by_trial: Any, by_time: Any, results: SearchResults) -> None:
     points = results.best_so_far()
     metric = results.metric.value
     by_trial.step([t for t, _, _ in points], [b for _, _, b in points], where="post")
-    by_trial.set_xlabel("trial")
+    by_trial.set_xlabel("trials finished")
     by_time.step([s for _, s, _ in points], [b for _, _, b in points], where="post")
     by_time.set_xlabel("wall time, s")
     for ax in (by_trial, by_time):

@@ -160,6 +160,15 @@ class Verdict:
     again: tuple[TrialRecord, ...] = ()
 
 
+def spread_said(spread: float, within_a_run: bool) -> str:
+    """Which spread the round judged a lead by: a run's own steps can vary more than runs do
+    from each other (the summary's "one run's spread"), and "11.6% ahead (within the noise)"
+    beside a spread of 4.4% read as a contradiction."""
+    if within_a_run:
+        return f"a run's steps varied by up to {spread:.1%}"
+    return f"its runs varied by up to {spread:.1%}"
+
+
 def measurements(tracker: TrialTracker, candidate: TrialRecord) -> list[float]:
     """Everything the candidate's configuration measured: its search trial, then its runs in the
     round that completed (larger is better)."""
@@ -222,7 +231,7 @@ def decide(
     best = by_estimate
     # Leaders are equal only within the spread the round measured: a fixed floor would call
     # configurations equal that steady measurements tell apart, and hand over a slower one.
-    spread = 0.0
+    spread, within_a_run = 0.0, False
     for values in ran.values():
         if len(values) > 2:
             again = values[1:]
@@ -231,7 +240,9 @@ def decide(
         window = [
             r.metrics.get("step_time_spread") for r in tracker.confirmation_runs(c.request_id)
         ]
-        spread = max([spread, *(float(w) for w in window if isinstance(w, (int, float)))])
+        steps = max((float(w) for w in window if isinstance(w, (int, float))), default=0.0)
+        if steps > spread:
+            spread, within_a_run = steps, True
     top = estimate[best.request_id]
     tie = min(spread, MOST_GIVEN_FOR_HEADROOM)
     # Level by the estimate and by the runs: on a noisy machine the estimate can call two
@@ -278,6 +289,10 @@ def decide(
     return Verdict(
         best,
         f"the fastest {how}: {ahead:.1%} ahead of {second.name}"
-        + (" (within the noise: either is as good)" if ahead <= spread else "")
+        + (
+            f" (within the noise: {spread_said(spread, within_a_run)}; either is as good)"
+            if ahead <= spread
+            else ""
+        )
         + faster_in_its_runs(best),
     )

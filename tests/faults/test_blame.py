@@ -41,13 +41,14 @@ def test_faults_of_the_machine_are_run_again_and_said(tmp_path: Path) -> None:
     lines = retried_lines(run.stdout)
     assert len(lines) == 3, run.stdout
     port, parent, killed = lines
-    assert port.startswith("dsat: trial 0 model profile: the machine failed it, not its config")
+    # Each run is numbered as its log is: logs/001-* for the profile's first.
+    assert port.startswith("dsat: trial 1 model profile: the machine failed it, not its config")
     assert "EADDRINUSE" in port and f"(attempt 2 of {MACHINE_ATTEMPTS})" in port
     # The warm worker the trial was forked from was killed: its trial dies with it.
     assert "the warm worker this trial was forked from died" in parent
     assert f"(attempt 3 of {MACHINE_ATTEMPTS})" in parent
     assert (
-        killed.startswith("dsat: trial 1 z1_") and "killed by SIGKILL from outside dsat" in killed
+        killed.startswith("dsat: trial 4 z1_") and "killed by SIGKILL from outside dsat" in killed
     )
     for line in lines:  # each names its own attempt's log, which holds the fault
         log = Path(re.search(r"\(log: (\S+)\)", line).group(1))  # type: ignore[union-attr]
@@ -87,7 +88,7 @@ def test_a_rank_killed_mid_trial_is_run_again(tmp_path: Path) -> None:
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     (line,) = retried_lines(run.stdout)
-    assert line.startswith("dsat: trial 1 z2_") and "killed by SIGKILL from outside dsat" in line
+    assert line.startswith("dsat: trial 2 z2_") and "killed by SIGKILL from outside dsat" in line
     rows = trials(results)
     assert [row["status"] for row in rows] == ["completed", "completed"]
     assert rows[1]["overwrites"]["train_batch_size"] == 2 * rows[1]["mbs"]  # two ranks

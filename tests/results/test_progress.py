@@ -59,12 +59,12 @@ def test_plain_lines_count_every_outcome_and_name_the_best() -> None:
     lines = out.getvalue().splitlines()
     assert (
         lines[0]
-        == "dsat: trial 0 model profile: completed | running 4, done 1, oom 0, error 0 (1 of at most "
+        == "dsat: trial 1 model profile: completed | running 4, done 1, oom 0, error 0 (1 of at most "
         "10 trials), 01:15"
     )
-    assert lines[2].startswith("dsat: trial 0 z1_mb4: completed, 30 samples/s |")
+    assert lines[2].startswith("dsat: trial 1 z1_mb4: completed, 30 samples/s |")
     assert lines[2].endswith("best z1_mb4 30 samples/s, 01:15")
-    assert lines[4].startswith("dsat: trial 0 z1_mb16: timeout |")
+    assert lines[4].startswith("dsat: trial 1 z1_mb16: timeout |")
     assert "running 0, done 3, oom 1, error 1 (5 of at most 10 trials)" in lines[4]
     assert "\x1b[" not in out.getvalue()
 
@@ -84,13 +84,14 @@ def test_a_failed_trial_says_why_and_where_its_log_is_and_a_retry_says_so() -> N
     t.mark_finished("a", TrialStatus.ERROR, error=error, log="/r/logs/002-a.log")
     progress.trial_finished("a", outcome("a", TrialStatus.ERROR))
     retried, failed = out.getvalue().splitlines()
+    # Each run named by its log's number, as logs/ and trials/ name it.
     assert retried == (
-        "dsat: trial 0 z1_mb8: the machine failed it, not its configuration: a port was "
+        "dsat: trial 1 z1_mb8: the machine failed it, not its configuration: a port was "
         f"taken (EADDRINUSE) (log: /r/logs/001-a.log); running it again (attempt 2 of "
         f"{MACHINE_ATTEMPTS})"
     )
     assert failed.startswith(
-        "dsat: trial 0 z1_mb8: error: ValueError: bad shape (exit code 1) "
+        "dsat: trial 2 z1_mb8: error: ValueError: bad shape (exit code 1) "
         "(log: /r/logs/002-a.log) | "
     )
 
@@ -118,7 +119,7 @@ def test_terminal_gets_a_live_line_that_is_gone_at_the_end() -> None:
         finish(progress, "a", TrialStatus.COMPLETED, 3.0)
     assert progress._live is None
     text = out.getvalue()
-    assert "trial 0 z1_mb2: completed, 3 samples/s" in text
+    assert "trial 1 z1_mb2: completed, 3 samples/s" in text
     assert "running 1, done 0" in text  # the live line as it was while the trial ran
     assert "\x1b[" in text  # cursor control: the live line is redrawn in place
 

@@ -54,6 +54,10 @@ def test_a_finished_search_draws_its_report(
     assert picked is not None and picked["status"] == "completed"
     best = json.loads((results / "best_ds_config.json").read_text())
     assert picked["mbs"] == best["train_micro_batch_size_per_gpu"]
+    # The progress panel steps along the trials as they finished (a trial's number is its
+    # launch's, out of order when trials run at once).
+    finished = [count for count, _, _ in load_results(results).best_so_far()]
+    assert finished == sorted(finished) and len(set(finished)) == len(finished)
 
 
 def test_an_interrupted_search_is_reported_then_resumed_and_reported_again(

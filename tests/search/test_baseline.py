@@ -103,7 +103,12 @@ def test_a_hand_over_slower_than_the_users_config_says_whether_that_is_the_noise
     assert slower.startswith("0.77x your config")
     assert "; your config measured faster, by more than the noise" in slower
     assert "keep it, or start a longer search (--max-trials, 10 here)" in slower
-    assert "your config measured faster" in closing_lines(method, tmp_path, False)[0]
+    found, _, nxt = closing_lines(method, tmp_path, False)
+    assert "your config measured faster" in found
+    # It then said "next: pass it as your DeepSpeed config", of the file that measured slower.
+    assert nxt.startswith("dsat: next: keep training with your own config") and "pass it" not in nxt
+    measured_at(1.01)
+    assert "pass it as your DeepSpeed config" in closing_lines(method, tmp_path, False)[2]
 
 
 def test_a_hand_over_that_is_the_users_own_config_says_so(tmp_path: Path) -> None:

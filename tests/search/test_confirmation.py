@@ -79,10 +79,19 @@ def test_a_lucky_measurement_is_not_handed_over() -> None:
     assert not m.search_failed
 
 
-def measured(m: Any, mbs: int, values: list[float], memory: float, searched: float = 1.0) -> Any:
+def measured(
+    m: Any,
+    mbs: int,
+    values: list[float],
+    memory: float,
+    searched: float = 1.0,
+    steps_spread: float | None = None,
+) -> Any:
     """A finished search trial at ``mbs`` measuring ``searched`` and its confirmation runs
-    measuring ``values``."""
-    metrics = {"memory_peak_bytes": int(memory * GiB), "memory_total_bytes": GiB}
+    measuring ``values`` (their steps varying by ``steps_spread`` within a run, where given)."""
+    metrics: dict[str, Any] = {"memory_peak_bytes": int(memory * GiB), "memory_total_bytes": GiB}
+    if steps_spread is not None:
+        metrics["step_time_spread"] = steps_spread
     leader = m.make_trial(TrialKind.SEARCH, {"stage": 1}, mbs).replace(request_id=f"at-{mbs}")
     m.tracker.add(leader, queue=False)
     m.tracker.mark_finished(
@@ -333,3 +342,23 @@ def test_the_reason_names_what_the_leaders_differ_in() -> None:
         ds_config={**fast.ds_config, "zero_optimization": {"stage": 1, "reduce_bucket_size": 10**7}}
     )
     assert (a.name, b.name) == ("z1_mb40", "z1_mb40_rb1e7")
+
+
+def test_a_lead_within_the_noise_says_which_spread_it_is_within() -> None:
+    """ "11.6% ahead of z0_mb416 (within the noise: either is as good)" stood beside the
+    summary's "one run's spread: 4.4%": the round had judged by how much a run's own steps
+    varied, and did not say so."""
+    m = method("binary", metric="throughput")
+    fast = measured(m, 40, [105.0, 105.0, 105.0], memory=0.5, steps_spread=0.12)
+    slow = measured(m, 32, [100.0, 100.0, 100.0], memory=0.5)
+    verdict = decide(m.tracker, [fast, slow])
+    assert verdict.chosen is fast
+    assert verdict.reason == (
+        "the fastest in its runs: 5.0% ahead of z1_mb32 (within the noise: a run's steps varied "
+        "by up to 12.0%; either is as good)"
+    )
+    m = method("binary", metric="throughput")
+    fast = measured(m, 40, [105.0, 110.0, 100.0], memory=0.5)
+    slow = measured(m, 32, [100.0, 100.0, 100.0], memory=0.5)
+    reason = decide(m.tracker, [fast, slow]).reason
+    assert "(within the noise: its runs varied by up to 9.5%; either is as good)" in reason

@@ -196,5 +196,6 @@ def test_a_loop_too_short_to_measure_says_why_in_one_line(tmp_path: Path) -> Non
     first_line = rows[1]["error"].splitlines()[0]
     _, last = measured_window(DEFAULT_START_PROFILE_STEP, DEFAULT_END_PROFILE_STEP)
     assert first_line.startswith(f"training ended after 8 optimizer steps; dsat needs {last + 1}")
-    assert f"trial 1 {rows[1]['name']}: error: {first_line[:150]}" in run.stdout  # said, not kept
+    said = f"trial {rows[1]['trial']} {rows[1]['name']}: error: {first_line[:150]}"
+    assert said in run.stdout  # said, not kept
     assert rows[1]["cause"] == "script"

@@ -100,7 +100,7 @@ def test_small_search_writes_a_best_config_deepspeed_accepts(tmp_path: Path) -> 
     rows = trials(results)
     confirmations = trials(results, confirmations=True)
     # Progress: one plain line per finished trial (stdout is a pipe here, so no live display).
-    assert "dsat: trial 0 model profile: completed | running" in run.stdout
+    assert "dsat: trial 1 model profile: completed | running" in run.stdout  # logs/001-*
     finished_lines = re.findall(r"^dsat: trial \d+ ", run.stdout, re.MULTILINE)
     assert len(finished_lines) == 7 + len(confirmations)
     assert "\x1b[" not in run.stdout
@@ -341,7 +341,8 @@ def test_the_users_own_config_runs_once_and_the_hand_over_is_compared_with_it(
     baseline = rows[1]
     assert baseline["status"] == "completed" and (baseline["zero_stage"], baseline["mbs"]) == (1, 8)
     assert measured_a_window(baseline["metrics"])
-    assert "dsat: trial 1 your config (z1_mb8): completed" in run.stdout
+    assert f"dsat: trial {baseline['trial']} your config (z1_mb8): completed" in run.stdout
+    assert Path(baseline["log"]).name.startswith(f"{baseline['trial']:03d}-")
     if "dsat: found ZeRO-1 micro-batch 8: your own config;" in run.stdout:
         # The search handed over the user's own configuration: no speed-up to state.
         assert "your config is the one handed over (ZeRO-1 micro-batch 8)" in run.stdout
@@ -371,7 +372,8 @@ def test_crashing_trial_is_an_error_not_a_crash_of_the_search(tmp_path: Path) ->
     # Each failed trial's line says why and where its log is; the error may be the config's.
     assert rows[1]["cause"] == "unknown" and rows[1]["log"].startswith(str(results / "logs"))
     assert (
-        f"trial 1 {rows[1]['name']}: error: ValueError: this trial crashes on purpose (exit code "
+        f"trial {rows[1]['trial']} {rows[1]['name']}: error: ValueError: this trial crashes on "
+        "purpose (exit code "
         f"1) (log: {rows[1]['log']})" in run.stdout
     )
     assert not any(WARM_MARK in log.read_text() for log in (results / "logs").glob("*.log"))
