@@ -82,6 +82,13 @@ KNOWN_FAILURES: tuple[KnownFailure, ...] = (
         "DeepSpeed rejected the configuration",
     ),
     _known(
+        # What DeepSpeed's engine asserts of a config only once it runs: ZeRO with an optimizer
+        # it has not tested (SGD), ZeRO's own runtime refusals.
+        r"zero_allow_untested_optimizer|ZeRORuntimeException",
+        FailureCause.CONFIG,
+        "DeepSpeed's engine refused the configuration",
+    ),
+    _known(
         r"Check batch related parameters",
         FailureCause.CONFIG,
         "DeepSpeed rejected the batch sizes",

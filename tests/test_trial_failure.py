@@ -67,6 +67,13 @@ SAMPLES: dict[str, tuple[str, FailureCause]] = {
         "equal to micro_batch_per_gpu * gradient_acc_step * world_size 8 != 2 * 1 * 2\n",
         FailureCause.CONFIG,
     ),
+    # Asserted by DeepSpeed's engine once it runs (it was cause unknown, and the failed
+    # profile did not say to fix the config).
+    "untested zero optimizer": (
+        TRACEBACK + "AssertionError: You are using an untested ZeRO Optimizer. Please add "
+        '<"zero_allow_untested_optimizer": true> in the configuration file to use it.\n',
+        FailureCause.CONFIG,
+    ),
     "batch sizes": (
         TRACEBACK + "AssertionError: Check batch related parameters. train_batch_size is not equal "
         "to micro_batch_per_gpu * gradient_acc_step * world_size 16 != 4 * 1 * 2\n",
