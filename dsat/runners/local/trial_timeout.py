@@ -51,7 +51,8 @@ class TrialTimeout:
             )
         return (
             f"trial timeout {self.seconds:.0f} s ({PROFILE_MULTIPLE:g}x the model-profile trial's "
-            f"{self.profile_seconds:.0f} s, at least {FLOOR_S:g} s; --trial-timeout sets one)"
+            f"{seconds_said(self.profile_seconds)} s, at least {FLOOR_S:g} s; --trial-timeout "
+            "sets one)"
         )
 
     def profile_finished(self, seconds: float, announce: bool = True) -> None:
@@ -97,3 +98,8 @@ def _rows(path: Path) -> list[dict[str, Any]]:
         if isinstance(row, dict):
             rows.append(row)
     return rows
+
+
+def seconds_said(seconds: float) -> str:
+    """Whole seconds, but a profile under a second is not "0 s" (10x of it was 300 s)."""
+    return f"{seconds:.0f}" if seconds >= 10 else f"{seconds:.2g}"

@@ -30,9 +30,13 @@ def test_the_default_follows_the_profile_trial_with_a_floor() -> None:
     assert f"{PROFILE_MULTIPLE * 90.0:.0f} s" in slow.describe()
     slow.profile_finished(1.0)  # only the first (the profile trial) counts
     assert slow.seconds == PROFILE_MULTIPLE * 90.0
+    assert "the model-profile trial's 90 s" in slow.describe()
     quick = TrialTimeout(None)
     quick.profile_finished(2.0)
     assert quick.seconds == FLOOR_S
+    instant = TrialTimeout(None)
+    instant.profile_finished(0.42)  # it said "the model-profile trial's 0 s"
+    assert "the model-profile trial's 0.42 s" in instant.describe()
 
 
 def test_a_resumed_search_takes_the_profile_time_from_its_trials(tmp_path: Path) -> None:
