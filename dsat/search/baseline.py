@@ -77,7 +77,7 @@ def _user_batch_or_why_not(
     if method.profile is not None and micro > method.micro_batch_ceiling(stage):
         return (
             None,
-            f"your config (ZeRO-{stage}, micro-batch {micro}) does not fit by the memory model",
+            f"ZeRO-{stage} at micro-batch {micro} does not fit by the memory model",
         )
     return found, None
 

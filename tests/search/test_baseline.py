@@ -212,7 +212,7 @@ def test_no_baseline_when_it_cannot_fit_or_when_asked(tmp_path: Path) -> None:
     search(tmp_path / "huge", huge)
     assert "baseline" not in {row["kind"] for row in rows(tmp_path / "huge")}
     summary = (tmp_path / "huge" / SUMMARY_FILE).read_text()
-    assert "your config: not run (your config (ZeRO-1, micro-batch 4096) does not fit" in summary
+    assert "your config: not run (ZeRO-1 at micro-batch 4096 does not fit by the memory" in summary
     search(tmp_path / "off", USER, baseline=False)
     assert "baseline" not in {row["kind"] for row in rows(tmp_path / "off")}
     assert "your config" not in (tmp_path / "off" / SUMMARY_FILE).read_text()
