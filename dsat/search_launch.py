@@ -623,6 +623,9 @@ def closing_lines(
             f"{use}, or have dsat train with it: "
             f"{resume_command(method.settings.method, results_dir)} --run-full-experiment"
         )
+        earlier = results_dir / FULL_RUN_DIR
+        if earlier.is_dir() and any(earlier.iterdir()):  # that command refuses it otherwise
+            nxt += f" (move {shown(earlier)} away first: it holds the last full run)"
     return [
         f"dsat: found {found}",
         f"dsat: best DeepSpeed config: {path}",

@@ -60,6 +60,13 @@ def test_the_next_step_is_said_as_the_users_script_takes_a_config(
         closing_lines(method, tmp_path, full_run=False, trains=False)[2]
         == (next_line.split(", or have dsat train with it")[0])
     )
+    # After a full run, that command is refused until its directory is moved: said up front.
+    (tmp_path / "full-experiment").mkdir()
+    (tmp_path / "full-experiment" / "checkpoint").write_text("x")
+    after = closing_lines(method, tmp_path, full_run=False)[2]
+    assert after.endswith(
+        f"(move {tmp_path / 'full-experiment'} away first: it holds the last full run)"
+    )
 
 
 class FullRunStoppedByCtrlC(SimulatedRunner):

@@ -123,6 +123,9 @@ def load_results(results_dir: Path) -> SearchResults:
     if not results_dir.is_dir():
         what = "not a directory" if results_dir.exists() else "no such directory"
         raise DsatError(f"{shown(results_dir)}: {what}; pass the results directory a search wrote")
+    if not path.is_file() and (results_dir / SETTINGS_FILE).is_file():
+        # A search began there (interrupted in its first trial): not "pass a search's directory".
+        raise DsatError(f"{shown(results_dir)}: no trial has finished yet; report it once one has")
     if not path.is_file():
         raise DsatError(
             f"{shown(results_dir)}: no {TRIALS_FILE} there; pass a directory a dsat search wrote"

@@ -112,6 +112,10 @@ def test_a_missing_or_damaged_results_dir_is_one_line(
     ):
         (results / TRIALS_FILE).write_text(damaged)
         assert_one_line_error(capsys, ["report", str(results)], TRIALS_FILE, said)
+    # A search interrupted in its first trial wrote no trials.jsonl: it is a search's directory
+    # (it said "pass a directory a dsat search wrote").
+    (results / TRIALS_FILE).unlink()
+    assert_one_line_error(capsys, ["report", str(results)], "no trial has finished yet")
 
 
 def test_the_pick_is_found_where_its_derived_mfu_differs_between_the_files(

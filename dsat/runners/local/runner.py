@@ -472,6 +472,8 @@ class LocalRunner:
             self._kill(trial)
             trial.log.close()
             self.pool.give_back(trial.slots)
+            # A stopped trial runs again under a new number: its copy stays, its data need not.
+            drop_unchanged_copies(trial.directory, self.model_dir, self.includes)
         self.running.clear()
         self.close()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -206,6 +207,24 @@ def test_a_finished_trial_keeps_what_it_wrote_not_copies_of_large_files(tmp_path
     assert (trial / "small.txt").read_text() == "kept" and (trial / "job.py").is_file()
     [log] = (tmp_path / "results" / "logs").iterdir()
     assert "left unchanged (3 MiB; the originals are where they were)" in log.read_text()
+
+
+def test_a_trial_stopped_by_an_interrupt_drops_its_copies_of_large_files_too(
+    tmp_path: Path,
+) -> None:
+    """An interrupted trial runs again under a new number on resume: its copy, with the 300 MB
+    data file, stayed for good."""
+    runner = local_runner(tmp_path, "import time\nopen('started', 'w').close()\ntime.sleep(60)\n")
+    (tmp_path / "model" / "data.bin").write_bytes(b"d" * 2 * 2**20)
+    runner.start(RID.format(1), {}, {}, 5)
+    [trial] = (tmp_path / "results" / "trials").iterdir()
+    deadline = time.monotonic() + 30
+    while not (trial / "started").exists():
+        assert time.monotonic() < deadline, "the trial did not start"
+        time.sleep(0.1)
+    runner.stop_all()
+    assert not (trial / "data.bin").exists() and (trial / "job.py").is_file()
+    assert (tmp_path / "model" / "data.bin").stat().st_size == 2 * 2**20
 
 
 def test_one_slot_trials_are_hosted_unless_asked_otherwise() -> None:
