@@ -16,7 +16,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from dsat.constants import ENV_RAY_ADDRESS, OVERWRITE_KEY, RESULTS_ROOT, SETTINGS_FILE, STATE_FILE
+from dsat.constants import (
+    CHECKPOINTING_HPARAM,
+    ENV_RAY_ADDRESS,
+    OVERWRITE_KEY,
+    RESULTS_ROOT,
+    SETTINGS_FILE,
+    STATE_FILE,
+)
 from dsat.errors import DsatError
 from dsat.experiment.batch_size import batch_value, fixed_global_batch
 from dsat.experiment.config import (
@@ -591,6 +598,15 @@ def closing_lines(
     best = method.tracker.best()
     assert best is not None  # a search that found nothing failed above
     found = described_with_knobs(best)
+    # The fit ladder's switch is a hyperparameter, which best_ds_config.json cannot carry: a
+    # user training with the lines below alone ran without it, as the profile that ran out of
+    # memory did.
+    checkpointing = (
+        best.hparams.get(CHECKPOINTING_HPARAM) is True
+        and method.spec.hparams.get(CHECKPOINTING_HPARAM) is not True
+    )
+    if checkpointing:
+        found += ", with activation checkpointing"
     speedup = speedup_over_yours(method)
     if speedup is not None and yours_handed_over(method):
         found += ": your own config; nothing faster that this search could hand over ran"
@@ -604,10 +620,17 @@ def closing_lines(
         # HF's Trainer checks its batch flags against the JSON and refuses a mismatch.
         use = (
             f"train with {HF_DS_FLAG} {path} --per_device_train_batch_size {best.mbs} "
-            f"--gradient_accumulation_steps {best.gas} (HF refuses flags that differ from it)"
+            f"--gradient_accumulation_steps {best.gas}"
+            + (f" --{CHECKPOINTING_HPARAM} true" if checkpointing else "")
+            + " (HF refuses flags that differ from it)"
         )
     else:
         use = f"pass it as your DeepSpeed config (deepspeed.initialize(..., config={path!r}))"
+        if checkpointing:
+            use += (
+                f" with activation checkpointing on (hyperparameter {CHECKPOINTING_HPARAM}: true), "
+                "which it needs to fit"
+            )
     if full_run:
         nxt = "the full training run with it starts now"
     elif yours_clearly_faster(method):

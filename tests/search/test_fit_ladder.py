@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,6 +24,7 @@ from dsat.search.fit_ladder import (
 )
 from dsat.search.method import DsatSearchMethod
 from dsat.search.trial_builder import SearchSpec
+from dsat.search_launch import closing_lines
 from dsat.trial import TrialKind, TrialStatus
 from tests.search.helpers import PROFILE, cliff_function, settings
 
@@ -132,7 +135,7 @@ def test_the_ladders_switch_reaches_the_scripts_hyperparameters() -> None:
             if calls["profiles"] <= 2:  # as submitted, and ZeRO-3 alone
                 raise MemoryError("out of memory")
             return dict(PROFILE)
-        return cliff_function(4)(ds_config, slots)
+        return cliff_function(64)(ds_config, slots)
 
     spec = SearchSpec(
         {"deepspeed_config": "ds.json", CHECKPOINTING_HPARAM: False},
@@ -149,6 +152,14 @@ def test_the_ladders_switch_reaches_the_scripts_hyperparameters() -> None:
     # says why.
     assert not any(r.kind is TrialKind.BASELINE for r in m.tracker.records)
     assert "ran out of memory at micro-batch 1" in baseline_line(m)
+    # The last lines, which best_ds_config.json alone cannot carry it in, name the switch: a
+    # user who trained with them ran without it, as the profile that ran out of memory did.
+    found, _, nxt = closing_lines(m, Path("r"), full_run=False)
+    assert found.endswith(", with activation checkpointing")
+    assert "with activation checkpointing on (hyperparameter gradient_checkpointing: true)" in nxt
+    hf = dataclasses.replace(spec, entrypoint="python3 train.py --deepspeed ds.json")
+    m.spec = hf
+    assert " --gradient_checkpointing true (HF refuses" in closing_lines(m, Path("r"), False)[2]
 
 
 @pytest.mark.parametrize("method", ["guided", "binary"])
