@@ -10,6 +10,8 @@ file of its own, renamed), so they need no lock, and none is left beside the use
 from __future__ import annotations
 
 import logging
+import shlex
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -111,4 +113,6 @@ def get_hf_args_with_overwrites(args: Sequence[str], hparams: Mapping[str, Any])
             args = _set_flag(args, flag, str(number))
     if hparams.get(CHECKPOINTING_HPARAM) is True:  # the fit ladder's rung: HF Trainer's switch
         args = _set_flag(args, "--gradient_checkpointing", "true")
+    # The log's first line is the command as the user wrote it; this is what the trial ran with.
+    print(f"dsat: this trial's HF arguments: {shlex.join(args)}", file=sys.stderr, flush=True)
     return args

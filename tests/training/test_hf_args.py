@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,9 @@ def _value(args: list[str], flag: str) -> str:
     return args[args.index(flag) + 1]
 
 
-def test_rewrites_flags_and_config(ds_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_rewrites_flags_and_config(
+    ds_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
     caplog.set_level(logging.INFO)
     args = [
         "--output_dir",
@@ -69,6 +72,9 @@ def test_rewrites_flags_and_config(ds_path: Path, caplog: pytest.LogCaptureFixtu
     )
     assert _value(new, "--output_dir") == "out" and args[3] == str(ds_path)  # input list untouched
     assert "changing --per_device_train_batch_size from 8 to 3" in caplog.text
+    # Said in the trial's log: its first line is the command with the user's own flags, and a
+    # script that does not print its arguments left no trace of what the trial ran with.
+    assert f"dsat: this trial's HF arguments: {shlex.join(new)}" in capsys.readouterr().err
 
 
 def test_a_search_trials_clock_knows_the_trainers_inputs_lead_with_the_batch(
