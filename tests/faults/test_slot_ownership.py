@@ -207,6 +207,10 @@ def test_ctrl_c_while_waiting_for_slots_is_one_line_and_starts_nothing(tmp_path:
         other.kill()
         other.wait()
     assert process.returncode == 130
-    assert err == "dsat: interrupted\n", err
+    # It said only "interrupted": nothing to resume, and now that nothing was kept.
+    assert err == (
+        "dsat: interrupted before the first trial (while the runner got ready); nothing was kept: "
+        "run the same command again\n"
+    ), err
     assert "slot(s) on this machine" not in out
-    assert not (results / "trials.jsonl").exists()  # no trial ran, so none is missing
+    assert not results.exists()  # no trial ran: the same command starts afresh
