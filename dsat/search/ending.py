@@ -77,19 +77,20 @@ TRIAL_DIRECTORY = re.compile(r"(?<=/)\d{3,}-[0-9a-f]{8}(?:-node\d+)?(?=/)")
 NUMBER = re.compile(r"\d+")
 
 
+def failure_key(record: TrialRecord) -> str:
+    """A failed trial's reason as trials failing alike share it: each runs in its own directory,
+    which its traceback may name, and counts its own steps (an epoch is fewer steps at a larger
+    micro-batch)."""
+    return NUMBER.sub("N", TRIAL_DIRECTORY.sub("<trial>", first_line(record.error)))
+
+
 def repeated_script_failure(finished: list[TrialRecord]) -> str | None:
     """A stop reason when the last trials all failed for the training script with one reason,
     which no DeepSpeed configuration can cause (too few steps, no metrics reported)."""
     last = finished[-SCRIPT_FAILURES_TO_STOP:]
     if len(last) < SCRIPT_FAILURES_TO_STOP:
         return None
-    # Each trial runs in its own directory, which its traceback may name, and counts its own
-    # steps (an epoch is fewer steps at a larger micro-batch): alike but for those.
-    reasons = {
-        NUMBER.sub("N", TRIAL_DIRECTORY.sub("<trial>", first_line(r.error)))
-        for r in last
-        if r.cause is FailureCause.SCRIPT
-    }
+    reasons = {failure_key(r) for r in last if r.cause is FailureCause.SCRIPT}
     if len(reasons) != 1 or any(r.cause is not FailureCause.SCRIPT for r in last):
         return None
     return (
@@ -122,7 +123,7 @@ def repeated_unknown_failure(finished: list[TrialRecord]) -> str | None:
         return None
     if any(r.cause is not FailureCause.UNKNOWN or r.status is TrialStatus.TIMEOUT for r in last):
         return None
-    reasons = {NUMBER.sub("N", TRIAL_DIRECTORY.sub("<trial>", first_line(r.error))) for r in last}
+    reasons = {failure_key(r) for r in last}
     stages = sorted({r.zero_stage for r in last})
     batches = sorted({r.mbs for r in last})
     if len(reasons) != 1 or len(stages) < 2 or len({r.name for r in last}) < 3:
