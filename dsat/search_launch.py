@@ -57,6 +57,7 @@ from dsat.results.directory_lock import (
 from dsat.results.report import write_report
 from dsat.results.resume import (
     read_saved_state,
+    refuse_changed_experiment,
     refuse_lost_rows,
     refuse_more_trials_when_finished,
     resume_command,
@@ -247,6 +248,7 @@ def plan_search(
         if not results_dir.is_dir():
             raise DsatError(f"--resume {results_dir}: no such results directory")
         state = read_saved_state(results_dir, settings.method)
+        refuse_changed_experiment(results_dir, search_spec(experiment), state)
         refuse_more_trials_when_finished(results_dir, state, settings.max_trials)
         refuse_lost_rows(results_dir, state)
     elif settings.results_dir is not None:
@@ -289,6 +291,15 @@ def plan_search(
         )
         check_results_dir(results_dir, named_by, room_needed(copied, setup))
     return LaunchPlan(settings, experiment, runner, reason, results_dir, setup)
+
+
+def search_spec(experiment: Experiment) -> SearchSpec:
+    return SearchSpec(
+        experiment.hparams,
+        experiment.ds_config,
+        experiment.slots_per_trial,
+        experiment.config.get("entrypoint"),
+    )
 
 
 def check_local_directory(path: str, flag: str) -> None:
@@ -482,12 +493,7 @@ def search_here(plan: LaunchPlan, runner: TrialRunner) -> None:
     experiment = plan.experiment
     if runner.takes_real_time:
         print(f"dsat: if stopped, resume with: {resume_command(settings.method, plan.results_dir)}")
-    spec = SearchSpec(
-        experiment.hparams,
-        experiment.ds_config,
-        experiment.slots_per_trial,
-        experiment.config.get("entrypoint"),
-    )
+    spec = search_spec(experiment)
     try:
         method = run_search(settings, spec, runner, plan.results_dir)
     except KeyboardInterrupt:

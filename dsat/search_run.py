@@ -15,13 +15,13 @@ from dsat.experiment.settings import SearchSettings
 from dsat.paths import shown
 from dsat.results.directory import BEST_CONFIG_FILE, ResultsWriter, TrialTiming
 from dsat.results.progress import SearchProgress
-from dsat.results.resume import write_settings
+from dsat.results.resume import refuse_changed_experiment, write_settings
 from dsat.results.utilization import Utilization
 from dsat.runners.driver import SearchDriver, TrialListener
 from dsat.runners.trial_runner import TrialRunner
 from dsat.search import MethodSettings, make_search_method
 from dsat.search.method import DsatSearchMethod
-from dsat.search.method_state import experiment_changes, load_state_json, save_state
+from dsat.search.method_state import load_state_json, save_state
 from dsat.search.trial_builder import SearchSpec
 from dsat.trial import TrialOutcome
 
@@ -102,9 +102,8 @@ def run_search(
     if resuming:
         try:
             state = json.loads((results_dir / STATE_FILE).read_text())
-            changed = experiment_changes(method, state)
-            if not changed:
-                load_state_json(method, state)
+            refuse_changed_experiment(results_dir, spec, state)
+            load_state_json(method, state)
         except (KeyError, TypeError, ValueError) as err:
             raise DsatError(
                 f"{shown(results_dir / STATE_FILE)}: damaged search state ({err}); this search "
@@ -114,11 +113,6 @@ def run_search(
         # themselves are whole, the old or the new.
         for leftover in results_dir.glob(".*.tmp"):
             leftover.unlink(missing_ok=True)
-        if changed:  # its trials would be ranked with others made from another experiment
-            raise DsatError(
-                f"--resume {shown(results_dir)}: the experiment changed since the search began "
-                f"({', '.join(changed)}); put it back as it was, or start a new search"
-            )
     # Once the resume is known to go ahead: a refused one leaves the settings it would resume.
     write_settings(settings, results_dir)
     writer.keep_best_config = method.ending.handed_over(method)

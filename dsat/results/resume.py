@@ -23,7 +23,8 @@ from dsat.errors import DsatError
 from dsat.experiment.settings import SearchSettings
 from dsat.paths import absolute, shown
 from dsat.results.directory import TRIALS_FILE, full_run_log, read_trial_rows
-from dsat.search.method_state import STATE_VERSION
+from dsat.search.method_state import STATE_VERSION, experiment_changes
+from dsat.search.trial_builder import SearchSpec
 from dsat.trial import TrialStatus
 
 # Settings a resumed search may change: how many trials, how many at once, how long each may run,
@@ -129,10 +130,9 @@ def resumed_settings(
             continue
         if key not in ADJUSTABLE_ON_RESUME:
             differs = (
-                f"{flag} differs from how the interrupted search ran"
+                f"{flag} differs from how the saved search ran"
                 if isinstance(value, bool)  # a switch: its value says nothing to the user
-                else f"{flag} {_display(value)} differs from the interrupted search's "
-                f"{_display(before)}"
+                else f"{flag} {_display(value)} differs from the saved search's {_display(before)}"
             )
             raise DsatError(
                 f"{differs} (its {SETTINGS_FILE}); a resumed search keeps its settings: "
@@ -185,6 +185,18 @@ def read_saved_state(results_dir: Path, method: str) -> dict[str, Any]:
             f"(its {SETTINGS_FILE} and state disagree); start a new search"
         )
     return dict(state)
+
+
+def refuse_changed_experiment(
+    results_dir: Path, spec: SearchSpec, state: Mapping[str, Any]
+) -> None:
+    """Its trials would be ranked with others made from another experiment."""
+    changed = experiment_changes(spec, dict(state))
+    if changed:
+        raise DsatError(
+            f"--resume {shown(results_dir)}: the experiment changed since the search began "
+            f"({', '.join(changed)}); put it back as it was, or start a new search"
+        )
 
 
 def refuse_more_trials_when_finished(

@@ -66,13 +66,13 @@ FINGERPRINT_NAMES = {
 }
 
 
-def experiment_changes(method: DsatSearchMethod, state: dict[str, Any]) -> list[str]:
+def experiment_changes(spec: SearchSpec, state: dict[str, Any]) -> list[str]:
     """What of the experiment differs from when the saved search began (none for a state from
     before the fingerprint was kept)."""
     saved = state.get("experiment")
     if not isinstance(saved, dict):
         return []
-    now = experiment_fingerprint(method.spec)
+    now = experiment_fingerprint(spec)
     changes = []
     for key, name in FINGERPRINT_NAMES.items():
         if key in saved and saved[key] != now[key]:

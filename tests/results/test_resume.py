@@ -331,6 +331,9 @@ def test_an_experiment_edited_since_the_search_began_is_refused_on_resume(
         "the experiment changed since the search began (resources.slots_per_trial (16 -> 8))",
         "put it back as it was, or start a new search",
     )
+    # Refused before anything is said: it printed the runner and "if stopped, resume with" first.
+    assert main(["asha", "--resume", "out"]) == 2
+    assert capsys.readouterr().out == ""
     assert rows(tmp_path / "out") == before
     yaml_path.write_text(original)  # put back
     # Another project's copy named on the command line is refused too, and leaves the settings
