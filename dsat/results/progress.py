@@ -1,6 +1,6 @@
 """What a user watches while trials run: one line per finished trial and live counts.
 
-On a terminal a rich status line (running / done / oom / error, best so far, elapsed) stays at the
+On a terminal a rich status line (running / done / oom / error / timeout, best so far, elapsed) stays at the
 bottom and refreshes on its own; when stdout is a file or a pipe (CI logs, ``| tee``) only the
 plain per-trial lines are written, so the log reads cleanly.
 """
@@ -92,15 +92,15 @@ class SearchProgress:
 
     def status_line(self) -> str:
         counts = self.counts()
-        done = counts[TrialStatus.COMPLETED]
-        failed = counts[TrialStatus.ERROR] + counts[TrialStatus.TIMEOUT]
-        finished = sum(counts.values())
         parts = [
             f"running {len(self.tracker.running)}",
-            f"done {done}",
+            f"done {counts[TrialStatus.COMPLETED]}",
             f"oom {counts[TrialStatus.OOM]}",
-            f"error {failed} ({finished} of at most {self.tracker.max_trials} trials)",
+            f"error {counts[TrialStatus.ERROR]}",
         ]
+        if counts[TrialStatus.TIMEOUT]:  # a hang is not a crash: its trial line says which
+            parts.append(f"timeout {counts[TrialStatus.TIMEOUT]}")
+        parts[-1] += f" ({sum(counts.values())} of at most {self.tracker.max_trials} trials)"
         best = self.tracker.best()
         value = self.tracker.metric_value(best) if best is not None else None
         if best is not None and value is not None:

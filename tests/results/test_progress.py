@@ -65,7 +65,8 @@ def test_plain_lines_count_every_outcome_and_name_the_best() -> None:
     assert lines[2].startswith("dsat: trial 1 z1_mb4: completed, 30 samples/s |")
     assert lines[2].endswith("best z1_mb4 30 samples/s, 01:15")
     assert lines[4].startswith("dsat: trial 1 z1_mb16: timeout |")
-    assert "running 0, done 3, oom 1, error 1 (5 of at most 10 trials)" in lines[4]
+    # A hang is counted as one, not as a crash.
+    assert "running 0, done 3, oom 1, error 0, timeout 1 (5 of at most 10 trials)" in lines[4]
     assert "\x1b[" not in out.getvalue()
 
 
