@@ -19,6 +19,8 @@ from typing import Any
 from dsat.constants import (
     CHECKPOINTING_HPARAM,
     ENV_RAY_ADDRESS,
+    GRAD_ACCUM_STEPS,
+    MICRO_BATCH_SIZE,
     OVERWRITE_KEY,
     RESULTS_ROOT,
     SETTINGS_FILE,
@@ -174,6 +176,7 @@ class LaunchPlan:
     runner_reason: str
     results_dir: Path
     setup: RunnerSetup | DeterminedSetup
+    notes: tuple[str, ...] = ()  # said before the search starts, each a line
 
 
 def default_results_dir(experiment_name: str, now: datetime.datetime) -> Path:
@@ -236,10 +239,13 @@ def plan_search(
         raise DsatError(
             f"--ray-address only applies to --runner ray (the runner is {runner.value})"
         )
+    notes: list[str] = []
     if runner is not RunnerKind.SIMULATED:
         check_entrypoint_script(experiment)
         check_entrypoint_steps(experiment, settings)
-        check_hf_global_batch(experiment, settings)
+        hf_note = check_hf_global_batch(experiment, settings)
+        if hf_note is not None:
+            notes.append(hf_note)
     if runner is RunnerKind.LOCAL and settings.offload_nvme is not None:
         check_local_directory(settings.offload_nvme, "--offload-nvme")
     setup = RUNNER_SETUPS[runner].prepare(settings, experiment, environ)
@@ -290,7 +296,7 @@ def plan_search(
             "--resume" if settings.resume else "--results-dir" if settings.results_dir else ""
         )
         check_results_dir(results_dir, named_by, room_needed(copied, setup))
-    return LaunchPlan(settings, experiment, runner, reason, results_dir, setup)
+    return LaunchPlan(settings, experiment, runner, reason, results_dir, setup, tuple(notes))
 
 
 def search_spec(experiment: Experiment) -> SearchSpec:
@@ -338,41 +344,56 @@ def check_entrypoint_steps(experiment: Experiment, settings: SearchSettings) -> 
         )
 
 
-def check_hf_global_batch(experiment: Experiment, settings: SearchSettings) -> None:
+# What HF's TrainingArguments take when neither the flag nor the config gives the number.
+HF_BATCH_DEFAULTS = {MICRO_BATCH_SIZE: 8, GRAD_ACCUM_STEPS: 1}
+
+
+def check_hf_global_batch(experiment: Experiment, settings: SearchSettings) -> str | None:
     """One line where the DeepSpeed config's numeric ``train_batch_size`` is not what an HF
     Trainer entrypoint's batch flags make of it (its micro-batch x accumulation x slots, each
     from the config where it is a number, as ``get_hf_args_with_overwrites`` passes it, else
     from the flag): HF refuses that run ("mismatch TrainingArguments values"), so the user's
-    own config, the baseline, is not what they run. Where a number is in neither (the script
-    may set it in code), nothing is said; ``--global-batch`` replaces the batch on purpose."""
+    own config, the baseline, is not what they run. Where a number is in neither, the script
+    may set it in code, so HF's default is only a likely refusal: a note, returned, not an
+    error. ``--global-batch`` replaces the batch on purpose."""
     entrypoint = experiment.config.get("entrypoint")
     if settings.global_batch is not None or entrypoint_flag(entrypoint, (HF_DS_FLAG,)) is None:
-        return
+        return None
     merged = deep_merge(experiment.ds_config, experiment.hparams.get(OVERWRITE_KEY) or {})
     source = str(experiment.ds_config_path)
     batch = fixed_global_batch(merged, source)
     if batch is None:
-        return
+        return None
     flags = entrypoint_batch_flags(entrypoint)
     given: dict[str, int] = {}
-    for key in HF_BATCH_FLAGS.values():
+    unset: list[str] = []  # the flags whose number HF's default supplies
+    for flag, key in HF_BATCH_FLAGS.items():
         number = batch_value(merged, key, source)
         if number is None:
             number = flags.get(key)
         if number is None:
-            return
+            number = HF_BATCH_DEFAULTS[key]
+            unset.append(f"{flag} (HF's default {number})")
         given[key] = number
     slots = experiment.slots_per_trial
     made = math.prod(given.values()) * slots
-    if made != batch:
-        micro, accumulation = given.values()
-        raise DsatError(
-            f"{shown(experiment.ds_config_path)}: train_batch_size {batch} is not what your "
-            f"HF Trainer run makes of it, micro-batch {micro} x accumulation {accumulation} x "
-            f"{slots} slot(s) = {made} (--per_device_train_batch_size, "
-            "--gradient_accumulation_steps, or the config's numbers), and HF refuses that run: "
-            'make them agree, set train_batch_size to "auto", or pass --global-batch N'
+    if made == batch:
+        return None
+    micro, accumulation = given.values()
+    makes = f"micro-batch {micro} x accumulation {accumulation} x {slots} slot(s) = {made}"
+    if unset:
+        return (
+            f"dsat: note: {shown(experiment.ds_config_path)}: train_batch_size {batch} is not "
+            f"what your HF Trainer run makes of it if your script leaves "
+            f"{' and '.join(unset)} as they are ({makes}), and HF refuses that run; the "
+            "trials and the run of your config set both numbers themselves"
         )
+    raise DsatError(
+        f"{shown(experiment.ds_config_path)}: train_batch_size {batch} is not what your "
+        f"HF Trainer run makes of it, {makes} (--per_device_train_batch_size, "
+        "--gradient_accumulation_steps, or the config's numbers), and HF refuses that run: "
+        'make them agree, set train_batch_size to "auto", or pass --global-batch N'
+    )
 
 
 def refuse_unreadable_files(copied: list[Path]) -> None:
@@ -457,6 +478,8 @@ def print_experiment(plan: LaunchPlan, where_results_go: str) -> None:
             f"your config's own run (the baseline) and the hand-over train at "
             f"{plan.settings.global_batch}"
         )
+    for note in plan.notes:
+        print(note)
 
 
 def open_runner(plan: LaunchPlan) -> TrialRunner:

@@ -469,6 +469,39 @@ def test_an_hf_batch_that_does_not_make_the_configs_global_batch_is_one_line(
     check_hf_global_batch(load_experiment(path, path.parent, global_batch=16), given)
 
 
+def test_an_hf_batch_that_holds_only_with_a_number_the_script_may_set_is_a_note(
+    tmp_path: Path,
+) -> None:
+    """train_batch_size 16 and --per_device_train_batch_size 4 with no accumulation anywhere:
+    HF's default of 1 refuses the user's own run unless the script sets it in code, and dsat
+    said nothing while its baseline ran with an accumulation of 4 the user never gave."""
+    from dsat.experiment.config import load_experiment
+    from dsat.search_launch import check_hf_global_batch
+
+    auto = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}
+    path = write_experiment(
+        tmp_path / "m",
+        config={"entrypoint": "python3 train.py --deepspeed ds_config.json "
+                "--per_device_train_batch_size 4"},
+        ds_config={**auto, "train_batch_size": 16},
+    )  # fmt: skip
+    settings = parse_settings(["asha", str(path), str(path.parent)])
+    note = check_hf_global_batch(load_experiment(path, path.parent), settings)
+    assert note is not None and note.startswith("dsat: note: ")
+    assert "train_batch_size 16" in note
+    assert "--gradient_accumulation_steps (HF's default 1)" in note
+    assert "micro-batch 4 x accumulation 1 x 1 slot(s) = 4" in note
+    # HF's defaults agree (8 x 1 x 2 slots): nothing to say.
+    path = write_experiment(
+        tmp_path / "n",
+        config={"entrypoint": "python3 train.py --deepspeed ds_config.json",
+                "resources": {"slots_per_trial": 2}},
+        ds_config={**auto, "train_batch_size": 16},
+    )  # fmt: skip
+    settings = parse_settings(["asha", str(path), str(path.parent)])
+    assert check_hf_global_batch(load_experiment(path, path.parent), settings) is None
+
+
 def test_an_hf_entrypoint_training_fewer_steps_than_a_trial_measures_is_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
