@@ -126,15 +126,20 @@ def copy_ignore(results_dir: Path) -> Callable[[str, list[str]], set[str]]:
 
     def ignore(directory: str, names: list[str]) -> set[str]:
         ignored = set(COPY_IGNORE(directory, names))
-        ignored.update(
-            n
-            for n in names
-            if os.path.join(directory, n) == str(results_dir)
-            or holds_search_results(Path(directory, n))
-        )
+        ignored.update(n for n in names if only_results(Path(directory, n), results_dir))
         return ignored
 
     return ignore
+
+
+def only_results(path: Path, results_dir: Path) -> bool:
+    """Whether ``path`` is search results, or a folder above this search's that holds nothing
+    else (``--results-dir runs/a`` left an empty ``runs/`` in every trial's copy)."""
+    if path == results_dir or holds_search_results(path):
+        return True
+    if not results_dir.is_relative_to(path) or not path.is_dir():
+        return False
+    return all(only_results(child, results_dir) for child in path.iterdir())
 
 
 def holds_search_results(path: Path) -> bool:

@@ -181,6 +181,26 @@ def test_a_results_dir_inside_the_model_dir_is_not_copied_into_trials(tmp_path: 
     assert (trial / "conf" / "settings.json").is_file()
 
 
+def test_a_folder_holding_only_results_is_left_out_of_a_trials_copy(tmp_path: Path) -> None:
+    """`--results-dir runs/a` left an empty `runs/` in every trial's copy; a folder above the
+    results that holds a file of the user's too is copied, without the results."""
+    import shutil
+
+    from dsat.runners.local.runner import copy_ignore
+
+    model = tmp_path / "model"
+    results = model / "runs" / "a"
+    (results / "trials").mkdir(parents=True)
+    (model / "runs" / "earlier").mkdir()
+    (model / "runs" / "earlier" / "trials.jsonl").write_text("{}\n")
+    (model / "train.py").write_text("")
+    shutil.copytree(model, tmp_path / "copy", ignore=copy_ignore(results))
+    assert sorted(p.name for p in (tmp_path / "copy").iterdir()) == ["train.py"]
+    (model / "runs" / "notes.txt").write_text("mine")
+    shutil.copytree(model, tmp_path / "copy2", ignore=copy_ignore(results))
+    assert sorted(p.name for p in (tmp_path / "copy2" / "runs").iterdir()) == ["notes.txt"]
+
+
 LARGE_FILES = """
 import json
 assert len(open("data.bin", "rb").read()) == 3 * 2**20  # the trial reads it from its copy
