@@ -82,8 +82,8 @@ from dsat.runners.ray.setup import RaySetup
 from dsat.runners.simulated.setup import SimulatedSetup
 from dsat.runners.trial_runner import RunnerSetup, TrialRunner
 from dsat.search.baseline import (
+    against_yours_said,
     described_with_knobs,
-    slower_than_yours,
     speedup_over_yours,
     yours_clearly_faster,
     yours_handed_over,
@@ -641,9 +641,9 @@ def closing_lines(
         found += ": your own config; nothing faster that this search could hand over ran"
     elif speedup is not None:
         found += f": {speedup:.2f}x your config's {method.tracker.metric.value}"
-        slower = slower_than_yours(method)
-        if slower:
-            found += f"; {slower}"
+        said = against_yours_said(method)
+        if said:
+            found += f"; {said}"
     path = shown(best_config_path(results_dir))
     if entrypoint_flag(method.spec.entrypoint, (HF_DS_FLAG,)) is not None:
         # HF's Trainer checks its batch flags against the JSON and refuses a mismatch.

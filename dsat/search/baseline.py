@@ -138,16 +138,19 @@ def yours_handed_over(method: DsatSearchMethod) -> bool:
     return (handed.zero_key, handed.mbs, handed.gas) == (mine.zero_key, mine.mbs, mine.gas)
 
 
-def slower_than_yours(method: DsatSearchMethod) -> str | None:
-    """Where the hand-over measured slower than the user's own config, what that means, in
-    plain words (None where it did not): "0.83x your config" alone reads as "dsat made it
-    worse", while on a short, noisy trial the same configuration can measure 20% apart."""
+def against_yours_said(method: DsatSearchMethod) -> str | None:
+    """Where the hand-over and the user's own config measured within the noise of each other, or
+    the user's measured faster, what that means, in plain words (None where the hand-over is
+    faster by more than the noise): "0.83x your config" alone reads as "dsat made it worse", and
+    "1.02x" as a gain, while on a short, noisy trial one configuration can measure 20% apart."""
     judged = _against_yours(method)
     if judged is None:
         return None
-    beyond_noise, noise = judged
+    speedup, beyond_noise, noise = judged
     if not beyond_noise:
         return f"level with your config within the noise ({noise:.1%} a run)"
+    if speedup >= 1:
+        return None
     return (
         f"your config measured faster, by more than the noise ({noise:.1%} a run): keep it, "
         f"or start a longer search (--max-trials, {method.settings.max_trials} here)"
@@ -156,23 +159,23 @@ def slower_than_yours(method: DsatSearchMethod) -> str | None:
 
 def yours_clearly_faster(method: DsatSearchMethod) -> bool:
     """Whether the user's own config measured faster than the hand-over, by more than the noise
-    (``slower_than_yours``): a full run with the hand-over then says so before it trains."""
+    (``against_yours_said``): a full run with the hand-over then says so before it trains."""
     judged = _against_yours(method)
-    return judged is not None and judged[0]
+    return judged is not None and judged[0] < 1 and judged[1]
 
 
-def _against_yours(method: DsatSearchMethod) -> tuple[bool, float] | None:
-    """Where the hand-over measured slower than the user's config: whether by more than the
-    noise, and that noise (one run's, as this search's repeated runs showed it), judged against
-    the mean of the hand-over's runs and the one run of the user's config. None otherwise."""
+def _against_yours(method: DsatSearchMethod) -> tuple[float, bool, float] | None:
+    """The hand-over's speed-up over the user's config, whether it is more than the noise either
+    way, and that noise (one run's, as this search's repeated runs showed it), judged with the
+    mean of the hand-over's runs against the one run of the user's config. None without both."""
     speedup = speedup_over_yours(method)
     handed = method.tracker.best()
-    if speedup is None or speedup >= 1 or handed is None:
+    if speedup is None or handed is None:
         return None
     tracker = method.tracker
     noise = relative_noise([], repeated_measurements(tracker))
     runs = max(1, len(measurements(tracker, handed)))
-    return math.log(1 / speedup) > 2 * noise * math.sqrt(1 + 1 / runs), noise
+    return speedup, abs(math.log(speedup)) > 2 * noise * math.sqrt(1 + 1 / runs), noise
 
 
 def baseline_line(method: DsatSearchMethod) -> str:
@@ -197,9 +200,9 @@ def baseline_line(method: DsatSearchMethod) -> str:
             f"faster that this search could hand over ran ({speedup:.2f}x is its runs against "
             f"your config's run, {tracker.metric.value} {mine:.4g})"
         )
-    slower = slower_than_yours(method)
+    said = against_yours_said(method)
     return (
         f"{speedup:.2f}x your config ({tracker.metric.value} {mine:.4g}): "
         f"{described_with_knobs(baseline)} -> {described_with_knobs(handed)}"
-        + (f"; {slower}" if slower else "")
+        + (f"; {said}" if said else "")
     )
