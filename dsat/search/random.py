@@ -12,8 +12,10 @@ ran, and only while they hit a memory limit below its reach (the reference drops
 
 from __future__ import annotations
 
+from typing import Any
+
 from dsat.memory import Offload
-from dsat.search.method import DsatSearchMethod
+from dsat.search.method import MAX_DRAWS, DsatSearchMethod
 from dsat.trial import SearchRange, TrialKind, TrialRecord
 from dsat.zero_space import needs_no_less_memory
 
@@ -26,9 +28,35 @@ class RandomSearch(DsatSearchMethod):
     name = "random"
 
     def untried_stage(self) -> int | None:
-        """Each stage of ``--zero-stages`` gets one configuration before any gets a second."""
-        untried = sorted(set(self.zero_stages) - self.tracker.tried_stages())
+        """Each stage of ``--zero-stages`` gets one configuration before any gets a second;
+        stage 3 not once stages 1 and 2 ran above all it could hold (its range is empty: drawn,
+        it crashed the search, and every resume of it)."""
+        untried = [
+            stage
+            for stage in sorted(set(self.zero_stages) - self.tracker.tried_stages())
+            if stage != MEMORY_ONLY_STAGE or self.stage_three_has_room()
+        ]
         return int(untried[int(self.rng.integers(len(untried)))]) if untried else None
+
+    def stage_three_has_room(self) -> bool:
+        """Whether any way stage 3 may keep state off the GPU leaves a micro-batch above the
+        largest stages 1 and 2 ran."""
+        return any(
+            not self.initial_range(MEMORY_ONLY_STAGE, self.offload_of(section)).empty
+            for section in self.offload_space(MEMORY_ONLY_STAGE)
+        )
+
+    def draw_zero_config(self, stage: int) -> dict[str, Any]:
+        """As every method draws one, but at stage 3 only among the offload choices that leave
+        it room above stages 1 and 2."""
+        for _ in range(MAX_DRAWS):
+            section = super().draw_zero_config(stage)
+            if (
+                stage != MEMORY_ONLY_STAGE
+                or not self.initial_range(stage, self.offload_of(section)).empty
+            ):
+                break
+        return section
 
     def draw_micro_batch(self, search_range: SearchRange) -> int:
         return search_range.lo + int(self.rng.binomial(search_range.hi - search_range.lo, 0.5))

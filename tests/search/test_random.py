@@ -125,6 +125,31 @@ def test_stage_three_is_pruned_once_stage_one_or_two_works() -> None:
     assert all(m.choose_stage() == 1 for _ in range(20))
 
 
+@pytest.mark.parametrize("offload", [False, True])
+def test_stage_three_is_not_drawn_once_stages_one_and_two_ran_above_all_it_could_hold(
+    offload: bool,
+) -> None:
+    """Stage 1 doubled past the memory model's estimate, above stage 3's whole range, before
+    stage 3 had a configuration: "each stage once" drew it with an empty range, and the search
+    died with a traceback (ValueError: n < 0), as did every resume of it."""
+    m = method("random", zero_stages=(1, 3), max_concurrent_trials=1, offload=offload)
+    seeds = iter(range(50))
+    while (first := start_profile(m)[0]).zero_stage != 1:
+        m = method(
+            "random", zero_stages=(1, 3), max_concurrent_trials=1, offload=offload,
+            random_seed=next(seeds),
+        )  # fmt: skip
+    highest = max(m.initial_range(3, m.offload_of(section)).hi for section in m.offload_space(3))
+    above = m.make_trial(TrialKind.SEARCH, first.zero_section, highest + 100)
+    assert above is not None and m.tracker.add(above)
+    m.tracker.mark_running(m.tracker.dequeue(above.request_id).request_id)
+    m.tracker.mark_finished(above.request_id, TrialStatus.COMPLETED, {"FLOPS_per_gpu": 9.0})
+    assert m.untried_stage() is None
+    started = finish(m, first.request_id, ok=True)
+    assert started and all(r.zero_stage == 1 for r in started)
+    assert all(r.search_range.lo <= r.mbs <= r.search_range.hi for r in started)  # type: ignore[union-attr]
+
+
 def test_early_stopping() -> None:
     m = method("random", zero_stages=(1,), early_stopping=4, max_trials=64)
     run(m, cliff_function(8))
