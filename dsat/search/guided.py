@@ -216,6 +216,11 @@ class GuidedSearch(DsatSearchMethod):
     def after_failure(self, record: TrialRecord) -> list[TrialRecord]:
         return self.plan()
 
+    def after_baseline(self) -> list[TrialRecord]:
+        # With --max-concurrent-trials 1 the baseline took the only place: nothing was planned,
+        # and the search ended at once with "no configuration left to try".
+        return self.plan()
+
     def plan(self) -> list[TrialRecord]:
         """The most promising trials, until the parallel limit is reached."""
         queued: list[TrialRecord] = []

@@ -136,6 +136,8 @@ class DsatSearchMethod(SearchMethod):
                 self._follow_up(lambda: self.rerun(record) or self.after_failure(record))
             elif record.kind is TrialKind.SEARCH:
                 self._follow_up(lambda: self.after_failure(record))
+            elif record.kind is TrialKind.BASELINE:
+                self._follow_up(self.after_baseline)
             elif record.kind is TrialKind.MODEL_PROFILE and self.next_fit_rung() is not None:
                 self._follow_up(self.climb)
             return
@@ -152,6 +154,8 @@ class DsatSearchMethod(SearchMethod):
                 if self.settings.baseline:
                     self._queue(functools.partial(baseline_trial, self))
                 self._follow_up(self.initial_lineages)
+        elif record.kind is TrialKind.BASELINE:
+            self._follow_up(self.after_baseline)
         elif record.kind is TrialKind.SEARCH and self.tracker.too_large(record):
             # It ran, but leaves less than --memory-margin free: to the search, too large.
             self._follow_up(lambda: self.after_failure(record))
@@ -242,6 +246,11 @@ class DsatSearchMethod(SearchMethod):
     def after_failure(self, record: TrialRecord) -> list[TrialRecord]:
         """What to try after ``record`` ran out of memory or failed; queued as returned."""
         raise NotImplementedError
+
+    def after_baseline(self) -> list[TrialRecord]:
+        """What to try once the user's own config has run: a method whose first trials waited
+        for its slot plans them now (none by default: the others queue theirs at once)."""
+        return []
 
     def choose_next(self) -> str | None:
         """The queued trial to start now (first come, first served), or None for none."""

@@ -510,3 +510,23 @@ def test_the_range_factor_scales_where_each_stage_starts() -> None:
         assert all(mbs <= max(int(reach[s] * factor), 1) for s, mbs in first[factor].items())
     assert first[1.0].keys() == first[0.1].keys() == {1, 2}
     assert all(first[0.1][s] < first[1.0][s] for s in (1, 2))
+
+
+@pytest.mark.parametrize("baseline_fits", [True, False])
+def test_one_trial_at_a_time_searches_after_the_users_config(baseline_fits: bool) -> None:
+    """With --max-concurrent-trials 1 the baseline took the only place when the profile ended,
+    nothing was planned, and the search failed at once: "no configuration left to try"."""
+    m = method("guided", max_concurrent_trials=1, baseline=True, max_trials=10)
+
+    def perform(ds_config: dict[str, Any], slots: int) -> dict[str, Any]:
+        profile = ds_config.get("autotuning", {}).get("model_info", {}).get("profile")
+        user = not profile and ds_config["zero_optimization"]["stage"] == 1  # BASE_DS's, at 1
+        if not baseline_fits and user and ds_config["train_micro_batch_size_per_gpu"] == 1:
+            raise MemoryError("the user's own config, out of memory")
+        return cliff_function(23)(ds_config, slots)
+
+    run(m, perform)
+    kinds = [r.kind for r in m.tracker.records]
+    assert kinds[:2] == [TrialKind.MODEL_PROFILE, TrialKind.BASELINE]
+    assert kinds.count(TrialKind.SEARCH) == 9 and m.tracker.best() is not None
+    assert not m.search_failed
