@@ -376,8 +376,8 @@ class PerformanceModel:
         step *= factor
         latency = (forward + backward) * gas + step
         return {
-            "fwd": forward * 1000,
-            "bwd": backward * 1000,
+            "fwd": forward * 1e6,  # µs, as DeepSpeed reports a pass; the latency in ms
+            "bwd": backward * 1e6,
             "step": step * 1000,
             "latency": latency * 1000,
             "throughput": mbs * gas * slots / latency,

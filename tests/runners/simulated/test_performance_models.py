@@ -73,6 +73,15 @@ def test_throughput_grows_with_micro_batch_and_latency_with_it(name: str) -> Non
         assert throughputs == sorted(throughputs) and latencies == sorted(latencies)
 
 
+def test_a_pass_is_in_microseconds_and_the_step_in_milliseconds_as_deepspeed_reports() -> None:
+    """The simulator gave a pass in ms under the summary's "µs a pass": forward 68 beside a
+    220 ms step."""
+    model, slots = BUILTIN_MODELS["bert_base_16xv100"], SLOTS["bert_base_16xv100"]
+    row = model.metrics(config({"stage": 1}, 8), slots, noisy=False)
+    passes_ms = (row["fwd"] + row["bwd"]) / 1000
+    assert 0.5 * row["latency"] < passes_ms < row["latency"]
+
+
 def test_zero3_and_small_buckets_pay_for_communication() -> None:
     model, slots = BUILTIN_MODELS["bert_base_16xv100"], 16
 
