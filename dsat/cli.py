@@ -49,6 +49,8 @@ class DsatArgumentParser(argparse.ArgumentParser):
         method = parts[-1] if len(parts) > 1 else None
         if re.search(r"invalid \w+ value: '[^']*(\.ya?ml|/|\.)'$", message):
             message += f"; {positionals_first(method)}"  # `-z 1 2 deepspeed.yaml .`
+        elif re.search(r"zero-stages: invalid int value: '\d+(,\s*\d+)+'$", message):
+            message += "; separate the stages with spaces: --zero-stages 1 2"
         self._fail(message, method)
 
     def parse_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
@@ -101,7 +103,9 @@ def _typed(kind: Callable[[str], float], minimum: float, what: str) -> Callable[
 
 positive_int = _typed(int, 1, "a positive integer")
 non_negative_int = _typed(int, 0, "an integer of 0 or more")
-positive_float = _typed(float, 1e-12, "a positive number")
+positive_float = _typed(float, 1e-12, "a positive, finite number")
+# It counts the model-profile trial: 1 was refused after 0 said "a positive integer".
+trial_count = _typed(int, 2, "an integer of 2 or more (it counts the model-profile trial)")
 
 
 def fraction(text: str) -> float:
@@ -146,7 +150,7 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "-mt",
         "--max-trials",
-        type=positive_int,
+        type=trial_count,
         default=defaults.DEFAULT_MAX_TRIALS,
         help="maximum number of trials, including the model-profile trial (at least 2)",
     )

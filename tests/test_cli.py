@@ -577,6 +577,22 @@ def test_bad_random_count_flags(
     assert_one_line_error(capsys, [method, str(experiment_yaml), ".", flag, "0"], flag)
 
 
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        # 0 said "a positive integer", then 1 was refused as "at least 2".
+        (["--max-trials", "0"], "an integer of 2 or more (it counts the model-profile trial)"),
+        (["--max-trials", "1"], "an integer of 2 or more"),
+        (["--trial-timeout", "inf"], "a positive, finite number"),  # "positive" alone: inf is
+        (["--zero-stages=1,2"], "separate the stages with spaces: --zero-stages 1 2"),
+    ],
+)
+def test_a_refused_value_says_what_would_be_taken(
+    experiment_yaml: Path, capsys: pytest.CaptureFixture[str], flags: list[str], said: str
+) -> None:
+    assert_one_line_error(capsys, ["asha", str(experiment_yaml), ".", *flags], said)
+
+
 def test_divisor_one_is_rejected(experiment_yaml: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert_one_line_error(
         capsys, ["asha", str(experiment_yaml), ".", "--divisor", "1"], "--divisor", "at least 2"
