@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from dsat.results.cost import search_cost
+from dsat.runners.local.entrypoint import LAUNCHER_LOGS
 from dsat.trial_failure import MACHINE_ATTEMPTS
 from tests.dsat_process import dsat, trials
 from tests.runners.local.test_end_to_end import binary_search, model_dir
@@ -73,6 +74,8 @@ def test_a_rank_killed_mid_trial_is_run_again(tmp_path: Path) -> None:
     # The one two-process search of the suite: torchrun, Determined's launcher stripped.
     marks = tmp_path / "marks"
     marks.mkdir()
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
     run, results = binary_search(
         tmp_path,
         2,
@@ -85,6 +88,7 @@ def test_a_rank_killed_mid_trial_is_run_again(tmp_path: Path) -> None:
         },
         DSAT_TEST_FAULTS="search:kill_rank1",
         DSAT_TEST_FAULT_MARKS=str(marks),
+        TMPDIR=str(temporary),
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     (line,) = retried_lines(run.stdout)
@@ -96,6 +100,10 @@ def test_a_rank_killed_mid_trial_is_run_again(tmp_path: Path) -> None:
     assert len(logs) == 3 and "Signal 9 (SIGKILL)" in logs[1].read_text()
     assert "torch.distributed.run" in logs[2].read_text()
     assert "--nproc_per_node 2" in logs[2].read_text()
+    # torchrun's folders: a torchelastic_* in the temporary directory for every trial, never
+    # removed; now in the trial's own directory, and gone where they hold no file.
+    assert not list(temporary.glob("torchelastic_*"))
+    assert not list((results / "trials").glob(f"*/{LAUNCHER_LOGS}"))
 
 
 def test_a_script_that_cannot_import_ends_the_search_with_its_own_reason(tmp_path: Path) -> None:

@@ -98,6 +98,9 @@ def strip_determined_launcher(tokens: list[str]) -> list[str]:
 # Stands for the interpreter in a command built here to run on another machine, whose own
 # interpreter takes its place there: dsat's path on this one need not exist on that one.
 NODE_PYTHON = "{node python}"
+# Where torchrun keeps its per-rank folders, in the trial's own directory: left to itself it
+# made a torchelastic_* folder in /tmp for every trial of several processes, never removed.
+LAUNCHER_LOGS = ".torchrun"
 
 
 def trial_command(
@@ -132,6 +135,8 @@ def trial_command(
         master_addr,
         "--master_port",
         str(master_port),
+        "--log-dir",
+        LAUNCHER_LOGS,
     ]
     if is_python:
         return [*torchrun, *command[1:]]

@@ -39,7 +39,11 @@ from dsat.runners.local.entrypoint import (
 )
 from dsat.runners.local.full_run import run_to_the_end
 from dsat.runners.local.slots import SlotPool
-from dsat.runners.local.trial_copy import LARGE_FILE_BYTES, drop_unchanged_copies
+from dsat.runners.local.trial_copy import (
+    LARGE_FILE_BYTES,
+    drop_empty_launcher_logs,
+    drop_unchanged_copies,
+)
 from dsat.runners.local.trial_outcome import (
     LINGER_S,
     ResultWatch,
@@ -444,6 +448,7 @@ class LocalRunner:
         self._note(
             trial, strays_note(stop_strays(trial.directory / HPARAMS_FILE, {trial.process.pid}))
         )
+        drop_empty_launcher_logs(trial.directory)
         freed = drop_unchanged_copies(trial.directory, self.model_dir, self.includes)
         if freed:
             self._note(
@@ -479,6 +484,7 @@ class LocalRunner:
             self.pool.give_back(trial.slots)
             # A stopped trial runs again under a new number: its copy stays, its data need not.
             drop_unchanged_copies(trial.directory, self.model_dir, self.includes)
+            drop_empty_launcher_logs(trial.directory)
         self.running.clear()
         self.close()
 
@@ -507,4 +513,5 @@ class LocalRunner:
                 stop_left_running,
             )
         finally:
+            drop_empty_launcher_logs(directory)
             self.pool.give_back(slots)

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 from pathlib import Path
+
+from dsat.runners.local.entrypoint import LAUNCHER_LOGS
 
 # Files of the copy from this size up are dropped when unchanged; smaller ones cost little and
 # keep the copy readable (the script, its config).
@@ -52,3 +55,11 @@ def same_file(copy: os.stat_result, source: Path) -> bool:
         original = source.stat()
         return copy.st_size == original.st_size and copy.st_mtime_ns == original.st_mtime_ns
     return False
+
+
+def drop_empty_launcher_logs(directory: Path) -> None:
+    """torchrun's folders in the trial's ``directory``, where they hold no file (its error
+    files, which a failing rank may write, stay)."""
+    logs = directory / LAUNCHER_LOGS
+    if logs.is_dir() and not any(p.is_file() for p in logs.rglob("*")):
+        shutil.rmtree(logs, ignore_errors=True)
