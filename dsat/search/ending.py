@@ -247,6 +247,14 @@ class SearchEnding:
         if not runs:
             if candidates:
                 tracker.confirmed_id = candidates[0].request_id
+                # The summary's "handed over:" line was missing where no round ran.
+                self.handover_reason = f"{candidates[0].name}: " + (
+                    f"the best of the search (--confirm-top {settings.confirm_top}: no "
+                    "confirmation round)"
+                    if settings.confirm_top <= 1
+                    else "the only configuration this search ran that may be handed over "
+                    "(no other to compare it with in a confirmation round)"
+                )
             else:
                 self.unsafe_memory = True
             return False

@@ -110,7 +110,11 @@ def test_results_files(tmp_path: Path) -> None:
     # is, so no tokens/s).
     rate = Utilization().line(best.metrics)
     assert rate.startswith("handed-over throughput: MFU ") and "tokens/s" not in rate
-    assert summary == table + "\n" + batch + "\n" + rate + "\n" + search_cost(rows).line() + "\n"
+    why = (
+        f"handed over: {best.name}: the best of the search (--confirm-top 0: no confirmation round)"
+    )
+    expected = [table, why, batch, rate, search_cost(rows).line()]
+    assert summary == "\n".join(expected) + "\n"
     assert summary.startswith("| tuning_space | num_experiments | best_metric_val | best_exp_name")
     assert re.search(r"^\| global +\| +23 \|", summary, re.MULTILINE)  # the 23 search trials
     assert best.name in table.splitlines()[-2]

@@ -159,6 +159,15 @@ def test_the_baseline_takes_nothing_from_the_searchs_budget(tmp_path: Path) -> N
     kinds = [r.kind for r in method.tracker.records]
     assert kinds == [TrialKind.MODEL_PROFILE, TrialKind.BASELINE, TrialKind.SEARCH]
     assert method.tracker.best() is not None and not method.search_failed
+    # No confirmation round (--confirm-top 0 here); the summary still says why it was handed
+    # over, as it does where one search trial left nothing to compare.
+    handed = method.tracker.best()
+    said = (tmp_path / SUMMARY_FILE).read_text()
+    assert f"handed over: {handed.name}: the best of the search (--confirm-top 0: no " in said
+    alone = search(tmp_path / "alone", USER, max_trials=2, confirm_top=3).tracker.best()
+    assert alone is not None
+    said = (tmp_path / "alone" / SUMMARY_FILE).read_text()
+    assert f"handed over: {alone.name}: the only configuration this search ran" in said
 
 
 def test_a_search_stopped_after_the_baseline_resumes_to_the_same_trials(tmp_path: Path) -> None:
