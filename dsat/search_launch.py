@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import shlex
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,9 @@ from dsat.experiment.batch_size import batch_value, fixed_global_batch
 from dsat.experiment.config import (
     HF_BATCH_FLAGS,
     Experiment,
+    check_entrypoint_launcher,
     check_entrypoint_script,
+    check_hf_args_file,
     deep_merge,
     entrypoint_batch_flags,
     entrypoint_flag,
@@ -75,6 +78,7 @@ from dsat.results.writable import (
 )
 from dsat.runners import RunnerKind, resolve_runner
 from dsat.runners.determined.submit import DeterminedSetup
+from dsat.runners.local.entrypoint import entrypoint_tokens, strip_determined_launcher
 from dsat.runners.local.full_run import FullExperimentFailed
 from dsat.runners.local.runner import copy_ignore
 from dsat.runners.local.setup import OPS_LOG, LocalSetup
@@ -92,7 +96,7 @@ from dsat.search.ending import no_search_trial_succeeded, repeated_failure
 from dsat.search.method import DsatSearchMethod
 from dsat.search.trial_builder import SearchSpec
 from dsat.search_run import best_config_path, run_search
-from dsat.training.hf_args import HF_DS_FLAG
+from dsat.training.hf_args import HF_DS_FLAG, checkpointing_flags
 from dsat.training.step_clock import measured_window
 from dsat.trial import TrialRecord
 
@@ -242,6 +246,9 @@ def plan_search(
     notes: list[str] = []
     if runner is not RunnerKind.SIMULATED:
         check_entrypoint_script(experiment)
+        command = entrypoint_command(experiment)
+        check_entrypoint_launcher(experiment, command)
+        check_hf_args_file(experiment, command)
         check_entrypoint_steps(experiment, settings)
         hf_note = check_hf_global_batch(experiment, settings)
         if hf_note is not None:
@@ -297,6 +304,24 @@ def plan_search(
         )
         check_results_dir(results_dir, named_by, room_needed(copied, setup))
     return LaunchPlan(settings, experiment, runner, reason, results_dir, setup, tuple(notes))
+
+
+def entrypoint_words(method: DsatSearchMethod) -> list[str]:
+    entrypoint = method.spec.entrypoint
+    try:
+        return shlex.split(entrypoint) if isinstance(entrypoint, str) else list(entrypoint or [])
+    except ValueError:
+        return []
+
+
+def entrypoint_command(experiment: Experiment) -> list[str]:
+    """The command a trial runs, Determined's launch layer dropped; none where the entrypoint
+    does not parse (the runner says so itself)."""
+    try:
+        tokens = entrypoint_tokens(experiment.config.get("entrypoint"), str(experiment.config_path))
+    except DsatError:
+        return []
+    return strip_determined_launcher(tokens)
 
 
 def search_spec(experiment: Experiment) -> SearchSpec:
@@ -650,7 +675,10 @@ def closing_lines(
         use = (
             f"train with {HF_DS_FLAG} {path} --per_device_train_batch_size {best.mbs} "
             f"--gradient_accumulation_steps {best.gas}"
-            + (f" --{CHECKPOINTING_HPARAM} true" if checkpointing else "")
+            + "".join(
+                f" {flag} true"
+                for flag in (checkpointing_flags(entrypoint_words(method)) if checkpointing else [])
+            )
             + " (HF refuses flags that differ from it)"
         )
     else:

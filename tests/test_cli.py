@@ -502,6 +502,68 @@ def test_an_hf_batch_that_holds_only_with_a_number_the_script_may_set_is_a_note(
     assert check_hf_global_batch(load_experiment(path, path.parent), settings) is None
 
 
+@pytest.mark.parametrize(
+    ("entrypoint", "launcher"),
+    [
+        ("torchrun --nproc_per_node 2 train.py", "torchrun"),
+        ("deepspeed train.py --deepspeed_config ds_config.json", "deepspeed"),
+        ("accelerate launch train.py", "accelerate"),
+        (
+            "python3 -m torch.distributed.run --nproc_per_node 1 train.py",
+            "python3 -m torch.distributed.run",
+        ),
+        ("python3 -m determined.launch.torch_distributed torchrun train.py", "torchrun"),
+    ],
+)
+def test_an_entrypoint_that_starts_its_own_launcher_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], entrypoint: str, launcher: str
+) -> None:
+    """torchrun --nproc_per_node 2 at one slot ended the search with "fix the DeepSpeed config",
+    and a launcher's fixed port 29500 made two trials at once fail each other."""
+    path = write_experiment(tmp_path / "m", config={"entrypoint": entrypoint})
+    assert_one_line_error(
+        capsys,
+        ["asha", str(path), str(path.parent)],
+        f"the entrypoint starts {launcher}",
+        "run the script directly, `python3 train.py ...`",
+    )
+
+
+def test_hf_arguments_in_a_file_are_one_line_before_any_trial(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """HF's `python3 run_clm.py args.json`: dsat rewrites the command line, found no --deepspeed
+    there, and every trial failed after the launch had passed. A Core API script's own config
+    file, without HF's keys, is its business."""
+    path = write_experiment(tmp_path / "m", config={"entrypoint": "python3 train.py args.json"})
+    args = {"deepspeed": "ds_config.json", "per_device_train_batch_size": 4}
+    (path.parent / "args.json").write_text(json.dumps(args))
+    assert_one_line_error(
+        capsys,
+        ["asha", str(path), str(path.parent)],
+        "passes its HF arguments in args.json",
+        "`python3 train.py --deepspeed ds_config.json --per_device_train_batch_size N ...`",
+    )
+    (path.parent / "args.json").write_text(json.dumps({"layers": 4}))
+    from dsat.experiment.config import check_hf_args_file, load_experiment
+
+    check_hf_args_file(load_experiment(path, path.parent), ["python3", "train.py", "args.json"])
+
+
+def test_a_deepspeed_config_given_as_json_text_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It was called a file name that differs from hyperparameters.deepspeed_config."""
+    entrypoint = ["python3", "train.py", "--deepspeed", '{"zero_optimization": {"stage": 2}}']
+    path = write_experiment(tmp_path / "m", config={"entrypoint": entrypoint})
+    assert_one_line_error(
+        capsys,
+        ["asha", str(path), str(path.parent)],
+        "passes its DeepSpeed config as JSON text",
+        "--deepspeed ds_config.json",
+    )
+
+
 def test_an_hf_entrypoint_training_fewer_steps_than_a_trial_measures_is_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -33,9 +33,9 @@ SIMULATED = Path(__file__).resolve().parents[1] / "examples" / "simulated"
             "train with --deepspeed {path} --per_device_train_batch_size {mbs} "
             "--gradient_accumulation_steps {gas} (HF refuses flags that differ from it)",
         ),
-        # DeepSpeed's own launcher arguments: a bare --deepspeed switch, the JSON elsewhere.
+        # DeepSpeed's own arguments (deepspeed.add_config_arguments): a bare --deepspeed switch.
         (
-            "deepspeed train.py --deepspeed --deepspeed_config ds.json",
+            "python3 train.py --deepspeed --deepspeed_config ds.json",
             "pass it as your DeepSpeed config (deepspeed.initialize(..., config=",
         ),
     ],

@@ -401,6 +401,12 @@ def load_experiment(
             f"MODEL_DIR {model_dir} nor any --include; fix the path (it is relative to MODEL_DIR)"
         )
     named = entrypoint_ds_config(config.get("entrypoint"))
+    if named is not None and named.lstrip().startswith("{"):
+        raise DsatError(
+            f"{config_path}: the entrypoint passes its DeepSpeed config as JSON text; each trial "
+            f"writes its own config to a file, so pass the file instead: --deepspeed {relative} "
+            f"(hyperparameters.{DS_CONFIG_KEY})"
+        )
     if named is not None and not same_relative_file(named, relative):
         raise DsatError(
             f"{config_path}: the entrypoint passes DeepSpeed config {named} but "
@@ -443,6 +449,64 @@ def check_entrypoint_script(experiment: Experiment) -> None:
         f"{model_dir} nor any --include; fix the script's path in the entrypoint (it is "
         "relative to MODEL_DIR)"
     )
+
+
+# Launchers that start the training processes themselves: a trial's processes are dsat's to
+# start (one per slot, on a free port), as Determined's launch layers, which are dropped, are.
+OUTSIDE_LAUNCHERS = ("torchrun", "deepspeed", "accelerate")
+OUTSIDE_LAUNCHER_MODULES = (
+    "torch.distributed.run",
+    "torch.distributed.launch",
+    "deepspeed.launcher.runner",
+    "accelerate.commands.launch",
+)
+
+
+def outside_launcher(tokens: Sequence[str]) -> str | None:
+    """The launcher ``tokens`` (the command, Determined's launch layer dropped) start with."""
+    if tokens and Path(tokens[0]).name in OUTSIDE_LAUNCHERS:
+        return Path(tokens[0]).name
+    if len(tokens) >= 3 and tokens[1] == "-m" and tokens[2] in OUTSIDE_LAUNCHER_MODULES:
+        return f"{tokens[0]} -m {tokens[2]}"
+    return None
+
+
+def check_entrypoint_launcher(experiment: Experiment, command: Sequence[str]) -> None:
+    """Raise ``DsatError`` for an entrypoint that starts its own launcher: its processes
+    (``--nproc_per_node 2`` at one slot) did not match the trial's, which DeepSpeed refused as a
+    config's fault, and its fixed port (29500) made two trials at once fail each other."""
+    launcher = outside_launcher(command)
+    if launcher is None:
+        return
+    script = entrypoint_script(list(command)) or "train.py"
+    raise DsatError(
+        f"{experiment.config_path}: the entrypoint starts {launcher}, which starts the training "
+        "processes itself; dsat starts a trial's processes (one per slot, "
+        f"resources.slots_per_trial: {experiment.slots_per_trial}) on a free port: run the script "
+        f"directly, `python3 {script} ...`"
+    )
+
+
+def check_hf_args_file(experiment: Experiment, command: Sequence[str]) -> None:
+    """Raise ``DsatError`` where the script takes its HF arguments from one JSON or YAML file
+    (HF's ``python3 run_clm.py args.json``): dsat sets a trial's on the command line, found no
+    ``--deepspeed`` there, and every trial failed after the launch had passed."""
+    script = entrypoint_script(list(command))
+    rest = list(command[command.index(script) + 1 :]) if script in command else []
+    if len(rest) != 1 or not rest[0].endswith((".json", ".yaml", ".yml")):
+        return
+    path = resolve_context_path(rest[0], experiment.model_dir, experiment.includes)
+    try:
+        held = yaml.safe_load(path.read_text()) if path is not None else None
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        return
+    if isinstance(held, dict) and "deepspeed" in held:
+        raise DsatError(
+            f"{experiment.config_path}: the entrypoint passes its HF arguments in {rest[0]}; dsat "
+            "sets each trial's on the command line, so pass them as flags instead: "
+            f"`python3 {script} --deepspeed {held['deepspeed']} "
+            "--per_device_train_batch_size N ...`"
+        )
 
 
 def contains_auto(value: Any) -> bool:

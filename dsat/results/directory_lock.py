@@ -47,7 +47,7 @@ def refuse_if_in_use(results_dir: Path, flag: str) -> None:
     try:
         lock_or_refuse(fd, fcntl.LOCK_SH, results_dir, flag)
     finally:
-        os.close(fd)  # releases the look
+        os.close(fd)  # lets go of the shared lock
 
 
 @contextlib.contextmanager

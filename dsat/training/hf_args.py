@@ -63,10 +63,12 @@ def _set_flag(args: list[str], flag: str, value: str) -> list[str]:
     updated = list(args)
     if "=" in args[index]:
         updated[index] = f"{flag}={value}"
-    elif index + 1 < len(updated):
-        updated[index + 1] = value
+    elif old is None or old.startswith("--"):
+        # A bare switch (`--gradient_checkpointing`): the next word is another flag, or the
+        # value of one dsat just set, and overwriting it broke the command line.
+        updated.insert(index + 1, value)
     else:
-        updated.append(value)
+        updated[index + 1] = value
     return updated
 
 
@@ -82,6 +84,20 @@ def hf_precision(args: Sequence[str], ds_config: Mapping[str, Any]) -> Precision
     return Precision.of(ds_config)
 
 
+# Newer transformers name the switch activation_checkpointing and read gradient_checkpointing
+# only where it is unset: a user's `--activation_checkpointing false` kept it off.
+NEWER_CHECKPOINTING_FLAG = "--activation_checkpointing"
+
+
+def checkpointing_flags(args: Sequence[str]) -> list[str]:
+    """The switches that turn HF's activation checkpointing on for these arguments (the newer
+    one only where they pass it: an older transformers refuses a flag it does not know)."""
+    flags = [f"--{CHECKPOINTING_HPARAM}"]
+    if _find_flag(args, NEWER_CHECKPOINTING_FLAG)[0] >= 0:
+        flags.append(NEWER_CHECKPOINTING_FLAG)
+    return flags
+
+
 def merged_config_path(ds_config_path: Path) -> Path:
     stem = ds_config_path.name.removesuffix(".json")
     return ds_config_path.with_name(stem + MERGED_SUFFIX)
@@ -95,9 +111,15 @@ def get_hf_args_with_overwrites(args: Sequence[str], hparams: Mapping[str, Any])
         return args
     index, value = _find_flag(args, HF_DS_FLAG)
     if index < 0 or not value:
+        files = [a for a in args if a.endswith((".json", ".yaml", ".yml")) and a[:1] != "-"]
         raise DsatError(
             "get_hf_args_with_overwrites: the HF arguments have no --deepspeed PATH; pass your "
             "DeepSpeed JSON with --deepspeed"
+            + (
+                f" (arguments in {files[0]} are read by the script, not here: pass them as flags)"
+                if files
+                else ""
+            )
         )
     source = Path(value)
     target = merged_config_path(source)
@@ -112,7 +134,8 @@ def get_hf_args_with_overwrites(args: Sequence[str], hparams: Mapping[str, Any])
         if number is not None:  # "auto" is left for HF to fill in from its own arguments
             args = _set_flag(args, flag, str(number))
     if hparams.get(CHECKPOINTING_HPARAM) is True:  # the fit ladder's rung: HF Trainer's switch
-        args = _set_flag(args, "--gradient_checkpointing", "true")
+        for flag in checkpointing_flags(args):
+            args = _set_flag(args, flag, "true")
     # The log's first line is the command as the user wrote it; this is what the trial ran with.
     print(f"dsat: this trial's HF arguments: {shlex.join(args)}", file=sys.stderr, flush=True)
     return args

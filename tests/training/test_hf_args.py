@@ -180,3 +180,37 @@ def test_the_fit_ladders_checkpointing_rung_turns_on_hf_gradient_checkpointing(
     assert _value(get_hf_args_with_overwrites(args, on), "--gradient_checkpointing") == "true"
     off = {**_hparams(zero_optimization={"stage": 3}), "gradient_checkpointing": False}
     assert _value(get_hf_args_with_overwrites(args, off), "--gradient_checkpointing") == "false"
+
+
+@pytest.mark.parametrize("at_end", [False, True])
+def test_a_bare_checkpointing_switch_keeps_the_words_after_it(ds_path: Path, at_end: bool) -> None:
+    """`--gradient_checkpointing --max_steps 20` became `--gradient_checkpointing true 20`, and
+    at the end the switch ate the batch size dsat had just added: HF refused both."""
+    rest = ["--max_steps", "20"]
+    args = ["--deepspeed", str(ds_path), *(rest if at_end else [])]
+    args += ["--gradient_checkpointing", *([] if at_end else rest)]
+    on = {**_hparams(train_micro_batch_size_per_gpu=16), "gradient_checkpointing": True}
+    got = get_hf_args_with_overwrites(args, on)
+    assert _value(got, "--gradient_checkpointing") == "true"
+    assert _value(got, "--max_steps") == "20"
+    assert _value(got, "--per_device_train_batch_size") == "16"
+
+
+def test_the_newer_checkpointing_switch_is_turned_on_where_the_user_passes_it(
+    ds_path: Path,
+) -> None:
+    """transformers 5 reads --gradient_checkpointing only where --activation_checkpointing is
+    unset: with the user's `--activation_checkpointing false` the rung trained without it."""
+    args = ["--deepspeed", str(ds_path), "--activation_checkpointing", "false"]
+    on = {**_hparams(zero_optimization={"stage": 3}), "gradient_checkpointing": True}
+    got = get_hf_args_with_overwrites(args, on)
+    assert _value(got, "--activation_checkpointing") == "true"
+    assert _value(got, "--gradient_checkpointing") == "true"
+    # Not added where the user does not pass it: an older transformers refuses it.
+    plain = get_hf_args_with_overwrites(["--deepspeed", str(ds_path)], on)
+    assert "--activation_checkpointing" not in plain
+
+
+def test_arguments_in_a_file_are_named_where_no_deepspeed_flag_is_found(ds_path: Path) -> None:
+    with pytest.raises(DsatError, match=r"arguments in args\.json are read by the script"):
+        get_hf_args_with_overwrites(["args.json"], _hparams(train_micro_batch_size_per_gpu=2))
