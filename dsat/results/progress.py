@@ -1,8 +1,8 @@
 """What a user watches while trials run: one line per finished trial and live counts.
 
-On a terminal a rich status line (running / done / oom / error / timeout, best so far, elapsed) stays at the
-bottom and refreshes on its own; when stdout is a file or a pipe (CI logs, ``| tee``) only the
-plain per-trial lines are written, so the log reads cleanly.
+On a terminal a rich status line (running / done / oom / error / timeout, best so far, elapsed)
+stays at the bottom and refreshes on its own; when stdout is a file or a pipe (CI logs, ``| tee``)
+only the plain per-trial lines are written, so the log reads cleanly.
 """
 
 from __future__ import annotations
