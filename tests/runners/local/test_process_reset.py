@@ -303,13 +303,15 @@ def test_a_trials_device_peak_starts_from_what_the_host_holds(tmp_path: Path) ->
 CPU_PEAK_AFTER_A_LARGER_TRIAL = """
 import resource, torch
 from dsat.runners.local.process_reset import reset_peak_memory
+torch.set_num_threads(1)
 def resident(): return int(open("/proc/self/statm").read().split()[1]) * 4096
 start = resident()
 for _ in range(2):  # the second round comes from the heap the first round's frees grew
     held = [torch.ones(2**21) for _ in range(50)]  # 400 MiB in 8 MiB tensors
     del held
+kept = resident() - start
 reset_peak_memory()
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - start)
+print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - start)
 """
 
 
@@ -319,12 +321,17 @@ def test_a_trials_cpu_peak_is_not_what_the_allocator_kept_of_an_earlier_trial() 
     bytes for 8192, where a fresh process reported 5.5e8."""
     # The allocator told to keep what is freed (as it does, by chance, with thread arenas).
     keep = {"MALLOC_TRIM_THRESHOLD_": str(2**40), "MALLOC_MMAP_THRESHOLD_": str(2**25)}
+    keep.update(MALLOC_ARENA_MAX="1", OMP_NUM_THREADS="1")
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **keep}
     ran = subprocess.run(
         [sys.executable, "-c", CPU_PEAK_AFTER_A_LARGER_TRIAL],
         capture_output=True, text=True, env=env, check=True, timeout=120,
     )  # fmt: skip
-    assert int(ran.stdout) < 100 * 2**20  # of the 400 MiB it held and let go of
+    kept, peak = (int(word) for word in ran.stdout.split())
+    assert kept > 300 * 2**20  # the allocator did keep it: what the reset must not report
+    # Most of it given back (here about all of it; once, in CI beside another test, 256 of
+    # 400 MiB stayed); without the trim the peak read all that was kept.
+    assert peak < 0.75 * kept
 
 
 def test_device_memory_is_counted_once_cublas_workspaces_are_cleared(
