@@ -502,6 +502,18 @@ def test_an_hf_batch_that_holds_only_with_a_number_the_script_may_set_is_a_note(
     assert check_hf_global_batch(load_experiment(path, path.parent), settings) is None
 
 
+def refused_entrypoint(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    entrypoint: str | list[str],
+    *needles: str,
+) -> Path:
+    """An experiment with ``entrypoint``, refused in one line saying ``needles``; its YAML."""
+    path = write_experiment(tmp_path / "m", config={"entrypoint": entrypoint})
+    assert_one_line_error(capsys, ["asha", str(path), str(path.parent)], *needles)
+    return path
+
+
 @pytest.mark.parametrize(
     ("entrypoint", "launcher"),
     [
@@ -520,10 +532,10 @@ def test_an_entrypoint_that_starts_its_own_launcher_is_one_line(
 ) -> None:
     """torchrun --nproc_per_node 2 at one slot ended the search with "fix the DeepSpeed config",
     and a launcher's fixed port 29500 made two trials at once fail each other."""
-    path = write_experiment(tmp_path / "m", config={"entrypoint": entrypoint})
-    assert_one_line_error(
+    refused_entrypoint(
+        tmp_path,
         capsys,
-        ["asha", str(path), str(path.parent)],
+        entrypoint,
         f"the entrypoint starts {launcher}",
         "run the script directly, `python3 train.py ...`",
     )
@@ -555,10 +567,10 @@ def test_a_deepspeed_config_given_as_json_text_is_one_line(
 ) -> None:
     """It was called a file name that differs from hyperparameters.deepspeed_config."""
     entrypoint = ["python3", "train.py", "--deepspeed", '{"zero_optimization": {"stage": 2}}']
-    path = write_experiment(tmp_path / "m", config={"entrypoint": entrypoint})
-    assert_one_line_error(
+    refused_entrypoint(
+        tmp_path,
         capsys,
-        ["asha", str(path), str(path.parent)],
+        entrypoint,
         "passes its DeepSpeed config as JSON text",
         "--deepspeed ds_config.json",
     )
@@ -570,10 +582,10 @@ def test_an_hf_entrypoint_training_fewer_steps_than_a_trial_measures_is_one_line
     """Every trial failed with "stopped after 10 steps; it needs 15"; the guide had said
     --max_steps must only exceed --end-profile-step."""
     entrypoint = "python3 train.py --deepspeed ds_config.json --max_steps 10"
-    path = write_experiment(tmp_path / "m", config={"entrypoint": entrypoint})
-    assert_one_line_error(
+    path = refused_entrypoint(
+        tmp_path,
         capsys,
-        ["asha", str(path), str(path.parent)],
+        entrypoint,
         "the entrypoint passes --max_steps 10, but a trial measures up to optimizer step 15",
         "give --max_steps 15 or more",
     )
