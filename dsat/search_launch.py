@@ -12,7 +12,6 @@ import json
 import math
 import os
 import re
-import shlex
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ from dsat.experiment.config import (
     deep_merge,
     entrypoint_batch_flags,
     entrypoint_flag,
+    entrypoint_words,
     load_experiment,
     load_yaml_mapping,
     validate_with_deepspeed,
@@ -304,14 +304,6 @@ def plan_search(
         )
         check_results_dir(results_dir, named_by, room_needed(copied, setup))
     return LaunchPlan(settings, experiment, runner, reason, results_dir, setup, tuple(notes))
-
-
-def entrypoint_words(method: DsatSearchMethod) -> list[str]:
-    entrypoint = method.spec.entrypoint
-    try:
-        return shlex.split(entrypoint) if isinstance(entrypoint, str) else list(entrypoint or [])
-    except ValueError:
-        return []
 
 
 def entrypoint_command(experiment: Experiment) -> list[str]:
@@ -677,7 +669,11 @@ def closing_lines(
             f"--gradient_accumulation_steps {best.gas}"
             + "".join(
                 f" {flag} true"
-                for flag in (checkpointing_flags(entrypoint_words(method)) if checkpointing else [])
+                for flag in (
+                    checkpointing_flags(entrypoint_words(method.spec.entrypoint))
+                    if checkpointing
+                    else []
+                )
             )
             + " (HF refuses flags that differ from it)"
         )

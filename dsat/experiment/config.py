@@ -225,7 +225,7 @@ def entrypoint_script(entrypoint: str | Sequence[str] | None) -> str | None:
     ``python3 -m determined.launch.deepspeed python3 train.py``. None for a module
     (``-m pkg``, ``model_def:Trial``), a path the shell expands (``$HOME/...``), or an absolute
     one (on a cluster it may be in the container's image, not here)."""
-    tokens = _tokens(entrypoint)
+    tokens = entrypoint_words(entrypoint)
     for i, token in enumerate(tokens):
         if (
             not token.endswith(".py")
@@ -241,7 +241,7 @@ def entrypoint_script(entrypoint: str | Sequence[str] | None) -> str | None:
     return None
 
 
-def _tokens(entrypoint: str | Sequence[str] | None) -> list[str]:
+def entrypoint_words(entrypoint: str | Sequence[str] | None) -> list[str]:
     """An entrypoint's arguments, as the shell would split a string one (none if it cannot)."""
     if entrypoint is None:
         return []
@@ -256,7 +256,7 @@ def _tokens(entrypoint: str | Sequence[str] | None) -> list[str]:
 def entrypoint_flag(entrypoint: str | Sequence[str] | None, flags: Sequence[str]) -> str | None:
     """The value an entrypoint passes with one of ``flags`` (``--flag value`` or
     ``--flag=value``), if any: the last given, which argparse keeps."""
-    tokens = _tokens(entrypoint)
+    tokens = entrypoint_words(entrypoint)
     for i in reversed(range(len(tokens))):
         flag, eq, value = tokens[i].partition("=")
         if flag not in flags:

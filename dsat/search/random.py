@@ -34,27 +34,22 @@ class RandomSearch(DsatSearchMethod):
         untried = [
             stage
             for stage in sorted(set(self.zero_stages) - self.tracker.tried_stages())
-            if stage != MEMORY_ONLY_STAGE or self.stage_three_has_room()
+            if stage != MEMORY_ONLY_STAGE
+            or any(map(self.stage_three_has_room, self.offload_space(MEMORY_ONLY_STAGE)))
         ]
         return int(untried[int(self.rng.integers(len(untried)))]) if untried else None
 
-    def stage_three_has_room(self) -> bool:
-        """Whether any way stage 3 may keep state off the GPU leaves a micro-batch above the
-        largest stages 1 and 2 ran."""
-        return any(
-            not self.initial_range(MEMORY_ONLY_STAGE, self.offload_of(section)).empty
-            for section in self.offload_space(MEMORY_ONLY_STAGE)
-        )
+    def stage_three_has_room(self, section: dict[str, Any]) -> bool:
+        """Whether stage 3, keeping off the GPU what ``section`` does, leaves a micro-batch above
+        the largest stages 1 and 2 ran."""
+        return not self.initial_range(MEMORY_ONLY_STAGE, self.offload_of(section)).empty
 
     def draw_zero_config(self, stage: int) -> dict[str, Any]:
         """As every method draws one, but at stage 3 only among the offload choices that leave
         it room above stages 1 and 2."""
         for _ in range(MAX_DRAWS):
             section = super().draw_zero_config(stage)
-            if (
-                stage != MEMORY_ONLY_STAGE
-                or not self.initial_range(stage, self.offload_of(section)).empty
-            ):
+            if stage != MEMORY_ONLY_STAGE or self.stage_three_has_room(section):
                 break
         return section
 
