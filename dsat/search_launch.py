@@ -78,7 +78,7 @@ from dsat.results.writable import (
 )
 from dsat.runners import RunnerKind, resolve_runner
 from dsat.runners.determined.submit import DeterminedSetup
-from dsat.runners.local.entrypoint import entrypoint_tokens, strip_determined_launcher
+from dsat.runners.local.entrypoint import strip_determined_launcher
 from dsat.runners.local.full_run import FullExperimentFailed
 from dsat.runners.local.runner import copy_ignore
 from dsat.runners.local.setup import OPS_LOG, LocalSetup
@@ -309,11 +309,7 @@ def plan_search(
 def entrypoint_command(experiment: Experiment) -> list[str]:
     """The command a trial runs, Determined's launch layer dropped; none where the entrypoint
     does not parse (the runner says so itself)."""
-    try:
-        tokens = entrypoint_tokens(experiment.config.get("entrypoint"), str(experiment.config_path))
-    except DsatError:
-        return []
-    return strip_determined_launcher(tokens)
+    return strip_determined_launcher(entrypoint_words(experiment.config.get("entrypoint")))
 
 
 def search_spec(experiment: Experiment) -> SearchSpec:
