@@ -1,14 +1,14 @@
 """What it takes to fit: the rungs dsat climbs when the model does not run at micro-batch 1 as
 submitted, instead of ending the search.
 
-ZeRO-3 first, then activation checkpointing where the training script has the switch (the
-``gradient_checkpointing`` hyperparameter, HF Trainer's name), then the optimizer's states on the
-CPU, then the parameters too, then both on NVMe when the user gives a path: each rung needs less
-GPU memory and trains slower, in the order DeepSpeed's and HF's own guidance climbs it. Each rung
-keeps what the rungs below it set. The model profile runs again on each rung until one fits; the
-search then tries only configurations with that rung's settings, at the stages that can carry
-them. ``--offload`` puts the offload rungs' settings in the search space even when the model
-fits (they free memory for a larger micro-batch).
+ZeRO-3 first (or the highest stage ``--zero-stages`` allows), then activation checkpointing where
+the training script has the switch (the ``gradient_checkpointing`` hyperparameter, HF Trainer's
+name), then the optimizer's states on the CPU, then the parameters too, then both on NVMe when the
+user gives a path: each rung needs less GPU memory and trains slower, in the order DeepSpeed's and
+HF's own guidance climbs it. Each rung keeps what the rungs below it set. The model profile runs
+again on each rung until one fits; the search then tries only configurations with that rung's
+settings, at the stages that can carry them. ``--offload`` puts the offload rungs' settings in the
+search space even when the model fits (they free memory for a larger micro-batch).
 
 Nothing here is saved: the rung a search is on is how many model profiles it ran, so a resumed
 search climbs the same ladder.
@@ -110,8 +110,10 @@ def ladder(
     switch = {CHECKPOINTING_HPARAM: True} if hparams.get(CHECKPOINTING_HPARAM) is False else {}
     offload_stages = tuple(s for s in zero_stages if s in _OFFLOAD_STAGES)
 
+    # The highest stage allowed, plain: without stage 3, ZeRO-2's partitioned gradients may be
+    # all it takes, and offload would slow every step for nothing.
     steps: list[tuple[str, dict[str, Any], dict[str, Any], tuple[int, ...]]] = [
-        ("ZeRO-3", {}, {}, tuple(zero_stages) if top == 3 else ())
+        (f"ZeRO-{top}", {}, {}, tuple(zero_stages) if top >= 1 else ())
     ]
     if switch:
         steps.append((f"ZeRO-{top}, activation checkpointing", {}, switch, tuple(zero_stages)))

@@ -63,8 +63,17 @@ def test_activation_checkpointing_is_a_rung_where_the_script_has_the_switch() ->
 def test_rungs_that_keep_no_more_off_the_gpu_than_the_users_config_are_left_out() -> None:
     user = {"zero_optimization": {"stage": 3, "offload_optimizer": CPU}}
     assert names(user) == ["as submitted", "ZeRO-3, optimizer states and parameters on the CPU"]
-    # Without stage 3 only the optimizer can go, at the highest stage allowed.
-    assert names({}, zero_stages=(1, 2)) == ["as submitted", "ZeRO-2, optimizer states on the CPU"]
+    # Without stage 3 the highest stage allowed comes first, plain, then only the optimizer can go.
+    assert names({}, zero_stages=(1, 2)) == [
+        "as submitted",
+        "ZeRO-2",
+        "ZeRO-2, optimizer states on the CPU",
+    ]
+    at_two = {"zero_optimization": {"stage": 2}}
+    assert names(at_two, zero_stages=(1, 2)) == [
+        "as submitted",
+        "ZeRO-2, optimizer states on the CPU",
+    ]
     assert names({}, zero_stages=(0,)) == ["as submitted"]
 
 
@@ -115,6 +124,23 @@ def test_on_the_zero3_rung_a_lower_stage_the_profile_shows_fits_is_searched_too(
     best = m.tracker.best()
     assert best is not None and best.zero_stage == 2
     assert not Offload.of(best.ds_config["zero_optimization"]).optimizer
+
+
+def test_without_stage_3_plain_zero2_is_tried_before_offload() -> None:
+    """A model that runs out of memory at ZeRO-1 but fits at ZeRO-2 is handed over without the
+    offload that would slow every step (the ladder used to go straight to offload)."""
+    model = OFFLOAD_MODELS["gpt_13b_no_zero0_8xa100"]
+    m = search_on(model, "guided", zero_stages=(1, 2))
+    profiles = [r for r in m.tracker.records if r.kind is TrialKind.MODEL_PROFILE]
+    assert [(r.zero_stage, r.status) for r in profiles] == [
+        (0, TrialStatus.OOM),
+        (2, TrialStatus.COMPLETED),
+    ]
+    assert m.fit_rung.name == "ZeRO-2"
+    best = m.tracker.best()
+    assert best is not None and best.zero_stage == 2
+    assert not Offload.of(best.ds_config["zero_optimization"]).optimizer
+    assert model.is_safe(best.ds_config, model.gpus, m.settings.memory_margin)
 
 
 def test_offload_puts_offload_in_the_space_when_the_model_fits() -> None:
