@@ -44,6 +44,7 @@ from dsat.experiment.config import (
 )
 from dsat.experiment.settings import SearchSettings
 from dsat.paths import shown
+from dsat.process_limits import address_space_limit
 from dsat.results.cost import search_cost
 from dsat.results.directory import (
     FULL_RUN_DIR,
@@ -253,6 +254,8 @@ def plan_search(
         hf_note = check_hf_global_batch(experiment, settings)
         if hf_note is not None:
             notes.append(hf_note)
+    if runner is RunnerKind.LOCAL:
+        notes.extend(address_space_note(address_space_limit()))
     if runner is RunnerKind.LOCAL and settings.offload_nvme is not None:
         check_local_directory(settings.offload_nvme, "--offload-nvme")
     setup = RUNNER_SETUPS[runner].prepare(settings, experiment, environ)
@@ -475,6 +478,19 @@ def next_free_name(path: Path) -> Path:
     while (path.parent / f"{path.name}-{number}").exists():
         number += 1
     return path.parent / f"{path.name}-{number}"
+
+
+def address_space_note(limit: int | None) -> list[str]:
+    """A line on the shell's address-space limit, which every local trial inherits: past it a
+    trial cannot allocate at any configuration, which would read as a model too large."""
+    if limit is None:
+        return []
+    return [
+        f"dsat: note: this shell limits a process's address space to {limit / 2**30:.3g} GiB "
+        "(`ulimit -v`), and every trial inherits it: a trial that needs more fails to allocate "
+        "whatever its configuration (torch alone maps over 1 GiB; CUDA wants no limit); run "
+        "`ulimit -v unlimited` first unless the limit is meant"
+    ]
 
 
 def print_experiment(plan: LaunchPlan, where_results_go: str) -> None:

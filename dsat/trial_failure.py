@@ -54,6 +54,16 @@ def _known(pattern: str, cause: FailureCause, summary: str, killed: bool = False
 # and the config's come first: a rank that crashes leaves its peers failing to connect.
 KNOWN_FAILURES: tuple[KnownFailure, ...] = (
     _known(
+        # First: a limit of the process (ulimit -n, -u, -v) fails whatever the trial was doing,
+        # an import (a library it cannot map) or an op's build included; no configuration escapes
+        # it and none is to blame.
+        r"Too many open files|\[Errno 2[34]\]|can't start new thread|pthread_create failed"
+        r"|\[Errno 11\] Resource temporarily unavailable|failed to map segment from shared object",
+        FailureCause.MACHINE,
+        "the process ran into a limit of the machine (open files, threads or address space: "
+        "see `ulimit -a`)",
+    ),
+    _known(
         # Before ImportError: an op only some configurations load (CPU Adam for offload), built
         # in the trial, that this machine cannot build or load; the script is not to blame.
         r"Error building extension '\w+'|\w+\.so: cannot open shared object file"

@@ -45,6 +45,11 @@ Root Cause (first observed failure):
 
 # One log per entry of the table, as the layer that fails prints it.
 SAMPLES: dict[str, tuple[str, FailureCause]] = {
+    # What a process limit (ulimit -n, -u, -v) made fail, whichever call met it first.
+    "process limit": (
+        TRACEBACK + "OSError: [Errno 24] Too many open files\n",
+        FailureCause.MACHINE,
+    ),
     "op build": (
         TRACEBACK + "ImportError: /root/.cache/torch_extensions/py311_cpu/cpu_adam/cpu_adam.so: "
         "cannot open shared object file: No such file or directory\n",
@@ -263,3 +268,23 @@ def test_without_torchrun_s_summary_a_rank_s_own_error_beats_its_peer_s_lost_con
         "[rank0]: RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer\n"
     )
     assert diagnose_crash(log, 1, None).reason.startswith("ValueError: the real failure")
+
+
+@pytest.mark.parametrize(
+    "last_words",
+    [
+        "RuntimeError: pipe: Too many open files",  # gloo, at ulimit -n 24
+        "RuntimeError: can't start new thread",
+        "BlockingIOError: [Errno 11] Resource temporarily unavailable",  # fork at ulimit -u
+        # torch's import at ulimit -v: not the script's missing module, nor an op's build
+        "ImportError: /venv/lib/python3.11/site-packages/torch/lib/libtorch_cpu.so: failed to "
+        "map segment from shared object",
+        "ImportError: cpu_adam.so: cannot open shared object file: Too many open files",
+    ],
+)
+def test_a_limit_of_the_process_is_the_machine_not_the_config_nor_the_script(
+    last_words: str,
+) -> None:
+    diagnosis = diagnose_crash(TRACEBACK + last_words + "\n", 1, oom_killed=False)
+    assert diagnosis.cause is FailureCause.MACHINE
+    assert "limit of the machine" in diagnosis.reason

@@ -530,10 +530,12 @@ def validate_with_deepspeed(ds_config: Mapping[str, Any], slots: int, source: st
     Returns False when the check cannot be made off the trial (values HF fills in at run time,
     ``"auto"``); raises ``DsatError`` with DeepSpeed's reason when DeepSpeed rejects the config.
     """
+    from dsat.experiment.ds_config_check import deepspeed_config_error, load_deepspeed
+
     config = trial_ready_config(ds_config, slots, source)
+    load_deepspeed()  # whether it can be checked or not, trials need it
     if contains_auto(config):
         return False
-    from dsat.experiment.ds_config_check import deepspeed_config_error
 
     reason = deepspeed_config_error(config, world_size=slots)
     if reason is not None:

@@ -11,14 +11,31 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from dsat.errors import DsatError
 from dsat.quiet_output import quiet_output
+
+
+def load_deepspeed() -> None:
+    """Import DeepSpeed quietly, or say in one line why it cannot be: not the config's fault, nor
+    one a traceback helps with (a broken install, or a limit of this shell: ``ulimit -v`` too low
+    to map torch's libraries, ``ulimit -n``)."""
+    try:
+        with quiet_output("importing DeepSpeed"):
+            import deepspeed.runtime.config  # noqa: F401
+    except (ImportError, OSError, MemoryError) as err:
+        reason = ": ".join([type(err).__name__, *str(err).split("\n")[:1]]).rstrip(": ")
+        raise DsatError(
+            f"cannot import DeepSpeed here ({reason}); dsat checks the config with it and runs "
+            "trials with it: fix this Python environment (its install, or a limit of this shell: "
+            "`ulimit -a`)"
+        ) from None
 
 
 def deepspeed_config_error(config: Mapping[str, Any], world_size: int) -> str | None:
     """DeepSpeed's one-line reason for rejecting ``config``, or None when it accepts it."""
-    with quiet_output("importing DeepSpeed"):
-        from deepspeed.runtime.config import DeepSpeedConfig
-        from deepspeed.utils import logger as ds_logger
+    load_deepspeed()
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.utils import logger as ds_logger
 
     class ConfigAtWorldSize(DeepSpeedConfig):  # type: ignore[misc]
         def _configure_train_batch_size(self) -> None:

@@ -39,16 +39,31 @@ _STRERROR = re.compile(r"\[Errno (\d+)\] ([^:]+)")
 Ignore = Callable[[str, list[str]], Iterable[str]]
 
 
+# Limits of this process rather than of the disk: the fix is the shell's limit, not the disk.
+LIMIT_REMEDIES = {
+    errno.EFBIG: "raise the file-size limit (`ulimit -f unlimited`)",
+    errno.EMFILE: "raise the open-files limit (`ulimit -n`, e.g. 65536)",
+    errno.ENFILE: "close other programs' files (the system's open-files table is full)",
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class WriteFailure:
     """A file of the results that could not be written, and the OS's reason."""
 
     path: Path
     reason: str
-    space: bool  # a full disk or a quota
+    number: int | None = None  # the OS's errno, where known
+
+    @property
+    def space(self) -> bool:
+        """A full disk or a quota."""
+        return self.number in SPACE_ERRNOS
 
     def remedy(self) -> str:
-        return "free some space there" if self.space else "make it writable"
+        if self.space:
+            return "free some space there"
+        return LIMIT_REMEDIES.get(self.number or 0, "make it writable")
 
 
 def _mib(size: int) -> str:
@@ -70,16 +85,16 @@ def write_failure(err: BaseException, results_dir: Path) -> WriteFailure | None:
                 found = _STRERROR.search(str(entry[2]))
                 reason = found.group(2) if found else str(entry[2])
                 number = int(found.group(1)) if found else None
-                return WriteFailure(Path(entry[1]), reason, number in SPACE_ERRNOS)
+                return WriteFailure(Path(entry[1]), reason, number)
         return None
     if not isinstance(err, OSError):
         return None
     named = isinstance(err.filename, (str, os.PathLike)) and _inside(err.filename, results_dir)
-    if not named and err.errno not in DISK_ERRNOS:
+    if not named and err.errno not in DISK_ERRNOS | LIMIT_REMEDIES.keys():
         return None
     reason = err.strerror or str(err)
     path = Path(err.filename) if named else results_dir
-    return WriteFailure(path, reason, err.errno in SPACE_ERRNOS)
+    return WriteFailure(path, reason, err.errno)
 
 
 def files_bytes(files: Iterable[Path]) -> int:

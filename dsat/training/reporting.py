@@ -46,14 +46,15 @@ class AutotuningResult:
 
 
 def device_memory_bytes() -> int:
-    """Memory of this rank's accelerator: the GPU's own, or the machine's RAM on the CPU."""
+    """Memory of this rank's accelerator: the GPU's own, or on the CPU the machine's RAM
+    (less where a container's or the shell's limit is lower)."""
     import torch
 
     if torch.cuda.is_available():
         return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
-    import psutil
+    from dsat.process_limits import cpu_memory_bytes
 
-    return int(psutil.virtual_memory().total)
+    return cpu_memory_bytes()
 
 
 def read_autotuning_result(directory: Path, since: float = 0.0) -> AutotuningResult | None:

@@ -209,11 +209,11 @@ def peak_memory() -> dict[str, int]:
             "memory_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
             "memory_total_bytes": int(torch.cuda.get_device_properties(device).total_memory),
         }
-    import psutil
+    from dsat.process_limits import cpu_memory_bytes
 
     return {
         "memory_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "memory_total_bytes": int(psutil.virtual_memory().total),
+        "memory_total_bytes": cpu_memory_bytes(),
     }
 
 

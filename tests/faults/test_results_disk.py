@@ -215,5 +215,27 @@ def test_a_failed_copy_of_the_model_dir_into_the_results_is_a_write_failure(tmp_
     assert write_failure(elsewhere, results) is None  # not the results: keeps its traceback
     unnamed = OSError(errno.EROFS, "Read-only file system")
     assert write_failure(unnamed, results) == writable.WriteFailure(
-        results, "Read-only file system", space=False
+        results, "Read-only file system", errno.EROFS
     )
+
+
+@pytest.mark.parametrize(
+    ("number", "reason", "remedy"),
+    [
+        (errno.ENOSPC, "No space left on device", "free some space there"),
+        (errno.EROFS, "Read-only file system", "make it writable"),
+        (errno.EFBIG, "File too large", "ulimit -f"),
+        (errno.EMFILE, "Too many open files", "ulimit -n"),
+    ],
+)
+def test_a_write_failure_names_the_fix_for_its_cause(
+    tmp_path: Path, number: int, reason: str, remedy: str
+) -> None:
+    """A process limit (the file size, the open files) is not fixed by making a file writable."""
+    results = tmp_path / "results"
+    err = OSError(number, reason, str(results / "trials.jsonl"))
+    failure = write_failure(err, results)
+    assert failure is not None and remedy in failure.remedy()
+    # Not named in the results, a process limit still stops the search in one line.
+    failure = write_failure(OSError(number, reason), results)
+    assert failure is not None and failure.path == results and remedy in failure.remedy()
