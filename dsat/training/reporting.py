@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -20,15 +21,25 @@ from typing import Any
 
 from dsat.atomic_file import write_json_atomic
 from dsat.constants import (
+    AUTOTUNING_KEY,
+    CONFIG_NOT_TAKEN,
+    ENV_HPARAMS_FILE,
     METRICS_FILE,
     MODEL_INFO_FILE,
     OOM_MARKER,
     OOM_METRIC_KEY,
+    OVERWRITE_KEY,
     PRECISION_KEY,
     TRIAL_OUTCOME_FILE,
 )
 from dsat.training.oom import is_out_of_memory
-from dsat.training.step_clock import current_clock, device_peak, peak_memory, trial_precision
+from dsat.training.step_clock import (
+    config_taken,
+    current_clock,
+    device_peak,
+    peak_memory,
+    trial_precision,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -167,3 +178,24 @@ def dsat_reporting_context(
             record_out_of_memory(err, Path.cwd())
             report_out_of_memory(core_context, op, err)
         raise
+    else:
+        # The loop ended without DeepSpeed's exit: where the script never asked for the trial's
+        # config, its engine ran the user's own JSON (no autotuning block, so no results, and
+        # every trial the same): say that, not "train inside dsat_reporting_context".
+        if not config_taken() and autotuned_trial() and core_context.distributed.get_rank() == 0:
+            with contextlib.suppress(OSError):
+                write_json_atomic(Path.cwd() / TRIAL_OUTCOME_FILE, {"status": CONFIG_NOT_TAKEN})
+
+
+def autotuned_trial() -> bool:
+    """Whether dsat launched this process as a trial DeepSpeed's autotuning ends (its overrides
+    carry an autotuning block): not a full run, nor a run by hand."""
+    path = os.environ.get(ENV_HPARAMS_FILE)
+    if not path:
+        return False
+    try:
+        hparams = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return False
+    overwrites = hparams.get(OVERWRITE_KEY) if isinstance(hparams, dict) else None
+    return isinstance(overwrites, dict) and AUTOTUNING_KEY in overwrites

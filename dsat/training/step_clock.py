@@ -230,6 +230,9 @@ def device_peak(precision: Precision | None) -> dict[str, float]:
 
 _clock: StepClock | None = None
 _precision: Precision | None = None  # the trial's, from its start_clock
+# Whether the script asked for the trial's config (get_ds_config_from_hparams, the HF arguments):
+# a script that builds its engine from its own JSON runs every trial at its own config.
+_config_taken = False
 
 
 def current_clock() -> StepClock | None:
@@ -245,9 +248,20 @@ def trial_precision() -> Precision | None:
 def stop_clock() -> None:
     """Forget this process's clock and precision (a process that runs several trials' code: a
     trial host, the tests)."""
-    global _clock, _precision
+    global _clock, _precision, _config_taken
     _clock = None
     _precision = None
+    _config_taken = False
+
+
+def note_config_taken() -> None:
+    """The script asked for the trial's DeepSpeed config (or its HF arguments)."""
+    global _config_taken
+    _config_taken = True
+
+
+def config_taken() -> bool:
+    return _config_taken
 
 
 def start_clock(

@@ -17,20 +17,24 @@ from dsat.constants import DS_CONFIG_KEY, ENV_HPARAMS_FILE, ENV_TRIAL_LENGTH, OV
 from dsat.errors import DsatError
 from dsat.experiment.config import deep_merge, load_ds_json
 from dsat.memory import Precision
-from dsat.training.step_clock import start_clock
+from dsat.training.step_clock import note_config_taken, start_clock
 
 
 def overwrite_deepspeed_config(
     base: str | Path | Mapping[str, Any], overwrites: Mapping[str, Any]
 ) -> dict[str, Any]:
-    """``base`` (a dict or a JSON path) with ``overwrites`` deep-merged on top."""
+    """``base`` (a dict or a JSON path) with ``overwrites`` deep-merged on top: Determined's
+    way to the trial's config (noted, see ``config_taken``)."""
+    note_config_taken()
     if not isinstance(base, Mapping):
         base = load_ds_json(Path(base), "overwrite_deepspeed_config")
     return deep_merge(base, overwrites)
 
 
 def checked_overwrites(hparams: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The trial's DeepSpeed overrides (``overwrite_deepspeed_args``), a mapping or none."""
+    """The trial's DeepSpeed overrides (``overwrite_deepspeed_args``), a mapping or none: what
+    the script asks for when it takes the trial's config (noted, see ``config_taken``)."""
+    note_config_taken()
     overwrites = hparams.get(OVERWRITE_KEY) or {}
     if not isinstance(overwrites, Mapping):
         raise DsatError(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,17 +13,22 @@ import psutil
 import pytest
 import torch
 
+import dsat
 from dsat import dsat_reporting_context
 from dsat.constants import (
+    AUTOTUNING_KEY,
+    CONFIG_NOT_TAKEN,
+    ENV_HPARAMS_FILE,
     METRICS_FILE,
     MODEL_INFO_FILE,
     OOM_MARKER,
     OOM_METRIC_KEY,
+    OVERWRITE_KEY,
     PRECISION_KEY,
     TRIAL_OUTCOME_FILE,
 )
 from dsat.memory import Precision
-from dsat.training.step_clock import start_clock
+from dsat.training.step_clock import start_clock, stop_clock
 
 METRICS = {
     "fwd": 1.5,
@@ -219,3 +225,58 @@ def test_a_failed_oom_report_does_not_hide_the_oom(
         raise MemoryError("CUDA out of memory")
     assert "could not report the out-of-memory outcome" in caplog.text
     assert _outcome(trial_dir)["status"] == "oom"
+
+
+@pytest.fixture
+def fresh_trial() -> Iterator[None]:
+    """The process as a new trial: nothing asked for a config yet (a test before may have)."""
+    stop_clock()
+    yield
+    stop_clock()
+
+
+def hparams_file(directory: Path, overwrites: dict[str, Any]) -> Path:
+    path = directory / "hparams.json"
+    (directory / "ds.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 1}))
+    path.write_text(json.dumps({"deepspeed_config": "ds.json", OVERWRITE_KEY: overwrites}))
+    return path
+
+
+@pytest.mark.usefixtures("fresh_trial")
+def test_a_loop_that_never_took_the_trials_config_says_so(
+    trial_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A script that built its engine from its own JSON got "train inside
+    dsat.dsat_reporting_context" while it did: its engine never had the autotuning block."""
+    trial = {AUTOTUNING_KEY: {"enabled": True}, "train_micro_batch_size_per_gpu": 64}
+    monkeypatch.setenv(ENV_HPARAMS_FILE, str(hparams_file(trial_dir, trial)))
+    with dsat_reporting_context(_Recorder(0), None):
+        pass  # trained with json.load(open("ds.json"))
+    assert _outcome(trial_dir) == {"status": CONFIG_NOT_TAKEN}
+
+
+@pytest.mark.usefixtures("fresh_trial")
+def test_a_loop_that_took_the_trials_config_or_is_no_trial_leaves_no_such_outcome(
+    trial_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trial = {AUTOTUNING_KEY: {"enabled": True}, "train_micro_batch_size_per_gpu": 64}
+    path = hparams_file(trial_dir, trial)
+    monkeypatch.setenv(ENV_HPARAMS_FILE, str(path))
+    dsat.get_ds_config_from_hparams(json.loads(path.read_text()))
+    with dsat_reporting_context(_Recorder(0), None):
+        pass
+    assert not (trial_dir / TRIAL_OUTCOME_FILE).exists()
+    stop_clock()  # Determined's helper, as a ported script calls it, takes it too
+    dsat.overwrite_deepspeed_config(str(trial_dir / "ds.json"), trial)
+    with dsat_reporting_context(_Recorder(0), None):
+        pass
+    assert not (trial_dir / TRIAL_OUTCOME_FILE).exists()
+    stop_clock()
+    # A full run (no autotuning block) and another rank write nothing either.
+    monkeypatch.setenv(ENV_HPARAMS_FILE, str(hparams_file(trial_dir, {"zero_optimization": {}})))
+    with dsat_reporting_context(_Recorder(0), None):
+        pass
+    monkeypatch.setenv(ENV_HPARAMS_FILE, str(hparams_file(trial_dir, trial)))
+    with dsat_reporting_context(_Recorder(1), None):
+        pass
+    assert not (trial_dir / TRIAL_OUTCOME_FILE).exists()

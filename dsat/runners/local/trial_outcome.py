@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from dsat.constants import OOM_MARKER, TRIAL_OUTCOME_FILE
+from dsat.constants import CONFIG_NOT_TAKEN, OOM_MARKER, TRIAL_OUTCOME_FILE
 from dsat.training.oom import text_shows_out_of_memory
 from dsat.training.reporting import read_autotuning_result
 from dsat.trial import TrialStatus
@@ -238,6 +238,12 @@ def classify(
     if outcome.get("status") == "oom" or oom_line is not None:
         reason = oom_line or (lines[-1] if lines else "out of memory")
         return TrialEnd(TrialStatus.OOM, {}, f"{reason}\n{tail}", FailureCause.CONFIG)
+    if code == 0 and outcome.get("status") == CONFIG_NOT_TAKEN:
+        reason = (
+            "the script built its DeepSpeed engine without the trial's config: pass "
+            "dsat.get_ds_config_from_hparams(hparams) to deepspeed.initialize, not your own JSON"
+        )
+        return TrialEnd(TrialStatus.ERROR, {}, f"{reason}\n{tail}", FailureCause.SCRIPT)
     if code == 0:
         reason = (
             "the script exited without reporting metrics: train inside "

@@ -6,7 +6,7 @@ import json
 import signal
 from pathlib import Path
 
-from dsat.constants import TRIAL_OUTCOME_FILE
+from dsat.constants import CONFIG_NOT_TAKEN, TRIAL_OUTCOME_FILE
 from dsat.runners.local.trial_outcome import classify, oom_kill_count, oom_killed_since
 from dsat.trial import TrialStatus
 from dsat.trial_failure import FailureCause
@@ -67,6 +67,15 @@ def test_failures_the_script_causes_whatever_the_config(tmp_path: Path) -> None:
     end = classify(tmp_path, log, 0, False, 60)  # it never called dsat's helpers
     assert end.cause is FailureCause.SCRIPT and end.error is not None
     assert end.error.splitlines()[0].startswith("the script exited without reporting metrics")
+    # Its engine never got the trial's config (its own JSON): that is what it is told.
+    log = trial(tmp_path, "trained\n", {"status": CONFIG_NOT_TAKEN})
+    end = classify(tmp_path, log, 0, False, 60)
+    assert end.status is TrialStatus.ERROR and end.cause is FailureCause.SCRIPT
+    assert end.error is not None
+    assert end.error.splitlines()[0] == (
+        "the script built its DeepSpeed engine without the trial's config: pass "
+        "dsat.get_ds_config_from_hparams(hparams) to deepspeed.initialize, not your own JSON"
+    )
     assert end.error.splitlines()[1] == "trained"  # the log's tail follows
 
 
