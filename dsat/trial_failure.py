@@ -149,7 +149,11 @@ KNOWN_FAILURES: tuple[KnownFailure, ...] = (
 )
 
 # The last line of a Python traceback (torch may prefix its processes' lines with [rankN]:).
-EXCEPTION_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:\w+\.)*[A-Z]\w*(?:Error|Exception)\b.*)$")
+# A warning turned into an error (``warnings.filterwarnings("error")``) ends a traceback as
+# "DeprecationWarning: ..."; a warning only printed starts with its file's path instead.
+EXCEPTION_LINE = re.compile(
+    r"^(?:\[rank\d+\]:\s*)?((?:\w+\.)*[A-Z]\w*(?:Error|Exception|Warning)\b.*)$"
+)
 # torchrun's own summaries of a failed worker, which name no cause.
 LAUNCHER_EXCEPTIONS = ("ChildFailedError", "SignalException")
 # torchrun's report of the worker that failed first, when a signal ended it.

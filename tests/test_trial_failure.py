@@ -288,3 +288,18 @@ def test_a_limit_of_the_process_is_the_machine_not_the_config_nor_the_script(
     diagnosis = diagnose_crash(TRACEBACK + last_words + "\n", 1, oom_killed=False)
     assert diagnosis.cause is FailureCause.MACHINE
     assert "limit of the machine" in diagnosis.reason
+
+
+def test_a_warning_raised_as_an_error_is_the_reason_not_the_last_words() -> None:
+    """A script with ``warnings.filterwarnings("error")`` failed in DeepSpeed's import, and the
+    reason read "exit code 1: atexit ran" (its atexit handler's print)."""
+    log = (
+        TRACEBACK
+        + '  File "torch/jit/_script.py", line 365, in script_method\n    warnings.warn(\n'
+        + "DeprecationWarning: `torch.jit.script_method` is deprecated.\natexit ran\n"
+    )
+    diagnosis = diagnose_crash(log, 1, None)
+    assert diagnosis.reason.startswith("DeprecationWarning: `torch.jit.script_method`")
+    # A warning only printed (its file's path first) is not how a trial ended.
+    printed = "/venv/x.py:3: UserWarning: slow path\n  warnings.warn(\nstep 1\n"
+    assert "UserWarning" not in diagnose_crash(printed, 1, None).reason
