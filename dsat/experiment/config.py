@@ -533,8 +533,8 @@ def validate_with_deepspeed(ds_config: Mapping[str, Any], slots: int, source: st
     from dsat.experiment.ds_config_check import deepspeed_config_error, load_deepspeed
 
     config = trial_ready_config(ds_config, slots, source)
-    load_deepspeed()  # whether it can be checked or not, trials need it
     if contains_auto(config):
+        load_deepspeed()  # not checked here, but every trial needs it (the check imports it)
         return False
 
     reason = deepspeed_config_error(config, world_size=slots)
