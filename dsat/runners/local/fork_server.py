@@ -40,6 +40,7 @@ import importlib
 import importlib.machinery
 import json
 import os
+import random
 import runpy
 import selectors
 import shutil
@@ -246,7 +247,7 @@ def become_trial(request: dict[str, Any], channels: list[int], worker: int) -> N
 
 def take_on_trial(request: dict[str, Any]) -> None:
     """This process takes on the trial's log (stdin empty), directory, environment and threads,
-    and NumPy's generator is seeded afresh, as in a new interpreter."""
+    and its random generators are seeded afresh, as in a new interpreter."""
     log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -261,9 +262,22 @@ def take_on_trial(request: dict[str, Any]) -> None:
     from dsat.training.trial_config import lengthen_offcluster_operations
 
     lengthen_offcluster_operations()  # this trial's op.length, whenever its script asks
+    seed_afresh()
+
+
+def seed_afresh() -> None:
+    """Seed Python's, NumPy's and torch's global generators from the OS, as a new interpreter
+    does: a forked trial would otherwise draw what its worker and every other fork draw, and a
+    host's trial what the host's baseline put back, the same numbers in every trial. (A fresh
+    process's CUDA generators start at a fixed seed; ``process_reset`` puts them back to it.)"""
+    random.seed()
     numpy = sys.modules.get("numpy")
-    if numpy is not None:  # a fresh interpreter seeds numpy's global generator afresh
+    if numpy is not None:
         numpy.random.seed()
+    torch = sys.modules.get("torch")
+    generator = getattr(torch, "default_generator", None)
+    if generator is not None:
+        generator.seed()
 
 
 def set_trial_threads() -> None:

@@ -67,6 +67,10 @@ if mode == "settings":  # what a script may set for its whole process, each tria
     logging.getLogger(__name__).warning("a line of the trial's own")
     warnings.simplefilter("error")
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if mode == "draws":
+    import numpy, random, torch
+    values.update(python=random.random(), numpy=float(numpy.random.rand()))
+    values["torch"] = float(torch.rand(1))
 if mode == "big":
     def touch_and_free(size=800 * 2**20):
         block = bytearray(size)
@@ -144,6 +148,14 @@ def test_trials_run_one_after_another_in_one_host_each_as_if_fresh(tmp_path: Pat
     assert [int(o.metrics["count"]) for o in outcomes] == [1, 1, 1]
     assert [int(o.metrics["left_over"]) for o in outcomes] == [0, 0, 0]
     assert [int(o.metrics["stdin_empty"]) for o in outcomes] == [1, 1, 1]
+
+
+def test_each_trial_of_a_host_draws_its_own_random_numbers(tmp_path: Path) -> None:
+    """As a new interpreter: the host put back its baseline's state, the same draws each trial."""
+    outcomes = run_all(job_runner(tmp_path), [{"mode": "draws"}] * 3)
+    assert len({pid(o) for o in outcomes}) == 1
+    for generator in ("python", "numpy", "torch"):
+        assert len({o.metrics[generator] for o in outcomes}) == 3, generator
 
 
 def log_of(tmp_path: Path, number: int) -> str:

@@ -68,6 +68,28 @@ def test_trials_fork_from_one_worker_which_a_resumed_search_would_find(tmp_path:
         ex.close()
 
 
+DRAWS = (
+    "import json, random, numpy, torch\njson.dump({'status': 'completed', 'values': {"
+    "'python': random.random(), 'numpy': float(numpy.random.rand()), 'torch': "
+    "float(torch.rand(1))}}, open('dsat_trial_outcome.json', 'w'))\n"
+)
+
+
+def test_each_forked_trial_draws_its_own_random_numbers(tmp_path: Path) -> None:
+    """As a new interpreter: torch's generator was the worker's in every fork, the same draws."""
+    ex = local_runner(tmp_path, DRAWS)
+    try:
+        outcomes = []
+        for n in range(3):
+            ex.start(f"{n:08d}-0000-0000-0000-000000000000", {}, {}, 5)
+            outcomes.append(ex.wait())
+    finally:
+        ex.close()
+    assert all(o.status is TrialStatus.COMPLETED for o in outcomes), outcomes
+    for generator in ("python", "numpy", "torch"):
+        assert len({o.metrics[generator] for o in outcomes}) == 3, generator
+
+
 def test_a_stopped_worker_leaves_no_pipe_open(tmp_path: Path) -> None:
     """Under PYTHONWARNINGS=error dsat's console showed "Exception ignored ... ResourceWarning:
     unclosed file <_io.BufferedReader name=11>": a stopped worker's event pipe was never
