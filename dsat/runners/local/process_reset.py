@@ -101,6 +101,8 @@ class ProcessBaseline:
     native_threads: frozenset[int] = frozenset()
     # Logging, warning filters, signal handlers, the standard streams.
     interpreter: InterpreterSettings | None = None
+    # multiprocessing's helper processes already running (their pids): a trial's are stopped.
+    helpers: frozenset[int] = frozenset()
 
     @classmethod
     def capture(cls) -> ProcessBaseline:
@@ -118,6 +120,7 @@ class ProcessBaseline:
             pace=small_operations_pace(),
             native_threads=native_thread_ids(),
             interpreter=InterpreterSettings.capture(),
+            helpers=frozenset(_helper_pids()),
         )
 
     def restore(self, traces: TrialTraces, trial_dir: Path | None = None) -> None:
@@ -130,6 +133,7 @@ class ProcessBaseline:
             atexit.unregister(callback)
         traces.exit_callbacks.clear()
         _reset_accelerate()
+        stop_helpers(self.helpers)
         step_clock = sys.modules.get("dsat.training.step_clock")
         if step_clock is not None:  # dsat's own trial side: the next trial times its own steps
             step_clock.stop_clock()
@@ -246,6 +250,39 @@ def one_trial(baseline: ProcessBaseline, trial_dir: Path | None = None) -> Itera
             else:
                 setattr(owner, name, value)
         baseline.restore(traces, trial_dir)
+
+
+# multiprocessing's helper processes: its module, the helper's instance there, the pid attribute.
+_HELPERS = (
+    ("multiprocessing.resource_tracker", "_resource_tracker", "_pid"),
+    ("multiprocessing.forkserver", "_forkserver", "_forkserver_pid"),
+)
+
+
+def _helper_pids() -> dict[int, Any]:
+    """multiprocessing's helpers this process runs (by pid): the resource tracker, which the
+    spawn and forkserver start methods start (a DataLoader's spawned workers, a spawn Pool), and
+    the fork server."""
+    running = {}
+    for module_name, instance, pid_attribute in _HELPERS:
+        helper = getattr(sys.modules.get(module_name), instance, None)
+        pid = getattr(helper, pid_attribute, None)
+        if isinstance(pid, int):
+            running[pid] = helper
+    return running
+
+
+def stop_helpers(keep: frozenset[int]) -> None:
+    """Stop the helpers a trial started, as its process's end would have (the helper sees its
+    pipe close). They carry the trial's environment, so dsat would stop them as processes the
+    trial left running, but they ignore SIGTERM: each cost 5 s of waiting for SIGKILL, and the
+    next trial's first spawn warned "resource_tracker: process died unexpectedly"."""
+    for pid, helper in _helper_pids().items():
+        if pid not in keep:
+            try:
+                helper._stop()
+            except Exception as err:  # left to the runner's stop of what the trial left
+                logger.debug("stopping multiprocessing's helper %d failed: %s", pid, err)
 
 
 def _keep_group(*args: Any, **kwargs: Any) -> None:

@@ -158,6 +158,29 @@ def test_each_trial_of_a_host_draws_its_own_random_numbers(tmp_path: Path) -> No
         assert len({o.metrics[generator] for o in outcomes}) == 3, generator
 
 
+POOL = """
+import json, multiprocessing, os, sys
+def square(x):
+    return x * x
+if __name__ == "__main__":
+    with multiprocessing.get_context(sys.argv[1]).Pool(1) as pool:
+        values = {"sum": sum(pool.map(square, [1, 2, 3])), "pid": os.getpid()}
+    json.dump({"status": "completed", "values": values}, open("dsat_trial_outcome.json", "w"))
+"""
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_multiprocessing_helpers_a_trial_started_end_with_it(tmp_path: Path, method: str) -> None:
+    """Their resource tracker (and fork server) ignore SIGTERM: stopped as what a trial left
+    running, each cost 5 s, and the next trial warned that the tracker had died."""
+    ex = host_runner(tmp_path, {"job.py": POOL}, ["python3", "job.py", method])
+    outcomes = run_all(ex, [{}, {}])
+    assert len({pid(o) for o in outcomes}) == 1 and outcomes[1].metrics["sum"] == 14
+    for number in (1, 2):
+        log = log_of(tmp_path, number)
+        assert "left running" not in log and "died unexpectedly" not in log, log
+
+
 def log_of(tmp_path: Path, number: int) -> str:
     return next((tmp_path / "results" / "logs").glob(f"{number:03d}-*.log")).read_text()
 
