@@ -6,7 +6,8 @@ trial unless put back. A script that adds a handler to its logger at import woul
 once more in every later trial of the host; ``logging.basicConfig`` would do nothing after the
 first trial, whose handler (a file in that trial's directory, perhaps) would keep the root's
 records; ``warnings.simplefilter("error")`` would fail later trials on warnings they never made an
-error of; and a SIGTERM handler a trial installed would run when dsat stops a later one. A warning
+error of; a SIGTERM handler a trial installed would run when dsat stops a later one; and a
+recursion limit, umask or default socket timeout a trial set would be the next one's. A warning
 shown once in an earlier trial is shown again in the next, as in a new interpreter.
 """
 
@@ -15,7 +16,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import signal
+import socket
 import sys
 import warnings
 from collections.abc import Callable, Iterable
@@ -76,6 +79,11 @@ class InterpreterSettings:
     logging_showwarning: Any
     signal_handlers: dict[int, Any]
     streams: dict[str, Any]
+    # What a script may set for its process beside: a later trial's files would be made with an
+    # earlier one's umask, its sockets time out with its default timeout.
+    recursion_limit: int
+    umask: int
+    socket_timeout: float | None
 
     @classmethod
     def capture(cls) -> InterpreterSettings:
@@ -94,6 +102,9 @@ class InterpreterSettings:
             getattr(logging, "_warnings_showwarning", None),
             _signal_handlers(),
             {name: getattr(sys, name) for name in STREAMS},
+            sys.getrecursionlimit(),
+            _umask(),
+            socket.getdefaulttimeout(),
         )
 
     def restore(self, trial_modules: Iterable[str] = ()) -> None:
@@ -110,6 +121,9 @@ class InterpreterSettings:
         warnings.showwarning = self.showwarning
         if hasattr(logging, "_warnings_showwarning"):
             logging._warnings_showwarning = self.logging_showwarning  # type: ignore[attr-defined]
+        sys.setrecursionlimit(self.recursion_limit)
+        os.umask(self.umask)
+        socket.setdefaulttimeout(self.socket_timeout)
         for number, handler in self.signal_handlers.items():
             if signal.getsignal(number) is not handler:
                 with contextlib.suppress(OSError, ValueError, TypeError):
@@ -159,6 +173,13 @@ def _owned_by(modules: set[str]) -> Callable[[str], bool]:
         return any(name == m or name.startswith(m + ".") for m in modules)
 
     return owned
+
+
+def _umask() -> int:
+    """The process's umask (only setting it tells what it was)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _signal_handlers() -> dict[int, Any]:

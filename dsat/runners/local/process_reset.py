@@ -501,6 +501,15 @@ def _subclasses(cls: type) -> set[type]:
 CUDA_DEFAULT_SEED = 67280421310721
 
 
+# torch.backends.cuda's scaled-dot-product attention kernels: getter, and its setter's name.
+_ATTENTION = {
+    "flash_sdp_enabled": "enable_flash_sdp",
+    "mem_efficient_sdp_enabled": "enable_mem_efficient_sdp",
+    "math_sdp_enabled": "enable_math_sdp",
+    "cudnn_sdp_enabled": "enable_cudnn_sdp",
+}
+
+
 def _capture_torch() -> dict[str, Any]:
     torch = sys.modules.get("torch")
     if torch is None:
@@ -533,6 +542,12 @@ def _capture_torch() -> dict[str, Any]:
             torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
         ),
         "rng": torch.get_rng_state(),
+        # A debugging script's set_detect_anomaly(True) (several times slower backward passes),
+        # set_printoptions, set_default_device, and the attention kernels it turned off.
+        "anomaly": (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
+        "print_options": dict(vars(torch._tensor_str.PRINT_OPTS)),
+        "device_context": getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None),
+        "attention": {name: getattr(torch.backends.cuda, name)() for name in _ATTENTION},
     }
     numpy = sys.modules.get("numpy")
     if numpy is not None:
@@ -590,6 +605,16 @@ def _restore_torch(state: dict[str, Any]) -> None:
         matmul.allow_bf16_reduced_precision_reduction,
     ) = state["reductions"]
     torch.set_rng_state(state["rng"])
+    torch.set_anomaly_enabled(*state["anomaly"])
+    vars(torch._tensor_str.PRINT_OPTS).update(state["print_options"])
+    context = state["device_context"]
+    if getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None) is not context:
+        torch.set_default_device(None if context is None else context.device)
+    for getter, enabled in state["attention"].items():
+        getattr(torch.backends.cuda, _ATTENTION[getter])(enabled)
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:  # what the trial compiled, kept alive by its code objects
+        dynamo.reset()
     cuda = _cuda_in_use()
     if cuda is not None:
         # A fresh process's CUDA generators start at c10's fixed default seed, offset 0 (unlike

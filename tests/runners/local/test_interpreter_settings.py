@@ -89,3 +89,23 @@ def test_warning_filters_streams_and_signal_handlers_are_put_back(
     # captureWarnings works again in the next trial (it does nothing while it thinks it is on).
     logging.captureWarnings(True)
     assert warnings.showwarning is not settings.showwarning
+
+
+def test_recursion_limit_umask_and_socket_timeout_are_put_back(
+    settings: InterpreterSettings, tmp_path: Path
+) -> None:
+    import os
+    import socket
+
+    limit, timeout = sys.getrecursionlimit(), socket.getdefaulttimeout()
+    sys.setrecursionlimit(limit + 500)
+    os.umask(0o077)
+    socket.setdefaulttimeout(3.0)
+
+    settings.restore()
+
+    assert sys.getrecursionlimit() == limit and socket.getdefaulttimeout() == timeout
+    made = tmp_path / "made"
+    made.touch(mode=0o666)
+    assert made.stat().st_mode & 0o777 == 0o666 & ~settings.umask
+    assert settings.umask != 0o077

@@ -98,6 +98,49 @@ def test_torch_s_global_settings_are_put_back(tmp_path: Path) -> None:
     assert settings() == before
 
 
+def test_torch_s_debugging_and_default_settings_are_put_back(tmp_path: Path) -> None:
+    """A debugging run's anomaly mode makes every later trial's backward several times slower."""
+    import torch
+
+    cuda = torch.backends.cuda
+
+    def settings() -> tuple[object, ...]:
+        return (
+            torch.is_anomaly_enabled(),
+            torch.is_anomaly_check_nan_enabled(),
+            dict(vars(torch._tensor_str.PRINT_OPTS)),
+            torch.get_default_device(),
+            cuda.flash_sdp_enabled(),
+            cuda.math_sdp_enabled(),
+        )
+
+    before = settings()
+    baseline = ProcessBaseline.capture()
+    with one_trial(baseline, tmp_path):
+        torch.autograd.set_detect_anomaly(True, check_nan=False)
+        torch.set_printoptions(precision=9, linewidth=200)
+        torch.set_default_device("meta")
+        cuda.enable_flash_sdp(False)
+        cuda.enable_math_sdp(False)
+        assert all(a != b for a, b in zip(settings(), before, strict=True))
+    assert settings() == before
+    assert torch.ones(1).device.type == "cpu"
+
+
+def test_what_a_trial_compiled_is_forgotten(tmp_path: Path) -> None:
+    import torch
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list as compiled
+
+    def double(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    baseline = ProcessBaseline.capture()
+    with one_trial(baseline, tmp_path):
+        torch.compile(double, backend="eager")(torch.ones(2))
+        assert len(compiled(double.__code__)) == 1
+    assert not compiled(double.__code__)
+
+
 def test_a_trial_s_exit_ends_the_trial_not_the_process(tmp_path: Path) -> None:
     baseline = ProcessBaseline.capture()
     original = builtins.exit
