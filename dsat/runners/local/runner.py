@@ -62,7 +62,7 @@ from dsat.runners.local.trial_processes import (
     strays_note,
 )
 from dsat.runners.local.trial_timeout import TrialTimeout
-from dsat.runners.local.warm_trials import WarmWorkers, warm_command
+from dsat.runners.local.warm_trials import WarmProcess, WarmWorkers, warm_command
 from dsat.trial import TrialOutcome, TrialStatus
 
 HPARAMS_FILE = "dsat_hparams.json"
@@ -475,6 +475,8 @@ class LocalRunner:
             trial.log.write(f"\n{line}\n".encode())
 
     def _kill(self, trial: RunningTrial) -> None:
+        if isinstance(trial.process, WarmProcess):
+            trial.process.stopped_by_dsat = True
         kill_process_group(trial.process)
 
     def stop_all(self) -> None:

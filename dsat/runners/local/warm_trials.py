@@ -58,6 +58,7 @@ class WarmProcess:
         self.hosted = hosted  # run in its worker, the slot's trial host, not forked
         self.earlier_trials = earlier_trials  # how many its worker started before it
         self.returncode: int | None = None
+        self.stopped_by_dsat = False  # its timeout, or dsat stopping: not the trial's own end
         self._done = threading.Event()
 
     def poll(self) -> int | None:
@@ -172,7 +173,12 @@ class WarmWorker:
                 # The host ran the trial in itself: its end (a segfault, an abort, a kill, the
                 # script's own os._exit(0)) is the trial's, judged as a fresh process's exit
                 # would be, not as a lost worker.
-                note = f"\ndsat: the trial ended the process it ran in (exit code {code})\n"
+                what = (
+                    "dsat stopped the trial, and the trial host it ran in"
+                    if trial.stopped_by_dsat
+                    else "the trial ended the process it ran in"
+                )
+                note = f"\ndsat: {what} (exit code {code})\n"
                 with contextlib.suppress(OSError), trial.log_path.open("ab") as log:
                     log.write(note.encode())
                 assert code is not None

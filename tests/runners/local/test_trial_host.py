@@ -333,6 +333,8 @@ def test_after_a_host_hung_in_a_trial_the_slot_s_trials_start_fresh(tmp_path: Pa
     assert len({pid(first), *(pid(o) for o in later)}) == 3  # a process each
     assert hosted(tmp_path) == [True, True, False, False]
     assert RERUN not in log_of(tmp_path, 2)  # a hang is not run again: it would cost as much
+    assert "dsat stopped the trial, and the trial host it ran in" in log_of(tmp_path, 2)
+    assert "the trial ended the process" not in log_of(tmp_path, 2)
 
 
 @pytest.mark.parametrize(
