@@ -82,6 +82,15 @@ KNOWN_FAILURES: tuple[KnownFailure, ...] = (
         "the training script does not parse",
     ),
     _known(
+        # A process started with spawn or forkserver (a DataLoader's workers with that context,
+        # torch.multiprocessing.spawn) imports the script again, and the unguarded script starts
+        # its training, and the workers, once more; the parent reports only that a worker died.
+        r"finished its bootstrapping phase",
+        FailureCause.SCRIPT,
+        "a process the script started (spawn) ran its training again as it imported the script: "
+        'put the training under `if __name__ == "__main__":`',
+    ),
+    _known(
         r"can't open file|^cannot run \S+: ",
         FailureCause.SCRIPT,
         "the entrypoint's command cannot start (is its file in the model dir?)",
@@ -177,13 +186,30 @@ def exception_lines(log: str, rank: int | None = None) -> list[str]:
     """The exceptions the tracebacks in ``log`` end with, in order, torchrun's summaries left
     out; only those of the process torch labels ``[rank<rank>]:``, where given."""
     found = []
-    for line in log.splitlines():
+    lines = log.splitlines()
+    for number, line in enumerate(lines):
         if rank is not None and not line.startswith(f"[rank{rank}]:"):
             continue
         match = EXCEPTION_LINE.match(line.strip())
         if match and not any(name in match.group(1) for name in LAUNCHER_EXCEPTIONS):
-            found.append(one_line(match.group(1)))
+            exception = match.group(1)
+            if exception.endswith(":"):  # a message that starts on the next line: its paragraph
+                exception += " " + " ".join(_paragraph(lines[number + 1 :]))
+            found.append(one_line(exception))
     return found
+
+
+def _paragraph(lines: list[str]) -> list[str]:
+    """The indented lines up to the first blank one, leading blank lines skipped: the first
+    paragraph of an exception's message that starts on a line of its own (multiprocessing's
+    is indented; a line that is not is what the process printed next)."""
+    paragraph: list[str] = []
+    for line in lines:
+        if line.strip() and line[:1].isspace():
+            paragraph.append(line)
+        elif paragraph or line.strip():
+            break
+    return paragraph
 
 
 # A traceback's frame line; the line after it quotes the frame's source, comments and all.

@@ -63,6 +63,15 @@ SAMPLES: dict[str, tuple[str, FailureCause]] = {
         '  File "train.py", line 9\n    def (:\nSyntaxError: invalid syntax\n',
         FailureCause.SCRIPT,
     ),
+    # A DataLoader's spawned worker, importing the unguarded script; its parent then reports
+    # only "DataLoader worker (pid(s) 29215) exited unexpectedly", which was cause unknown.
+    "unguarded spawn": (
+        TRACEBACK + "RuntimeError: \n        An attempt has been made to start a new process "
+        "before the\n        current process has finished its bootstrapping phase.\n"
+        + TRACEBACK
+        + "RuntimeError: DataLoader worker (pid(s) 29215) exited unexpectedly\n",
+        FailureCause.SCRIPT,
+    ),
     "no file": (
         "python: can't open file '/tmp/t/trian.py': [Errno 2] No such file or directory\n",
         FailureCause.SCRIPT,
@@ -303,3 +312,9 @@ def test_a_warning_raised_as_an_error_is_the_reason_not_the_last_words() -> None
     # A warning only printed (its file's path first) is not how a trial ended.
     printed = "/venv/x.py:3: UserWarning: slow path\n  warnings.warn(\nstep 1\n"
     assert "UserWarning" not in diagnose_crash(printed, 1, None).reason
+
+
+def test_a_message_that_starts_on_its_own_line_is_quoted_by_its_first_paragraph() -> None:
+    log = "RuntimeError: \n        An attempt was made\n        too early.\n\n        Fix it.\n"
+    assert exception_lines(log) == ["RuntimeError: An attempt was made too early."]
+    assert exception_lines("ValueError:\nstep 3\n    at 4\n") == ["ValueError:"]

@@ -18,6 +18,7 @@ from dsat.runners.local.slots import SlotPool
 from dsat.runners.local.trial_outcome import oom_kill_count
 from dsat.runners.local.trial_timeout import TrialTimeout
 from dsat.trial import TrialStatus
+from dsat.trial_failure import FailureCause
 
 RID = "00000000-0000-0000-0000-00000000000{}"
 
@@ -263,3 +264,28 @@ def test_a_resumed_search_numbers_its_trials_on(tmp_path: Path) -> None:
     run_one(again)
     logs = sorted(path.name for path in (tmp_path / "results" / "logs").glob("0*.log"))
     assert [name[:4] for name in logs] == ["001-", "002-"]
+
+
+UNGUARDED_SPAWN = """
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+rows = TensorDataset(torch.ones(8, 2))
+for batch in DataLoader(rows, batch_size=2, num_workers=1, multiprocessing_context="spawn"):
+    pass
+"""
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_a_spawn_that_runs_the_unguarded_script_again_is_the_scripts_fault(
+    tmp_path: Path, warm: bool
+) -> None:
+    """The parent says only "DataLoader worker exited unexpectedly" (cause unknown, the config
+    blamed); the worker's own traceback says why, over several lines."""
+    ex = local_runner(tmp_path, UNGUARDED_SPAWN, warm=warm)
+    try:
+        ex.start(RID.format(1), {}, {}, 5)
+        outcome = ex.wait()
+    finally:
+        ex.close()
+    assert outcome.status is TrialStatus.ERROR and outcome.cause is FailureCause.SCRIPT
+    assert outcome.error is not None and 'if __name__ == "__main__":' in outcome.error
