@@ -149,14 +149,14 @@ def check_results_dir(results_dir: Path, named_by: str, needed_bytes: int) -> No
     ``--resume``), or "" for the default. Leaves no trace: what it creates, it removes."""
     where = f"{named_by} {shown(results_dir)}" if named_by else shown(results_dir)
     if results_dir.exists() and not results_dir.is_dir():
-        raise DsatError(f"{where} is a file, not a directory; {_launch_fix(named_by, False)}")
+        raise DsatError(f"{where} is a file, not a directory; {_launch_fix(named_by, None)}")
     created = _missing_parents(results_dir)
     try:
         free = _probe(results_dir)
     except OSError as err:
         raise DsatError(
             f"{where}: cannot write the results there ({err.strerror or err}); "
-            f"{_launch_fix(named_by, err.errno in SPACE_ERRNOS)}"
+            f"{_launch_fix(named_by, err.errno)}"
         ) from None
     finally:
         for path in created:
@@ -166,11 +166,16 @@ def check_results_dir(results_dir: Path, named_by: str, needed_bytes: int) -> No
         raise DsatError(
             f"{where}: only {_mib(free)} free there, and a search needs at least "
             f"{_mib(needed_bytes)} (logs, results, a copy of the model dir per trial); "
-            f"{_launch_fix(named_by, space=True)}"
+            f"{_launch_fix(named_by, errno.ENOSPC)}"
         )
 
 
-def _launch_fix(named_by: str, space: bool) -> str:
+def _launch_fix(named_by: str, number: int | None) -> str:
+    """The fix for a results directory that failed its check with the OS's error ``number``: a
+    limit of this process (``ulimit -n``, ``-f``) is not fixed by another directory."""
+    if number in LIMIT_REMEDIES:
+        return f"{LIMIT_REMEDIES[number]}, then run the same command again"
+    space = number in SPACE_ERRNOS
     if named_by == "--resume":
         remedy = "free some space there" if space else "make it writable"
         return f"{remedy}, then run the same command again"

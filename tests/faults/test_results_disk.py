@@ -144,6 +144,33 @@ def test_too_little_free_space_is_one_line_naming_the_floor(
     assert not (tmp_path / "dsat-results").exists()  # the check leaves no trace
 
 
+@pytest.mark.parametrize(
+    ("number", "remedy"), [(errno.EMFILE, "ulimit -n"), (errno.EFBIG, "ulimit -f")]
+)
+def test_a_process_limit_met_before_the_search_names_the_limit(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    number: int,
+    remedy: str,
+) -> None:
+    """Another directory does not lift ``ulimit -n``: "choose a writable directory" was no fix."""
+
+    def limited(directory: Path) -> int:
+        raise OSError(number, os.strerror(number))
+
+    monkeypatch.setattr(writable, "_probe", limited)
+    results = tmp_path / "results"
+    line = one_line_error(
+        capsys,
+        simulated_search(results),
+        f"--results-dir {results}: cannot write the results there ({os.strerror(number)})",
+        remedy,
+        "then run the same command again",
+    )
+    assert "writable" not in line
+
+
 # ---------------------------------------------------------------- a disk that fills mid-search
 
 
