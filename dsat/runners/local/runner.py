@@ -326,7 +326,7 @@ class LocalRunner:
         or None if it must start fresh."""
         if self.warm_workers is None:
             return None
-        mark = HOST_TRIAL_MARK if self.warm_workers.host else WARM_TRIAL_MARK
+        mark = HOST_TRIAL_MARK if self.warm_workers.hosting(slots[0]) else WARM_TRIAL_MARK
         log.write(f"$ {' '.join(self.warm_workers.command)}  {mark}\n".encode())
         log.flush()
         worker_env = self.slot_environment(slots)

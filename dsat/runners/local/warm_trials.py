@@ -34,6 +34,8 @@ LOST_RETURNCODE = 1
 HOST_EXIT_WAIT_S = 5.0  # for a host that ended mid-trial to be reaped, its exit code read
 # How long a closed worker's reader may take to read what the worker wrote before it exited.
 READER_JOIN_S = 5.0
+# Trial hosts in a row that a slot's trials left unfit after one trial each, before they fork.
+HOSTS_LEFT_TO_FORK = 3
 
 
 def warm_command(command: Sequence[str]) -> bool:
@@ -112,7 +114,7 @@ class WarmWorker:
         )
         self.cold_reason: str | None = None
         self.lost_a_trial = False  # it exited while a trial of it ran (not its first, for a host)
-        self.leaving = False  # a trial host that serves no more trials (a trial leaked)
+        self.leaving: str | None = None  # why a trial host serves no more trials (a leak)
         self.trials_started = 0
         self._replies: queue.Queue[WarmProcess | str] = queue.Queue()
         self._pending: dict[int, WarmProcess] = {}
@@ -122,7 +124,7 @@ class WarmWorker:
 
     @property
     def alive(self) -> bool:
-        return self.cold_reason is None and not self.leaving and self.process.poll() is None
+        return self.cold_reason is None and self.leaving is None and self.process.poll() is None
 
     def _read(self) -> None:
         assert self.process.stdout is not None  # stdout=PIPE
@@ -152,7 +154,7 @@ class WarmWorker:
                 if finished is not None:
                     finished.exited(int(event["returncode"]))
             elif kind == "leaving":
-                self.leaving = True
+                self.leaving = str(event.get("reason"))
             elif kind == "cold":
                 self.cold_reason = str(event.get("reason"))
                 self._replies.put(self.cold_reason)
@@ -245,6 +247,10 @@ class WarmWorkers:
         self.logs_dir = logs_dir
         self.workers: dict[str, WarmWorker] = {}
         self.cold: dict[str, str] = {}
+        # Per slot, how many hosts in a row a trial left unfit after their first trial; and the
+        # slots whose trials fork from a worker instead, once that is ``HOSTS_LEFT_TO_FORK``.
+        self.hosts_left: dict[str, int] = {}
+        self.forking: set[str] = set()
 
     def run(
         self,
@@ -255,25 +261,57 @@ class WarmWorkers:
         log_path: Path,
     ) -> WarmProcess | None:
         """The trial on ``slot`` forked from its worker, or None: start it fresh."""
-        if slot in self.cold:
+        if slot in self.cold or self._retire(slot):
             return None
         worker = self.workers.get(slot)
-        if worker is None or not worker.alive:
-            if worker is not None and self.stop(slot):  # a crash, or a trial stopped in it
-                return None
+        if worker is None:
             worker = WarmWorker(
                 self.command,
                 self.model_dir,
                 worker_env,
                 self.logs_dir / WORKER_LOG.format(slot=slot),
                 self.includes,
-                self.host,
+                self.host and slot not in self.forking,
             )
             self.workers[slot] = worker
         trial = worker.run(self.command, cwd, env, log_path)
         if trial is None and worker.cold_reason is not None:
             self._go_cold(slot, worker.cold_reason, worker.log_path)
         return trial
+
+    def hosting(self, slot: str) -> bool:
+        """Whether ``slot``'s next trial runs in a trial host rather than a fork."""
+        self._retire(slot)
+        return self.host and slot not in self.forking
+
+    def _retire(self, slot: str) -> bool:
+        """Stop ``slot``'s worker if it serves no more trials; True when the slot's trials start
+        fresh from now on (``stop``)."""
+        worker = self.workers.get(slot)
+        if worker is None or worker.alive:
+            return False
+        self._count_hosts_left(slot, worker)
+        return self.stop(slot)  # a crash, or a trial stopped in it
+
+    def _count_hosts_left(self, slot: str, worker: WarmWorker) -> None:
+        """Count a host the script left unfit after its first trial; at ``HOSTS_LEFT_TO_FORK``
+        in a row, the slot's trials fork from a warm worker instead. A new host per trial costs
+        a new process, its imports and its CUDA context each time, more than a fork of a worker
+        that imported once; what the script leaves (a thread, an engine) dies with the fork."""
+        if worker.leaving is None or worker.trials_started != 1:
+            self.hosts_left.pop(slot, None)
+            return
+        self.hosts_left[slot] = left = self.hosts_left.get(slot, 0) + 1
+        if left >= HOSTS_LEFT_TO_FORK and slot not in self.forking:
+            self.forking.add(slot)
+            logger.info(
+                "slot %s: each of the last %d trials left its trial host unfit for the next "
+                "(%s; see %s), so its trials fork from a warm worker from now on",
+                slot,
+                left,
+                worker.leaving,
+                worker.log_path,
+            )
 
     def stop(self, slot: str) -> bool:
         """Stop ``slot``'s worker now, if it has one; the slot's next trial starts another, or

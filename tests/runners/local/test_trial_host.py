@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -301,6 +302,23 @@ def test_a_host_a_trial_left_a_thread_in_is_replaced(tmp_path: Path) -> None:
         in next(logs.glob("001-*.log")).read_text()
     )
     assert "this trial host leaves" in (logs / "warm-worker-cpu0.log").read_text()
+
+
+def test_a_slot_whose_trials_each_leave_the_host_unfit_forks_them_instead(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A new host per trial pays a new process and its imports each time, and nothing said so
+    on the terminal; a fork of a worker that imported once is cheaper, and the thread dies with
+    it."""
+    caplog.set_level(logging.INFO, logger="dsat")
+    outcomes = run_all(job_runner(tmp_path), [{"mode": "thread"}] * 5)
+    assert hosted(tmp_path) == [True, True, True, False, False]
+    hosts = [pid(o) for o in outcomes[:3]]
+    assert len(set(hosts)) == 3  # a new host for each
+    forked = outcomes[3:]
+    assert len({pid(o) for o in forked}) == 2 and forked[0].metrics["parent"] not in hosts
+    said = [r.getMessage() for r in caplog.records if "fork from a warm worker" in r.getMessage()]
+    assert len(said) == 1 and "thread 'left-running' still running" in said[0], said
 
 
 def test_the_fresh_run_is_judged_by_its_own_output(tmp_path: Path) -> None:
