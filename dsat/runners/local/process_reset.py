@@ -252,37 +252,110 @@ def one_trial(baseline: ProcessBaseline, trial_dir: Path | None = None) -> Itera
         baseline.restore(traces, trial_dir)
 
 
-# multiprocessing's helper processes: its module, the helper's instance there, the pid attribute.
+@dataclasses.dataclass(frozen=True)
+class _Helper:
+    """One of multiprocessing's helper processes, as its module keeps it: the instance, and the
+    attributes with its pid and the descriptor whose closing tells it to end."""
+
+    module: str
+    instance: str
+    pid: str
+    alive_fd: str
+
+
+# The resource tracker, which the spawn and forkserver start methods start (a DataLoader's
+# spawned workers, a spawn Pool), and the fork server.
 _HELPERS = (
-    ("multiprocessing.resource_tracker", "_resource_tracker", "_pid"),
-    ("multiprocessing.forkserver", "_forkserver", "_forkserver_pid"),
+    _Helper("multiprocessing.resource_tracker", "_resource_tracker", "_pid", "_fd"),
+    _Helper("multiprocessing.forkserver", "_forkserver", "_forkserver_pid", "_forkserver_alive_fd"),
 )
+# How long a helper may take to end once told to; one that a live process of the trial keeps
+# (a spawned child holds the tracker's pipe too) is left to the runner's stop of what the trial
+# left running, which ends the child and so the helper.
+HELPER_EXIT_S = 1.0
+# Helpers told to end and not yet reaped (this process is their parent).
+_unreaped: set[int] = set()
 
 
-def _helper_pids() -> dict[int, Any]:
-    """multiprocessing's helpers this process runs (by pid): the resource tracker, which the
-    spawn and forkserver start methods start (a DataLoader's spawned workers, a spawn Pool), and
-    the fork server."""
+def _helper_pids() -> dict[int, tuple[_Helper, Any]]:
+    """multiprocessing's helpers this process runs, by pid."""
     running = {}
-    for module_name, instance, pid_attribute in _HELPERS:
-        helper = getattr(sys.modules.get(module_name), instance, None)
-        pid = getattr(helper, pid_attribute, None)
+    for kind in _HELPERS:
+        helper = getattr(sys.modules.get(kind.module), kind.instance, None)
+        pid = getattr(helper, kind.pid, None)
         if isinstance(pid, int):
-            running[pid] = helper
+            running[pid] = (kind, helper)
     return running
 
 
 def stop_helpers(keep: frozenset[int]) -> None:
-    """Stop the helpers a trial started, as its process's end would have (the helper sees its
-    pipe close). They carry the trial's environment, so dsat would stop them as processes the
-    trial left running, but they ignore SIGTERM: each cost 5 s of waiting for SIGKILL, and the
-    next trial's first spawn warned "resource_tracker: process died unexpectedly"."""
-    for pid, helper in _helper_pids().items():
-        if pid not in keep:
+    """End the helpers a trial started, as its process's end would have: their pipe closes, and
+    multiprocessing forgets them, so the next trial starts its own. They carry the trial's
+    environment, so dsat would stop them as processes the trial left running, but they ignore
+    SIGTERM: each cost 5 s of waiting for SIGKILL, and the next trial's first spawn warned
+    "resource_tracker: process died unexpectedly". First the trial's daemonic children end, as
+    at a process's exit (each holds the tracker's pipe). Waits at most ``HELPER_EXIT_S`` a step."""
+    _end_daemonic_children()
+    for pid, (kind, helper) in _helper_pids().items():
+        if pid in keep:
+            continue
+        try:
+            with helper._lock:
+                fd = getattr(helper, kind.alive_fd)
+                setattr(helper, kind.alive_fd, None)
+                setattr(helper, kind.pid, None)
+                if isinstance(fd, int):
+                    os.close(fd)
+                _forget_address(helper)
+        except Exception as err:  # left to the runner's stop of what the trial left
+            logger.debug("ending multiprocessing's helper %d failed: %s", pid, err)
+        _unreaped.add(pid)
+    reap_helpers(HELPER_EXIT_S)
+
+
+def _end_daemonic_children() -> None:
+    """Terminate the daemonic processes the trial started with multiprocessing (a DataLoader's
+    workers, a Pool's), as multiprocessing does when a process exits; others are left to the
+    runner's stop of what the trial left running (a process's exit would wait for them)."""
+    multiprocessing = sys.modules.get("multiprocessing")
+    if multiprocessing is None:
+        return
+    daemonic = [child for child in multiprocessing.active_children() if child.daemon]
+    for child in daemonic:
+        with contextlib.suppress(Exception):
+            child.terminate()
+    for child in daemonic:
+        with contextlib.suppress(Exception):
+            child.join(HELPER_EXIT_S)
+
+
+def _forget_address(helper: Any) -> None:
+    """A fork server's socket, removed where it is a file (as its own stop does)."""
+    address = getattr(helper, "_forkserver_address", None)
+    if address is None:
+        return
+    helper._forkserver_address = None
+    util = sys.modules.get("multiprocessing.util")
+    abstract = getattr(util, "is_abstract_socket_namespace", lambda a: True)(address)
+    if not abstract:
+        with contextlib.suppress(OSError):
+            os.unlink(address)
+
+
+def reap_helpers(timeout: float) -> None:
+    """Reap the helpers told to end that have, waiting at most ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while _unreaped:
+        for pid in list(_unreaped):
             try:
-                helper._stop()
-            except Exception as err:  # left to the runner's stop of what the trial left
-                logger.debug("stopping multiprocessing's helper %d failed: %s", pid, err)
+                done = os.waitpid(pid, os.WNOHANG)[0] != 0
+            except ChildProcessError:  # reaped already, or not ours
+                done = True
+            if done:
+                _unreaped.discard(pid)
+        if not _unreaped or time.monotonic() >= deadline:
+            return
+        time.sleep(0.01)
 
 
 def _keep_group(*args: Any, **kwargs: Any) -> None:

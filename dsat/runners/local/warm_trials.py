@@ -176,7 +176,7 @@ class WarmWorker:
                 # script's own os._exit(0)) is the trial's, judged as a fresh process's exit
                 # would be, not as a lost worker.
                 what = (
-                    "dsat stopped the trial, and the trial host it ran in"
+                    "stopped the trial, and the trial host it ran in"
                     if trial.stopped_by_dsat
                     else "the trial ended the process it ran in"
                 )

@@ -141,6 +141,30 @@ def test_what_a_trial_compiled_is_forgotten(tmp_path: Path) -> None:
     assert not compiled(double.__code__)
 
 
+def test_a_resource_tracker_a_live_process_still_holds_is_forgotten_not_waited_for() -> None:
+    """Its pipe's other end in a process the trial left (the runner stops that one): waiting
+    for the tracker to see the pipe close would wait for that process, and the trial would hang
+    to its timeout."""
+    import multiprocessing.resource_tracker as resource_tracker
+
+    tracker = resource_tracker._resource_tracker
+    assert tracker._pid is None  # none of the test process's own
+    tracker.ensure_running()
+    pid = tracker._pid
+    holder = subprocess.Popen(["sleep", "60"], pass_fds=[tracker._fd])
+    try:
+        start = time.monotonic()
+        process_reset.stop_helpers(frozenset())
+        assert time.monotonic() - start < process_reset.HELPER_EXIT_S + 2
+        assert tracker._pid is None and tracker._fd is None  # the next trial starts its own
+        assert pid in process_reset._unreaped
+    finally:
+        holder.kill()
+        holder.wait()
+    process_reset.reap_helpers(10.0)  # the pipe closed with its holder: the tracker ends
+    assert pid not in process_reset._unreaped
+
+
 def test_a_trial_s_exit_ends_the_trial_not_the_process(tmp_path: Path) -> None:
     baseline = ProcessBaseline.capture()
     original = builtins.exit

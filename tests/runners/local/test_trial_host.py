@@ -160,26 +160,33 @@ def test_each_trial_of_a_host_draws_its_own_random_numbers(tmp_path: Path) -> No
 
 
 POOL = """
-import json, multiprocessing, os, sys
+import json, multiprocessing, os, sys, time
 def square(x):
     return x * x
 if __name__ == "__main__":
-    with multiprocessing.get_context(sys.argv[1]).Pool(1) as pool:
+    context = multiprocessing.get_context(sys.argv[1])
+    with context.Pool(1) as pool:
         values = {"sum": sum(pool.map(square, [1, 2, 3])), "pid": os.getpid()}
+    if sys.argv[2:] == ["daemon"]:  # left running, holding the tracker's pipe
+        context.Process(target=time.sleep, args=(600,), daemon=True).start()
     json.dump({"status": "completed", "values": values}, open("dsat_trial_outcome.json", "w"))
 """
 
 
-@pytest.mark.parametrize("method", ["spawn", "forkserver"])
-def test_multiprocessing_helpers_a_trial_started_end_with_it(tmp_path: Path, method: str) -> None:
+@pytest.mark.parametrize("command", [["spawn"], ["forkserver"], ["spawn", "daemon"]], ids=" ".join)
+def test_multiprocessing_helpers_a_trial_started_end_with_it(
+    tmp_path: Path, command: list[str]
+) -> None:
     """Their resource tracker (and fork server) ignore SIGTERM: stopped as what a trial left
-    running, each cost 5 s, and the next trial warned that the tracker had died."""
-    ex = host_runner(tmp_path, {"job.py": POOL}, ["python3", "job.py", method])
+    running, each cost 5 s, and the next trial warned that the tracker had died. A daemonic
+    child left running ends as at a process's exit (the tracker waited for it: a hang)."""
+    ex = host_runner(tmp_path, {"job.py": POOL}, ["python3", "job.py", *command], timeout=40.0)
     outcomes = run_all(ex, [{}, {}])
     assert len({pid(o) for o in outcomes}) == 1 and outcomes[1].metrics["sum"] == 14
     for number in (1, 2):
         log = log_of(tmp_path, number)
         assert "left running" not in log and "died unexpectedly" not in log, log
+        assert "stopped the trial" not in log and "trial timeout" not in log, log
 
 
 def log_of(tmp_path: Path, number: int) -> str:
@@ -351,7 +358,7 @@ def test_after_a_host_hung_in_a_trial_the_slot_s_trials_start_fresh(tmp_path: Pa
     assert len({pid(first), *(pid(o) for o in later)}) == 3  # a process each
     assert hosted(tmp_path) == [True, True, False, False]
     assert RERUN not in log_of(tmp_path, 2)  # a hang is not run again: it would cost as much
-    assert "dsat stopped the trial, and the trial host it ran in" in log_of(tmp_path, 2)
+    assert "dsat: stopped the trial, and the trial host it ran in" in log_of(tmp_path, 2)
     assert "the trial ended the process" not in log_of(tmp_path, 2)
 
 
