@@ -620,7 +620,11 @@ def _capture_torch() -> dict[str, Any]:
         "anomaly": (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
         "print_options": dict(vars(torch._tensor_str.PRINT_OPTS)),
         "device_context": getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None),
-        "attention": {name: getattr(torch.backends.cuda, name)() for name in _ATTENTION},
+        "attention": {  # cuDNN's came with torch 2.3 (dsat takes 2.1)
+            name: getattr(torch.backends.cuda, name)()
+            for name in _ATTENTION
+            if hasattr(torch.backends.cuda, name)
+        },
     }
     numpy = sys.modules.get("numpy")
     if numpy is not None:
