@@ -185,18 +185,26 @@ def one_line(text: str) -> str:
 def exception_lines(log: str, rank: int | None = None) -> list[str]:
     """The exceptions the tracebacks in ``log`` end with, in order, torchrun's summaries left
     out; only those of the process torch labels ``[rank<rank>]:``, where given."""
-    found = []
     lines = log.splitlines()
+    found = []
     for number, line in enumerate(lines):
-        if rank is not None and not line.startswith(f"[rank{rank}]:"):
-            continue
-        match = EXCEPTION_LINE.match(line.strip())
-        if match and not any(name in match.group(1) for name in LAUNCHER_EXCEPTIONS):
-            exception = match.group(1)
-            if exception.endswith(":"):  # a message that starts on the next line: its paragraph
-                exception += " " + " ".join(_paragraph(lines[number + 1 :]))
-            found.append(one_line(exception))
+        if rank is None or line.startswith(f"[rank{rank}]:"):
+            exception = _exception_at(lines, number)
+            if exception is not None:
+                found.append(exception)
     return found
+
+
+def _exception_at(lines: list[str], number: int) -> str | None:
+    """The exception a traceback ends with on line ``number``, in one line; None if none does
+    (torchrun's summaries are none)."""
+    match = EXCEPTION_LINE.match(lines[number].strip())
+    if match is None or any(name in match.group(1) for name in LAUNCHER_EXCEPTIONS):
+        return None
+    exception = match.group(1)
+    if exception.endswith(":"):  # a message that starts on the next line: its paragraph
+        exception += " " + " ".join(_paragraph(lines[number + 1 :]))
+    return one_line(exception)
 
 
 def _paragraph(lines: list[str]) -> list[str]:
@@ -214,6 +222,9 @@ def _paragraph(lines: list[str]) -> list[str]:
 
 # A traceback's frame line; the line after it quotes the frame's source, comments and all.
 FRAME_LINE = re.compile(r'^(?:\[rank\d+\]:)?\s*File ".*", line \d+')
+# A frame's quoted source, indented under it; a frame without source (``<frozen runpy>``, code
+# from ``-c``) is followed by the next frame or the exception itself.
+QUOTED_LINE = re.compile(r"^(?:\[rank\d+\]:)?\s{4}")
 # Python's markers under a quoted source line (3.11 and later).
 MARKER_LINE = re.compile(r"^(?:\[rank\d+\]:)?\s*[\^~]+\s*$")
 
@@ -223,7 +234,7 @@ def said_lines(log: str) -> list[str]:
     a comment there ("# not out of memory here") says nothing about how the trial ended."""
     said, quoting = [], False
     for line in log.splitlines():
-        if not quoting and not MARKER_LINE.match(line):
+        if not (quoting and QUOTED_LINE.match(line)) and not MARKER_LINE.match(line):
             said.append(line)
         quoting = FRAME_LINE.match(line) is not None
     return said
@@ -231,6 +242,108 @@ def said_lines(log: str) -> list[str]:
 
 def known_failure(text: str) -> KnownFailure | None:
     return next((known for known in KNOWN_FAILURES if known.pattern.search(text)), None)
+
+
+# Python's exit status for an exception nothing caught (and for ``sys.exit("message")``).
+UNCAUGHT_EXIT = 1
+# Between two tracebacks of one chain: the second was raised while the first was handled.
+CHAINED = re.compile(
+    r"^(?:\[rank\d+\]:)?\s*(?:During handling of the above exception|The above exception was "
+    r"the direct cause)"
+)
+RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:")
+ROOT_EXIT = re.compile(r"exitcode\s*:\s*(-?\d+)")
+
+
+def exit_status(log: str, code: int | None) -> int | None:
+    """The exit status of the process that failed first: the one torchrun's summary names as
+    its root cause, else ``code``."""
+    root = ROOT_CAUSE.search(log)
+    found = ROOT_EXIT.search(root.group("block")) if root else None
+    return int(found.group(1)) if found else code
+
+
+def final_exceptions(log: str, code: int | None, rank: int | None = None) -> list[tuple[int, str]]:
+    """The exceptions that ended the trial's processes, by their line in ``said_lines(log)``:
+    an exception a script caught and logged, and went on after, ended nothing (an OOM probe
+    logged at start-up made a later ValueError an OOM of the configuration). Per process (its
+    ``[rankN]:`` label; lines without one are one stream), its last chain of exceptions (one
+    raised while another was handled, with that one). Several processes write into one stream
+    (torchrun's ranks, a DataLoader's workers): a peer's lost connection or a fault of the
+    machine after a chain of another kind followed from it, and that chain is the one (the
+    machine is blamed only where nothing else is). None at all where the process that
+    failed first did not end on an exception (a signal, ``sys.exit(3)``, ``os._exit``). Only
+    the process torch labels ``[rank<rank>]:``, where given."""
+    status = exit_status(log, code)
+    if status is not None and status != UNCAUGHT_EXIT:
+        return []
+    said = said_lines(log)
+    chains: dict[str | None, list[list[tuple[int, str]]]] = {}
+    linked: dict[str | None, bool] = {}
+    for number, line in enumerate(said):
+        label = RANK_PREFIX.match(line)
+        stream = label.group(1) if label else None
+        if rank is not None and stream != str(rank):
+            continue
+        if CHAINED.match(line):
+            linked[stream] = True
+            continue
+        exception = _exception_at(said, number)
+        if exception is None:
+            continue
+        streams = chains.setdefault(stream, [])
+        if linked.get(stream) and streams:
+            streams[-1].append((number, exception))
+        else:
+            streams.append([(number, exception)])
+        linked[stream] = False
+    chosen = {
+        stream: next((c for c in reversed(streams) if _of_its_own(c)), streams[-1])
+        for stream, streams in chains.items()
+    }
+    # torch labels what ends a process once its process group exists; a traceback without the
+    # label beside a labelled one of its own was one the script logged (logging does not label).
+    labelled = any(_of_its_own(chain) for stream, chain in chosen.items() if stream is not None)
+    found = [entry for stream, chain in chosen.items() if stream or not labelled for entry in chain]
+    return sorted(found)
+
+
+def _of_its_own(chain: list[tuple[int, str]]) -> bool:
+    """Whether a chain holds an exception that neither a lost peer nor the machine explains."""
+    return any(
+        not lost_a_peer(line)
+        and getattr(known_failure(line), "cause", None) is not FailureCause.MACHINE
+        for _, line in chain
+    )
+
+
+# What the last words leave out: a traceback's header and frames, a C++ backtrace's frames,
+# faulthandler's dump, torchrun's warnings and summary.
+NOT_WORDS = re.compile(
+    r"^(?:\[rank\d+\]:)?\s*(?:Traceback \(most recent call last\)|File \"|frame #\d+|"
+    r"Exception raised from |Fatal Python error|(?:Current thread|Thread) 0x|Extension modules:|"
+    r"[IWE]\d{4} |[-=]{6})"
+)
+# A process's last words: ``sys.exit``'s message, or an abort's "terminate called after
+# throwing ..." and its "what(): ..." (a line printed a few steps earlier is not among them).
+LAST_WORDS = 4
+
+
+def last_words(log: str, count: int = LAST_WORDS) -> list[str]:
+    """The last lines the trial's processes said before they ended, exceptions left out (the
+    ones that ended a process are ``final_exceptions``; others were caught): where no exception
+    ended them, what says how (an allocator's abort, a limit of the machine); a line printed
+    earlier (a tip that mentions out of memory, a file listing that names "Too many open
+    files") does not."""
+    root = ROOT_CAUSE.search(log)
+    said = said_lines(log if root is None else log[: root.start()])
+    words = [
+        line
+        for number, line in enumerate(said)
+        if line.strip() and not NOT_WORDS.match(line) and _exception_at(said, number) is None
+    ]
+    summary = next((i for i, line in enumerate(words) if "ChildFailedError" in line), None)
+    return words[:summary][-count:]
 
 
 # SIGKILL as other layers report it: a shell's 128 + 9, a DataLoader worker, DeepSpeed's launcher.
@@ -251,6 +364,7 @@ def killed_by_sigkill(log: str, code: int | None) -> bool:
 # What a rank says when a peer it talked to has gone: its failure followed from the peer's.
 PEER_LOST = re.compile(
     r"Connection (?:closed|reset) by peer|remote worker (?:crashing|hanging)|Broken pipe"
+    r"|DataLoader worker \(pid(?:\(s\))? [\d, ]+\) exited unexpectedly"  # its worker says why
 )
 
 
@@ -323,13 +437,18 @@ def diagnose_crash(log: str, code: int | None, oom_killed: bool | None) -> Diagn
     if code is not None and code < 0 and -code in OUTSIDE_SIGNALS:
         name = signal.Signals(-code).name
         return Diagnosis(FailureCause.MACHINE, f"stopped by {name} from outside dsat")
-    lines = exception_lines(log)
+    lines = [line for _, line in final_exceptions(log, code)]
     first_rank = root_cause_rank(log)
-    others = [] if first_rank is None else not_the_machines(exception_lines(log, first_rank))
+    others = []
+    if first_rank is not None:
+        others = not_the_machines([line for _, line in final_exceptions(log, code, first_rank)])
     others = others or not_the_machines(lines)
     others = [line for line in others if not lost_a_peer(line)] or others
-    known = known_failure("\n".join(others) if others else log)
+    words = last_words(log)
+    known = known_failure("\n".join(others or lines + words))
     detail = others[-1] if others else lines[-1] if lines else None
+    if known is not None and detail is None:  # said in the last words: the line that says it
+        detail = next((one_line(w) for w in reversed(words) if known.pattern.search(w)), None)
     if known is not None and known.killed and oom_killed:
         reason = f"{known.summary}, killed by the kernel's out-of-memory killer"
         return Diagnosis(FailureCause.CONFIG, reason, out_of_memory=True)

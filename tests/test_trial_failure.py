@@ -318,3 +318,38 @@ def test_a_message_that_starts_on_its_own_line_is_quoted_by_its_first_paragraph(
     log = "RuntimeError: \n        An attempt was made\n        too early.\n\n        Fix it.\n"
     assert exception_lines(log) == ["RuntimeError: An attempt was made too early."]
     assert exception_lines("ValueError:\nstep 3\n    at 4\n") == ["ValueError:"]
+
+
+def test_a_machine_fault_printed_before_the_end_is_not_the_machines() -> None:
+    """A file listing that named "Too many open files", then ``sys.exit("error: ...")``: the
+    machine was blamed, each configuration run three times, and the search stopped with "fix the
+    machine"; the script's own last line was never shown."""
+    log = (
+        "dataset listing: shard_0001.bin notes_Too many open files.txt\n"
+        + "".join(f"step {n}\n" for n in range(3))
+        + "error: loss became NaN at step 3, stopping\n"
+    )
+    diagnosis = diagnose_crash(log, 1, oom_killed=False)
+    assert diagnosis.cause is FailureCause.UNKNOWN, diagnosis
+    assert diagnosis.reason == "exit code 1: error: loss became NaN at step 3, stopping"
+    # Said last, it is the machine's, and the reason quotes the line.
+    limit = diagnose_crash("step 1\npipe: Too many open files\n", 1, oom_killed=False)
+    assert limit.cause is FailureCause.MACHINE and limit.reason.endswith(
+        ": pipe: Too many open files"
+    )
+
+
+def test_an_exception_caught_and_logged_is_not_the_reason_the_trial_failed() -> None:
+    """ "the training script cannot import what it needs: ValueError: ..." contradicted itself,
+    and after three trials the search stopped, sending the user after apex."""
+    log = (
+        "WARNING:train:apex not installed\n"
+        + TRACEBACK
+        + "    import apex\nModuleNotFoundError: No module named 'apex'\n"
+        + "step 1\nstep 2\n"
+        + TRACEBACK
+        + "    check()\nValueError: loss became NaN at step 3\n"
+    )
+    diagnosis = diagnose_crash(log, 1, oom_killed=False)
+    assert diagnosis.cause is FailureCause.UNKNOWN, diagnosis
+    assert diagnosis.reason == "ValueError: loss became NaN at step 3 (exit code 1)"

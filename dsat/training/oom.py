@@ -18,6 +18,20 @@ OOM_MESSAGE_SIGNATURES = (
 )
 
 
+# What only an allocator prints, not a tip or a note that mentions out of memory: what a process
+# that ended without an exception (an abort from C++) must have said for its end to be an OOM.
+ALLOCATOR_SIGNATURES = (
+    "out of memory. Tried to allocate",  # torch's caching allocators (CUDA, HIP, XPU)
+    "CUDA error: out of memory",
+    "'out of memory'",  # NCCL's "Cuda failure 'out of memory'"
+    "OutOfMemoryError",  # c10::OutOfMemoryError, in an abort's "terminate called ..."
+    "can't allocate memory",
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "cudaErrorMemoryAllocation",
+    OOM_MARKER,
+)
+
+
 def is_out_of_memory(err: BaseException) -> bool:
     if isinstance(err, MemoryError):
         return True
@@ -29,3 +43,7 @@ def is_out_of_memory(err: BaseException) -> bool:
 
 def text_shows_out_of_memory(text: str) -> bool:
     return any(signature in text for signature in OOM_MESSAGE_SIGNATURES)
+
+
+def allocator_says_out_of_memory(text: str) -> bool:
+    return any(signature in text for signature in ALLOCATOR_SIGNATURES)

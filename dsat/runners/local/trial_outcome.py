@@ -16,14 +16,15 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from dsat.constants import CONFIG_NOT_TAKEN, OOM_MARKER, TRIAL_OUTCOME_FILE
-from dsat.training.oom import text_shows_out_of_memory
+from dsat.training.oom import allocator_says_out_of_memory, text_shows_out_of_memory
 from dsat.training.reporting import read_autotuning_result
 from dsat.trial import TrialStatus
 from dsat.trial_failure import (
-    EXCEPTION_LINE,
     FailureCause,
     diagnose_crash,
     exception_lines,
+    final_exceptions,
+    last_words,
     lost_a_peer,
     not_the_machines,
     one_line,
@@ -36,6 +37,9 @@ LOG_TAIL_LINES = 20
 # "Cuda failure 'out of memory'").
 MESSAGE_LINES = 5
 LOG_SCAN_BYTES = 256 * 1024
+LOG_SEARCH_BYTES = 8 * 2**20  # how far back a traceback is looked for where the scan has none
+TRACEBACK_START = b"Traceback (most recent call last):"
+TAIL_LINE_CHARS = 500
 CGROUP_EVENTS = Path("/sys/fs/cgroup/memory.events")
 # How long a trial that wrote its result may take to exit (DeepSpeed's and the process group's
 # teardown) before what keeps it alive is stopped.
@@ -75,17 +79,34 @@ def stopped_note(
 
 def log_end(path: Path, start: int = 0) -> str:
     """The last part of a log, from byte ``start`` at the earliest: where a crash, an OOM report
-    or torchrun's summary ends up."""
+    or torchrun's summary ends up. Where its last ``LOG_SCAN_BYTES`` hold no traceback, from the
+    last one in its last ``LOG_SEARCH_BYTES``: an atexit summary of thousands of lines, or an
+    exception's enormous message, came after it, and the reason was a line of either."""
     try:
         with path.open("rb") as handle:
-            handle.seek(max(start, path.stat().st_size - LOG_SCAN_BYTES))
-            return handle.read().decode(errors="replace")
+            size = path.stat().st_size
+            handle.seek(max(start, size - LOG_SCAN_BYTES))
+            text = handle.read()
+            if TRACEBACK_START not in text and size - LOG_SCAN_BYTES > start:
+                handle.seek(max(start, size - LOG_SEARCH_BYTES))
+                searched = handle.read()
+                found = searched.rfind(TRACEBACK_START)
+                if found >= 0:
+                    text = searched[found:]
+            return text.decode(errors="replace")
     except OSError:
         return ""
 
 
 def log_tail(text: str, lines: int = LOG_TAIL_LINES) -> str:
-    return "\n".join(text.splitlines()[-lines:])
+    """The last lines of a log, each cut to ``TAIL_LINE_CHARS``: a reason keeps them in
+    trials.jsonl and the search's state, both written again after every trial (one enormous
+    line put 256 KB in each row)."""
+    return "\n".join(_cut(line) for line in text.splitlines()[-lines:])
+
+
+def _cut(line: str) -> str:
+    return line if len(line) <= TAIL_LINE_CHARS else line[: TAIL_LINE_CHARS - 3] + "..."
 
 
 def oom_kill_count() -> int | None:
@@ -151,38 +172,53 @@ class ResultWatch:
         return waited if waited > self.linger_s else None
 
 
-def out_of_memory_line(text: str, exceptions: list[str]) -> str | None:
+def out_of_memory_line(text: str, code: int | None) -> str | None:
     """The line by which the log says the trial ran out of memory, if it does: an exception that
-    ended a process of it (the last, the rank that ran out, not a peer's error after it), or
-    dsat's own marker; or a line a layer printed (an allocator's message, NCCL's "Cuda failure
-    'out of memory'") while no exception puts the crash down to the machine, and, where a
-    process ended in an exception of its own, within the lines of that exception's message. A
-    traceback's source line is not one, nor a note printed before an exception of another kind:
-    each made a rank's ValueError or KeyError, or a taken port, an OOM of the configuration, and
-    lowered its micro-batch ceiling."""
-    found = next((line for line in reversed(exceptions) if text_shows_out_of_memory(line)), None)
+    ended a process of it (``final_exceptions``: the rank that ran out, not a peer's error after
+    it, nor an OOM the script caught and went on after), or dsat's own marker; or a line a layer
+    printed (NCCL's "Cuda failure 'out of memory'") within the lines of the message of an
+    exception that ended a process, while none puts the crash down to the machine; or, where no
+    exception of its own ended a process, an allocator's message among its last words (a C++
+    abort's). A traceback's source line is not one, nor a note or tip printed before the end:
+    each made a ValueError, a KeyError, a taken port or an exit the script chose an OOM of the
+    configuration, and lowered its micro-batch ceiling."""
+    final = final_exceptions(text, code)
+    found = next((line for _, line in reversed(final) if text_shows_out_of_memory(line)), None)
     if found is not None:
         return found
     marker = next((line for line in text.splitlines() if OOM_MARKER in line), None)
     if marker is not None:  # dsat.training.reporting's, with the error's summary
         return one_line(marker.partition(OOM_MARKER)[2].lstrip(": ")) or "out of memory"
-    if not_the_machines(exceptions) != exceptions:  # an exception puts it down to the machine
+    lines = [line for _, line in final]
+    if not_the_machines(lines) != lines:  # an exception puts it down to the machine
         return None
-    said = said_lines(text)
-    ended = [  # where a process's own exception (not a peer's lost connection) was said
-        i
-        for i, line in enumerate(said)
-        if EXCEPTION_LINE.match(line.strip()) and not lost_a_peer(line)
-    ]
+    ended = [number for number, line in final if not lost_a_peer(line)]
+    if ended:
+        said = said_lines(text)
+        return next(
+            (
+                one_line(said[number + after])
+                for number in ended
+                for after in range(1, MESSAGE_LINES + 1)
+                if number + after < len(said) and text_shows_out_of_memory(said[number + after])
+            ),
+            None,
+        )
     return next(
         (
             one_line(line)
-            for i, line in enumerate(said)
-            if text_shows_out_of_memory(line)
-            and (not ended or any(0 < i - end <= MESSAGE_LINES for end in ended))
+            for line in reversed(last_words(text))
+            if allocator_says_out_of_memory(line)
         ),
         None,
     )
+
+
+def _caught(text: str) -> str:
+    """Where a script that exited 0 had caught an exception, which: what ended its training early
+    (it was told only to let the loop run longer)."""
+    lines = exception_lines(text)
+    return f" (the log's last exception, which the script caught: {lines[-1]})" if lines else ""
 
 
 class TrialEnd(NamedTuple):
@@ -223,19 +259,20 @@ def classify(
         result = read_autotuning_result(directory)  # the script reported without dsat
         if result is not None:
             return TrialEnd(TrialStatus.COMPLETED, result.values, None, None)
+    caught = _caught(text) if code == 0 else ""
     if outcome.get("status") == "incomplete" and (code == 0 or data_ran_out(text)):
         needed = outcome.get("needed")
         ended = "training ended" if code == 0 else "the data ran out (StopIteration)"
         reason = (
-            f"{ended} after {outcome.get('steps')} optimizer steps; dsat needs {needed} to "
+            f"{ended} after {outcome.get('steps')} optimizer steps{caught}; dsat needs {needed} to "
             f"measure this configuration: let the training loop run at least {needed} steps (the "
             f"searcher operation's length, op.length, is {needed}; an HF Trainer's --max_steps; "
             "a loop over one epoch of the data ends sooner at a larger micro-batch: cycle it)"
         )
         return TrialEnd(TrialStatus.ERROR, {}, f"{reason}\n{tail}", FailureCause.SCRIPT)
-    lines = exception_lines(text)
-    oom_line = out_of_memory_line(text, lines)
+    oom_line = out_of_memory_line(text, code)
     if outcome.get("status") == "oom" or oom_line is not None:
+        lines = exception_lines(text)
         reason = oom_line or (lines[-1] if lines else "out of memory")
         return TrialEnd(TrialStatus.OOM, {}, f"{reason}\n{tail}", FailureCause.CONFIG)
     if code == 0 and outcome.get("status") == CONFIG_NOT_TAKEN:
@@ -246,7 +283,7 @@ def classify(
         return TrialEnd(TrialStatus.ERROR, {}, f"{reason}\n{tail}", FailureCause.SCRIPT)
     if code == 0:
         reason = (
-            "the script exited without reporting metrics: train inside "
+            f"the script exited without reporting metrics{caught}: train inside "
             "dsat.dsat_reporting_context (or with DeepSpeed's autotuning enabled)"
         )
         if not outcome and (directory / TRIAL_OUTCOME_FILE).is_file():

@@ -17,7 +17,7 @@ from dsat.runners.local.setup import hosts_trials
 from dsat.runners.local.slots import SlotPool
 from dsat.runners.local.trial_outcome import oom_kill_count
 from dsat.runners.local.trial_timeout import TrialTimeout
-from dsat.trial import TrialStatus
+from dsat.trial import TrialOutcome, TrialStatus
 from dsat.trial_failure import FailureCause
 
 RID = "00000000-0000-0000-0000-00000000000{}"
@@ -266,6 +266,15 @@ def test_a_resumed_search_numbers_its_trials_on(tmp_path: Path) -> None:
     assert [name[:4] for name in logs] == ["001-", "002-"]
 
 
+def one_trial(ex: LocalRunner) -> TrialOutcome:
+    """A trial without hyperparameters, then the runner closed."""
+    try:
+        ex.start(RID.format(1), {}, {}, 5)
+        return ex.wait()
+    finally:
+        ex.close()
+
+
 UNGUARDED_SPAWN = """
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -281,11 +290,25 @@ def test_a_spawn_that_runs_the_unguarded_script_again_is_the_scripts_fault(
 ) -> None:
     """The parent says only "DataLoader worker exited unexpectedly" (cause unknown, the config
     blamed); the worker's own traceback says why, over several lines."""
-    ex = local_runner(tmp_path, UNGUARDED_SPAWN, warm=warm)
-    try:
-        ex.start(RID.format(1), {}, {}, 5)
-        outcome = ex.wait()
-    finally:
-        ex.close()
+    outcome = one_trial(local_runner(tmp_path, UNGUARDED_SPAWN, warm=warm))
     assert outcome.status is TrialStatus.ERROR and outcome.cause is FailureCause.SCRIPT
     assert outcome.error is not None and 'if __name__ == "__main__":' in outcome.error
+
+
+CAUGHT_PROBE_THEN_FAILS = """
+import logging
+try:
+    raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB (a probe)")
+except RuntimeError:
+    logging.exception("probe failed, going on with a smaller one")
+print("step 1")
+raise ValueError("loss became NaN at step 3")
+"""
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_an_oom_the_script_caught_is_not_the_trials_end(tmp_path: Path, warm: bool) -> None:
+    """It made the ValueError that ended the script an OOM: the configuration's ceiling fell."""
+    outcome = one_trial(local_runner(tmp_path, CAUGHT_PROBE_THEN_FAILS, warm=warm))
+    assert outcome.status is TrialStatus.ERROR and outcome.cause is FailureCause.UNKNOWN
+    assert outcome.error is not None and outcome.error.startswith("ValueError: loss became NaN")

@@ -271,7 +271,119 @@ def test_a_note_printed_before_an_exception_of_another_kind_is_no_oom(tmp_path: 
     end = classify(tmp_path, trial(tmp_path, log), 1, False, 60)
     assert end.status is TrialStatus.ERROR and end.error is not None
     assert end.error.startswith("KeyError: 'x'")
-    # Said by a process that crashed without an exception of its own, beside a peer that lost
-    # it, it is still the OOM.
-    native = "CUDA out of memory (cuBLAS)\n[rank1]: RuntimeError: Connection reset by peer\n"
+    # Said by a process that crashed without an exception of its own (an allocator's abort in
+    # C++), beside a peer that lost it, it is still the OOM.
+    native = (
+        "terminate called after throwing an instance of 'c10::OutOfMemoryError'\n"
+        "  what():  CUDA out of memory. Tried to allocate 20.00 MiB\n"
+        "frame #0: c10::Error::Error() + 0x96 (0x7f0 in libc10.so)\n"
+        "[rank1]: RuntimeError: Connection reset by peer\n"
+    )
     assert classify(tmp_path, trial(tmp_path, native), 1, False, 60).status is TrialStatus.OOM
+
+
+CAUGHT_OOM = (
+    "ERROR:train:probe failed, continuing\n"
+    'Traceback (most recent call last):\n  File "train.py", line 9, in probe\n    step()\n'
+    "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB (probe)\n"
+    "note: out of memory is retried with a smaller probe\n"
+)
+STEPS = "".join(f"step {n}\n" for n in range(3))
+VALUE_ERROR = (
+    'Traceback (most recent call last):\n  File "train.py", line 40, in <module>\n    check()\n'
+    "ValueError: loss became NaN at step 3\n"
+)
+
+
+def test_an_oom_the_script_caught_and_went_on_after_is_no_oom(tmp_path: Path) -> None:
+    """A logged OOM probe, and a note that mentions out of memory just after its traceback, made
+    the script's later ValueError an OOM of every configuration: ceilings lowered until the
+    budget ran out (a trial host and a fresh process alike: helper audit, 2026-11-28)."""
+    end = classify(tmp_path, trial(tmp_path, CAUGHT_OOM + STEPS + VALUE_ERROR), 1, False, 60)
+    assert end.status is TrialStatus.ERROR and end.cause is FailureCause.UNKNOWN, end.error
+    assert end.error is not None and end.error.startswith("ValueError: loss became NaN")
+    # Nor does a crash without an exception after it (a segfault) make it one.
+    segfault = classify(tmp_path, trial(tmp_path, CAUGHT_OOM + STEPS), -11, False, 60)
+    assert segfault.status is TrialStatus.ERROR, segfault.error
+    # A trial that reported, then aborted at teardown, keeps its measurement.
+    done = {"status": "completed", "values": {"throughput": 3.0}}
+    log = trial(tmp_path, CAUGHT_OOM + STEPS + TEARDOWN_ABORT, done)
+    assert classify(tmp_path, log, -6, False, 60).status is TrialStatus.COMPLETED
+    # torch labels the exception that ends a process whose group exists, not one logged.
+    (tmp_path / TRIAL_OUTCOME_FILE).unlink()
+    labelled = "".join(f"[rank0]: {line}\n" for line in VALUE_ERROR.splitlines())
+    end = classify(tmp_path, trial(tmp_path, CAUGHT_OOM + STEPS + labelled), 1, False, 60)
+    assert end.status is TrialStatus.ERROR, end.error
+    assert end.error is not None and end.error.startswith("ValueError: loss became NaN")
+    # Chained to the exception that ended the process, it is the OOM.
+    chained = (
+        CAUGHT_OOM
+        + "\nDuring handling of the above exception, another exception occurred:\n\n"
+        + VALUE_ERROR
+    )
+    assert classify(tmp_path, trial(tmp_path, chained), 1, False, 60).status is TrialStatus.OOM
+
+
+def test_a_tip_that_mentions_out_of_memory_is_no_oom_without_an_allocators_words(
+    tmp_path: Path,
+) -> None:
+    """The model-profile trial's ``sys.exit("config error ...")`` after a tip was an OOM, and
+    the search ended with "the model does not fit at micro-batch 1 in any way dsat tried"."""
+    tip = "hint: if you see CUDA out of memory, lower --micro-batch\n"
+    end = classify(
+        tmp_path,
+        trial(tmp_path, tip + "config error: data path /data/train not found\n"),
+        1,
+        False,
+        60,
+    )
+    assert end.status is TrialStatus.ERROR, end.error
+    assert end.error is not None and "data path /data/train not found" in end.error
+    # A segfault after it likewise; an allocator's own words at the end are still an OOM.
+    assert classify(tmp_path, trial(tmp_path, tip + STEPS), -11, False, 60).status is (
+        TrialStatus.ERROR
+    )
+    said = STEPS + "CUDA out of memory. Tried to allocate 2.00 GiB\n"
+    assert classify(tmp_path, trial(tmp_path, said), -6, False, 60).status is TrialStatus.OOM
+
+
+def test_an_exit_the_script_chose_after_a_caught_exception_is_said_as_its_own(
+    tmp_path: Path,
+) -> None:
+    """``sys.exit(3)`` after a KeyError logged at start-up was "KeyError: 'wandb_project'"."""
+    caught = (
+        "WARNING:train:no wandb\n"
+        'Traceback (most recent call last):\n  File "train.py", line 4, in <module>\n    cfg()\n'
+        "KeyError: 'wandb_project'\n"
+    )
+    end = classify(
+        tmp_path, trial(tmp_path, caught + STEPS + "ERROR:train:loss is NaN\n"), 3, False, 60
+    )
+    assert end.error is not None and end.error.startswith("exit code 3: ERROR:train:loss is NaN")
+
+
+def test_a_script_that_swallowed_an_exception_and_exited_0_names_it(tmp_path: Path) -> None:
+    """It was told to let its loop run longer; the ValueError that ended its training was never
+    mentioned."""
+    log = trial(tmp_path, STEPS + VALUE_ERROR, {"status": "incomplete", "steps": 3, "needed": 15})
+    end = classify(tmp_path, log, 0, False, 60)
+    assert end.status is TrialStatus.ERROR and end.cause is FailureCause.SCRIPT
+    assert end.error is not None
+    assert "which the script caught: ValueError: loss became NaN" in end.error.splitlines()[0]
+    (tmp_path / TRIAL_OUTCOME_FILE).unlink()
+    end = classify(tmp_path, log, 0, False, 60)
+    assert end.error is not None and "ValueError: loss became NaN" in end.error.splitlines()[0]
+
+
+def test_a_traceback_followed_by_more_than_the_scanned_end_is_still_the_reason(
+    tmp_path: Path,
+) -> None:
+    """An atexit summary of thousands of lines after it gave "exit code 1: | layer.03999 | ..."."""
+    summary = "".join(f"| layer.{n:05d}.mlp | {'x' * 80} |\n" for n in range(4000))
+    log = trial(tmp_path, STEPS + VALUE_ERROR + summary)
+    end = classify(tmp_path, log, 1, False, 60)
+    assert end.error is not None and end.error.startswith("ValueError: loss became NaN"), end.error
+    # One enormous line is cut in the tail the row keeps.
+    huge = trial(tmp_path, "Traceback (most recent call last):\nValueError: " + "7, " * 200_000)
+    end = classify(tmp_path, huge, 1, False, 60)
+    assert end.error is not None and len(end.error) < 2000
