@@ -220,6 +220,9 @@ def run_entry(command: list[str]) -> int:
             runpy.run_path(script, run_name="__main__")
     except SystemExit as err:
         return exit_code(err)
+    except KeyboardInterrupt:  # the interpreter ends itself with SIGINT (a fresh trial's -2)
+        traceback.print_exc()
+        return -signal.SIGINT
     except BaseException:  # as the interpreter does: print it, exit 1
         traceback.print_exc()
         return 1

@@ -13,8 +13,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import psutil
+import pytest
 
-from dsat.runners.local.fork_server import is_local, local_names, script_imports
+from dsat.runners.local.fork_server import is_local, local_names, run_entry, script_imports
 from dsat.runners.local.warm_trials import LOST_RETURNCODE, WarmProcess, WarmWorker
 
 # Appends the pid of whichever process imports it, so a test sees who imported what.
@@ -304,3 +305,26 @@ def test_a_trial_forked_after_the_worker_ran_an_openmp_op_does_not_hang(tmp_path
         assert worker.process.pid in imports_seen(tmp_path)  # the worker ran the op
         assert worker.cold_reason is None
     assert (model / "done2.txt").read_text() == "2"
+
+
+@pytest.mark.parametrize(
+    ("body", "status"),
+    [
+        ("pass", 0),
+        ("raise ValueError('x')", 1),
+        ("import sys; sys.exit(3)", 3),
+        ("import sys; sys.exit('a message')", 1),
+        # A trial host said exit code 1 where a fresh process dies of SIGINT: judged apart.
+        ("raise KeyboardInterrupt", -signal.SIGINT),
+    ],
+)
+def test_a_script_run_in_this_process_exits_as_the_interpreter_would(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, body: str, status: int
+) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(body + "\n")
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    assert run_entry(["python3", str(script)]) == status
+    fresh = subprocess.run([sys.executable, str(script)], capture_output=True)
+    assert fresh.returncode == status
