@@ -266,46 +266,77 @@ def exit_status(log: str, code: int | None) -> int | None:
 def final_exceptions(log: str, code: int | None, rank: int | None = None) -> list[tuple[int, str]]:
     """The exceptions that ended the trial's processes, by their line in ``said_lines(log)``:
     an exception a script caught and logged, and went on after, ended nothing (an OOM probe
-    logged at start-up made a later ValueError an OOM of the configuration). Per process (its
-    ``[rankN]:`` label; lines without one are one stream), its last chain of exceptions (one
-    raised while another was handled, with that one). Several processes write into one stream
-    (torchrun's ranks, a DataLoader's workers): a peer's lost connection or a fault of the
-    machine after a chain of another kind followed from it, and that chain is the one (the
-    machine is blamed only where nothing else is). None at all where the process that
-    failed first did not end on an exception (a signal, ``sys.exit(3)``, ``os._exit``). Only
-    the process torch labels ``[rank<rank>]:``, where given."""
+    logged at start-up made a later ValueError an OOM of the configuration), nor did one
+    printed by an atexit callback or a finaliser after the one that did.
+
+    torch labels what ends a process once its process group exists (``[rankN]:``), and only
+    that: a labelled chain (exceptions raised while handling another, with that one) ended its
+    process, whatever the exit status. Unlabelled lines are one stream that several processes
+    may write (torchrun's ranks before their group, a DataLoader's workers, a launcher and its
+    child); there the tracebacks printed at its end with no more than ``BLOCK_GAP`` lines of
+    other output between them are the ones (several processes failing together), and among
+    them those that neither a lost peer nor the machine explains, where any (the machine is
+    blamed only where nothing else is). Unlabelled ones count only where the process that
+    failed first exited as an exception ends it (not a signal, nor ``sys.exit(3)``), and only
+    where no labelled chain of its own is there (logging does not label). Only the process
+    labelled ``[rank<rank>]:``, where given."""
     status = exit_status(log, code)
-    if status is not None and status != UNCAUGHT_EXIT:
-        return []
+    signalled = status is not None and status != UNCAUGHT_EXIT
     said = said_lines(log)
     chains: dict[str | None, list[list[tuple[int, str]]]] = {}
+    trailing: dict[str | None, int] = {}  # where each stream's trailing block of chains starts
     linked: dict[str | None, bool] = {}
+    ignored: dict[str | None, bool] = {}
+    gap: dict[str | None, int] = {}
     for number, line in enumerate(said):
         label = RANK_PREFIX.match(line)
         stream = label.group(1) if label else None
-        if rank is not None and stream != str(rank):
+        if (rank is not None and stream != str(rank)) or (signalled and stream is None):
             continue
-        if CHAINED.match(line):
-            linked[stream] = True
+        if IGNORED.match(line):
+            ignored[stream] = True
+            continue
+        if CHAINED.match(line):  # the chain goes on, unless other output came between
+            linked[stream] = gap.get(stream, 0) <= BLOCK_GAP
             continue
         exception = _exception_at(said, number)
         if exception is None:
+            if _other_output(line):
+                gap[stream] = gap.get(stream, 0) + 1
+            continue
+        if ignored.pop(stream, False):
             continue
         streams = chains.setdefault(stream, [])
         if linked.get(stream) and streams:
             streams[-1].append((number, exception))
         else:
+            if gap.get(stream, 0) > BLOCK_GAP:
+                trailing[stream] = len(streams)
             streams.append([(number, exception)])
-        linked[stream] = False
-    chosen = {
-        stream: next((c for c in reversed(streams) if _of_its_own(c)), streams[-1])
-        for stream, streams in chains.items()
-    }
-    # torch labels what ends a process once its process group exists; a traceback without the
-    # label beside a labelled one of its own was one the script logged (logging does not label).
+        linked[stream], gap[stream] = False, 0
+    chosen: dict[str | None, list[tuple[int, str]]] = {}
+    for stream, streams in chains.items():
+        block = streams[trailing.get(stream, 0) :] if stream is None else streams[-1:]
+        own = [entry for chain in block if _of_its_own(chain) for entry in chain]
+        chosen[stream] = own or [entry for chain in block for entry in chain]
     labelled = any(_of_its_own(chain) for stream, chain in chosen.items() if stream is not None)
     found = [entry for stream, chain in chosen.items() if stream or not labelled for entry in chain]
     return sorted(found)
+
+
+# Lines of other output that may stand between the tracebacks of processes failing together
+# (a launcher's or NCCL's line that NOT_WORDS does not know) without parting them.
+BLOCK_GAP = 1
+# What precedes a traceback that ended nothing: one printed by an atexit callback or a finaliser.
+IGNORED = re.compile(
+    r"^(?:\[rank\d+\]:)?\s*(?:Exception ignored in|Error in atexit\._run_exitfuncs)"
+)
+
+
+def _other_output(line: str) -> bool:
+    """Whether a line is output of its own, not part of a traceback, an exception's indented
+    message or launcher noise."""
+    return bool(line.strip()) and not line[:1].isspace() and not NOT_WORDS.match(line)
 
 
 def _of_its_own(chain: list[tuple[int, str]]) -> bool:
@@ -322,7 +353,12 @@ def _of_its_own(chain: list[tuple[int, str]]) -> bool:
 NOT_WORDS = re.compile(
     r"^(?:\[rank\d+\]:)?\s*(?:Traceback \(most recent call last\)|File \"|frame #\d+|"
     r"Exception raised from |Fatal Python error|(?:Current thread|Thread) 0x|Extension modules:|"
-    r"[IWE]\d{4} |[-=]{6})"
+    r"<no Python frame>|\[?[IWE]\d{4} |[-=]{6}|"
+    # torchrun's and DeepSpeed's launchers' own lines (torch 2.1-2.3, DeepSpeed's launch.py)
+    r"\[[-\d :,]+\] (?:torch\.distributed\.elastic|\[(?:INFO|ERROR|WARNING)\] \[launch\.py)|"
+    # CUDA's advice under its errors; a shell's report of the job it ran
+    r"CUDA kernel errors might be|For debugging consider passing|Compile with `TORCH_USE_CUDA_DSA`|"
+    r"\S+: line \d+: +\d+ )"
 )
 # A process's last words: ``sys.exit``'s message, or an abort's "terminate called after
 # throwing ..." and its "what(): ..." (a line printed a few steps earlier is not among them).
@@ -330,18 +366,13 @@ LAST_WORDS = 4
 
 
 def last_words(log: str, count: int = LAST_WORDS) -> list[str]:
-    """The last lines the trial's processes said before they ended, exceptions left out (the
-    ones that ended a process are ``final_exceptions``; others were caught): where no exception
-    ended them, what says how (an allocator's abort, a limit of the machine); a line printed
-    earlier (a tip that mentions out of memory, a file listing that names "Too many open
-    files") does not."""
+    """The last lines the trial's processes said before they ended: where no exception ended
+    them, what says how (an allocator's abort, a limit of the machine, an exception just before
+    an abort at teardown); a line printed earlier (a tip that mentions out of memory, a file
+    listing that names "Too many open files") does not."""
     root = ROOT_CAUSE.search(log)
     said = said_lines(log if root is None else log[: root.start()])
-    words = [
-        line
-        for number, line in enumerate(said)
-        if line.strip() and not NOT_WORDS.match(line) and _exception_at(said, number) is None
-    ]
+    words = [line for line in said if line.strip() and not NOT_WORDS.match(line)]
     summary = next((i for i, line in enumerate(words) if "ChildFailedError" in line), None)
     return words[:summary][-count:]
 
@@ -364,6 +395,7 @@ def killed_by_sigkill(log: str, code: int | None) -> bool:
 # What a rank says when a peer it talked to has gone: its failure followed from the peer's.
 PEER_LOST = re.compile(
     r"Connection (?:closed|reset) by peer|remote worker (?:crashing|hanging)|Broken pipe"
+    r"|remote process exited"
     r"|DataLoader worker \(pid(?:\(s\))? [\d, ]+\) exited unexpectedly"  # its worker says why
 )
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 from pathlib import Path
+
+import pytest
 
 from dsat.constants import CONFIG_NOT_TAKEN, TRIAL_OUTCOME_FILE
 from dsat.runners.local.trial_outcome import classify, oom_kill_count, oom_killed_since
@@ -387,3 +390,20 @@ def test_a_traceback_followed_by_more_than_the_scanned_end_is_still_the_reason(
     huge = trial(tmp_path, "Traceback (most recent call last):\nValueError: " + "7, " * 200_000)
     end = classify(tmp_path, huge, 1, False, 60)
     assert end.error is not None and len(end.error) < 2000
+
+
+TRIAL_LOGS = Path(__file__).parents[2] / "fixtures" / "trial_logs"
+CASES = json.loads((TRIAL_LOGS / "cases.json").read_text())
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_logs_as_the_layers_print_them(tmp_path: Path, name: str) -> None:
+    """Logs as PyTorch, torchrun (2.1 to 2.13), DeepSpeed's launcher, accelerate, faulthandler,
+    NCCL and atexit print them: each real OOM stays one (a traceback after it from an atexit
+    callback, a launcher's own exception, an abort at teardown, a rank torchrun misnames as the
+    root cause), and a caught one does not make a later failure one."""
+    case = CASES[name]
+    shutil.copy(TRIAL_LOGS / f"{name}.log", tmp_path / "trial.log")
+    end = classify(tmp_path, tmp_path / "trial.log", case["code"], False, 60, case["oom_killed"])
+    assert end.status.value == case["status"], end.error
+    assert (end.cause and end.cause.value) == case["cause"], end.error
