@@ -163,8 +163,9 @@ KNOWN_FAILURES: tuple[KnownFailure, ...] = (
 EXCEPTION_LINE = re.compile(
     r"^(?:\[rank\d+\]:\s*)?((?:\w+\.)*[A-Z]\w*(?:Error|Exception|Warning)\b.*)$"
 )
-# torchrun's own summaries of a failed worker, which name no cause.
-LAUNCHER_EXCEPTIONS = ("ChildFailedError", "SignalException")
+# Launchers' own summaries of a failed worker, which name no cause (torchrun's; accelerate's
+# and other wrappers' subprocess.CalledProcessError).
+LAUNCHER_EXCEPTIONS = ("ChildFailedError", "SignalException", "CalledProcessError")
 # torchrun's report of the worker that failed first, when a signal ended it.
 ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):(?P<block>(?:(?!={6}).*\n)*)")
 OUTSIDE_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT}
@@ -271,11 +272,12 @@ def final_exceptions(log: str, code: int | None, rank: int | None = None) -> lis
 
     torch labels what ends a process once its process group exists (``[rankN]:``), and only
     that: a labelled chain (exceptions raised while handling another, with that one) ended its
-    process, whatever the exit status. Unlabelled lines are one stream that several processes
-    may write (torchrun's ranks before their group, a DataLoader's workers, a launcher and its
-    child); there the tracebacks printed at its end with no more than ``BLOCK_GAP`` lines of
-    other output between them are the ones (several processes failing together), and among
-    them those that neither a lost peer nor the machine explains, where any (the machine is
+    process, whatever the exit status. Unlabelled lines are one stream: of one process, its
+    last chain (its printed lines may come later than its tracebacks: stdout is buffered), and
+    where that only says a worker it started died, the worker's traceback printed just before
+    it; of torchrun's ranks (before their group), the tracebacks printed at its end with no
+    more than ``BLOCK_GAP`` lines of other output between them (ranks failing together). Among
+    these, those that neither a lost peer nor the machine explains, where any (the machine is
     blamed only where nothing else is). Unlabelled ones count only where the process that
     failed first exited as an exception ends it (not a signal, nor ``sys.exit(3)``), and only
     where no labelled chain of its own is there (logging does not label). Only the process
@@ -314,9 +316,17 @@ def final_exceptions(log: str, code: int | None, rank: int | None = None) -> lis
                 trailing[stream] = len(streams)
             streams.append([(number, exception)])
         linked[stream], gap[stream] = False, 0
+    several = ROOT_CAUSE.search(log) is not None  # torchrun's ranks
     chosen: dict[str | None, list[tuple[int, str]]] = {}
     for stream, streams in chains.items():
-        block = streams[trailing.get(stream, 0) :] if stream is None else streams[-1:]
+        block = streams[-1:]
+        if stream is None and several:
+            block = streams[trailing.get(stream, 0) :]
+        elif stream is None and len(streams) > 1 and not _of_its_own(streams[-1]):
+            # One process and the workers it started: a worker's own traceback just before
+            # the parent's "worker exited unexpectedly" is why.
+            if trailing.get(stream, 0) < len(streams) - 1:
+                block = streams[-2:]
         own = [entry for chain in block if _of_its_own(chain) for entry in chain]
         chosen[stream] = own or [entry for chain in block for entry in chain]
     labelled = any(_of_its_own(chain) for stream, chain in chosen.items() if stream is not None)
@@ -325,8 +335,8 @@ def final_exceptions(log: str, code: int | None, rank: int | None = None) -> lis
 
 
 # Lines of other output that may stand between the tracebacks of processes failing together
-# (a launcher's or NCCL's line that NOT_WORDS does not know) without parting them.
-BLOCK_GAP = 1
+# without parting them: none (a caught OOM, one line, then a ValueError read as one block).
+BLOCK_GAP = 0
 # What precedes a traceback that ended nothing: one printed by an atexit callback or a finaliser.
 IGNORED = re.compile(
     r"^(?:\[rank\d+\]:)?\s*(?:Exception ignored in|Error in atexit\._run_exitfuncs)"
@@ -336,7 +346,14 @@ IGNORED = re.compile(
 def _other_output(line: str) -> bool:
     """Whether a line is output of its own, not part of a traceback, an exception's indented
     message or launcher noise."""
-    return bool(line.strip()) and not line[:1].isspace() and not NOT_WORDS.match(line)
+    text = _unlabelled(line)
+    return bool(text.strip()) and not text[:1].isspace() and not NOT_WORDS.match(line)
+
+
+def _unlabelled(line: str) -> str:
+    """The line without torch's ``[rankN]:`` label (and the one space after it)."""
+    label = RANK_PREFIX.match(line)
+    return line if label is None else line[label.end() :].removeprefix(" ")
 
 
 def _of_its_own(chain: list[tuple[int, str]]) -> bool:
@@ -372,7 +389,7 @@ def last_words(log: str, count: int = LAST_WORDS) -> list[str]:
     listing that names "Too many open files") does not."""
     root = ROOT_CAUSE.search(log)
     said = said_lines(log if root is None else log[: root.start()])
-    words = [line for line in said if line.strip() and not NOT_WORDS.match(line)]
+    words = [line for line in said if _unlabelled(line).strip() and not NOT_WORDS.match(line)]
     summary = next((i for i, line in enumerate(words) if "ChildFailedError" in line), None)
     return words[:summary][-count:]
 

@@ -285,11 +285,14 @@ def test_a_note_printed_before_an_exception_of_another_kind_is_no_oom(tmp_path: 
     assert classify(tmp_path, trial(tmp_path, native), 1, False, 60).status is TrialStatus.OOM
 
 
-CAUGHT_OOM = (
-    "ERROR:train:probe failed, continuing\n"
+OOM_TRACEBACK = (
     'Traceback (most recent call last):\n  File "train.py", line 9, in probe\n    step()\n'
     "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB (probe)\n"
-    "note: out of memory is retried with a smaller probe\n"
+)
+CAUGHT_OOM = (
+    "ERROR:train:probe failed, continuing\n"
+    + OOM_TRACEBACK
+    + "note: out of memory is retried with a smaller probe\n"
 )
 STEPS = "".join(f"step {n}\n" for n in range(3))
 VALUE_ERROR = (
@@ -320,7 +323,7 @@ def test_an_oom_the_script_caught_and_went_on_after_is_no_oom(tmp_path: Path) ->
     assert end.error is not None and end.error.startswith("ValueError: loss became NaN")
     # Chained to the exception that ended the process, it is the OOM.
     chained = (
-        CAUGHT_OOM
+        OOM_TRACEBACK
         + "\nDuring handling of the above exception, another exception occurred:\n\n"
         + VALUE_ERROR
     )
