@@ -405,8 +405,7 @@ def killed_by_sigkill(log: str, code: int | None) -> bool:
     (or a layer between says one of its processes did)."""
     if code in (-signal.SIGKILL, 128 + signal.SIGKILL) or SIGKILL_REPORTS.search(log):
         return True
-    root = ROOT_CAUSE.search(log)
-    return root is not None and re.search(r"exitcode\s*:\s*-9\b", root.group("block")) is not None
+    return exit_status(log, None) == -signal.SIGKILL
 
 
 # What a rank says when a peer it talked to has gone: its failure followed from the peer's.
@@ -448,12 +447,11 @@ def reporting_rank_left_first(log: str) -> bool:
 def root_cause_signal(log: str) -> signal.Signals | None:
     """The signal torchrun's first failed worker died of, where it was one of its own (not
     SIGKILL, read apart, nor a stop from outside)."""
-    root = ROOT_CAUSE.search(log)
-    found = re.search(r"exitcode\s*:\s*-(\d+)\b", root.group("block")) if root else None
-    if found is None:
+    status = exit_status(log, None)
+    if status is None or status >= 0:
         return None
     try:
-        sig = signal.Signals(int(found.group(1)))
+        sig = signal.Signals(-status)
     except ValueError:
         return None
     return None if sig in OUTSIDE_SIGNALS or sig is signal.SIGKILL else sig

@@ -271,7 +271,7 @@ class WarmWorkers:
                 worker_env,
                 self.logs_dir / WORKER_LOG.format(slot=slot),
                 self.includes,
-                self.host and slot not in self.forking,
+                self._hosts(slot),
             )
             self.workers[slot] = worker
         trial = worker.run(self.command, cwd, env, log_path)
@@ -282,6 +282,10 @@ class WarmWorkers:
     def hosting(self, slot: str) -> bool:
         """Whether ``slot``'s next trial runs in a trial host rather than a fork."""
         self._retire(slot)
+        return self._hosts(slot)
+
+    def _hosts(self, slot: str) -> bool:
+        """Whether ``slot``'s workers are trial hosts (not once its trials fork instead)."""
         return self.host and slot not in self.forking
 
     def _retire(self, slot: str) -> bool:
