@@ -273,7 +273,8 @@ def final_exceptions(log: str, code: int | None, rank: int | None = None) -> lis
     torch labels what ends a process once its process group exists (``[rankN]:``), and only
     that: a labelled chain (exceptions raised while handling another, with that one) ended its
     process, whatever the exit status. Unlabelled lines are one stream: of one process, its
-    last chain (its printed lines may come later than its tracebacks: stdout is buffered), and
+    last chain (its printed lines may come later than its tracebacks where its stdout is
+    buffered: on Determined, or where the user's environment turned unbuffered output off), and
     where that only says a worker it started died, the worker's traceback printed just before
     it; of torchrun's ranks (before their group), the tracebacks printed at its end with no
     more than ``BLOCK_GAP`` lines of other output between them (ranks failing together). Among

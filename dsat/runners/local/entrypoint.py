@@ -156,6 +156,18 @@ def interpreter_first(environ: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
+def trial_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """What every process dsat starts for a trial inherits: ``interpreter_first``, and Python's
+    output unbuffered unless the user's environment says otherwise. Into a file, a script's
+    prints are otherwise block-buffered: they reach the trial's log after its traceback, or never
+    where the process is killed (the OOM killer, a timeout), and a full run shows them in 8 KiB
+    bursts. Ray writes its workers' output unbuffered for the same reason, and torchrun's log
+    files are line-buffered."""
+    env = interpreter_first(environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
 # Determined's DistributedContext broadcasts between a trial's processes on two TCP ports that
 # are fixed unless these variables say otherwise; concurrent trials on one machine need their own.
 DETERMINED_PORT_VARIABLES = ("INTER_TRAIN_PROCESS_COMM_PORT_1", "INTER_TRAIN_PROCESS_COMM_PORT_2")

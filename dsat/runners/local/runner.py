@@ -33,9 +33,9 @@ from dsat.paths import shown
 from dsat.results.directory import FULL_RUN_DIR, TRIALS_FILE, full_run_log, trials_numbered
 from dsat.runners.local.deepspeed_ops import clear_stale_locks
 from dsat.runners.local.entrypoint import (
-    interpreter_first,
     rendezvous_environment,
     trial_command,
+    trial_environment,
 )
 from dsat.runners.local.full_run import run_to_the_end
 from dsat.runners.local.slots import SlotPool
@@ -201,7 +201,7 @@ class LocalRunner:
         self.slots_per_trial = slots_per_trial
         self.timeout = timeout
         self.linger_s = LINGER_S
-        self.environ = interpreter_first(os.environ if environ is None else environ)
+        self.environ = trial_environment(os.environ if environ is None else environ)
         self.cpu_threads = max(1, (os.cpu_count() or 1) // max(pool.size, 1))
         self.running: dict[str, RunningTrial] = {}
         self.started_at = time.monotonic()

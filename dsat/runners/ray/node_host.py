@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from dsat.runners.local.deepspeed_ops import clear_stale_locks
-from dsat.runners.local.entrypoint import NODE_PYTHON, interpreter_first
+from dsat.runners.local.entrypoint import NODE_PYTHON, trial_environment
 from dsat.runners.local.runner import HPARAMS_FILE, free_ports
 from dsat.runners.local.trial_outcome import (
     classify,
@@ -87,7 +87,7 @@ class TrialNodeHost:
         its timeout); returns the locks removed. ``NODE_PYTHON`` in ``command`` is this node's
         interpreter (dsat's on this node, where dsat[ray] is installed)."""
         command = [sys.executable if token == NODE_PYTHON else token for token in command]
-        environ = interpreter_first({**os.environ, **env})
+        environ = trial_environment({**os.environ, **env})
         removed = [str(lock) for lock in clear_stale_locks(environ)]
         self.oom_kills_at_start = oom_kill_count()
         self.log = self.log_path.open("wb")

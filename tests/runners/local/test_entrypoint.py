@@ -15,6 +15,7 @@ from dsat.runners.local.entrypoint import (
     strip_determined_launcher,
     trial_class,
     trial_command,
+    trial_environment,
 )
 
 
@@ -110,3 +111,10 @@ def test_trials_find_dsats_interpreter_tools_first_once() -> None:
     assert env["PATH"] == f"{bin_dir}{os.pathsep}/usr/bin:/bin" and env["X"] == "1"
     assert interpreter_first(env) == env  # already first: left as it is
     assert interpreter_first({})["PATH"] == bin_dir
+
+
+def test_trial_processes_write_their_output_unbuffered_unless_the_user_chose() -> None:
+    """Both runners start a trial's processes with it (the local one, and Ray's node host)."""
+    env = trial_environment({"PATH": "/usr/bin"})
+    assert env["PYTHONUNBUFFERED"] == "1" and env["PATH"] == interpreter_first(env)["PATH"]
+    assert trial_environment({"PYTHONUNBUFFERED": ""})["PYTHONUNBUFFERED"] == ""

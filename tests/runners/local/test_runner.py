@@ -35,6 +35,7 @@ def local_runner(
     timeout: float = 60.0,
     warm: bool = True,
     environ_extra: dict[str, str] | None = None,
+    trial_host: bool = False,
 ) -> LocalRunner:
     model = tmp_path / "model"
     model.mkdir(exist_ok=True)
@@ -51,6 +52,7 @@ def local_runner(
         TrialTimeout(timeout),
         environ,
         warm=warm,
+        trial_host=trial_host,
     )
 
 
@@ -312,3 +314,34 @@ def test_an_oom_the_script_caught_is_not_the_trials_end(tmp_path: Path, warm: bo
     outcome = one_trial(local_runner(tmp_path, CAUGHT_PROBE_THEN_FAILS, warm=warm))
     assert outcome.status is TrialStatus.ERROR and outcome.cause is FailureCause.UNKNOWN
     assert outcome.error is not None and outcome.error.startswith("ValueError: loss became NaN")
+
+
+PRINTS_THEN_DIES = """
+import os, sys
+print("printed first")
+sys.stderr.write("written second\\n")
+print("printed third")
+os._exit(3)
+"""
+
+
+@pytest.mark.parametrize("mode", ["fresh", "forked", "hosted"])
+def test_a_trials_log_has_its_prints_in_order_even_when_it_dies_at_once(
+    tmp_path: Path, mode: str
+) -> None:
+    """Into a file, a script's stdout is block-buffered unless told otherwise: its prints came
+    after its traceback, or never where the process was killed (here, exiting without flushing),
+    and blame read a log in another order than a terminal shows."""
+    ex = local_runner(tmp_path, PRINTS_THEN_DIES, warm=mode != "fresh", trial_host=mode == "hosted")
+    outcome = one_trial(ex)
+    assert outcome.status is TrialStatus.ERROR
+    [log] = (tmp_path / "results" / "logs").glob("001-*.log")
+    assert "printed first\nwritten second\nprinted third\n" in log.read_text()
+
+
+def test_a_users_own_choice_of_buffering_is_kept(tmp_path: Path) -> None:
+    script = "import os, sys; print(os.environ['PYTHONUNBUFFERED']); os._exit(3)"
+    environ = {"PYTHONUNBUFFERED": ""}  # empty: Python buffers; the user's to choose
+    one_trial(local_runner(tmp_path, script, warm=False, environ_extra=environ))
+    [log] = (tmp_path / "results" / "logs").glob("001-*.log")
+    assert "KeyError" not in log.read_text() and log.read_text().count("\n") == 1
