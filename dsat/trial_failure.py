@@ -437,9 +437,15 @@ def root_cause_rank(log: str) -> int | None:
 def reporting_rank_left_first(log: str) -> bool:
     """Whether torchrun reports a failed trial in which rank 0, the rank that reports, is not
     among the ranks that failed: it exited cleanly before its peers, which then failed for
-    want of it (a connection reset by it)."""
+    want of it (a connection reset by it). Not where the first to fail died of a signal other
+    than an abort (NCCL's watchdog aborts a rank whose peer left): a segfault or the OOM
+    killer's SIGKILL is the rank's own end, and torchrun may list no other rank (its
+    ``<NO_OTHER_FAILURES>``) though it stopped rank 0 then."""
     start = log.rfind("Failures:")
     if start < 0 or ROOT_CAUSE.search(log, start) is None:
+        return False
+    status = exit_status(log, None)
+    if status is not None and status < 0 and status != -signal.SIGABRT:
         return False
     failed = {int(rank) for rank in RANK_FIELD.findall(log, start)}
     return bool(failed) and 0 not in failed
