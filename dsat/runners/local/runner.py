@@ -38,6 +38,7 @@ from dsat.runners.local.entrypoint import (
     trial_environment,
 )
 from dsat.runners.local.full_run import run_to_the_end
+from dsat.runners.local.log_cap import cap_log
 from dsat.runners.local.slots import SlotPool
 from dsat.runners.local.trial_copy import (
     LARGE_FILE_BYTES,
@@ -458,6 +459,7 @@ class LocalRunner:
                 "where they were)",
             )
         trial.log.close()
+        cap_log(trial.log_path)
         self.pool.give_back(trial.slots)
         status, metrics, error, cause = classified
         end = self.now()

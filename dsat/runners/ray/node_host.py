@@ -22,6 +22,7 @@ from typing import IO, Any
 
 from dsat.runners.local.deepspeed_ops import clear_stale_locks
 from dsat.runners.local.entrypoint import NODE_PYTHON, trial_environment
+from dsat.runners.local.log_cap import cap_log
 from dsat.runners.local.runner import HPARAMS_FILE, free_ports
 from dsat.runners.local.trial_outcome import (
     classify,
@@ -148,6 +149,7 @@ class TrialNodeHost:
             oom_killed_since(self.oom_kills_at_start),
             every_rank_here=every_rank_here,
         )
+        cap_log(self.log_path)
         cause = None if end.cause is None else end.cause.value
         return {
             "status": end.status.value,

@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 from dsat.cli import parse_settings
+from dsat.runners.local import log_cap
 from dsat.runners.local.runner import WARM_TRIAL_MARK, LocalRunner, free_ports
 from dsat.runners.local.setup import hosts_trials
 from dsat.runners.local.slots import SlotPool
@@ -345,3 +346,22 @@ def test_a_users_own_choice_of_buffering_is_kept(tmp_path: Path) -> None:
     one_trial(local_runner(tmp_path, script, warm=False, environ_extra=environ))
     [log] = (tmp_path / "results" / "logs").glob("001-*.log")
     assert "KeyError" not in log.read_text() and log.read_text().count("\n") == 1
+
+
+def test_a_trial_that_printed_too_much_keeps_the_ends_of_its_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reason comes from the end kept, and the first lines say how the trial began."""
+    monkeypatch.setattr(log_cap, "LOG_CAP_BYTES", 256 * 1024)
+    monkeypatch.setattr(log_cap, "KEEP_HEAD_BYTES", 16 * 1024)
+    monkeypatch.setattr(log_cap, "KEEP_TAIL_BYTES", 64 * 1024)
+    script = (
+        "for step in range(20_000):\n    print('step', step, 'x' * 40)\nraise ValueError('done')"
+    )
+    outcome = one_trial(local_runner(tmp_path, script, warm=False))
+    assert outcome.status is TrialStatus.ERROR and outcome.error is not None
+    assert outcome.error.startswith("ValueError: done")
+    [log] = (tmp_path / "results" / "logs").glob("001-*.log")
+    text = log.read_text()
+    assert len(text) < 100 * 1024 and "output cut here" in text
+    assert text.startswith("$ ") and "step 0 " in text and "step 19999 " in text
