@@ -291,6 +291,7 @@ def final_exceptions(log: str, code: int | None, rank: int | None = None) -> lis
     linked: dict[str | None, bool] = {}
     ignored: dict[str | None, bool] = {}
     gap: dict[str | None, int] = {}
+    message: dict[str | None, int] = {}  # lines the last exception's message may still take
     for number, line in enumerate(said):
         label = RANK_PREFIX.match(line)
         stream = label.group(1) if label else None
@@ -304,9 +305,14 @@ def final_exceptions(log: str, code: int | None, rank: int | None = None) -> lis
             continue
         exception = _exception_at(said, number)
         if exception is None:
-            if _other_output(line):
+            if not _unlabelled(line).strip():
+                message[stream] = 0
+            elif message.get(stream, 0) > 0 and _other_output(line):
+                message[stream] -= 1  # the exception's message goes on (NCCL's does)
+            elif _other_output(line):
                 gap[stream] = gap.get(stream, 0) + 1
             continue
+        message[stream] = MESSAGE_LINES
         if ignored.pop(stream, False):
             continue
         streams = chains.setdefault(stream, [])
@@ -338,6 +344,9 @@ def final_exceptions(log: str, code: int | None, rank: int | None = None) -> lis
 # Lines of other output that may stand between the tracebacks of processes failing together
 # without parting them: none (a caught OOM, one line, then a ValueError read as one block).
 BLOCK_GAP = 0
+# Lines after an exception's own that go on with its message, up to a blank line: NCCL's errors
+# add "ncclRemoteError: ...", "Last error:" and its text, unindented, which are no other output.
+MESSAGE_LINES = 4
 # What precedes a traceback that ended nothing: one printed by an atexit callback or a finaliser.
 IGNORED = re.compile(
     r"^(?:\[rank\d+\]:)?\s*(?:Exception ignored in|Error in atexit\._run_exitfuncs)"
