@@ -91,6 +91,13 @@ KNOWN_FAILURES: tuple[KnownFailure, ...] = (
         'put the training under `if __name__ == "__main__":`',
     ),
     _known(
+        # argparse's refusal, which exits 2 before any training: the entrypoint's arguments.
+        r"^(?:\[rank\d+\]:\s*)?\S+: error: (?:unrecognized arguments|the following arguments "
+        r"are required|argument \S+: )",
+        FailureCause.SCRIPT,
+        "the training script rejected its command line (the entrypoint's arguments)",
+    ),
+    _known(
         r"can't open file|^cannot run \S+: ",
         FailureCause.SCRIPT,
         "the entrypoint's command cannot start (is its file in the model dir?)",
@@ -505,7 +512,8 @@ def diagnose_crash(log: str, code: int | None, oom_killed: bool | None) -> Diagn
     others = []
     if first_rank is not None:
         others = not_the_machines([line for _, line in final_exceptions(log, code, first_rank)])
-    others = others or not_the_machines(lines)
+    if all(lost_a_peer(line) for line in others):  # it only lost a peer (a worker of its own)
+        others = not_the_machines(lines)
     others = [line for line in others if not lost_a_peer(line)] or others
     words = last_words(log)
     known = known_failure("\n".join(others or lines + words))

@@ -72,6 +72,11 @@ SAMPLES: dict[str, tuple[str, FailureCause]] = {
         + "RuntimeError: DataLoader worker (pid(s) 29215) exited unexpectedly\n",
         FailureCause.SCRIPT,
     ),
+    "arguments": (
+        "usage: train.py [-h] [--deepspeed_config DEEPSPEED_CONFIG]\n"
+        "train.py: error: the following arguments are required: --data\n",
+        FailureCause.SCRIPT,
+    ),
     "no file": (
         "python: can't open file '/tmp/t/trian.py': [Errno 2] No such file or directory\n",
         FailureCause.SCRIPT,
