@@ -29,6 +29,9 @@ OOM_MARKER = "DSAT_TRIAL_OUT_OF_MEMORY"
 # The searcher metric a trial reports on a cluster when it ran out of memory: the master only
 # says "errored" of a failed trial, so the OOM travels as the trial's reported result.
 OOM_METRIC_KEY = "dsat_out_of_memory"
+# In an OOM trial's metrics, where the memory that ran out was the host's on a GPU trial (the
+# kernel's OOM killer, torch's CPU allocator): it says nothing of how much of the GPU is usable.
+MEMORY_RAN_OUT = "memory_ran_out"
 
 # Environment variables.
 ENV_HPARAMS_FILE = "DSAT_HPARAMS_FILE"  # JSON hyperparameters written by a dsat runner

@@ -22,6 +22,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from dsat.constants import MEMORY_RAN_OUT
 from dsat.memory import Precision, section_bucket_bytes
 from dsat.trial import TrialKind, TrialRecord, TrialStatus
 from dsat.zero_space import BUCKET_SIZES, section_key
@@ -179,7 +180,9 @@ def usable_memory(records: Sequence[TrialRecord]) -> UsableMemory | None:
     failed = [
         r
         for r in records
-        if r.status is TrialStatus.OOM and r.kind in (TrialKind.SEARCH, TrialKind.CONFIRM)
+        if r.status is TrialStatus.OOM
+        and r.kind in (TrialKind.SEARCH, TrialKind.CONFIRM)
+        and MEMORY_RAN_OUT not in r.metrics  # the host's memory: the GPU's says nothing
     ]
     if not failed:
         return None

@@ -6,6 +6,8 @@ other crash: an OOM lowers the micro-batch ceiling of a search, a crash does not
 
 from __future__ import annotations
 
+import re
+
 from dsat.constants import OOM_MARKER
 
 # Substrings of messages from PyTorch's CUDA and CPU allocators and from cuBLAS.
@@ -47,3 +49,13 @@ def text_shows_out_of_memory(text: str) -> bool:
 
 def allocator_says_out_of_memory(text: str) -> bool:
     return any(signature in text for signature in ALLOCATOR_SIGNATURES)
+
+
+# What only the host's memory running out says, in an OOM's one-line reason: torch's CPU
+# allocator, Python's MemoryError. (A process the kernel's OOM killer ended ran the host out too:
+# its runner knows that from how it died, not from its output.)
+HOST_MEMORY = re.compile(r"can't allocate memory|\bMemoryError\b")  # not OutOfMemoryError
+
+
+def host_memory_ran_out(reason: str) -> bool:
+    return HOST_MEMORY.search(reason) is not None

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
+from dsat.constants import MEMORY_RAN_OUT
 from dsat.experiment.metric import Metric
 from dsat.search.tracker import TrialTracker
 from dsat.search.usable_memory import PeakModel, memory_check, usable_memory
@@ -82,6 +84,17 @@ def test_an_oom_is_placed_by_its_configurations_peaks_and_what_ran_below_it() ->
     # An OOM that needed more than the device has says nothing its total does not.
     beyond = [*records[:-1], record(5, 50, None, TrialStatus.OOM)]
     assert usable_memory(beyond) is None
+
+
+def test_an_oom_of_the_hosts_memory_on_a_gpu_says_nothing_of_the_gpus() -> None:
+    """The kernel's OOM killer ended it (optimizer state offloaded to the host, several trials
+    beside each other): 62 GiB of the GPU may be usable all the same."""
+    records = [profile(), record(1, 10, 20.0), record(2, 20, 35.0), record(3, 36, 59.0)]
+    host = dataclasses.replace(
+        record(4, 38, None, TrialStatus.OOM), metrics={MEMORY_RAN_OUT: "host"}
+    )
+    assert usable_memory([*records, host]) is None
+    assert usable_memory([*records, record(4, 38, None, TrialStatus.OOM)]) is not None
 
 
 def test_an_oom_of_another_configuration_is_moved_by_its_bucket_memory() -> None:

@@ -408,6 +408,7 @@ class LocalRunner:
             self.timeout.seconds,
             oom_killed_since(trial.oom_kills_at_start),
             trial.rerun_log_start,
+            on_gpu=self.pool.on_gpu,
         )
 
     def wait(self) -> TrialOutcome:

@@ -15,8 +15,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from dsat.constants import CONFIG_NOT_TAKEN, OOM_MARKER, TRIAL_OUTCOME_FILE
-from dsat.training.oom import allocator_says_out_of_memory, text_shows_out_of_memory
+from dsat.constants import CONFIG_NOT_TAKEN, MEMORY_RAN_OUT, OOM_MARKER, TRIAL_OUTCOME_FILE
+from dsat.training.oom import (
+    allocator_says_out_of_memory,
+    host_memory_ran_out,
+    text_shows_out_of_memory,
+)
 from dsat.training.reporting import read_autotuning_result
 from dsat.trial import TrialStatus
 from dsat.trial_failure import (
@@ -237,13 +241,16 @@ def classify(
     oom_killed: bool | None = None,
     log_start: int = 0,
     every_rank_here: bool = True,
+    on_gpu: bool = False,
 ) -> TrialEnd:
     """What a finished trial's exit ``code``, its outcome file in ``directory`` and its log (from
     byte ``log_start``: this run's part) say about it. ``timed_out``: dsat stopped it (its
     timeout, or ``LINGER_S`` after it reported). ``oom_killed``: whether the kernel's OOM
     killer struck while it ran (None: unknown), which tells a SIGKILL from outside from one for
     memory. ``every_rank_here``: the log's launcher ran every rank (one node), so its summary
-    names every rank that failed; on one node of several, it names only that node's."""
+    names every rank that failed; on one node of several, it names only that node's.
+    ``on_gpu``: it ran on GPUs, so an OOM of the host's memory is not one of the device's
+    (``MEMORY_RAN_OUT`` in its metrics says so)."""
     outcome = read_outcome(directory)
     text = log_end(log_path, log_start)
     tail = log_tail(text)
@@ -274,7 +281,8 @@ def classify(
     if outcome.get("status") == "oom" or oom_line is not None:
         lines = exception_lines(text)
         reason = oom_line or (lines[-1] if lines else "out of memory")
-        return TrialEnd(TrialStatus.OOM, {}, f"{reason}\n{tail}", FailureCause.CONFIG)
+        ran_out = _host_memory(on_gpu and host_memory_ran_out(reason))
+        return TrialEnd(TrialStatus.OOM, ran_out, f"{reason}\n{tail}", FailureCause.CONFIG)
     if code == 0 and outcome.get("status") == CONFIG_NOT_TAKEN:
         reason = (
             "the script built its DeepSpeed engine without the trial's config: pass "
@@ -311,5 +319,12 @@ def classify(
         # that is not for memory (most often a process group's threads torn down at interpreter
         # exit: exit -6, "terminate called without an active exception") does not undo them.
         return TrialEnd(TrialStatus.COMPLETED, dict(outcome.get("values", {})), None, None)
-    status = TrialStatus.OOM if diagnosis.out_of_memory else TrialStatus.ERROR
-    return TrialEnd(status, {}, f"{diagnosis.reason}\n{tail}", diagnosis.cause)
+    if diagnosis.out_of_memory:  # killed for it: the host's memory ran out, not a GPU's
+        ran_out = _host_memory(on_gpu)
+        return TrialEnd(TrialStatus.OOM, ran_out, f"{diagnosis.reason}\n{tail}", diagnosis.cause)
+    return TrialEnd(TrialStatus.ERROR, {}, f"{diagnosis.reason}\n{tail}", diagnosis.cause)
+
+
+def _host_memory(host: bool) -> dict[str, Any]:
+    """An OOM's metrics: whether the memory that ran out was the host's, on a GPU trial."""
+    return {MEMORY_RAN_OUT: "host"} if host else {}

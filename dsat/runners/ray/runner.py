@@ -543,6 +543,7 @@ class RayRunner:
                     self.timeout.seconds,
                     lingered if rank == 0 else None,
                     len(trial.hosts) == 1,
+                    self.layout.resource != "CPU",
                 )
                 for rank, host in enumerate(trial.hosts)
             ]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dsat.constants import CONFIG_NOT_TAKEN, TRIAL_OUTCOME_FILE
+from dsat.constants import CONFIG_NOT_TAKEN, MEMORY_RAN_OUT, TRIAL_OUTCOME_FILE
 from dsat.runners.local.trial_outcome import classify, oom_kill_count, oom_killed_since
 from dsat.trial import TrialStatus
 from dsat.trial_failure import FailureCause
@@ -142,6 +142,43 @@ def test_sigkill_tells_the_oom_killer_from_outside(tmp_path: Path) -> None:
     assert outside.status is TrialStatus.ERROR and outside.cause is FailureCause.MACHINE
     killer = classify(tmp_path, log, -signal.SIGKILL, False, 60, oom_killed=True)
     assert killer.status is TrialStatus.OOM and killer.cause is FailureCause.CONFIG
+
+
+@pytest.mark.parametrize(
+    ("log", "code", "host"),
+    [
+        ("step 9\n", -signal.SIGKILL, True),  # the kernel's OOM killer: the host's memory
+        (
+            "Traceback (most recent call last):\nRuntimeError: [enforce fail at alloc_cpu.cpp:"
+            "117] DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 GB\n",
+            1,
+            True,
+        ),
+        # As dsat_reporting_context prints it, before the traceback.
+        (
+            "DSAT_TRIAL_OUT_OF_MEMORY: MemoryError: \nTraceback (most recent call last):\nMemoryError\n",
+            1,
+            True,
+        ),
+        (
+            "Traceback (most recent call last):\ntorch.OutOfMemoryError: CUDA out of memory. "
+            "Tried to allocate 2.00 GiB\n",
+            1,
+            False,
+        ),
+    ],
+)
+def test_an_oom_of_the_hosts_memory_on_a_gpu_trial_says_so(
+    tmp_path: Path, log: str, code: int, host: bool
+) -> None:
+    """It says nothing of how much of the GPU is usable (usable_memory); on the CPU the host's
+    memory is the device's."""
+    path = trial(tmp_path, log)
+    on_gpu = classify(tmp_path, path, code, False, 60, oom_killed=True, on_gpu=True)
+    assert on_gpu.status is TrialStatus.OOM
+    assert on_gpu.metrics == ({MEMORY_RAN_OUT: "host"} if host else {})
+    on_cpu = classify(tmp_path, path, code, False, 60, oom_killed=True)
+    assert on_cpu.status is TrialStatus.OOM and on_cpu.metrics == {}
 
 
 def test_a_timeout_says_so_first(tmp_path: Path) -> None:
