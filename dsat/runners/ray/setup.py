@@ -12,15 +12,17 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
+import os
 import signal
 import socket
+import sys
 import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from dsat.constants import ENV_RAY_ADDRESS
-from dsat.errors import DsatError
+from dsat.errors import USAGE_EXIT_CODE, DsatError
 from dsat.experiment.config import Experiment
 from dsat.experiment.settings import SearchSettings
 from dsat.runners.local.entrypoint import entrypoint_tokens, require_command
@@ -38,6 +40,15 @@ INSTALL_HINT = (
 FORWARDED_VARIABLES = ("DS_ACCELERATOR",)
 CONNECT_TIMEOUT_S = 5.0
 ARCHIVE_WARNING_BYTES = 200 * 2**20
+# An address that answers but is not a Ray head's GCS (the dashboard's 8265, the client's 10001)
+# keeps ray.init retrying for minutes, saying only that the GCS did not answer.
+CONNECT_NOTE_S = 20.0
+# After this long, dsat gives up on it: ray.init cannot be interrupted from Python.
+CONNECT_DEADLINE_S = 90.0
+NOT_THE_GCS = (
+    "give the head node's GCS address, which `ray start --head` prints (port 6379 by default, "
+    "not the dashboard's 8265 nor the client's 10001, which needs ray://)"
+)
 
 
 def import_ray() -> Any:
@@ -48,17 +59,70 @@ def import_ray() -> Any:
     return ray
 
 
-def reachable(address: str) -> bool:
-    """Whether something listens at a ``host:port`` address (Ray Client's ``ray://`` and
-    ``auto`` are left to Ray)."""
+def host_and_port(address: str) -> tuple[str, int] | None:
+    """A ``host:port`` address split (None for Ray Client's ``ray://``, ``auto`` and the like,
+    which are left to Ray)."""
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit() or "://" in address:
+        return None
+    return host, int(port)
+
+
+def reachable(address: str) -> bool:
+    """Whether something listens at a ``host:port`` address (anything else: left to Ray)."""
+    split = host_and_port(address)
+    if split is None:
         return True
     try:
-        with socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S):
+        with socket.create_connection(split, timeout=CONNECT_TIMEOUT_S):
             return True
     except OSError:
         return False
+
+
+# An HTTP/2 client's first bytes: the preface, then an empty SETTINGS frame (a 9-byte header:
+# length 0, type 4, no flags, stream 0). A Ray head's GCS, a gRPC server, answers with a
+# SETTINGS frame of its own; the dashboard (8265) or any web server answers in HTTP/1.
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes(3) + b"\x04" + bytes(5)
+HTTP2_SETTINGS = 4
+FRAME_HEADER_BYTES = 9
+
+
+def answers_http2(address: str) -> bool | None:
+    """Whether what listens at a ``host:port`` address answers an HTTP/2 client, as a GCS does
+    (None: it said nothing in time, or the address is none to probe). ``ray.init`` against an
+    address that accepts connections but is no GCS retries for minutes."""
+    split = host_and_port(address)
+    if split is None:
+        return None
+    answer = b""
+    try:
+        with socket.create_connection(split, timeout=CONNECT_TIMEOUT_S) as connection:
+            connection.sendall(HTTP2_PREFACE)
+            while len(answer) < FRAME_HEADER_BYTES:
+                chunk = connection.recv(FRAME_HEADER_BYTES - len(answer))
+                if not chunk:
+                    break
+                answer += chunk
+    except TimeoutError:
+        return None if not answer else False
+    except OSError:
+        return False
+    return len(answer) == FRAME_HEADER_BYTES and answer[3] == HTTP2_SETTINGS
+
+
+def check_address(address: str) -> None:
+    """A DsatError where nothing listens at ``address``, or something that is no Ray head."""
+    if not reachable(address):
+        raise DsatError(
+            f"no Ray cluster answers at {address} (--ray-address or {ENV_RAY_ADDRESS}); start "
+            "one with `ray start --head` there, or fix the address"
+        )
+    if answers_http2(address) is False:
+        raise DsatError(
+            f"something answers at {address} (--ray-address or {ENV_RAY_ADDRESS}), but not as a "
+            f"Ray head does: {NOT_THE_GCS}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,15 +148,12 @@ class RaySetup:
     def connect(self) -> Any:
         ray = import_ray()
         address = self.address
-        if address is not None and not reachable(address):
-            raise DsatError(
-                f"no Ray cluster answers at {address} (--ray-address or {ENV_RAY_ADDRESS}); start "
-                "one with `ray start --head` there, or fix the address"
-            )
+        if address is not None:
+            check_address(address)
         if not ray.is_initialized():
             stopping = signal.getsignal(signal.SIGTERM)
             try:
-                with slow_connect_note(address):
+                with slow_connect_note(address), connect_deadline(address):
                     ray.init(
                         address=address,
                         logging_level=logging.ERROR,
@@ -128,11 +189,6 @@ class RaySetup:
         return runner
 
 
-# An address that answers but is not a Ray head's GCS (the dashboard's 8265, the client's 10001)
-# keeps ray.init retrying for minutes, saying only that the GCS did not answer.
-CONNECT_NOTE_S = 20.0
-
-
 @contextlib.contextmanager
 def slow_connect_note(address: str | None, after: float = CONNECT_NOTE_S) -> Iterator[None]:
     """Say what is likely wrong when connecting takes longer than ``after`` seconds."""
@@ -141,11 +197,36 @@ def slow_connect_note(address: str | None, after: float = CONNECT_NOTE_S) -> Ite
         print(
             f"dsat: still connecting to the Ray cluster at {address} after {after:.0f} s: is it "
             "the head node's GCS address, which `ray start --head` prints (port 6379 by "
-            "default, not the dashboard's 8265 nor the client's 10001)? Ctrl-C stops",
+            f"default, not the dashboard's 8265 nor the client's 10001)? Ctrl-C stops; dsat gives "
+            f"up after {CONNECT_DEADLINE_S:.0f} s",
             flush=True,
         )
 
     timer = threading.Timer(after, note)
+    timer.daemon = True
+    if address is not None:
+        timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+@contextlib.contextmanager
+def connect_deadline(address: str | None, after: float = CONNECT_DEADLINE_S) -> Iterator[None]:
+    """End dsat with the usage error's line and status when connecting to ``address`` has not
+    ended after ``after`` seconds: nothing of the search has started, so nothing is lost."""
+
+    def give_up() -> None:
+        print(
+            f"dsat: error: no Ray cluster answered at {address} within {after:.0f} s "
+            f"(--ray-address or {ENV_RAY_ADDRESS}): {NOT_THE_GCS}",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(USAGE_EXIT_CODE)
+
+    timer = threading.Timer(after, give_up)
     timer.daemon = True
     if address is not None:
         timer.start()

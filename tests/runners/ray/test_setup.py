@@ -1,12 +1,25 @@
-"""Connecting to a Ray cluster: what dsat says while it waits."""
+"""Connecting to a Ray cluster: what dsat checks first, says while it waits, and when it gives up."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import subprocess
+import sys
+import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
-from dsat.runners.ray.setup import slow_connect_note
+from dsat.errors import DsatError
+from dsat.runners.ray import setup
+from dsat.runners.ray.setup import (
+    NOT_THE_GCS,
+    answers_http2,
+    check_address,
+    slow_connect_note,
+)
 
 
 def test_a_connect_that_takes_long_says_what_is_likely_wrong(
@@ -28,3 +41,72 @@ def test_a_quick_connect_or_a_local_instance_says_nothing(
         time.sleep(0.3)
     time.sleep(0.4)
     assert capsys.readouterr().out == ""
+
+
+@contextlib.contextmanager
+def listening(answer: bytes | None) -> Iterator[str]:
+    """A server on a free local port that answers each connection with ``answer`` once it has
+    read the client's first bytes (None: it says nothing, and holds the connection)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                connection, _ = server.accept()
+                held.append(connection)
+                connection.recv(1024)
+                if answer is not None:
+                    connection.sendall(answer)
+                    connection.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield f"127.0.0.1:{server.getsockname()[1]}"
+    finally:
+        server.close()
+        for connection in held:
+            connection.close()
+
+
+HTTP1_ANSWER = b"HTTP/1.0 400 Bad request\r\n\r\n<!DOCTYPE html>"
+GRPC_SETTINGS = b"\x00\x00\x18\x04\x00\x00\x00\x00\x00" + bytes(24)
+
+
+def test_an_address_that_answers_in_http1_is_no_ray_head(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ray.init retried against it for minutes (the dashboard's port, a web server)."""
+    with listening(HTTP1_ANSWER) as address:
+        assert answers_http2(address) is False
+        with pytest.raises(DsatError) as info:
+            check_address(address)
+    message = str(info.value)
+    assert f"something answers at {address}" in message and "port 6379 by default" in message
+    with listening(GRPC_SETTINGS) as address:  # as a GCS answers
+        assert answers_http2(address) is True
+        check_address(address)
+    monkeypatch.setattr(setup, "CONNECT_TIMEOUT_S", 0.3)
+    with listening(None) as address:  # says nothing: left to ray.init and its deadline
+        assert answers_http2(address) is None
+        check_address(address)
+    assert answers_http2("ray://head:10001") is None and answers_http2("auto") is None
+
+
+def test_a_connect_that_never_ends_is_given_up_as_a_usage_error() -> None:
+    """ray.init cannot be interrupted; nothing of the search has started then."""
+    code = (
+        "import time\n"
+        "from dsat.runners.ray.setup import connect_deadline\n"
+        "with connect_deadline('head:8265', after=0.2):\n"
+        "    time.sleep(30)\n"
+    )
+    started = time.monotonic()
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert run.returncode == 2 and time.monotonic() - started < 20
+    assert run.stderr.strip().splitlines() == [
+        f"dsat: error: no Ray cluster answered at head:8265 within 0 s (--ray-address or "
+        f"RAY_ADDRESS): {NOT_THE_GCS}"
+    ]
+    quick = "from dsat.runners.ray.setup import connect_deadline\nwith connect_deadline('h:1'):\n    pass"
+    assert subprocess.run([sys.executable, "-c", quick], check=False).returncode == 0
