@@ -12,6 +12,7 @@ Ray is imported only inside the actor's methods that need it: this module loads 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 import subprocess
@@ -46,6 +47,13 @@ LOG_NAME = "trial.log"
 NODE_ROOT = "dsat-ray"
 
 
+def protocol() -> str:
+    """What this module, the calls the runner makes on a node, is: its source hashed. A node with
+    another dsat (an older one, installed once) fails the runner's calls with a TypeError in the
+    middle of a trial, which read as a fault of the machine, three times a trial."""
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+
+
 class TrialNodeHost:
     def __init__(self, name: str) -> None:
         """``name``: the trial's directory under this node's NODE_ROOT."""
@@ -54,12 +62,13 @@ class TrialNodeHost:
         self.process: subprocess.Popen[bytes] | None = None
         self.log: IO[bytes] | None = None
 
-    def node(self) -> tuple[str, str]:
-        """This node's Ray id and the address the trial's other nodes reach it at."""
+    def node(self) -> tuple[str, str, str]:
+        """This node's Ray id, the address the trial's other nodes reach it at, and the
+        ``protocol`` its dsat speaks."""
         import ray
 
         context = ray.get_runtime_context()
-        return context.get_node_id(), ray.util.get_node_ip_address()
+        return context.get_node_id(), ray.util.get_node_ip_address(), protocol()
 
     def free_ports(self, count: int) -> list[int]:
         """Ports free on every interface of this node (the trial's other nodes connect to them)."""

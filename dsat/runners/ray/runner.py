@@ -40,7 +40,7 @@ from dsat.runners.local.runner import HPARAMS_FILE
 from dsat.runners.local.trial_outcome import LINGER_S, ResultWatch
 from dsat.runners.local.trial_processes import strays_note
 from dsat.runners.local.trial_timeout import TrialTimeout
-from dsat.runners.ray.node_host import NODE_ROOT, TrialNodeHost, left_behind_log
+from dsat.runners.ray.node_host import NODE_ROOT, TrialNodeHost, left_behind_log, protocol
 from dsat.runners.ray.placement import TrialLayout, node_capacities
 from dsat.trial import TrialOutcome, TrialStatus
 from dsat.trial_failure import FailureCause, first_line, lost_a_peer
@@ -61,6 +61,7 @@ NODE_DEATH_WAIT_S = 30.0
 PLACEMENT_CHECK_S = 10.0
 PLACEMENT_NOTE_S = 60.0
 LOG_CHUNK = 1 << 20
+SAME_DSAT = "install dsat with its ray extra on every node, the same version as here"
 COPY_CHUNK = 8 << 20  # what the full run wrote comes back in pieces of this size
 KEPT_FILES = [TRIAL_OUTCOME_FILE, METRICS_FILE, MODEL_INFO_FILE, HPARAMS_FILE]
 
@@ -373,8 +374,16 @@ class RayRunner:
         ray = self.ray
         files = {HPARAMS_FILE: json.dumps(trial.hparams, indent=1, sort_keys=True)}
         nodes = ray.get([host.node.remote() for host in trial.hosts])
+        stale = [tuple(found[:2]) for found in nodes if len(found) != 3 or found[2] != protocol()]
+        if stale:
+            self.stop_all()
+            named = ", ".join(f"{address} (node {node_id[:8]})" for node_id, address in stale)
+            raise DsatError(
+                f"the Ray cluster's node {named} runs another version of dsat than this machine; "
+                f"{SAME_DSAT}"
+            )
         directories = ray.get([host.prepare.remote(self.archive, files) for host in trial.hosts])
-        trial.nodes = [node_id for node_id, _ in nodes]
+        trial.nodes = [node_id for node_id, *_ in nodes]
         master_addr = nodes[0][1] if layout.nodes > 1 else "127.0.0.1"
         ports = ray.get(trial.hosts[0].free_ports.remote(3))
         threads = self._threads()
@@ -462,7 +471,7 @@ class RayRunner:
                 self.stop_all()
                 raise DsatError(
                     f"dsat cannot run on a node of the Ray cluster ({last_line(str(err))}); "
-                    "install dsat with its ray extra on every node, the same version as here"
+                    f"{SAME_DSAT}"
                 ) from None
             return self._node_lost(trial, err)
         except RayTaskError as err:

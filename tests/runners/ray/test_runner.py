@@ -369,6 +369,38 @@ def test_a_node_that_cannot_run_dsat_ends_the_search_in_one_line(
     assert runner.running_count() == 0
 
 
+class HostOfAnOlderDsat(TrialNodeHost):
+    """What a node with an older dsat answers: its node() said no protocol, and its outcome()
+    took fewer arguments (a TypeError in the trial's last step, read as the machine's)."""
+
+    def node(self) -> tuple[str, str]:  # type: ignore[override]
+        node_id, address, _ = super().node()
+        return node_id, address
+
+
+class HostOfAnotherDsat(TrialNodeHost):
+    def node(self) -> tuple[str, str, str]:
+        node_id, address, _ = super().node()
+        return node_id, address, "0123456789abcdef"
+
+
+@pytest.mark.parametrize("host", [HostOfAnOlderDsat, HostOfAnotherDsat])
+def test_a_node_with_another_dsat_ends_the_search_in_one_line_before_the_trial_runs(
+    ray_cluster: RayTestCluster, tmp_path: Path, host: type[TrialNodeHost]
+) -> None:
+    """Each trial trained to its end, failed there, and ran three times as the machine's fault;
+    then the search failed."""
+    import ray
+
+    runner = behaviour_runner(tmp_path, slots=1)
+    runner._host_class = ray.remote(host)
+    start(runner, 1, COMPLETES)
+    with pytest.raises(DsatError, match="runs another version of dsat than this machine") as info:
+        runner.wait()
+    assert "install dsat with its ray extra on every node" in str(info.value)
+    assert runner.running_count() == 0
+
+
 def test_a_trial_the_cluster_can_no_longer_place_ends_the_search_in_one_line(
     ray_cluster: RayTestCluster, tmp_path: Path
 ) -> None:
