@@ -71,7 +71,6 @@ from dsat.results.resume import (
 from dsat.results.writable import (
     COPIES_AT_START,
     RESULTS_FLOOR_BYTES,
-    WriteFailure,
     check_results_dir,
     files_bytes,
     tree_files,
@@ -85,7 +84,7 @@ from dsat.runners.local.runner import copy_ignore
 from dsat.runners.local.setup import OPS_LOG, LocalSetup
 from dsat.runners.ray.setup import RaySetup
 from dsat.runners.simulated.setup import SimulatedSetup
-from dsat.runners.trial_runner import RunnerSetup, TrialRunner
+from dsat.runners.trial_runner import RunnerSetup, RunnerStopped, TrialRunner
 from dsat.search.baseline import (
     against_yours_said,
     described_with_knobs,
@@ -107,23 +106,23 @@ class SearchFailed(Exception):
 
 
 class SearchStopped(Exception):
-    """A results file could not be written (a full disk, a quota, a read-only file system):
-    every trial was stopped, every one recorded before is kept (exit status 1, as for a search
-    that did not reach its end; not 2, the command was right, nor 130, nothing interrupted it)."""
+    """The search cannot go on for a cause outside it: a results file could not be written (a
+    full disk, a quota, a read-only file system), or the runner lost what trials need
+    (``RunnerStopped``). Every trial was stopped, every one recorded before is kept (exit status
+    1, as for a search that did not reach its end; not 2, the command was right, nor 130,
+    nothing interrupted it)."""
 
-    def __init__(self, failure: WriteFailure, method: str, results_dir: Path) -> None:
-        what = (
-            f"stopped: cannot write {shown(failure.path)} ({failure.reason}); every trial was "
-            "stopped"
-        )
+    def __init__(self, why: str, remedy: str, method: str, results_dir: Path) -> None:
+        what = f"stopped: {why}; every trial was stopped"
+        recorded = recorded_trials(results_dir)
         if not (results_dir / STATE_FILE).is_file():
-            message = (
-                f"{what} before any was recorded; {failure.remedy()}, then start the search again"
-            )
+            message = f"{what} before any was recorded; {remedy}, then start the search again"
+        elif not recorded:
+            message = f"{what}; {remedy}, then resume with: {resume_command(method, results_dir)}"
         else:
             message = (
-                f"{what}, and the {recorded_trials(results_dir)} trial(s) recorded before are "
-                f"kept in {shown(results_dir)}; {failure.remedy()}, then resume with: "
+                f"{what}, and the {recorded} trial(s) recorded before are kept in "
+                f"{shown(results_dir)}; {remedy}, then resume with: "
                 f"{resume_command(method, results_dir)}"
             )
         super().__init__(message)
@@ -559,7 +558,10 @@ def search_here(plan: LaunchPlan, runner: TrialRunner) -> None:
         if failure is None:
             raise
         runner.stop_all()
-        raise SearchStopped(failure, settings.method, plan.results_dir) from None
+        why = f"cannot write {shown(failure.path)} ({failure.reason})"
+        raise SearchStopped(why, failure.remedy(), settings.method, plan.results_dir) from None
+    except RunnerStopped as err:
+        raise SearchStopped(err.why, err.remedy, settings.method, plan.results_dir) from None
     finally:
         runner.close()
     trains = plan.runner is not RunnerKind.SIMULATED
@@ -592,6 +594,12 @@ def search_here(plan: LaunchPlan, runner: TrialRunner) -> None:
             raise FullExperimentFailed(
                 f"full experiment not run: cannot write {shown(failure.path)} ({failure.reason}); "
                 "the search's results are kept"
+            ) from None
+        except RunnerStopped as err:
+            again = f"{resume_command(settings.method, plan.results_dir)} --run-full-experiment"
+            raise FullExperimentFailed(
+                f"full experiment not run: {err.why}; the search's results are kept: {err.remedy}, "
+                f"then {again}"
             ) from None
 
 

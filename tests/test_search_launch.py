@@ -13,10 +13,18 @@ from dsat.constants import OVERWRITE_KEY
 from dsat.experiment.config import load_experiment
 from dsat.results.resume import resume_command
 from dsat.runners import RunnerKind
+from dsat.runners.local.full_run import FullExperimentFailed
 from dsat.runners.simulated.runner import SimulatedRunner
 from dsat.runners.simulated.setup import SimulatedSetup
+from dsat.runners.trial_runner import RunnerStopped
 from dsat.search.trial_builder import SearchSpec
-from dsat.search_launch import FullRunInterrupted, LaunchPlan, closing_lines, search_here
+from dsat.search_launch import (
+    FullRunInterrupted,
+    LaunchPlan,
+    SearchStopped,
+    closing_lines,
+    search_here,
+)
 from dsat.search_run import run_search
 from tests.search.helpers import cliff_function, search_settings
 
@@ -201,3 +209,65 @@ def test_ctrl_c_while_the_report_is_written_says_how_to_get_it(
     assert main(["asha", "--resume", str(results)]) == 0
     assert "best DeepSpeed config" in capsys.readouterr().out
     assert (results / "report.html").is_file()
+
+
+class ClusterShrinks(SimulatedRunner):
+    """A runner whose cluster loses the nodes a trial needs after ``after`` trials."""
+
+    def __init__(self, *args: Any, after: int) -> None:
+        super().__init__(*args)
+        self.after = after
+        self.waited = 0
+
+    def wait(self) -> Any:
+        self.waited += 1
+        if self.waited > self.after:
+            raise RunnerStopped(
+                "the Ray cluster can no longer place a trial (a node left)", "add nodes"
+            )
+        return super().wait()
+
+    def run_full_experiment(self, hparams: dict[str, Any]) -> None:
+        raise RunnerStopped(
+            "the Ray cluster can no longer place a trial (a node left)", "add nodes"
+        )
+
+
+@pytest.mark.parametrize("after", [0, 3])
+def test_a_runner_that_cannot_go_on_stops_the_search_with_the_command_that_resumes_it(
+    tmp_path: Path, after: int
+) -> None:
+    """It was a usage error (exit 2) saying "--resume DIR", no command to paste."""
+    experiment = load_experiment(SIMULATED / "gpt2_large.yaml", SIMULATED)
+    settings = search_settings("binary", max_trials=20)
+    runner = ClusterShrinks(cliff_function(24), experiment.slots_per_trial, after=after)
+    setup = SimulatedSetup(cliff_function(24), experiment.slots_per_trial)
+    results = tmp_path / "r"
+    plan = LaunchPlan(settings, experiment, RunnerKind.RAY, "test", results, setup)
+    with pytest.raises(SearchStopped) as raised:
+        search_here(plan, runner)
+    said = str(raised.value)
+    assert said.startswith(
+        "stopped: the Ray cluster can no longer place a trial (a node left); every trial was "
+        "stopped"
+    )
+    assert said.endswith(f"add nodes, then resume with: {resume_command('binary', results)}")
+    assert (f"the {after} trial(s) recorded before are kept in {results}" in said) is (after > 0)
+
+
+def test_a_full_run_the_runner_cannot_place_keeps_the_search_and_says_how_to_train(
+    tmp_path: Path,
+) -> None:
+    experiment = load_experiment(SIMULATED / "gpt2_large.yaml", SIMULATED)
+    settings = search_settings("binary", max_trials=20, run_full_experiment=True)
+    runner = ClusterShrinks(cliff_function(24), experiment.slots_per_trial, after=10**6)
+    setup = SimulatedSetup(cliff_function(24), experiment.slots_per_trial)
+    plan = LaunchPlan(settings, experiment, RunnerKind.RAY, "test", tmp_path / "r", setup)
+    with pytest.raises(FullExperimentFailed) as raised:
+        search_here(plan, runner)
+    assert str(raised.value) == (
+        "full experiment not run: the Ray cluster can no longer place a trial (a node left); the "
+        "search's results are kept: add nodes, then "
+        f"{resume_command('binary', tmp_path / 'r')} --run-full-experiment"
+    )
+    assert (tmp_path / "r" / "best_ds_config.json").is_file()

@@ -19,6 +19,17 @@ from typing import Any, Protocol
 from dsat.trial import TrialOutcome
 
 
+class RunnerStopped(Exception):
+    """The runner cannot go on, for a cause outside the search and the user's command (the Ray
+    cluster lost the nodes a trial needs): it stopped every trial; the search is resumed once
+    the cause is gone. Not a DsatError (exit status 2: the command was right)."""
+
+    def __init__(self, why: str, remedy: str) -> None:
+        super().__init__(f"{why}; {remedy}")
+        self.why = why
+        self.remedy = remedy
+
+
 class TrialRunner(Protocol):
     @property
     def slot_limit(self) -> int | None:

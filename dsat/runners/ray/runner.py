@@ -42,6 +42,7 @@ from dsat.runners.local.trial_processes import strays_note
 from dsat.runners.local.trial_timeout import TrialTimeout
 from dsat.runners.ray.node_host import NODE_ROOT, TrialNodeHost, left_behind_log, protocol
 from dsat.runners.ray.placement import TrialLayout, node_capacities
+from dsat.runners.trial_runner import RunnerStopped
 from dsat.trial import TrialOutcome, TrialStatus
 from dsat.trial_failure import FailureCause, first_line, lost_a_peer
 
@@ -331,10 +332,10 @@ class RayRunner:
         if not self.layout.fits(capacities):
             self.stop_all()
             have = ", ".join(str(c) for c in capacities) or "none"
-            raise DsatError(
+            raise RunnerStopped(
                 f"the Ray cluster can no longer place a trial: each takes {self.layout.describe()}"
-                f", and its live nodes have {have} {self.layout.resource}(s) (a node left); add "
-                f"nodes, then resume the search with --resume {shown(self.results_dir)}"
+                f", and its live nodes have {have} {self.layout.resource}(s) (a node left)",
+                "add nodes",
             )
         if not trial.waiting_said and now - trial.asked > PLACEMENT_NOTE_S:
             trial.waiting_said = True

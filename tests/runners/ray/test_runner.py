@@ -20,6 +20,7 @@ from dsat.runners.local.trial_timeout import TrialTimeout
 from dsat.runners.ray.node_host import NODE_ROOT, TrialNodeHost
 from dsat.runners.ray.runner import RayRunner, speaking_rank
 from dsat.runners.ray.setup import open_runner
+from dsat.runners.trial_runner import RunnerStopped
 from dsat.search import MethodSettings, make_search_method
 from dsat.search.trial_builder import SearchSpec
 from dsat.trial import TrialOutcome, TrialStatus
@@ -413,11 +414,13 @@ def test_a_trial_the_cluster_can_no_longer_place_ends_the_search_in_one_line(
     try:
         ray_cluster.remove(live[0])
         start(runner, 1, COMPLETES)
-        with pytest.raises(DsatError, match="the Ray cluster can no longer place a trial") as info:
+        with pytest.raises(
+            RunnerStopped, match="the Ray cluster can no longer place a trial"
+        ) as info:
             runner.wait()
     finally:
         ray_cluster.restore()
-    assert "1 GPU(s) on each of 2 nodes" in str(info.value) and "--resume" in str(info.value)
+    assert "1 GPU(s) on each of 2 nodes" in info.value.why and info.value.remedy == "add nodes"
     assert runner.running_count() == 0
 
 
