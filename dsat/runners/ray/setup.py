@@ -155,7 +155,9 @@ class RaySetup:
             try:
                 with slow_connect_note(address), connect_deadline(address):
                     ray.init(
-                        address=address,
+                        # "local": a new instance, as dsat says; None would join any cluster
+                        # already running on this machine (ray start's), unsaid and unsaved.
+                        address=address or "local",
                         logging_level=logging.ERROR,
                         log_to_driver=False,
                         **({} if address else {"include_dashboard": False}),

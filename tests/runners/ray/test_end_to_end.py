@@ -171,6 +171,35 @@ def test_an_unreachable_cluster_is_one_line(experiment_yaml: Path) -> None:
     ]
 
 
+def test_without_an_address_it_starts_its_own_instance_beside_a_running_cluster(
+    ray_cluster: RayTestCluster, experiment_yaml: Path, tmp_path: Path
+) -> None:
+    """It joined the cluster already running here (the tests' three nodes), saying it had
+    started one, and saved no address for its resume."""
+    environ = {k: v for k, v in env().items() if k != "RAY_ADDRESS"}
+    run = subprocess.run(
+        [
+            *(
+                sys.executable,
+                "-m",
+                "dsat",
+                "asha",
+                str(experiment_yaml),
+                str(experiment_yaml.parent),
+            ),
+            *("--runner", "ray", "--no-baseline", "--results-dir", str(tmp_path / "results")),
+        ],
+        capture_output=True,
+        text=True,
+        env=environ,
+        timeout=300,
+    )
+    assert "dsat: Ray cluster (a Ray instance started on this machine): 1 node(s)" in run.stdout, (
+        run.stdout[-3000:] + run.stderr[-3000:]
+    )
+    assert len(ray_cluster.cluster.worker_nodes) == 2  # the running cluster, untouched
+
+
 def test_without_ray_installed_the_runner_is_one_line_saying_how_to_install_it(
     experiment_yaml: Path, tmp_path: Path
 ) -> None:
