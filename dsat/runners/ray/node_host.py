@@ -23,7 +23,6 @@ from typing import IO, Any
 
 from dsat.runners.local.deepspeed_ops import clear_stale_locks
 from dsat.runners.local.entrypoint import NODE_PYTHON, trial_environment
-from dsat.runners.local.log_cap import cap_log
 from dsat.runners.local.runner import HPARAMS_FILE, free_ports
 from dsat.runners.local.trial_outcome import (
     classify,
@@ -161,7 +160,6 @@ class TrialNodeHost:
             every_rank_here=every_rank_here,
             on_gpu=on_gpu,
         )
-        cap_log(self.log_path)
         cause = None if end.cause is None else end.cause.value
         return {
             "status": end.status.value,

@@ -36,6 +36,7 @@ from dsat.paths import shown
 from dsat.results.directory import FULL_RUN_DIR, trials_numbered
 from dsat.runners.local.entrypoint import NODE_PYTHON, rendezvous_environment, trial_command
 from dsat.runners.local.full_run import FullExperimentFailed
+from dsat.runners.local.log_cap import cap_log
 from dsat.runners.local.runner import HPARAMS_FILE
 from dsat.runners.local.trial_outcome import LINGER_S, ResultWatch
 from dsat.runners.local.trial_processes import strays_note
@@ -62,6 +63,7 @@ NODE_DEATH_WAIT_S = 30.0
 PLACEMENT_CHECK_S = 10.0
 PLACEMENT_NOTE_S = 60.0
 LOG_CHUNK = 1 << 20
+LOG_STREAM_S = 2.0  # how often a running trial's logs come back
 SAME_DSAT = "install dsat with its ray extra on every node, the same version as here"
 COPY_CHUNK = 8 << 20  # what the full run wrote comes back in pieces of this size
 KEPT_FILES = [TRIAL_OUTCOME_FILE, METRICS_FILE, MODEL_INFO_FILE, HPARAMS_FILE]
@@ -86,6 +88,9 @@ class RayTrial:
     # them says what happened to the trial, not a node dsat stopped (None: none was stopped).
     ended_first: list[int] | None = None
     result_watch: ResultWatch = dataclasses.field(default_factory=ResultWatch)
+    # Bytes of each node's log already in ``logs/`` (they come back while it runs), and when.
+    log_here: list[int] = dataclasses.field(default_factory=list)
+    logs_read: float = 0.0
 
 
 def ran_out_of_host_memory(err: Exception) -> bool:
@@ -95,6 +100,12 @@ def ran_out_of_host_memory(err: Exception) -> bool:
         return True
     text = str(err)
     return "OutOfMemoryError" in text or "running low on memory" in text
+
+
+def lost_note(brought: int) -> bytes:
+    """What a node's log says where the rest of it was lost with its node."""
+    what = "the rest of this log" if brought else "this log (none of it had come back)"
+    return f"\n[dsat: {what} was lost with its node]\n".encode()
 
 
 def last_line(text: str) -> str:
@@ -227,7 +238,7 @@ class RayRunner:
             self._stop(trial)
             self._stop_left_running(trial)
             try:
-                self._collect_logs(trial)
+                self._collect_logs(trial, cap=False)  # the user's training log
                 if ended:
                     kept_on_nodes = self._bring_back(trial)
             finally:
@@ -463,7 +474,10 @@ class RayRunner:
         try:
             if not self._launch_if_placed(trial):
                 return None
-            return self._outcome_if_ended(trial, self._poll(trial))
+            ended = self._outcome_if_ended(trial, self._poll(trial))
+            if ended is None:
+                self._stream_logs(trial)
+            return ended
         except (RayActorError, RayOutOfMemoryError) as err:
             if ran_out_of_host_memory(err):
                 return self._host_memory_out(trial, err)
@@ -681,32 +695,50 @@ class RayRunner:
         suffix = "" if rank == 0 else f"-node{rank}"
         return self.results_dir / "logs" / f"{trial.name}{suffix}.log"
 
-    def _collect_logs(self, trial: RayTrial) -> None:
-        """Each reachable node's log into ``logs/`` (the first node's under the trial's name)."""
+    def _stream_logs(self, trial: RayTrial) -> None:
+        """What each node's log gained since the last time, into ``logs/``, every ``LOG_STREAM_S``:
+        a node that is lost takes only the rest with it, and a user can follow a trial there."""
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        now = self.now()
+        if now - trial.logs_read < LOG_STREAM_S:
+            return
+        trial.logs_read = now
+        for rank, host in enumerate(trial.hosts):
+            with contextlib.suppress(RayActorError, GetTimeoutError, OSError):
+                self._bring_log(trial, rank, host, until_end=False)
+
+    def _bring_log(self, trial: RayTrial, rank: int, host: Any, until_end: bool) -> None:
+        """Node ``rank``'s log from where ``logs/`` has it: one chunk, or ``until_end``."""
+        while len(trial.log_here) <= rank:
+            trial.log_here.append(0)
+        path = self._log_path(trial, rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("ab" if trial.log_here[rank] else "wb") as log:
+            while True:
+                chunk = self.ray.get(
+                    host.read_log.remote(trial.log_here[rank], LOG_CHUNK), timeout=STOP_WAIT_S
+                )
+                log.write(chunk)
+                trial.log_here[rank] += len(chunk)
+                if not (chunk and until_end):
+                    return
+
+    def _collect_logs(self, trial: RayTrial, cap: bool = True) -> None:
+        """Each reachable node's log into ``logs/`` (the first node's under the trial's name),
+        to its end, cut where it is too long (``cap_log``; not the full run's, ``cap``)."""
         from ray.exceptions import GetTimeoutError, RayActorError
 
         for rank, host in enumerate(trial.hosts):
-            path = self._log_path(trial, rank)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with path.open("wb") as log:
-                offset = 0
-                while True:
-                    try:
-                        chunk = self.ray.get(
-                            host.read_log.remote(offset, LOG_CHUNK), timeout=STOP_WAIT_S
-                        )
-                    except (RayActorError, GetTimeoutError):
-                        rest = self._left_behind_log(trial, rank, offset)
-                        log.write(
-                            rest
-                            if rest is not None
-                            else b"\n[dsat: the rest of this log was lost with its node]\n"
-                        )
-                        break
-                    if not chunk:
-                        break
-                    log.write(chunk)
-                    offset += len(chunk)
+            try:
+                self._bring_log(trial, rank, host, until_end=True)
+            except (RayActorError, GetTimeoutError):
+                here = trial.log_here[rank] if rank < len(trial.log_here) else 0
+                rest = self._left_behind_log(trial, rank, here)
+                with self._log_path(trial, rank).open("ab" if here else "wb") as log:
+                    log.write(rest if rest is not None else lost_note(here))
+            if cap:
+                cap_log(self._log_path(trial, rank))
 
     def _left_behind_log(self, trial: RayTrial, rank: int, offset: int) -> bytes | None:
         """The rest of a node's log, read by a task on that node, where its actor died but the

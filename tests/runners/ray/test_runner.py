@@ -134,6 +134,14 @@ def test_a_node_lost_mid_trial_is_an_error_and_its_other_ranks_stop(
     start(runner, 1, RUNS_UNTIL_STOPPED)
     wait_until_running(runner, processes=2)  # one trial guard per node
     trial = next(iter(runner.running.values()))
+    # What node 1 printed comes back while the trial runs (it all came at the trial's end, and
+    # a lost node took the whole log with it).
+    node1_log = runner._log_path(trial, 1)
+    deadline = time.monotonic() + 60
+    while not node1_log.is_file() or "ran at micro-batch" not in node1_log.read_text():
+        assert time.monotonic() < deadline, "node 1's log did not come back while it ran"
+        assert runner._advance(trial) is None
+        time.sleep(0.2)
     try:
         ray_cluster.remove(trial.nodes[1], graceful)
         outcome = runner.wait()
@@ -143,6 +151,9 @@ def test_a_node_lost_mid_trial_is_an_error_and_its_other_ranks_stop(
     assert outcome.error is not None and outcome.error.startswith("node lost: ")
     assert outcome.cause is FailureCause.MACHINE  # the search loop runs it again
     assert trial.nodes[1] in outcome.error
+    kept = node1_log.read_text()
+    assert f"ran at micro-batch {RUNS_UNTIL_STOPPED}" in kept
+    assert kept.endswith("[dsat: the rest of this log was lost with its node]\n")
     assert_nothing_left(runner.results_dir)
     assert runner.running_count() == 0
 
