@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from dsat.constants import STATE_FILE
 from dsat.errors import DsatError
@@ -21,9 +23,10 @@ from dsat.runners.driver import SearchDriver, TrialListener
 from dsat.runners.trial_runner import TrialRunner
 from dsat.search import MethodSettings, make_search_method
 from dsat.search.method import DsatSearchMethod
-from dsat.search.method_state import load_state_json, save_state
+from dsat.search.method_state import MACHINE_FAILED_STATE_KEY, load_state_json, save_state
 from dsat.search.trial_builder import SearchSpec
-from dsat.trial import TrialOutcome
+from dsat.trial import TrialOutcome, TrialStatus
+from dsat.trial_failure import FailureCause
 
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
@@ -51,28 +54,62 @@ def stops_held() -> Iterator[None]:
 
 
 class ResultsRecorder:
-    """Writes each finished trial and the method's state, so nothing finished is ever lost."""
+    """Writes each finished trial and the method's state, so nothing finished is ever lost; and
+    the runs the machine failed of the trials still running (``machine_failed``, by request id,
+    in seconds of search), so that a resume counts them."""
 
-    def __init__(self, method: DsatSearchMethod, writer: ResultsWriter) -> None:
+    def __init__(
+        self,
+        method: DsatSearchMethod,
+        writer: ResultsWriter,
+        machine_failed: dict[str, list[dict[str, Any]]] | None = None,
+    ) -> None:
         self.method = method
         self.writer = writer
+        self.machine_failed = dict(machine_failed or {})
 
     def trial_started(self, request_id: str) -> None:
         # From the first trial on, an interrupted search (a Ctrl-C in its first minute included)
         # can be resumed: the state names the trial as running, and a resume re-runs it.
-        save_state(self.method, self.writer.directory)
+        save_state(self.method, self.writer.directory, self.machine_failed)
 
     def trial_finished(self, request_id: str, outcome: TrialOutcome) -> None:
         record = self.method.tracker.get(request_id)
+        self.machine_failed.pop(request_id, None)  # its row keeps them now
         # The row and the state that says the trial finished are written as one: a Ctrl-C
         # between them left a row whose state still said "running", and the resume ran the
         # trial again, losing its first measurement.
         with stops_held():
             self.writer.trial_finished(record, TrialTiming.of(outcome), self.method.tracker)
-            save_state(self.method, self.writer.directory)
+            save_state(self.method, self.writer.directory, self.machine_failed)
 
     def trial_retried(self, request_id: str, outcome: TrialOutcome, attempt: int) -> None:
-        pass  # the trial still runs: the state on disk already says so
+        """The trial still runs (the state says so); the run the machine failed is kept."""
+        timing = TrialTiming.of(dataclasses.replace(outcome, machine_failed=(outcome,)))
+        runs = timing.shifted(self.writer.clock_offset).machine_failed  # as its row keeps them
+        self.machine_failed.setdefault(request_id, []).extend(runs)
+        save_state(self.method, self.writer.directory, self.machine_failed)
+
+    def carried_over(self) -> dict[str, list[TrialOutcome]]:
+        """The runs the machine failed before a resume, as the driver keeps them: on this
+        runner's clock, which ``writer`` shifts back into seconds of search."""
+        offset = self.writer.clock_offset
+        return {
+            request_id: [
+                TrialOutcome(
+                    request_id,
+                    TrialStatus.ERROR,
+                    {},
+                    run.get("error"),
+                    float(run["start"]) - offset,
+                    float(run["end"]) - offset,
+                    FailureCause.MACHINE,
+                    run.get("log"),
+                )
+                for run in runs
+            ]
+            for request_id, runs in self.machine_failed.items()
+        }
 
 
 def run_search(
@@ -93,7 +130,8 @@ def run_search(
         spec.hparams, settings.seq_len, settings.peak_tflops, spec.entrypoint
     )
     writer = ResultsWriter(results_dir, runner.slot_kind, utilization, user_config=spec.ds_config)
-    listeners: list[TrialListener] = [ResultsRecorder(method, writer)]
+    recorder = ResultsRecorder(method, writer)
+    listeners: list[TrialListener] = [recorder]
     progress = SearchProgress(method.tracker) if runner.takes_real_time else None
     if progress is not None:
         listeners.append(progress)
@@ -104,6 +142,10 @@ def run_search(
             state = json.loads((results_dir / STATE_FILE).read_text())
             refuse_changed_experiment(results_dir, spec, state)
             load_state_json(method, state)
+            recorder.machine_failed = dict(state.get(MACHINE_FAILED_STATE_KEY, {}))
+            runs = [run for kept in recorder.machine_failed.values() for run in kept]
+            writer.carry_on_after(max((float(run["end"]) for run in runs), default=0.0))
+            driver.carried_over = recorder.carried_over()
         except (KeyError, TypeError, ValueError) as err:
             raise DsatError(
                 f"{shown(results_dir / STATE_FILE)}: damaged search state ({err}); this search "

@@ -252,12 +252,24 @@ class ResultsWriter:
         # A resumed search's runner counts time from its own start: carry on from the last end,
         # so start/end stay seconds of search (the time it was stopped left out).
         ends = [float(line.get("end", 0.0)) for line in self._lines]
+        self.continued_clock = continued_clock
         self._clock_offset = 0.0 if continued_clock else max(ends, default=0.0)
+
+    def carry_on_after(self, end: float) -> None:
+        """Start this runner's clock no earlier than ``end`` seconds of search: a run before the
+        stop that has no row (the machine failed it; its trial runs again) ended then."""
+        if not self.continued_clock:
+            self._clock_offset = max(self._clock_offset, end)
 
     @property
     def lines(self) -> list[dict[str, Any]]:
         """The rows of trials.jsonl so far."""
         return list(self._lines)
+
+    @property
+    def clock_offset(self) -> float:
+        """Seconds this runner's clock starts after the search's (a resumed search's)."""
+        return self._clock_offset
 
     def trial_finished(
         self, record: TrialRecord, timing: TrialTiming, tracker: TrialTracker

@@ -74,6 +74,8 @@ class SearchDriver:
         self.listeners = list(listeners)
         self.max_events = max_events  # stop early, as an interruption would (for tests)
         self.started: dict[str, StartedTrial] = {}
+        # The runs the machine failed of trials a resumed search runs again (search_run).
+        self.carried_over: dict[str, list[TrialOutcome]] = {}
         self.history: list[FinishedTrial] = []
         self.shutdown: SearchEnd | None = None
         self.events = 0
@@ -81,8 +83,13 @@ class SearchDriver:
     def start_suggested(self) -> None:
         """Start every trial the method suggests now; note the end of the search."""
         while (record := self.method.suggest()) is not None:
+            before = self.carried_over.pop(record.request_id, [])
             self.started[record.request_id] = StartedTrial(
-                record.hparams, record.ds_config, self.method.trial_length(record)
+                record.hparams,
+                record.ds_config,
+                self.method.trial_length(record),
+                attempts=1 + len(before),
+                machine_failed=before,
             )
             for listener in self.listeners:  # first, so the state on disk includes the trial
                 listener.trial_started(record.request_id)

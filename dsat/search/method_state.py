@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -102,9 +103,22 @@ def load_state_json(method: DsatSearchMethod, state: dict[str, Any]) -> None:
     method.tracker.max_trials = method.settings.max_trials + added
 
 
-def save_state(method: DsatSearchMethod, directory: Path) -> None:
+# The runs the machine failed of the trials still running, by request id, as trials.jsonl's rows
+# keep them: a trial runs again on a resume, and the runs before count (their attempts, their
+# cost) as they would have without the stop. Kept beside the method's own state.
+MACHINE_FAILED_STATE_KEY = "machine_failed"
+
+
+def save_state(
+    method: DsatSearchMethod,
+    directory: Path,
+    machine_failed: Mapping[str, list[dict[str, Any]]] | None = None,
+) -> None:
     """The state into ``directory``'s state file, atomically (a crash leaves the last one)."""
-    write_json_atomic(Path(directory) / STATE_FILE, state_json(method))
+    state = state_json(method)
+    if machine_failed:
+        state[MACHINE_FAILED_STATE_KEY] = {k: list(v) for k, v in machine_failed.items()}
+    write_json_atomic(Path(directory) / STATE_FILE, state)
 
 
 def load_state(method: DsatSearchMethod, directory: Path) -> None:

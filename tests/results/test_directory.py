@@ -6,6 +6,7 @@ import dataclasses
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 from dsat.constants import SETTINGS_FILE, STATE_FILE
 from dsat.experiment.ds_config_check import deepspeed_config_error
@@ -167,6 +168,41 @@ def test_an_interrupted_search_resumes_from_its_results(tmp_path: Path) -> None:
     assert len(set(finished_ids)) == 24  # nothing finished twice
     assert (tmp_path / SUMMARY_FILE).is_file()
     assert method.tracker.best() is not None  # type: ignore[attr-defined]
+
+
+def test_runs_the_machine_failed_before_a_stop_count_after_the_resume(tmp_path: Path) -> None:
+    """A trial the machine failed, then the search stopped (a Ray cluster that lost a node):
+    the resume ran it again as a first attempt, its row had no machine_failed, and the cost
+    left the failed run out."""
+    calls = {"count": 0}
+
+    def port_taken_at_the_fifth_run(ds_config: dict[str, Any], slots: int) -> dict[str, Any]:
+        calls["count"] += 1
+        if calls["count"] == 5:
+            raise ConnectionError("EADDRINUSE: port 29500 taken")
+        return gpt2_large_16xv100(ds_config, slots)
+
+    def run(max_events: int | None = None) -> DsatSearchMethod:
+        return run_search(
+            search_settings("binary", max_trials=12, random_seed=3, max_concurrent_trials=1),
+            SPEC,
+            SimulatedRunner(port_taken_at_the_fifth_run, 16),
+            tmp_path,
+            max_events=max_events,
+        )
+
+    run(max_events=5)  # stopped just after the fifth run failed and its trial started again
+    assert len(lines(tmp_path)) == 4
+    state = json.loads((tmp_path / STATE_FILE).read_text())
+    [(failed_id, [before])] = state["machine_failed"].items()
+    assert before["error"] == "ConnectionError: EADDRINUSE: port 29500 taken"
+    run()
+    rows = {row["request_id"]: row for row in lines(tmp_path)}
+    row = rows[failed_id]
+    assert row["status"] == "completed" and row["machine_failed"] == [before]
+    assert before["end"] <= row["start"]  # seconds of search, on one clock
+    assert [r for r in rows.values() if r.get("machine_failed")] == [row]
+    assert "machine_failed" not in json.loads((tmp_path / STATE_FILE).read_text())
 
 
 def test_full_experiment_hparams_keep_the_overrides_but_not_the_tuning(tmp_path: Path) -> None:
