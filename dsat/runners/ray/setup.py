@@ -88,15 +88,22 @@ HTTP2_SETTINGS = 4
 FRAME_HEADER_BYTES = 9
 
 
+# How a web server's answer starts: a status line, or (http.server's to a request it cannot
+# parse) an HTML page.
+WEB_ANSWERS = (b"HTTP/", b"<")
+
+
 def answers_http2(address: str) -> bool | None:
-    """Whether what listens at a ``host:port`` address answers an HTTP/2 client, as a GCS does
-    (None: it said nothing in time, or the address is none to probe). ``ray.init`` against an
-    address that accepts connections but is no GCS retries for minutes."""
+    """Whether what listens at a ``host:port`` address answers an HTTP/2 client as a GCS does:
+    False only where a web server answers (the dashboard); None where it cannot be told (no
+    answer in time, a closed connection, TLS, an address that is no ``host:port``), which
+    ``ray.init`` and ``connect_deadline`` are left to judge. ``ray.init`` against an address
+    that accepts connections but is no GCS retries for minutes."""
     split = host_and_port(address)
     if split is None:
         return None
     answer = b""
-    try:
+    with contextlib.suppress(OSError):  # a timeout, a reset: what came so far is judged
         with socket.create_connection(split, timeout=CONNECT_TIMEOUT_S) as connection:
             connection.sendall(HTTP2_PREFACE)
             while len(answer) < FRAME_HEADER_BYTES:
@@ -104,11 +111,9 @@ def answers_http2(address: str) -> bool | None:
                 if not chunk:
                     break
                 answer += chunk
-    except TimeoutError:
-        return None if not answer else False
-    except OSError:
-        return False
-    return len(answer) == FRAME_HEADER_BYTES and answer[3] == HTTP2_SETTINGS
+    if len(answer) == FRAME_HEADER_BYTES and answer[3] == HTTP2_SETTINGS:
+        return True
+    return False if answer.startswith(WEB_ANSWERS) else None
 
 
 def check_address(address: str) -> None:

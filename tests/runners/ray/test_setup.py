@@ -88,6 +88,10 @@ def test_an_address_that_answers_in_http1_is_no_ray_head(monkeypatch: pytest.Mon
     with listening(None) as address:  # says nothing: left to ray.init and its deadline
         assert answers_http2(address) is None
         check_address(address)
+    with listening(b"") as address:  # closes at once
+        assert answers_http2(address) is None
+    with listening(b"\x15\x03\x03\x00\x02\x02\x46") as address:  # a TLS alert: a GCS with TLS
+        assert answers_http2(address) is None
     assert answers_http2("ray://head:10001") is None and answers_http2("auto") is None
 
 
