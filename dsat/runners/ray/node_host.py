@@ -12,6 +12,7 @@ Ray is imported only inside the actor's methods that need it: this module loads 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import shutil
@@ -46,11 +47,17 @@ LOG_NAME = "trial.log"
 NODE_ROOT = "dsat-ray"
 
 
+@functools.cache
 def protocol() -> str:
-    """What this module, the calls the runner makes on a node, is: its source hashed. A node with
+    """Which dsat this is: its package's source hashed, every module by its path. A node with
     another dsat (an older one, installed once) fails the runner's calls with a TypeError in the
-    middle of a trial, which read as a fault of the machine, three times a trial."""
-    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+    middle of a trial, which read as a fault of the machine, three times a trial; or its trials
+    measure and report as another version does."""
+    package = Path(__file__).resolve().parents[2]  # dsat/
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 class TrialNodeHost:
@@ -207,9 +214,11 @@ class TrialNodeHost:
             return handle.read(limit)
 
     def clean(self) -> None:
-        """Remove the trial's copy and log from the node (the runner has fetched what it keeps)."""
+        """Remove the trial's copy and log from the node (the runner has fetched what it keeps);
+        what cannot be removed (a file where the search's directory should be) stays."""
         shutil.rmtree(self.directory, ignore_errors=True)
-        self.log_path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            self.log_path.unlink(missing_ok=True)
         with contextlib.suppress(OSError):  # the search's directory, once no trial is left in it
             self.directory.parent.rmdir()
 

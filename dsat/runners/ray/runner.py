@@ -648,7 +648,7 @@ class RayRunner:
         """What ``method`` of the trial's host on each node still there answers, by the node's
         rank (those in ``skip`` not asked): a node gone took its processes and copies with it
         (trial_guard), so there is nothing left there to stop or remove."""
-        from ray.exceptions import GetTimeoutError, RayActorError
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
         answers: dict[int, Any] = {}
         for rank, host in enumerate(trial.hosts):
@@ -657,8 +657,8 @@ class RayRunner:
                     answers[rank] = self.ray.get(
                         getattr(host, method).remote(), timeout=STOP_WAIT_S
                     )
-                except (RayActorError, GetTimeoutError):
-                    continue
+                except (RayActorError, GetTimeoutError, RayTaskError):
+                    continue  # gone, or it failed there (its disk): nothing more to ask of it
         return answers
 
     def _stop(self, trial: RayTrial) -> None:

@@ -36,3 +36,44 @@ def test_a_command_built_on_the_driver_runs_with_the_nodes_own_interpreter(
     assert host.poll() == 0, log
     assert f"ran by {sys.executable}" in log and NODE_PYTHON not in log
     host.clean()
+
+
+def test_cleaning_a_trial_where_the_searchs_directory_is_a_file_leaves_it_and_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It raised NotADirectoryError through Ray, and the search stopped with a traceback."""
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    host = TrialNodeHost("search/001-node0")
+    host.directory.parent.parent.mkdir(parents=True)
+    host.directory.parent.write_text("not a directory")
+    host.clean()
+    assert host.directory.parent.read_text() == "not a directory"
+
+
+def test_the_version_a_node_reports_is_every_module_of_its_dsat(tmp_path: Path) -> None:
+    """A node whose reporting code differed, its node host the same, ran trials unrefused."""
+    import shutil
+    import subprocess
+
+    import dsat
+
+    package = Path(dsat.__file__).parent
+    other = tmp_path / "other"
+    shutil.copytree(package, other / "dsat", ignore=shutil.ignore_patterns("__pycache__"))
+    code = "from dsat.runners.ray.node_host import protocol; print(protocol())"
+
+    def version(root: Path) -> str:
+        run = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
+            cwd=tmp_path,  # not a checkout's, whose dsat -c would import first
+            check=True,
+        )
+        return run.stdout.strip()
+
+    assert version(other) == version(package.parent)
+    reporting = other / "dsat" / "training" / "reporting.py"
+    reporting.write_text(reporting.read_text() + "\n# another version\n")
+    assert version(other) != version(package.parent)
