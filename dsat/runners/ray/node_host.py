@@ -223,10 +223,11 @@ class TrialNodeHost:
             self.directory.parent.rmdir()
 
 
-def left_behind_log(name: str, offset: int) -> bytes:
-    """Trial ``name``'s log on this node from ``offset``, and its copy and log removed: run on
-    the node after the trial's actor died there (Ray's memory monitor, a worker crash), when
-    nothing else reads or cleans them. A Ray task pinned to the node runs it."""
+def left_behind_log(name: str, offset: int, clean: bool = True) -> bytes:
+    """Trial ``name``'s log on this node from ``offset``, and (``clean``) its copy and log
+    removed: run on the node after the trial's actor died there (Ray's memory monitor, a worker
+    crash), when nothing else reads or cleans them. A Ray task pinned to the node runs it. The
+    full run's copy stays: what it wrote is the user's."""
     host = TrialNodeHost(name)
     try:
         with host.log_path.open("rb") as handle:
@@ -234,5 +235,6 @@ def left_behind_log(name: str, offset: int) -> bytes:
             found = handle.read()
     except OSError:
         found = b""
-    host.clean()
+    if clean:
+        host.clean()
     return found

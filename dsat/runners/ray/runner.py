@@ -12,8 +12,10 @@ placement group (``ray.cancel`` would leave torchrun's workers running).
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -64,6 +66,8 @@ PLACEMENT_CHECK_S = 10.0
 PLACEMENT_NOTE_S = 60.0
 LOG_CHUNK = 1 << 20
 LOG_STREAM_S = 2.0  # how often a running trial's logs come back
+LOG_STREAM_CHUNKS = 16  # at most this many LOG_CHUNKs of a node's log each time
+COPY_NOTE_MB = 100  # what the full run wrote is said before it comes back from this size
 SAME_DSAT = "install dsat with its ray extra on every node, the same version as here"
 COPY_CHUNK = 8 << 20  # what the full run wrote comes back in pieces of this size
 KEPT_FILES = [TRIAL_OUTCOME_FILE, METRICS_FILE, MODEL_INFO_FILE, HPARAMS_FILE]
@@ -206,23 +210,29 @@ class RayRunner:
 
     def run_full_experiment(self, hparams: dict[str, Any]) -> None:
         """Train once with ``hparams`` on the cluster, laid out as the trials were; the first
-        node's output streams here, every node's log goes to ``logs/``, and what the run wrote in
-        its copies on the nodes comes back to ``full-experiment/`` (as the local runner keeps its
-        copy there), unless it was interrupted."""
+        node's output streams here and, with every node's, to ``logs/`` as it comes; what the run
+        wrote in its copies on the nodes comes back to ``full-experiment/`` (as the local runner
+        keeps its copy there), unless it was interrupted; where it cannot come back (a node's
+        actor died, this disk is full, Ctrl-C while it comes), it stays on the nodes."""
+        from ray.exceptions import OutOfMemoryError as RayOutOfMemoryError
+        from ray.exceptions import RayActorError, RayTaskError
+
+        for earlier in (self.results_dir / "logs").glob(f"{FULL_RUN_DIR}*.log"):
+            earlier.unlink(missing_ok=True)  # an earlier run's, of more nodes perhaps
         trial = self._place(FULL_RUN_DIR, hparams, None, name=FULL_RUN_DIR)
         print(f"dsat: full experiment on the Ray cluster ({self.layout.describe()})", flush=True)
-        from ray.exceptions import RayActorError
-
-        offset, codes, ended = 0, None, False
+        text = codecs.getincrementaldecoder("utf-8")(errors="replace")  # chunks split characters
+        codes: list[int | None] | None = None
+        ended, failed_there = False, ""
         kept_on_nodes: list[str] = []
         try:
             while not self._launch_if_placed(trial):
                 time.sleep(POLL_SECONDS)
             while True:
                 codes = self._poll(trial)
-                chunk = self.ray.get(trial.hosts[0].read_log.remote(offset, LOG_CHUNK))
-                offset += len(chunk)
-                print(chunk.decode(errors="replace"), end="", flush=True)
+                chunk = self._bring_log(trial, 0, trial.hosts[0], until_end=False)
+                print(text.decode(chunk), end="", flush=True)
+                self._stream_logs(trial, first_rank=1)
                 # A node that failed ends the run (its peers would wait for it in the launcher's
                 # exit barrier, or a collective, for minutes), as the first node's end does.
                 if any(code not in (None, 0) for code in codes[1:]) or (
@@ -232,15 +242,35 @@ class RayRunner:
                 if not chunk:
                     time.sleep(POLL_SECONDS)
             ended = True
-        except RayActorError:  # its first node left while it started or ran
+        except RayActorError as err:  # a node left, or its actor died, while it started or ran
             codes, ended = None, True
+            lost = ", ".join(self._lost_nodes(trial))
+            failed_there = (
+                f"its Ray node {lost} left the cluster"
+                if lost
+                else f"its Ray actor died on a node that is still up ({last_line(str(err))})"
+            )
+        except (RayTaskError, RayOutOfMemoryError) as err:  # a step failed there: its disk
+            cause = getattr(err, "cause", None) or err
+            codes = None
+            failed_there = (
+                f"a node failed to run it: {type(cause).__name__}: {last_line(str(cause))}"
+            )
         finally:  # nothing of it stays on the cluster, unless its files could not come back
             self._stop(trial)
             self._stop_left_running(trial)
             try:
-                self._collect_logs(trial, cap=False)  # the user's training log
+                self._collect_logs(trial, cap=False, clean=False)  # the user's training log
                 if ended:
                     kept_on_nodes = self._bring_back(trial)
+            except KeyboardInterrupt:
+                kept_on_nodes = list(trial.nodes)
+                print(
+                    "dsat: interrupted while what the full run wrote came back; "
+                    f"{self._left_on_nodes(trial, kept_on_nodes)}",
+                    flush=True,
+                )
+                raise
             finally:
                 self._release(trial, keep=kept_on_nodes)
         # Judged by every node: a rank that failed on another node, its first node ending
@@ -251,11 +281,20 @@ class RayRunner:
         code = None if codes is None else codes[rank]
         if code != 0:
             on = f" on node {rank} of {len(trial.hosts)}" if rank else ""
-            reason = "a node was lost" if codes is None else f"exited with code {code}{on}"
+            reason = f"ended: {failed_there}" if codes is None else f"exited with code {code}{on}"
             raise FullExperimentFailed(
                 f"the full experiment with the best config {reason}; its log is {log_path}"
             )
         print(f"dsat: full experiment finished; its log is {log_path}")
+
+    def _left_on_nodes(self, trial: RayTrial, nodes: list[str]) -> str:
+        """Where what the full run wrote stays, on ``nodes``."""
+        where = f"{NODE_ROOT}/{self.search_name}/{trial.name}-node<rank>"
+        return (
+            f"it stays on its Ray nodes {', '.join(nodes)}, in {where} under each one's "
+            "temporary directory: copy it off before the next --run-full-experiment of this "
+            "search, which replaces it there"
+        )
 
     def _bring_back(self, trial: RayTrial) -> list[str]:
         """Every node's copy of the full run into ``full-experiment/``, as one shared directory
@@ -267,27 +306,41 @@ class RayRunner:
 
         directory = self.results_dir / FULL_RUN_DIR
         taken: set[str] = set()
+        kept: list[str] = []
         for rank, host in enumerate(trial.hosts):
             try:
                 found = self.ray.get(host.files.remote())
-                for relative, size, mode in found:
-                    if relative not in taken:
-                        self._copy_back(host, relative, size, mode, directory / relative)
-                        taken.add(relative)
+                new = [(name, size, mode) for name, size, mode in found if name not in taken]
+                size_mb = sum(size for _, size, _ in new) / 2**20
+                if size_mb >= COPY_NOTE_MB:
+                    print(
+                        f"dsat: bringing back what the full run wrote on node {rank} "
+                        f"({size_mb:.0f} MB) to {shown(directory)}",
+                        flush=True,
+                    )
+                for relative, size, mode in new:
+                    self._copy_back(host, relative, size, mode, directory / relative)
+                    taken.add(relative)
             except RayActorError:
-                print(f"dsat: node {rank} of the full run was lost with what it wrote there")
+                if trial.nodes[rank] in self._lost_nodes(trial):
+                    print(f"dsat: node {rank} of the full run was lost with what it wrote there")
+                else:  # its actor died; the node and the copy are still there
+                    kept.append(trial.nodes[rank])
             except OSError as err:
-                kept = list(trial.nodes[rank:])
-                where = f"{NODE_ROOT}/{self.search_name}/{trial.name}-node<rank>"
+                kept += list(trial.nodes[rank:])
                 print(
                     f"dsat: what the full run wrote could not all come back to {shown(directory)} "
-                    f"({err.strerror or err}); it stays on its Ray nodes {', '.join(kept)}, "
-                    f"in {where} under each one's temporary directory: copy it off before the "
-                    "next --run-full-experiment of this search, which replaces it there"
+                    f"({err.strerror or err}); {self._left_on_nodes(trial, kept)}"
                 )
                 return kept
-        print(f"dsat: what the full run wrote is in {shown(directory)}")
-        return []
+        if kept:
+            print(
+                f"dsat: what the full run wrote on a node whose Ray actor died could not come "
+                f"back; {self._left_on_nodes(trial, kept)}"
+            )
+        if taken:
+            print(f"dsat: what the full run wrote is in {shown(directory)}")
+        return kept
 
     def _copy_back(self, host: Any, relative: str, size: int, mode: int, target: Path) -> None:
         """One file of a node's copy to ``target``, in chunks through the object store."""
@@ -695,9 +748,10 @@ class RayRunner:
         suffix = "" if rank == 0 else f"-node{rank}"
         return self.results_dir / "logs" / f"{trial.name}{suffix}.log"
 
-    def _stream_logs(self, trial: RayTrial) -> None:
-        """What each node's log gained since the last time, into ``logs/``, every ``LOG_STREAM_S``:
-        a node that is lost takes only the rest with it, and a user can follow a trial there."""
+    def _stream_logs(self, trial: RayTrial, first_rank: int = 0) -> None:
+        """What each node's log (from ``first_rank``) gained since the last time, into
+        ``logs/``, every ``LOG_STREAM_S``: a node that is lost takes only the rest with it, and
+        a user can follow a trial there."""
         from ray.exceptions import GetTimeoutError, RayActorError
 
         now = self.now()
@@ -705,28 +759,34 @@ class RayRunner:
             return
         trial.logs_read = now
         for rank, host in enumerate(trial.hosts):
-            with contextlib.suppress(RayActorError, GetTimeoutError, OSError):
-                self._bring_log(trial, rank, host, until_end=False)
+            if rank >= first_rank:
+                with contextlib.suppress(RayActorError, GetTimeoutError, OSError):
+                    self._bring_log(trial, rank, host, until_end=False)
 
-    def _bring_log(self, trial: RayTrial, rank: int, host: Any, until_end: bool) -> None:
-        """Node ``rank``'s log from where ``logs/`` has it: one chunk, or ``until_end``."""
+    def _bring_log(self, trial: RayTrial, rank: int, host: Any, until_end: bool) -> bytes:
+        """Node ``rank``'s log from where ``logs/`` has it, there too: up to ``LOG_STREAM_CHUNKS``
+        chunks, or ``until_end``; returns what came."""
         while len(trial.log_here) <= rank:
             trial.log_here.append(0)
         path = self._log_path(trial, rank)
         path.parent.mkdir(parents=True, exist_ok=True)
+        came = b""
         with path.open("ab" if trial.log_here[rank] else "wb") as log:
-            while True:
+            for _ in itertools.count() if until_end else range(LOG_STREAM_CHUNKS):
                 chunk = self.ray.get(
                     host.read_log.remote(trial.log_here[rank], LOG_CHUNK), timeout=STOP_WAIT_S
                 )
                 log.write(chunk)
                 trial.log_here[rank] += len(chunk)
-                if not (chunk and until_end):
-                    return
+                came += chunk
+                if not chunk:
+                    break
+        return came
 
-    def _collect_logs(self, trial: RayTrial, cap: bool = True) -> None:
+    def _collect_logs(self, trial: RayTrial, cap: bool = True, clean: bool = True) -> None:
         """Each reachable node's log into ``logs/`` (the first node's under the trial's name),
-        to its end, cut where it is too long (``cap_log``; not the full run's, ``cap``)."""
+        to its end, cut where it is too long (``cap_log``; not the full run's, ``cap``). Where a
+        node's actor died, a task on the node reads it (and, ``clean``, removes the copy)."""
         from ray.exceptions import GetTimeoutError, RayActorError
 
         for rank, host in enumerate(trial.hosts):
@@ -734,13 +794,15 @@ class RayRunner:
                 self._bring_log(trial, rank, host, until_end=True)
             except (RayActorError, GetTimeoutError):
                 here = trial.log_here[rank] if rank < len(trial.log_here) else 0
-                rest = self._left_behind_log(trial, rank, here)
+                rest = self._left_behind_log(trial, rank, here, clean)
                 with self._log_path(trial, rank).open("ab" if here else "wb") as log:
                     log.write(rest if rest is not None else lost_note(here))
             if cap:
                 cap_log(self._log_path(trial, rank))
 
-    def _left_behind_log(self, trial: RayTrial, rank: int, offset: int) -> bytes | None:
+    def _left_behind_log(
+        self, trial: RayTrial, rank: int, offset: int, clean: bool = True
+    ) -> bytes | None:
         """The rest of a node's log, read by a task on that node, where its actor died but the
         node is still there (the task also removes the trial's copy, which the actor would have);
         None where the node is gone too."""
@@ -755,7 +817,8 @@ class RayRunner:
         )
         try:
             found: bytes = self.ray.get(
-                read.remote(self._node_directory(trial, rank), offset), timeout=STOP_WAIT_S
+                read.remote(self._node_directory(trial, rank), offset, clean),
+                timeout=STOP_WAIT_S,
             )
         except (RayError, GetTimeoutError):
             return None

@@ -4,6 +4,7 @@ are checked for every runner in tests/runners/test_trial_runner.py."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from pathlib import Path
@@ -292,6 +293,85 @@ def test_a_full_run_whose_other_node_fails_fails_at_once_naming_that_node(
     assert str(failed.value).endswith("full-experiment-node1.log")
     assert "rank 1 fails" in (runner.results_dir / "logs" / "full-experiment-node1.log").read_text()
     assert_nothing_left(runner.results_dir)
+
+
+def test_a_full_run_a_node_cannot_prepare_is_one_line_in_the_nodes_words(
+    ray_cluster: RayTestCluster, tmp_path: Path
+) -> None:
+    """Its disk full (here an archive that is no zip): Ray's RayTaskError came out as a
+    traceback, where the same failure in a search trial is the machine's, said in one line."""
+    import ray
+
+    runner = behaviour_runner(tmp_path, slots=1)
+    runner.archive = ray.put(b"not a zip archive")
+    with pytest.raises(FullExperimentFailed) as failed:
+        runner.run_full_experiment({OVERWRITE_KEY: {"train_micro_batch_size_per_gpu": 1}})
+    said = str(failed.value)
+    assert said.startswith(
+        "the full experiment with the best config ended: a node failed to run it: BadZipFile: "
+    )
+    assert "\n" not in said
+    assert_nothing_left(runner.results_dir)
+
+
+PRINTS_BLOCKS_THEN_ENDS = """
+import sys
+for line in range(3000):  # wide characters, split across the chunks the output comes in
+    print("\u2588" * 400)
+"""
+
+
+def test_a_full_runs_output_keeps_its_characters_and_its_log_is_its_own(
+    ray_cluster: RayTestCluster, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A character split between two chunks printed as two replacement marks (tqdm's bars);
+    and an earlier full run's node log stayed beside this one's."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "job.py").write_text(PRINTS_BLOCKS_THEN_ENDS)
+    runner = runner_for(tmp_path, model, ["python3", "job.py"], slots=1)
+    earlier = runner.results_dir / "logs" / "full-experiment-node1.log"
+    earlier.parent.mkdir(parents=True)
+    earlier.write_text("an earlier run's node 1\n")
+    runner.run_full_experiment({OVERWRITE_KEY: {"train_micro_batch_size_per_gpu": 1}})
+    out = capfd.readouterr().out
+    assert out.count("\u2588" * 400) == 3000 and "\ufffd" not in out
+    assert not earlier.exists()
+    log = (runner.results_dir / "logs" / "full-experiment.log").read_text()
+    assert log.count("\u2588" * 400) == 3000
+
+
+class HostThatDiesInTheFullRun(TrialNodeHost):
+    """A Ray actor that dies on a node that stays up (a crash of Ray's worker), once the full
+    run has written its checkpoint there."""
+
+    def poll(self) -> int | None:
+        if (Path(self.directory) / "output" / "latest").is_file():
+            os._exit(1)
+        return super().poll()
+
+
+def test_a_full_run_whose_actor_died_leaves_what_it_wrote_on_its_node(
+    ray_cluster: RayTestCluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Reading its log back removed the node's copy, checkpoint and all, and the lines said
+    "a node was lost" and "what the full run wrote is in full-experiment/", which was not."""
+    import ray
+
+    runner = full_run_on_two_nodes(tmp_path)
+    runner._host_class = ray.remote(HostThatDiesInTheFullRun)
+    with pytest.raises(FullExperimentFailed) as failed:
+        runner.run_full_experiment({OVERWRITE_KEY: {"train_micro_batch_size_per_gpu": 1}})
+    assert "ended: its Ray actor died on a node that is still up" in str(failed.value)
+    said = capsys.readouterr().out
+    assert "could not come back" in said and "full-experiment-node<rank>" in said
+    assert "what the full run wrote is in" not in said
+    copies = node_copies(runner)
+    try:
+        assert copies and all((copy / "output" / "latest").is_file() for copy in copies)
+    finally:
+        if copies:
+            shutil.rmtree(copies[0].parent)
 
 
 def node_copies(runner: RayRunner) -> list[Path]:
