@@ -374,6 +374,30 @@ def test_a_full_run_whose_actor_died_leaves_what_it_wrote_on_its_node(
             shutil.rmtree(copies[0].parent)
 
 
+def test_ctrl_c_while_a_full_runs_files_come_back_leaves_them_on_its_nodes(
+    ray_cluster: RayTestCluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The run had finished; a large checkpoint's silent copy invited a Ctrl-C, which removed
+    the nodes' copies with it."""
+    runner = full_run_on_two_nodes(tmp_path)
+
+    def interrupted(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    runner._copy_back = interrupted  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        runner.run_full_experiment({OVERWRITE_KEY: {"train_micro_batch_size_per_gpu": 1}})
+    said = capsys.readouterr().out
+    assert "interrupted while what the full run wrote came back; it stays on its Ray nodes" in said
+    copies = node_copies(runner)
+    try:
+        assert len(copies) == 2 and all((c / "output" / "latest").is_file() for c in copies)
+    finally:
+        if copies:
+            shutil.rmtree(copies[0].parent)
+    assert_nothing_left(runner.results_dir)
+
+
 def node_copies(runner: RayRunner) -> list[Path]:
     """The full run's copies on the nodes (all on this host in the tests' cluster)."""
     import tempfile
