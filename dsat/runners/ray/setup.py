@@ -17,7 +17,7 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -197,6 +197,20 @@ class RaySetup:
 
 
 @contextlib.contextmanager
+def unless_done_within(seconds: float, action: Callable[[], None], armed: bool) -> Iterator[None]:
+    """Run ``action`` (in a thread) if the block has not ended within ``seconds``; ``armed``:
+    whether to watch at all."""
+    timer = threading.Timer(seconds, action)
+    timer.daemon = True
+    if armed:
+        timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+@contextlib.contextmanager
 def slow_connect_note(address: str | None, after: float = CONNECT_NOTE_S) -> Iterator[None]:
     """Say what is likely wrong when connecting takes longer than ``after`` seconds."""
 
@@ -209,14 +223,8 @@ def slow_connect_note(address: str | None, after: float = CONNECT_NOTE_S) -> Ite
             flush=True,
         )
 
-    timer = threading.Timer(after, note)
-    timer.daemon = True
-    if address is not None:
-        timer.start()
-    try:
+    with unless_done_within(after, note, address is not None):
         yield
-    finally:
-        timer.cancel()
 
 
 @contextlib.contextmanager
@@ -233,14 +241,8 @@ def connect_deadline(address: str | None, after: float = CONNECT_DEADLINE_S) -> 
         )
         os._exit(USAGE_EXIT_CODE)
 
-    timer = threading.Timer(after, give_up)
-    timer.daemon = True
-    if address is not None:
-        timer.start()
-    try:
+    with unless_done_within(after, give_up, address is not None):
         yield
-    finally:
-        timer.cancel()
 
 
 def keep_sigterm(handler: Any) -> None:
