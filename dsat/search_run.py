@@ -58,15 +58,10 @@ class ResultsRecorder:
     the runs the machine failed of the trials still running (``machine_failed``, by request id,
     in seconds of search), so that a resume counts them."""
 
-    def __init__(
-        self,
-        method: DsatSearchMethod,
-        writer: ResultsWriter,
-        machine_failed: dict[str, list[dict[str, Any]]] | None = None,
-    ) -> None:
+    def __init__(self, method: DsatSearchMethod, writer: ResultsWriter) -> None:
         self.method = method
         self.writer = writer
-        self.machine_failed = dict(machine_failed or {})
+        self.machine_failed: dict[str, list[dict[str, Any]]] = {}  # a resume loads its own
 
     def trial_started(self, request_id: str) -> None:
         # From the first trial on, an interrupted search (a Ctrl-C in its first minute included)
