@@ -32,6 +32,9 @@ OOM_METRIC_KEY = "dsat_out_of_memory"
 # In an OOM trial's metrics, where the memory that ran out was the host's on a GPU trial (the
 # kernel's OOM killer, torch's CPU allocator): it says nothing of how much of the GPU is usable.
 MEMORY_RAN_OUT = "memory_ran_out"
+# In the metrics of a trial the machine failed: the host's memory ran out while other trials shared
+# it, so it runs again with the machine to itself (dsat.runners.driver).
+RUN_ALONE = "run_alone"
 
 # Environment variables.
 ENV_HPARAMS_FILE = "DSAT_HPARAMS_FILE"  # JSON hyperparameters written by a dsat runner

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from dsat.constants import STATE_FILE
+from dsat.constants import RUN_ALONE, STATE_FILE
 from dsat.errors import DsatError
 from dsat.experiment.settings import SearchSettings
 from dsat.paths import shown
@@ -94,7 +94,7 @@ class ResultsRecorder:
                 TrialOutcome(
                     request_id,
                     TrialStatus.ERROR,
-                    {},
+                    {RUN_ALONE: True} if run.get(RUN_ALONE) else {},
                     run.get("error"),
                     float(run["start"]) - offset,
                     float(run["end"]) - offset,

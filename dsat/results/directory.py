@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dsat.atomic_file import write_json_atomic, write_text_atomic
-from dsat.constants import AUTOTUNING_KEY, DSAT_MODE_KEY, OVERWRITE_KEY
+from dsat.constants import AUTOTUNING_KEY, DSAT_MODE_KEY, OVERWRITE_KEY, RUN_ALONE
 from dsat.errors import DsatError
 from dsat.paths import shown
 from dsat.results.cost import MACHINE_FAILED_KEY, search_cost
@@ -134,7 +134,13 @@ class TrialTiming:
     @classmethod
     def of(cls, outcome: TrialOutcome) -> TrialTiming:
         earlier = tuple(
-            {"start": run.start, "end": run.end, "error": first_line(run.error), "log": run.log}
+            {
+                "start": run.start,
+                "end": run.end,
+                "error": first_line(run.error),
+                "log": run.log,
+                **({RUN_ALONE: True} if run.metrics.get(RUN_ALONE) else {}),
+            }
             for run in outcome.machine_failed
         )
         return cls(outcome.start, outcome.end, earlier)

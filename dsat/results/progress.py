@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.text import Text
 
+from dsat.constants import RUN_ALONE
 from dsat.search.tracker import TrialTracker
 from dsat.trial import TrialKind, TrialOutcome, TrialRecord, TrialStatus, trial_number
 from dsat.trial_failure import MACHINE_ATTEMPTS, first_line, log_note
@@ -57,11 +58,16 @@ class SearchProgress:
 
     def trial_retried(self, request_id: str, outcome: TrialOutcome, attempt: int) -> None:
         record = self.tracker.get(request_id)
+        alone = (
+            ", alone, once the trials running beside it end"
+            if outcome.metrics.get(RUN_ALONE)
+            else ""
+        )
         line = (
             f"{PREFIX} trial {trial_number(record.index, outcome.log)} "
             f"{self.trial_label(record)}: the machine failed it, "
             f"not its configuration: {first_line(outcome.error)}{log_note(outcome.log)}; running "
-            f"it again (attempt {attempt + 1} of {MACHINE_ATTEMPTS})"
+            f"it again{alone} (attempt {attempt + 1} of {MACHINE_ATTEMPTS})"
         )
         self.console.print(line, highlight=False, markup=False)
         self._refresh()

@@ -7,7 +7,8 @@ Listeners (the results files, the progress display) hear of every trial started 
 A trial the machine failed (``dsat.trial_failure``: a taken port, a lost node, a signal from
 outside) says nothing of its configuration, so the method never sees it: the loop runs it again,
 up to ``MACHINE_ATTEMPTS`` times in all, on every runner alike. Only then is it an error, one that
-says it was the machine.
+says it was the machine. One the host's memory failed while other trials shared it (``RUN_ALONE``)
+runs again alone: no trial starts beside it, nor while it waits for the running ones to end.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from dsat.constants import RUN_ALONE
 from dsat.runners.trial_runner import TrialRunner
 from dsat.search.protocol import SearchMethod
 from dsat.trial import TrialOutcome
@@ -40,6 +42,11 @@ class StartedTrial:
     length: int
     attempts: int = 1
     machine_failed: list[TrialOutcome] = dataclasses.field(default_factory=list)
+
+    @property
+    def runs_alone(self) -> bool:
+        """Its last run failed for the host's memory beside other trials: it runs alone."""
+        return bool(self.machine_failed and self.machine_failed[-1].metrics.get(RUN_ALONE))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,10 +86,15 @@ class SearchDriver:
         self.history: list[FinishedTrial] = []
         self.shutdown: SearchEnd | None = None
         self.events = 0
+        # Trials to run alone, in order, once nothing runs (StartedTrial.runs_alone); the one
+        # that runs alone now is the last taken from it.
+        self.waiting_alone: list[str] = []
+        self.alone: str | None = None
 
     def start_suggested(self) -> None:
-        """Start every trial the method suggests now; note the end of the search."""
-        while (record := self.method.suggest()) is not None:
+        """Start every trial the method suggests now; note the end of the search. Nothing new
+        starts while a trial runs alone or waits to."""
+        while not self.holding_for_alone() and (record := self.method.suggest()) is not None:
             before = self.carried_over.pop(record.request_id, [])
             self.started[record.request_id] = StartedTrial(
                 record.hparams,
@@ -97,9 +109,23 @@ class SearchDriver:
         if self.method.finished and self.shutdown is None:
             self.shutdown = SearchEnd(self.method.search_failed)
 
+    def holding_for_alone(self) -> bool:
+        return bool(self.waiting_alone) or self.alone is not None
+
     def _start(self, request_id: str) -> None:
         trial = self.started[request_id]
+        if trial.runs_alone:
+            self.waiting_alone.append(request_id)
+            self.start_alone()
+            return
         self.runner.start(request_id, trial.hparams, trial.ds_config, trial.length)
+
+    def start_alone(self) -> None:
+        """Start the first trial waiting to run alone, once nothing runs."""
+        if self.alone is None and self.waiting_alone and not self.runner.running_count():
+            self.alone = self.waiting_alone.pop(0)
+            trial = self.started[self.alone]
+            self.runner.start(self.alone, trial.hparams, trial.ds_config, trial.length)
 
     def retried(self, outcome: TrialOutcome) -> bool:
         """Run the trial again if the machine failed it and it has attempts left."""
@@ -155,8 +181,11 @@ class SearchDriver:
             if self.max_events is not None and self.events >= self.max_events:
                 return
             outcome = self.runner.wait()
+            if outcome.request_id == self.alone:
+                self.alone = None
             if not self.retried(outcome):
                 self.finish(outcome)
+            self.start_alone()
             self.events += 1
         if self.runner.running_count():  # the search ended with trials out: not needed any more
             self.runner.stop_all()

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 from rich.console import Console
 
+from dsat.constants import RUN_ALONE
 from dsat.experiment.metric import Metric
 from dsat.results.progress import SearchProgress, format_elapsed
 from dsat.trial import TrialKind, TrialOutcome, TrialStatus
@@ -81,15 +83,21 @@ def test_a_failed_trial_says_why_and_where_its_log_is_and_a_retry_says_so() -> N
         FailureCause.MACHINE, "/r/logs/001-a.log",
     )  # fmt: skip
     progress.trial_retried("a", port, 1)
+    memory = dataclasses.replace(port, metrics={RUN_ALONE: True}, error="the host's memory ran out")
+    progress.trial_retried("a", memory, 2)
     error = "ValueError: bad shape (exit code 1)\nTraceback ..."
     t.mark_finished("a", TrialStatus.ERROR, error=error, log="/r/logs/002-a.log")
     progress.trial_finished("a", outcome("a", TrialStatus.ERROR))
-    retried, failed = out.getvalue().splitlines()
+    retried, alone, failed = out.getvalue().splitlines()
     # Each run named by its log's number, as logs/ and trials/ name it.
     assert retried == (
         "dsat: trial 1 z1_mb8: the machine failed it, not its configuration: a port was "
         f"taken (EADDRINUSE) (log: /r/logs/001-a.log); running it again (attempt 2 of "
         f"{MACHINE_ATTEMPTS})"
+    )
+    assert alone.endswith(
+        "the host's memory ran out (log: /r/logs/001-a.log); running it again, alone, once the "
+        f"trials running beside it end (attempt 3 of {MACHINE_ATTEMPTS})"
     )
     assert failed.startswith(
         "dsat: trial 2 z1_mb8: error: ValueError: bad shape (exit code 1) "

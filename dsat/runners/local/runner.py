@@ -117,6 +117,7 @@ class RunningTrial:
     rerun_log_start: int = 0
     host_lost_on: list[str] = field(default_factory=list)
     result_watch: ResultWatch = field(default_factory=ResultWatch)
+    shared: bool = False  # another trial ran beside it at some time (trial_outcome.classify)
 
     @property
     def run_start(self) -> float:
@@ -306,6 +307,8 @@ class LocalRunner:
         process = self._fork_warm(directory, slots, log, log_path, length)
         if process is None:
             process, _ = self.spawn(directory, slots, log, log, length)
+        for other in self.running.values():
+            other.shared = True
         self.running[request_id] = RunningTrial(
             request_id,
             process,
@@ -318,6 +321,7 @@ class LocalRunner:
             hparams,
             length,
             result_watch=ResultWatch(self.linger_s),
+            shared=bool(self.running),
         )
 
     def _fork_warm(
@@ -409,6 +413,7 @@ class LocalRunner:
             oom_killed_since(trial.oom_kills_at_start),
             trial.rerun_log_start,
             on_gpu=self.pool.on_gpu,
+            shared=trial.shared,
         )
 
     def wait(self) -> TrialOutcome:

@@ -15,7 +15,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from dsat.constants import CONFIG_NOT_TAKEN, MEMORY_RAN_OUT, OOM_MARKER, TRIAL_OUTCOME_FILE
+from dsat.constants import (
+    CONFIG_NOT_TAKEN,
+    MEMORY_RAN_OUT,
+    OOM_MARKER,
+    RUN_ALONE,
+    TRIAL_OUTCOME_FILE,
+)
 from dsat.training.oom import (
     allocator_says_out_of_memory,
     host_memory_ran_out,
@@ -242,6 +248,7 @@ def classify(
     log_start: int = 0,
     every_rank_here: bool = True,
     on_gpu: bool = False,
+    shared: bool = False,
 ) -> TrialEnd:
     """What a finished trial's exit ``code``, its outcome file in ``directory`` and its log (from
     byte ``log_start``: this run's part) say about it. ``timed_out``: dsat stopped it (its
@@ -250,7 +257,9 @@ def classify(
     memory. ``every_rank_here``: the log's launcher ran every rank (one node), so its summary
     names every rank that failed; on one node of several, it names only that node's.
     ``on_gpu``: it ran on GPUs, so an OOM of the host's memory is not one of the device's
-    (``MEMORY_RAN_OUT`` in its metrics says so)."""
+    (``MEMORY_RAN_OUT`` in its metrics says so). ``shared``: other trials ran on this machine
+    while it ran, so the host's memory running out says as much of theirs as of its own: the
+    machine is blamed, and the trial runs again alone (``RUN_ALONE`` in its metrics)."""
     outcome = read_outcome(directory)
     text = log_end(log_path, log_start)
     tail = log_tail(text)
@@ -281,8 +290,8 @@ def classify(
     if outcome.get("status") == "oom" or oom_line is not None:
         lines = exception_lines(text)
         reason = oom_line or (lines[-1] if lines else "out of memory")
-        ran_out = _host_memory(on_gpu and host_memory_ran_out(reason))
-        return TrialEnd(TrialStatus.OOM, ran_out, f"{reason}\n{tail}", FailureCause.CONFIG)
+        host = host_memory_ran_out(reason)
+        return _out_of_memory(reason, tail, host, on_gpu, shared, FailureCause.CONFIG)
     if code == 0 and outcome.get("status") == CONFIG_NOT_TAKEN:
         reason = (
             "the script built its DeepSpeed engine without the trial's config: pass "
@@ -320,11 +329,18 @@ def classify(
         # exit: exit -6, "terminate called without an active exception") does not undo them.
         return TrialEnd(TrialStatus.COMPLETED, dict(outcome.get("values", {})), None, None)
     if diagnosis.out_of_memory:  # killed for it: the host's memory ran out, not a GPU's
-        ran_out = _host_memory(on_gpu)
-        return TrialEnd(TrialStatus.OOM, ran_out, f"{diagnosis.reason}\n{tail}", diagnosis.cause)
+        return _out_of_memory(diagnosis.reason, tail, True, on_gpu, shared, diagnosis.cause)
     return TrialEnd(TrialStatus.ERROR, {}, f"{diagnosis.reason}\n{tail}", diagnosis.cause)
 
 
-def _host_memory(host: bool) -> dict[str, Any]:
-    """An OOM's metrics: whether the memory that ran out was the host's, on a GPU trial."""
-    return {MEMORY_RAN_OUT: "host"} if host else {}
+def _out_of_memory(
+    reason: str, tail: str, host: bool, on_gpu: bool, shared: bool, cause: FailureCause | None
+) -> TrialEnd:
+    """An OOM's end. ``host``: the memory that ran out was the host's (on a GPU trial,
+    ``MEMORY_RAN_OUT`` says so). Where other trials shared the host, it is the machine's."""
+    metrics: dict[str, Any] = {MEMORY_RAN_OUT: "host"} if host and on_gpu else {}
+    if not (host and shared):
+        return TrialEnd(TrialStatus.OOM, metrics, f"{reason}\n{tail}", cause)
+    reason = f"the host's memory ran out while other trials shared this machine ({reason})"
+    metrics[RUN_ALONE] = True
+    return TrialEnd(TrialStatus.ERROR, metrics, f"{one_line(reason)}\n{tail}", FailureCause.MACHINE)

@@ -144,12 +144,14 @@ class TrialNodeHost:
         lingered: float | None = None,
         every_rank_here: bool = True,
         on_gpu: bool = False,
+        shared: bool = False,
     ) -> dict[str, Any]:
         """What the process left behind, classified as the local runner classifies it, once
         what it left running on this node is stopped. ``lingered``: dsat stopped it that long
         after it wrote its result. ``every_rank_here``: the trial ran on this node alone, so its
         launcher's summary names every rank that failed. ``on_gpu``: it ran on this node's GPUs
-        (an OOM of the node's own memory is then not the GPUs')."""
+        (an OOM of the node's own memory is then not the GPUs'). ``shared``: other trials ran
+        on this node beside it (an OOM of the node's memory is then the machine's)."""
         notes = [
             stopped_note(self.directory, timed_out, timeout, lingered),
             strays_note(stop_strays(self.directory / HPARAMS_FILE)),
@@ -166,6 +168,7 @@ class TrialNodeHost:
             oom_killed_since(self.oom_kills_at_start),
             every_rank_here=every_rank_here,
             on_gpu=on_gpu,
+            shared=shared,
         )
         cause = None if end.cause is None else end.cause.value
         return {

@@ -29,8 +29,10 @@ from dsat.constants import (
     ENV_HPARAMS_FILE,
     ENV_RESULTS_DIR,
     ENV_TRIAL_LENGTH,
+    MEMORY_RAN_OUT,
     METRICS_FILE,
     MODEL_INFO_FILE,
+    RUN_ALONE,
     TRIAL_OUTCOME_FILE,
 )
 from dsat.errors import DsatError
@@ -95,6 +97,15 @@ class RayTrial:
     # Bytes of each node's log already in ``logs/`` (they come back while it runs), and when.
     log_here: list[int] = dataclasses.field(default_factory=list)
     logs_read: float = 0.0
+    shared: bool = False  # another trial ran on one of its nodes at some time (classify)
+
+
+def note_shared_nodes(trial: RayTrial, running: Collection[RayTrial]) -> None:
+    """Mark ``trial`` and the ``running`` trials that share a node with it: an OOM of that
+    node's memory is then the machine's (``trial_outcome.classify``)."""
+    for other in running:
+        if other is not trial and set(other.nodes) & set(trial.nodes):
+            other.shared = trial.shared = True
 
 
 def ran_out_of_host_memory(err: Exception) -> bool:
@@ -449,6 +460,7 @@ class RayRunner:
             )
         directories = ray.get([host.prepare.remote(self.archive, files) for host in trial.hosts])
         trial.nodes = [node_id for node_id, *_ in nodes]
+        note_shared_nodes(trial, self.running.values())
         master_addr = nodes[0][1] if layout.nodes > 1 else "127.0.0.1"
         ports = ray.get(trial.hosts[0].free_ports.remote(3))
         threads = self._threads()
@@ -550,9 +562,19 @@ class RayRunner:
         node ran low on host memory: out of memory, as the kernel's OOM killer is on the local
         runner, not a lost node."""
         reason = "out of host memory: Ray's memory monitor stopped the trial on its node"
-        return self._ended_by_ray(
-            trial, TrialStatus.OOM, f"{reason} ({last_line(str(err))})", FailureCause.CONFIG
-        )
+        metrics: dict[str, Any] = {MEMORY_RAN_OUT: "host"} if self.layout.resource != "CPU" else {}
+        if trial.shared:
+            reason = (
+                "the host's memory ran out while other trials shared its node: Ray's memory "
+                "monitor stopped it"
+            )
+            error = f"{reason} ({last_line(str(err))})"
+            metrics[RUN_ALONE] = True
+            return self._ended_by_ray(
+                trial, TrialStatus.ERROR, error, FailureCause.MACHINE, metrics
+            )
+        error = f"{reason} ({last_line(str(err))})"
+        return self._ended_by_ray(trial, TrialStatus.OOM, error, FailureCause.CONFIG, metrics)
 
     def _node_failed(self, trial: RayTrial, err: Exception) -> TrialOutcome:
         """A step of the trial's actor raised on its node: the machine's fault, not the
@@ -564,7 +586,12 @@ class RayRunner:
         )
 
     def _ended_by_ray(
-        self, trial: RayTrial, status: TrialStatus, error: str, cause: FailureCause
+        self,
+        trial: RayTrial,
+        status: TrialStatus,
+        error: str,
+        cause: FailureCause,
+        metrics: dict[str, Any] | None = None,
     ) -> TrialOutcome:
         """The trial's end as Ray said it (not as its processes exited): what still runs of it
         is stopped, the logs that can be read come back, its actors and group go."""
@@ -576,7 +603,7 @@ class RayRunner:
         return TrialOutcome(
             trial.request_id,
             status,
-            {},
+            metrics or {},
             error,
             start,
             self.now(),
@@ -621,6 +648,7 @@ class RayRunner:
                     lingered if rank == 0 else None,
                     len(trial.hosts) == 1,
                     self.layout.resource != "CPU",
+                    trial.shared,
                 )
                 for rank, host in enumerate(trial.hosts)
             ]

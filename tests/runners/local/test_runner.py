@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 from dsat.cli import parse_settings
+from dsat.constants import RUN_ALONE
 from dsat.runners.local import log_cap
 from dsat.runners.local.runner import WARM_TRIAL_MARK, LocalRunner, free_ports
 from dsat.runners.local.setup import hosts_trials
@@ -37,12 +38,13 @@ def local_runner(
     warm: bool = True,
     environ_extra: dict[str, str] | None = None,
     trial_host: bool = False,
+    slots: int = 1,
 ) -> LocalRunner:
     model = tmp_path / "model"
     model.mkdir(exist_ok=True)
     (model / "job.py").write_text(script)
     environ = {"PATH": os.environ["PATH"], "CUDA_VISIBLE_DEVICES": "", **(environ_extra or {})}
-    pool = SlotPool.for_machine(1, 1, environ)
+    pool = SlotPool([f"cpu{i}" for i in range(slots)], on_gpu=False)
     return LocalRunner(
         ["python3", "job.py"],
         model,
@@ -365,3 +367,39 @@ def test_a_trial_that_printed_too_much_keeps_the_ends_of_its_log(
     text = log.read_text()
     assert len(text) < 100 * 1024 and "output cut here" in text
     assert text.startswith("$ ") and "step 0 " in text and "step 19999 " in text
+
+
+HOST_OOM_AFTER = """
+import json, os, sys, time
+hparams = json.load(open(os.environ["DSAT_HPARAMS_FILE"]))
+time.sleep(hparams["seconds"])
+if hparams["oom"]:
+    sys.stderr.write("RuntimeError: [enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: "
+                     "can't allocate memory: you tried to allocate 8 GB\\n")
+    sys.exit(1)
+json.dump({"status": "completed", "values": {"throughput": 1.0}},
+          open("dsat_trial_outcome.json", "w"))
+"""
+
+
+def test_the_hosts_memory_running_out_beside_another_trial_is_the_machines_until_alone(
+    tmp_path: Path,
+) -> None:
+    """Whichever of the two started first; alone, the same configuration is its own OOM."""
+    ex = local_runner(tmp_path, HOST_OOM_AFTER, slots=2)
+    try:
+        ex.start(RID.format(1), {"seconds": 0.5, "oom": True}, {}, 5)
+        ex.start(RID.format(2), {"seconds": 2.0, "oom": False}, {}, 5)
+        beside = ex.wait()
+        assert (beside.request_id, beside.status) == (RID.format(1), TrialStatus.ERROR)
+        assert beside.cause is FailureCause.MACHINE and beside.metrics == {RUN_ALONE: True}
+        assert beside.error is not None and beside.error.startswith(
+            "the host's memory ran out while other trials shared this machine ("
+        )
+        assert ex.wait().status is TrialStatus.COMPLETED
+        ex.start(RID.format(3), {"seconds": 0.0, "oom": True}, {}, 5)
+        alone = ex.wait()
+        assert (alone.status, alone.cause) == (TrialStatus.OOM, FailureCause.CONFIG)
+        assert alone.metrics == {}
+    finally:
+        ex.close()

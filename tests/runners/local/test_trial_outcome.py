@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dsat.constants import CONFIG_NOT_TAKEN, MEMORY_RAN_OUT, TRIAL_OUTCOME_FILE
+from dsat.constants import CONFIG_NOT_TAKEN, MEMORY_RAN_OUT, RUN_ALONE, TRIAL_OUTCOME_FILE
 from dsat.runners.local.trial_outcome import classify, oom_kill_count, oom_killed_since
 from dsat.trial import TrialStatus
 from dsat.trial_failure import FailureCause
@@ -179,6 +179,17 @@ def test_an_oom_of_the_hosts_memory_on_a_gpu_trial_says_so(
     assert on_gpu.metrics == ({MEMORY_RAN_OUT: "host"} if host else {})
     on_cpu = classify(tmp_path, path, code, False, 60, oom_killed=True)
     assert on_cpu.status is TrialStatus.OOM and on_cpu.metrics == {}
+    # Beside other trials, the host's memory running out blames the machine: it runs again alone.
+    for gpu in (True, False):
+        shared = classify(tmp_path, path, code, False, 60, oom_killed=True, on_gpu=gpu, shared=True)
+        if not host:  # the GPU's own memory is the trial's alone
+            assert (shared.status, shared.cause) == (TrialStatus.OOM, FailureCause.CONFIG)
+            continue
+        assert (shared.status, shared.cause) == (TrialStatus.ERROR, FailureCause.MACHINE)
+        assert shared.metrics[RUN_ALONE] is True
+        assert shared.error is not None and shared.error.startswith(
+            "the host's memory ran out while other trials shared this machine ("
+        )
 
 
 def test_a_timeout_says_so_first(tmp_path: Path) -> None:

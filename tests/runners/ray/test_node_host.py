@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from dsat.constants import MEMORY_RAN_OUT, RUN_ALONE
 from dsat.runners.local.entrypoint import NODE_PYTHON, trial_command
 from dsat.runners.ray.model_archive import model_archive
 from dsat.runners.ray.node_host import TrialNodeHost
+from dsat.runners.ray.runner import RayTrial, note_shared_nodes
 
 
 def test_a_command_built_on_the_driver_runs_with_the_nodes_own_interpreter(
@@ -77,3 +79,50 @@ def test_the_version_a_node_reports_is_every_module_of_its_dsat(tmp_path: Path) 
     reporting = other / "dsat" / "training" / "reporting.py"
     reporting.write_text(reporting.read_text() + "\n# another version\n")
     assert version(other) != version(package.parent)
+
+
+HOST_OOM = """
+import sys
+sys.stderr.write("RuntimeError: [enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: "
+                 "can't allocate memory: you tried to allocate 8 GB\\n")
+sys.exit(1)
+"""
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_node_whose_memory_ran_out_beside_other_trials_blames_the_machine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shared: bool
+) -> None:
+    """As on the local runner: alone, the configuration's OOM; beside others, run it alone."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "job.py").write_text(HOST_OOM)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "node-tmp"))
+    (tmp_path / "node-tmp").mkdir()
+    host = TrialNodeHost("search/001-node0")
+    host.prepare(model_archive(model, (), tmp_path / "results"), {})
+    host.start(trial_command(["python3", "job.py"], 1, 0, python=NODE_PYTHON), {})
+    deadline = time.monotonic() + 60
+    while host.poll() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    outcome = host.outcome(False, 60, on_gpu=True, shared=shared)
+    host.clean()
+    if shared:
+        assert (outcome["status"], outcome["cause"]) == ("error", "machine")
+        assert outcome["metrics"] == {MEMORY_RAN_OUT: "host", RUN_ALONE: True}
+    else:
+        assert (outcome["status"], outcome["cause"]) == ("oom", "config")
+        assert outcome["metrics"] == {MEMORY_RAN_OUT: "host"}
+
+
+def test_trials_on_one_node_are_marked_as_sharing_it_and_others_are_not() -> None:
+    def placed(*nodes: str) -> RayTrial:
+        return RayTrial("r", "001-r", {}, 1, None, None, nodes=list(nodes))
+
+    first, second, elsewhere = placed("a"), placed("b", "a"), placed("c")
+    note_shared_nodes(first, [first])
+    note_shared_nodes(elsewhere, [first, elsewhere])
+    assert not first.shared and not elsewhere.shared
+    note_shared_nodes(second, [first, elsewhere, second])
+    assert first.shared and second.shared and not elsewhere.shared
