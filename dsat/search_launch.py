@@ -84,7 +84,7 @@ from dsat.runners.local.runner import copy_ignore
 from dsat.runners.local.setup import OPS_LOG, LocalSetup
 from dsat.runners.ray.setup import RaySetup
 from dsat.runners.simulated.setup import SimulatedSetup
-from dsat.runners.trial_runner import RunnerSetup, RunnerStopped, TrialRunner
+from dsat.runners.trial_runner import EndedSearchRunner, RunnerSetup, RunnerStopped, TrialRunner
 from dsat.search.baseline import (
     against_yours_said,
     described_with_knobs,
@@ -95,7 +95,7 @@ from dsat.search.baseline import (
 from dsat.search.ending import no_search_trial_succeeded, repeated_failure
 from dsat.search.method import DsatSearchMethod
 from dsat.search.trial_builder import SearchSpec
-from dsat.search_run import best_config_path, run_search
+from dsat.search_run import best_config_path, resumes_without_trials, run_search
 from dsat.training.hf_args import HF_DS_FLAG, checkpointing_flags
 from dsat.training.step_clock import measured_window
 from dsat.trial import TrialRecord
@@ -458,7 +458,7 @@ def launch(settings: SearchSettings, environ: Mapping[str, str]) -> None:
                         f"{flag} {shown(plan.results_dir)} already holds a search; choose another "
                         "directory"
                     )
-                search_here(plan, open_runner(plan))
+                search_here(plan, ended_search_runner(plan) or open_runner(plan))
             return
         except DirectoryInUse:
             if not chosen:
@@ -508,6 +508,26 @@ def print_experiment(plan: LaunchPlan, where_results_go: str) -> None:
         )
     for note in plan.notes:
         print(note)
+
+
+def ended_search_runner(plan: LaunchPlan) -> TrialRunner | None:
+    """Where a resume runs no trial (the search had ended, and no full run is asked): a runner
+    that opens nothing. A plain --resume of a Ray search needed its cluster up to write the
+    report again; a local one built DeepSpeed's ops and waited for slots."""
+    settings = plan.settings
+    if settings.resume is None or settings.run_full_experiment:
+        return None
+    if plan.runner is RunnerKind.SIMULATED:  # nothing to open
+        return None
+    if not resumes_without_trials(settings, search_spec(plan.experiment), plan.results_dir):
+        return None
+    try:
+        kinds = {
+            str(row.get("slot_kind")) for row in read_trial_rows(plan.results_dir / TRIALS_FILE)
+        }
+    except (OSError, ValueError):
+        kinds = set()
+    return EndedSearchRunner(kinds.pop() if len(kinds) == 1 else "GPU")
 
 
 def open_runner(plan: LaunchPlan) -> TrialRunner:

@@ -161,5 +161,17 @@ def run_search(
     return method
 
 
+def resumes_without_trials(settings: SearchSettings, spec: SearchSpec, results_dir: Path) -> bool:
+    """Whether resuming the search in ``results_dir`` starts no trial: it had ended, and a
+    resume only writes its summary and report again (``EndedSearchRunner``)."""
+    method = make_search_method(MethodSettings.from_settings(settings, None), spec)
+    try:
+        load_state_json(method, json.loads((results_dir / STATE_FILE).read_text()))
+    except (OSError, KeyError, TypeError, ValueError):
+        return False  # run_search says what is wrong with it
+    method.resume()
+    return method.suggest() is None and method.finished
+
+
 def best_config_path(results_dir: Path) -> Path:
     return results_dir / BEST_CONFIG_FILE

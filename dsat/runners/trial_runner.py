@@ -69,3 +69,35 @@ class TrialRunner(Protocol):
 class RunnerSetup(Protocol):
     def open(self, results_dir: Path) -> TrialRunner:
         """The runner, ready for trials whose files go under ``results_dir``."""
+
+
+class EndedSearchRunner:
+    """The runner of a resume that runs no trial (the search had ended; a plain ``--resume``
+    writes its report again): nothing is opened, so a Ray cluster need not be up, nor DeepSpeed's
+    ops built, nor this machine's slots free."""
+
+    slot_limit = None
+    takes_real_time = True
+
+    def __init__(self, slot_kind: str) -> None:
+        self.slot_kind = slot_kind
+
+    def start(
+        self, request_id: str, hparams: dict[str, Any], ds_config: dict[str, Any], length: int
+    ) -> None:
+        raise RuntimeError("a search that had ended started a trial on its resume")
+
+    def wait(self) -> TrialOutcome:
+        raise RuntimeError("a search that had ended waited for a trial on its resume")
+
+    def running_count(self) -> int:
+        return 0
+
+    def stop_all(self) -> None:
+        """Nothing runs."""
+
+    def close(self) -> None:
+        """Nothing is held."""
+
+    def run_full_experiment(self, hparams: dict[str, Any]) -> None:
+        raise RuntimeError("the full run needs the search's own runner")

@@ -19,6 +19,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Collection
 from pathlib import Path
@@ -73,6 +74,7 @@ COPY_NOTE_MB = 100  # what the full run wrote is said before it comes back from 
 SAME_DSAT = "install dsat with its ray extra on every node, the same version as here"
 COPY_CHUNK = 8 << 20  # what the full run wrote comes back in pieces of this size
 KEPT_FILES = [TRIAL_OUTCOME_FILE, METRICS_FILE, MODEL_INFO_FILE, HPARAMS_FILE]
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")  # the colours Ray's remote tracebacks carry
 
 
 @dataclasses.dataclass
@@ -581,9 +583,14 @@ class RayRunner:
         config's; its other nodes are stopped and the search runs it again."""
         cause = getattr(err, "cause", None) or err
         error = f"a node of this trial failed to run it: {type(cause).__name__}: "
-        return self._ended_by_ray(
+        outcome = self._ended_by_ray(
             trial, TrialStatus.ERROR, error + last_line(str(cause)), FailureCause.MACHINE
         )
+        # The step may have failed before the trial's processes wrote anything (unpacking the
+        # model dir): the log the outcome names then holds what the node said, whole.
+        with contextlib.suppress(OSError), open(outcome.log or os.devnull, "a") as log:
+            log.write(f"\ndsat: {error}\n{ANSI_ESCAPE.sub('', str(err))}\n")
+        return outcome
 
     def _ended_by_ray(
         self,

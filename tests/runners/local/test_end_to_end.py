@@ -504,3 +504,9 @@ def test_sigint_stops_every_trial_and_resume_finishes(tmp_path: Path) -> None:
     # The resumed run's trials come after the first run's on the search's clock.
     ends = [row["end"] for row in trials(results) + trials(results, confirmations=True)]
     assert ends == sorted(ends) and rows[1]["start"] >= rows[0]["end"]
+    # Once it has ended, a plain resume writes the report again and opens no runner: it neither
+    # claims this machine's slots (waiting for another search's) nor builds DeepSpeed's ops.
+    again = dsat(*args, "--resume", str(results))
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "slot(s) on this machine" not in again.stdout and "report:" in again.stdout
+    assert trials(results) == rows

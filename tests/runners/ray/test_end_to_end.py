@@ -109,6 +109,10 @@ def test_a_guided_search_on_the_cluster_hands_over_a_config_with_its_report(
     assert_no_placement_group_left()
     # Nothing of the search stays on the nodes (which share this host's temporary directory).
     assert not (Path(tempfile.gettempdir()) / NODE_ROOT / node_search_name(results)).exists()
+    # A plain resume of the ended search writes its report again without the cluster.
+    again = dsat("guided", "--resume", str(results), "--ray-address", "127.0.0.1:9")
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "report:" in again.stdout and trials(results) == rows
 
 
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
