@@ -138,6 +138,34 @@ def yours_handed_over(method: DsatSearchMethod) -> bool:
     return (handed.zero_key, handed.mbs, handed.gas) == (mine.zero_key, mine.mbs, mine.gas)
 
 
+# A run whose mean step time is known only to this (its standard error, relative) or worse: its
+# steps varied as on a busy machine (another job on the cores, a throttled GPU).
+UNSTEADY_RUN = 0.10
+
+
+def baseline_stderr(method: DsatSearchMethod) -> float:
+    """How well the user's config's run knew its own mean step time (``step_time_stderr``,
+    relative; 0 where it did not say): one run is all the comparison has of it."""
+    baseline = baseline_run(method)
+    value = None if baseline is None else baseline.metrics.get("step_time_stderr")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return 0.0
+    return float(value) if math.isfinite(value) and value > 0 else 0.0
+
+
+def unsteady_baseline_said(method: DsatSearchMethod) -> str | None:
+    """Where the user's config's run was unsteady (``UNSTEADY_RUN``), that the ratio against it
+    is rough: a baseline measured while something else used the machine read 700x slower than
+    the hand-over, and was compared as if it were exact."""
+    stderr = baseline_stderr(method)
+    if stderr < UNSTEADY_RUN:
+        return None
+    return (
+        f"your config's run was unsteady (its mean step time known only to +/-{stderr:.0%}: "
+        "was the machine busy?), so this ratio is rough"
+    )
+
+
 def against_yours_said(method: DsatSearchMethod) -> str | None:
     """Where the hand-over and the user's own config measured within the noise of each other, or
     the user's measured faster, what that means, in plain words (None where the hand-over is
@@ -147,14 +175,15 @@ def against_yours_said(method: DsatSearchMethod) -> str | None:
     if judged is None:
         return None
     speedup, beyond_noise, noise = judged
+    said = None
     if not beyond_noise:
-        return f"level with your config within the noise ({noise:.1%} a run)"
-    if speedup >= 1:
-        return None
-    return (
-        f"your config measured faster, by more than the noise ({noise:.1%} a run): keep it, "
-        f"or start a longer search (--max-trials, {method.settings.max_trials} here)"
-    )
+        said = f"level with your config within the noise ({noise:.1%} a run)"
+    elif speedup < 1:
+        said = (
+            f"your config measured faster, by more than the noise ({noise:.1%} a run): keep it, "
+            f"or start a longer search (--max-trials, {method.settings.max_trials} here)"
+        )
+    return "; ".join(part for part in (said, unsteady_baseline_said(method)) if part) or None
 
 
 def yours_clearly_faster(method: DsatSearchMethod) -> bool:
@@ -167,7 +196,8 @@ def yours_clearly_faster(method: DsatSearchMethod) -> bool:
 def _against_yours(method: DsatSearchMethod) -> tuple[float, bool, float] | None:
     """The hand-over's speed-up over the user's config, whether it is more than the noise either
     way, and that noise (one run's, as this search's repeated runs showed it), judged with the
-    mean of the hand-over's runs against the one run of the user's config. None without both."""
+    mean of the hand-over's runs against the one run of the user's config, whose own unsteadiness
+    (``baseline_stderr``) adds to it. None without both."""
     speedup = speedup_over_yours(method)
     handed = method.tracker.best()
     if speedup is None or handed is None:
@@ -175,7 +205,8 @@ def _against_yours(method: DsatSearchMethod) -> tuple[float, bool, float] | None
     tracker = method.tracker
     noise = relative_noise([], repeated_measurements(tracker))
     runs = max(1, len(measurements(tracker, handed)))
-    return speedup, abs(math.log(speedup)) > 2 * noise * math.sqrt(1 + 1 / runs), noise
+    spread = math.sqrt(noise**2 * (1 + 1 / runs) + baseline_stderr(method) ** 2)
+    return speedup, abs(math.log(speedup)) > 2 * spread, noise
 
 
 def baseline_line(method: DsatSearchMethod) -> str:

@@ -116,6 +116,45 @@ def test_a_hand_over_slower_than_the_users_config_says_whether_that_is_the_noise
     assert "pass it as your DeepSpeed config" in closing_lines(method, tmp_path, False)[2]
 
 
+def test_an_unsteady_run_of_the_users_config_is_said_and_widens_the_noise(tmp_path: Path) -> None:
+    """A baseline measured while another job shared the cores read 700x slower than the
+    hand-over, its step time known to +/-42%, and was compared as if exact."""
+    method = search(tmp_path, USER)
+    tracker = method.tracker
+    (baseline,) = [r for r in tracker.records if r.kind is TrialKind.BASELINE]
+    handed = tracker.best()
+    assert handed is not None
+    theirs = tracker.mean_of_runs(handed)
+    assert theirs is not None
+
+    def measured_at(ratio: float, stderr: float) -> str:
+        flops = float(baseline.metrics["FLOPS_per_gpu"])
+        rate = float(baseline.metrics["throughput"])
+        scale = ratio * theirs / flops
+        metrics = {
+            **baseline.metrics,
+            "FLOPS_per_gpu": flops * scale,
+            "throughput": rate * scale,
+            "step_time_stderr": stderr,
+        }
+        tracker.mark_finished(baseline.request_id, baseline.status, metrics)
+        return baseline_line(method)
+
+    steady = measured_at(1 / 1.3, 0.01)  # 1.30x, the steps steady: a gain, nothing to add
+    assert steady.startswith("1.30x your config") and ";" not in steady
+    unsteady = measured_at(1 / 1.3, 0.42)
+    assert unsteady.startswith("1.30x your config")
+    assert unsteady.endswith(
+        "; level with your config within the noise (1.5% a run); your config's run was unsteady "
+        "(its mean step time known only to +/-42%: was the machine busy?), so this ratio is rough"
+    )
+    found = closing_lines(method, tmp_path, False)[0]
+    assert "your config's run was unsteady" in found
+    far = measured_at(1 / 700, 0.42)  # beyond even that noise: the gain stands, said as rough
+    assert far.startswith("700.00x your config") and "level with" not in far
+    assert far.endswith("so this ratio is rough")
+
+
 def test_a_hand_over_that_is_the_users_own_config_says_so(tmp_path: Path) -> None:
     """Where the search hands over the user's own configuration, "1.00x your config: ZeRO-1
     micro-batch 8 -> ZeRO-1 micro-batch 8" reads as a different configuration found; the lines
