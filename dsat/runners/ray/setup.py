@@ -40,6 +40,9 @@ INSTALL_HINT = (
 FORWARDED_VARIABLES = ("DS_ACCELERATOR",)
 CONNECT_TIMEOUT_S = 5.0
 ARCHIVE_WARNING_BYTES = 200 * 2**20
+CLUSTER_REPORTS_LOG = (
+    "ray-cluster.log"  # in logs/: what the cluster reported (keep_cluster_reports_in)
+)
 # An address that answers but is not a Ray head's GCS (the dashboard's 8265, the client's 10001)
 # keeps ray.init retrying for minutes, saying only that the GCS did not answer.
 CONNECT_NOTE_S = 20.0
@@ -193,6 +196,7 @@ class RaySetup:
             self.address or "a Ray instance started on this machine",
         )
         print(f"dsat: {timeout.describe()}")
+        keep_cluster_reports_in(results_dir / "logs" / CLUSTER_REPORTS_LOG)
         return runner
 
 
@@ -296,6 +300,31 @@ def open_runner(
         timeout,
         environ,
     )
+
+
+def keep_cluster_reports_in(path: Path) -> None:
+    """What the cluster's raylets report to the driver (a node dying: some 45 lines of its state)
+    goes to ``path``, not between dsat's lines on the terminal, where Ray's error listener prints
+    it whatever ``log_to_driver`` says; dsat says itself what a lost node means for the search.
+    Ray's printing function is a private one: where it is not there, Ray prints as before."""
+    import ray._private.worker as ray_worker
+
+    printing = getattr(ray_worker, "print_to_stdstream", None)
+    printing = getattr(printing, "ray_prints", printing)  # a later search's: its own file
+    if printing is None:
+        return
+
+    def keep(data: Any, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(data, dict) or data.get("pid") != "raylet":
+            return printing(data, *args, **kwargs)
+        with contextlib.suppress(OSError):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("a", encoding="utf-8", errors="replace") as log:
+                log.writelines(f"{line}\n" for line in data.get("lines", []))
+        return None
+
+    keep.ray_prints = printing  # type: ignore[attr-defined]
+    ray_worker.print_to_stdstream = keep
 
 
 def node_search_name(results_dir: Path) -> str:

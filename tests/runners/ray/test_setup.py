@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +19,7 @@ from dsat.runners.ray.setup import (
     NOT_THE_GCS,
     answers_http2,
     check_address,
+    keep_cluster_reports_in,
     slow_connect_note,
 )
 
@@ -114,3 +116,22 @@ def test_a_connect_that_never_ends_is_given_up_as_a_usage_error() -> None:
     ]
     quick = "from dsat.runners.ray.setup import connect_deadline\nwith connect_deadline('h:1'):\n    pass"
     assert subprocess.run([sys.executable, "-c", quick], check=False).returncode == 0
+
+
+def test_what_the_cluster_reports_goes_to_a_log_not_between_dsats_lines(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A node that died put some 45 lines of its raylet's state on the terminal, between dsat's
+    own lines, though log_to_driver was off: Ray's error listener prints them itself."""
+    import ray._private.worker as ray_worker
+
+    monkeypatch.setattr(ray_worker, "print_to_stdstream", ray_worker.print_to_stdstream)
+    keep_cluster_reports_in(tmp_path / "first.log")
+    keep_cluster_reports_in(tmp_path / "logs" / "ray-cluster.log")  # a later search's own
+    report = {"lines": ["node 3f2a died", "state dump"], "pid": "raylet", "is_err": False}
+    ray_worker.print_to_stdstream(report, ignore_prefix=False)  # as the listener calls it
+    ray_worker.print_to_stdstream({**report, "pid": 4242, "lines": ["a task's print"]}, False)
+    out = capsys.readouterr().out
+    assert "died" not in out and "state dump" not in out and "a task's print" in out
+    kept = (tmp_path / "logs" / "ray-cluster.log").read_text()
+    assert kept == "node 3f2a died\nstate dump\n" and not (tmp_path / "first.log").exists()
