@@ -45,8 +45,8 @@ class StartedTrial:
 
     @property
     def runs_alone(self) -> bool:
-        """Its last run failed for the host's memory beside other trials: it runs alone."""
-        return bool(self.machine_failed and self.machine_failed[-1].metrics.get(RUN_ALONE))
+        """A run of it failed for the host's memory beside other trials: it runs alone."""
+        return any(run.metrics.get(RUN_ALONE) for run in self.machine_failed)
 
 
 @dataclasses.dataclass(frozen=True)
