@@ -90,6 +90,9 @@ class DsatSearchMethod(SearchMethod):
         self._outcome_pending = False
         self._interrupted: set[str] = set()  # running when the search stopped, put back by resume
         self._finished = False
+        # The precision worked out from the model profile's record (records are frozen: a new
+        # one, or none, is worked out again).
+        self._precision_of: tuple[TrialRecord | None, Precision] | None = None
 
     # ------------------------------------------------------------------ the protocol
 
@@ -323,8 +326,13 @@ class DsatSearchMethod(SearchMethod):
     def precision(self) -> Precision:
         """What the trials run at: the model profile's report, else the user's config."""
         record = self.tracker.model_profile
+        known = self._precision_of
+        if known is not None and known[0] is record:  # asked for every memory estimate
+            return known[1]
         metrics = record.metrics if record is not None else {}
-        return Precision.of_run(metrics, self.spec.ds_config)
+        precision = Precision.of_run(metrics, self.spec.ds_config)
+        self._precision_of = (record, precision)
+        return precision
 
     @property
     def profile(self) -> ModelProfile | None:

@@ -46,8 +46,9 @@ class TrialTracker:
         self.memory_margin = memory_margin
         self._records: dict[str, TrialRecord] = {}
         self._keys: set[str] = set()
-        # The confirmation runs of each search trial, by its request id.
+        # The confirmation runs of each search trial, by its request id; the model profiles.
         self._confirmations: dict[str, list[str]] = {}
+        self._profiles: list[str] = []
         self.queue: list[str] = []
         self.trials_since_best = 0
         # The search trial the confirmation round chose, which is then the best there is.
@@ -77,7 +78,7 @@ class TrialTracker:
             return False
         self._keys.add(key)
         self._records[record.request_id] = record
-        self._index_confirmation(record)
+        self._index(record)
         self._note_flops(record)
         if queue:
             self.enqueue([record.request_id])
@@ -98,6 +99,8 @@ class TrialTracker:
         parent = _confirmed_parent(record)
         if parent is not None:
             self._confirmations[parent].remove(request_id)
+        if request_id in self._profiles:
+            self._profiles.remove(request_id)
         self.queue.remove(request_id)
 
     def requeue(self, request_ids: list[str]) -> None:
@@ -151,15 +154,18 @@ class TrialTracker:
         """The confirmation round's runs of the search trial ``request_id``."""
         return [self._records[i] for i in self._confirmations.get(request_id, ())]
 
-    def _index_confirmation(self, record: TrialRecord) -> None:
+    def _index(self, record: TrialRecord) -> None:
+        """Where a registered record is found again by what it is (its kind never changes)."""
         parent = _confirmed_parent(record)
         if parent is not None:
             self._confirmations.setdefault(parent, []).append(record.request_id)
+        if record.kind is TrialKind.MODEL_PROFILE:
+            self._profiles.append(record.request_id)
 
     @property
     def model_profiles(self) -> list[TrialRecord]:
         """Every model profile, in order: one per rung of the fit ladder the search climbed."""
-        return [r for r in self._records.values() if r.kind is TrialKind.MODEL_PROFILE]
+        return [self._records[i] for i in self._profiles]
 
     @property
     def model_profile(self) -> TrialRecord | None:
@@ -400,10 +406,11 @@ class TrialTracker:
         self._records = {}
         self._keys = set()
         self._confirmations = {}
+        self._profiles = []
         for item in data["records"]:
             record = TrialRecord.from_json(item)
             self._records[record.request_id] = record
-            self._index_confirmation(record)
+            self._index(record)
         self._keys = {
             config_key(r) for r in self._records.values() if not self.machine_failed_once(r)
         }
