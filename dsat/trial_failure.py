@@ -166,9 +166,10 @@ KNOWN_FAILURES: tuple[KnownFailure, ...] = (
 
 # The last line of a Python traceback (torch may prefix its processes' lines with [rankN]:).
 # A warning turned into an error (``warnings.filterwarnings("error")``) ends a traceback as
-# "DeprecationWarning: ..."; a warning only printed starts with its file's path instead.
+# "DeprecationWarning: ..."; a warning only printed starts with its file's path instead. A class
+# may be private (numpy's ``numpy.core._exceptions._ArrayMemoryError``).
 EXCEPTION_LINE = re.compile(
-    r"^(?:\[rank\d+\]:\s*)?((?:\w+\.)*[A-Z]\w*(?:Error|Exception|Warning)\b.*)$"
+    r"^(?:\[rank\d+\]:\s*)?((?:\w+\.)*_?[A-Z]\w*(?:Error|Exception|Warning)\b.*)$"
 )
 # Launchers' own summaries of a failed worker, which name no cause (torchrun's; accelerate's
 # and other wrappers' subprocess.CalledProcessError).

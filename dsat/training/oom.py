@@ -52,10 +52,21 @@ def allocator_says_out_of_memory(text: str) -> bool:
 
 
 # What only the host's memory running out says, in an OOM's one-line reason: torch's CPU
-# allocator, Python's MemoryError. (A process the kernel's OOM killer ended ran the host out too:
-# its runner knows that from how it died, not from its output.)
-HOST_MEMORY = re.compile(r"can't allocate memory|\bMemoryError\b")  # not OutOfMemoryError
+# allocator, Python's MemoryError, numpy's (``numpy.core._exceptions._ArrayMemoryError: Unable to
+# allocate ...``). (A process the kernel's OOM killer ended ran the host out too: its runner knows
+# that from how it died, not from its output.)
+HOST_MEMORY = re.compile(r"can't allocate memory|\b_?(?:Array)?MemoryError\b")  # not OutOfMemory...
+
+# An exception line of a MemoryError: Python's or numpy's, with its module or not, and with its
+# message or not (a bare ``MemoryError`` says nothing else). torch's OutOfMemoryError is not one.
+MEMORY_ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?(?:_ArrayMemoryError|MemoryError)(?::|$)")
 
 
 def host_memory_ran_out(reason: str) -> bool:
     return HOST_MEMORY.search(reason) is not None
+
+
+def memory_error_line(line: str) -> bool:
+    """Whether ``line`` (an exception that ended a process) is a MemoryError: out of memory
+    wherever it was raised, inside ``dsat_reporting_context`` or before it (data, model)."""
+    return MEMORY_ERROR_LINE.match(line.strip()) is not None

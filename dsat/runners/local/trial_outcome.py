@@ -25,6 +25,7 @@ from dsat.constants import (
 from dsat.training.oom import (
     allocator_says_out_of_memory,
     host_memory_ran_out,
+    memory_error_line,
     text_shows_out_of_memory,
 )
 from dsat.training.reporting import read_autotuning_result
@@ -193,7 +194,14 @@ def out_of_memory_line(text: str, code: int | None) -> str | None:
     each made a ValueError, a KeyError, a taken port or an exit the script chose an OOM of the
     configuration, and lowered its micro-batch ceiling."""
     final = final_exceptions(text, code)
-    found = next((line for _, line in reversed(final) if text_shows_out_of_memory(line)), None)
+    found = next(
+        (
+            line
+            for _, line in reversed(final)
+            if text_shows_out_of_memory(line) or memory_error_line(line)
+        ),
+        None,
+    )
     if found is not None:
         return found
     marker = next((line for line in text.splitlines() if OOM_MARKER in line), None)

@@ -160,6 +160,14 @@ def test_sigkill_tells_the_oom_killer_from_outside(tmp_path: Path) -> None:
             1,
             True,
         ),
+        # Raised before the reporting context (the data, the model): an error of no known kind.
+        ("Traceback (most recent call last):\nMemoryError\n", 1, True),
+        (
+            "Traceback (most recent call last):\nnumpy.core._exceptions._ArrayMemoryError: Unable "
+            "to allocate 8.00 GiB for an array with shape (1073741824,) and data type float64\n",
+            1,
+            True,
+        ),
         (
             "Traceback (most recent call last):\ntorch.OutOfMemoryError: CUDA out of memory. "
             "Tried to allocate 2.00 GiB\n",
