@@ -417,6 +417,11 @@ class TrialTracker:
         self.queue = list(data["queue"])
         self.trials_since_best = int(data["trials_since_best"])
         self.confirmed_id = data.get("confirmed_id")
+        # Ids that name no trial (a state edited by hand) failed later, in the search, as a
+        # KeyError's traceback; here they are a damaged state, in one line.
+        unknown = [i for i in [*self.queue, self.confirmed_id] if i is not None and i not in self]
+        if unknown:
+            raise ValueError(f"{unknown[0]!r} names no trial of the state's records")
         self._usable_stale = True
         self._flops_per_sample = None
         for record in self._records.values():

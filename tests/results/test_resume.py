@@ -178,6 +178,11 @@ def test_how_trials_start_may_change_on_resume(interrupted: tuple[Path, str]) ->
     assert json.loads((results / SETTINGS_FILE).read_text())["fresh_processes"] is True
 
 
+def tracker_edited(text: str, **changes: object) -> str:
+    state = json.loads(text)
+    return json.dumps({**state, "tracker": {**state["tracker"], **changes}})
+
+
 @pytest.mark.parametrize(
     ("name", "damage", "needle"),
     [
@@ -188,6 +193,9 @@ def test_how_trials_start_may_change_on_resume(interrupted: tuple[Path, str]) ->
             "'random', not 'asha'",
         ),
         (STATE_FILE, lambda text: json.dumps({**json.loads(text), "rng": 7}), "damaged"),
+        # Ids that name no trial: a KeyError's traceback, from inside the search.
+        (STATE_FILE, lambda text: tracker_edited(text, confirmed_id="nope"), "'nope' names no"),
+        (STATE_FILE, lambda text: tracker_edited(text, queue=["nope"]), "'nope' names no trial"),
         (
             STATE_FILE,
             lambda text: json.dumps({**json.loads(text), "version": 99}),
