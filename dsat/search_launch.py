@@ -540,11 +540,16 @@ def open_runner(plan: LaunchPlan) -> TrialRunner:
     except KeyboardInterrupt:
         settings = plan.settings
         if settings.resume is not None:
+            again = resume_command(settings.method, plan.results_dir)
+            what = "interrupted before the search went on (no trial had started)"
+            if settings.run_full_experiment:
+                again += " --run-full-experiment"  # without it, that command trains nothing
+                if resumes_without_trials(settings, search_spec(plan.experiment), plan.results_dir):
+                    what = (
+                        "interrupted before the full run started; the search had ended and is kept"
+                    )
             raise SearchInterrupted(
-                settings.method,
-                plan.results_dir,
-                "interrupted before the search went on (no trial had started); resume with: "
-                f"{resume_command(settings.method, plan.results_dir)}",
+                settings.method, plan.results_dir, f"{what}; resume with: {again}"
             ) from None
         logs = plan.results_dir / "logs"
         with contextlib.suppress(OSError):

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from dsat.cli import parse_settings
 from dsat.constants import OVERWRITE_KEY
 from dsat.experiment.config import load_experiment
 from dsat.results.resume import resume_command
@@ -21,8 +22,11 @@ from dsat.search.trial_builder import SearchSpec
 from dsat.search_launch import (
     FullRunInterrupted,
     LaunchPlan,
+    SearchInterrupted,
     SearchStopped,
     closing_lines,
+    open_runner,
+    plan_search,
     search_here,
 )
 from dsat.search_run import run_search
@@ -182,6 +186,33 @@ def test_ctrl_c_while_the_runner_gets_ready_keeps_nothing_and_says_to_run_again(
     assert not (tmp_path / "r").exists()
     monkeypatch.setattr(SimulatedSetup, "open", opened)
     assert main(argv) == 0  # the same command again
+
+
+def test_ctrl_c_before_the_full_run_of_an_ended_search_says_the_command_that_trains(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While it waited for slots another search held, it said "no trial had started" and a
+    command without --run-full-experiment: one that only writes the report again."""
+    from dsat.cli import main
+
+    results = tmp_path / "r"
+    assert main([*SIMULATED_ARGV, "--results-dir", str(results)]) == 0
+
+    def waiting(self: SimulatedSetup, results_dir: Path) -> Any:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(SimulatedSetup, "open", waiting)
+    # The simulator trains nothing, so the flag is refused before this point: it is set past it.
+    plan = plan_search(parse_settings(["asha", "--resume", str(results)]), {})
+    plan = dataclasses.replace(
+        plan, settings=dataclasses.replace(plan.settings, run_full_experiment=True)
+    )
+    with pytest.raises(SearchInterrupted) as stopped:
+        open_runner(plan)
+    assert str(stopped.value) == (
+        "interrupted before the full run started; the search had ended and is kept; "
+        f"resume with: {resume_command('asha', results)} --run-full-experiment"
+    )
 
 
 def test_ctrl_c_while_the_report_is_written_says_how_to_get_it(

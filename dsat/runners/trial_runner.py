@@ -77,7 +77,7 @@ class EndedSearchRunner:
     ops built, nor this machine's slots free."""
 
     slot_limit = None
-    takes_real_time = True
+    takes_real_time = False  # nothing runs: no progress, nor a resume line, to print
 
     def __init__(self, slot_kind: str) -> None:
         self.slot_kind = slot_kind
