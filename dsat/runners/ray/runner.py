@@ -583,9 +583,8 @@ class RayRunner:
         config's; its other nodes are stopped and the search runs it again."""
         cause = getattr(err, "cause", None) or err
         error = f"a node of this trial failed to run it: {type(cause).__name__}: "
-        outcome = self._ended_by_ray(
-            trial, TrialStatus.ERROR, error + last_line(str(cause)), FailureCause.MACHINE
-        )
+        error += last_line(str(cause))
+        outcome = self._ended_by_ray(trial, TrialStatus.ERROR, error, FailureCause.MACHINE)
         # The step may have failed before the trial's processes wrote anything (unpacking the
         # model dir): the log the outcome names then holds what the node said, whole.
         with contextlib.suppress(OSError), open(outcome.log or os.devnull, "a") as log:

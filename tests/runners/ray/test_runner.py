@@ -461,7 +461,7 @@ def test_a_step_that_fails_on_a_node_is_that_nodes_fault_in_its_own_words(
     assert runner.running_count() == 0
     # The log it names says so, with the node's traceback: it had pointed at an empty file.
     said = Path(outcome.log or "").read_text()
-    assert "a node of this trial failed to run it: BadZipFile" in said
+    assert f"dsat: {outcome.error.splitlines()[0]}" in said
     assert "TrialNodeHost.prepare()" in said and "File is not a zip file" in said
     assert "\x1b[" not in said
 
