@@ -71,6 +71,23 @@ def test_the_users_config_runs_once_after_the_profile_and_the_summary_compares(
     assert "1 baseline" in summary  # and in the cost
 
 
+def baseline_measured_at(method: DsatSearchMethod, ratio: float, **metrics: float) -> str:
+    """The summary's line once the user's config's run measured ``ratio`` times the mean of the
+    hand-over's runs (with ``metrics`` besides)."""
+    tracker = method.tracker
+    (baseline,) = [r for r in tracker.records if r.kind is TrialKind.BASELINE]
+    handed = tracker.best()
+    assert handed is not None
+    theirs = tracker.mean_of_runs(handed)
+    assert theirs is not None
+    flops = float(baseline.metrics["FLOPS_per_gpu"])
+    scale = ratio * theirs / flops
+    rate = float(baseline.metrics["throughput"]) * scale
+    measured = {**baseline.metrics, "FLOPS_per_gpu": flops * scale, "throughput": rate, **metrics}
+    tracker.mark_finished(baseline.request_id, baseline.status, measured)
+    return baseline_line(method)
+
+
 def test_a_hand_over_slower_than_the_users_config_says_whether_that_is_the_noise(
     tmp_path: Path,
 ) -> None:
@@ -80,21 +97,10 @@ def test_a_hand_over_slower_than_the_users_config_says_whether_that_is_the_noise
     Here the baseline's run is set 1% below, then 1% and 30% above the mean of the hand-over's
     runs."""
     method = search(tmp_path, USER)
-    tracker = method.tracker
-    (baseline,) = [r for r in tracker.records if r.kind is TrialKind.BASELINE]
-    handed = tracker.best()
-    assert handed is not None
-    theirs = tracker.mean_of_runs(handed)
-    assert theirs is not None
     assert baseline_line(method).count(";") == 0  # faster than the user's: nothing to add
 
     def measured_at(ratio: float) -> str:
-        flops = float(baseline.metrics["FLOPS_per_gpu"])
-        rate = float(baseline.metrics["throughput"])
-        scale = ratio * theirs / flops
-        metrics = {**baseline.metrics, "FLOPS_per_gpu": flops * scale, "throughput": rate * scale}
-        tracker.mark_finished(baseline.request_id, baseline.status, metrics)
-        return baseline_line(method)
+        return baseline_measured_at(method, ratio)
 
     # "1.01x your config" read as a gain the runs did not show.
     ahead = measured_at(0.99)
@@ -120,25 +126,9 @@ def test_an_unsteady_run_of_the_users_config_is_said_and_widens_the_noise(tmp_pa
     """A baseline measured while another job shared the cores read 700x slower than the
     hand-over, its step time known to +/-42%, and was compared as if exact."""
     method = search(tmp_path, USER)
-    tracker = method.tracker
-    (baseline,) = [r for r in tracker.records if r.kind is TrialKind.BASELINE]
-    handed = tracker.best()
-    assert handed is not None
-    theirs = tracker.mean_of_runs(handed)
-    assert theirs is not None
 
     def measured_at(ratio: float, stderr: float) -> str:
-        flops = float(baseline.metrics["FLOPS_per_gpu"])
-        rate = float(baseline.metrics["throughput"])
-        scale = ratio * theirs / flops
-        metrics = {
-            **baseline.metrics,
-            "FLOPS_per_gpu": flops * scale,
-            "throughput": rate * scale,
-            "step_time_stderr": stderr,
-        }
-        tracker.mark_finished(baseline.request_id, baseline.status, metrics)
-        return baseline_line(method)
+        return baseline_measured_at(method, ratio, step_time_stderr=stderr)
 
     steady = measured_at(1 / 1.3, 0.01)  # 1.30x, the steps steady: a gain, nothing to add
     assert steady.startswith("1.30x your config") and ";" not in steady
