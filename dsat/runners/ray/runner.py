@@ -563,20 +563,19 @@ class RayRunner:
         """Ray's memory monitor stopped the trial's actor (and with it the trial) because its
         node ran low on host memory: out of memory, as the kernel's OOM killer is on the local
         runner, not a lost node."""
-        reason = "out of host memory: Ray's memory monitor stopped the trial on its node"
+        said = last_line(str(err))
         metrics: dict[str, Any] = {MEMORY_RAN_OUT: "host"} if self.layout.resource != "CPU" else {}
-        if trial.shared:
-            reason = (
-                "the host's memory ran out while other trials shared its node: Ray's memory "
-                "monitor stopped it"
+        if not trial.shared:
+            error = (
+                f"out of host memory: Ray's memory monitor stopped the trial on its node ({said})"
             )
-            error = f"{reason} ({last_line(str(err))})"
-            metrics[RUN_ALONE] = True
-            return self._ended_by_ray(
-                trial, TrialStatus.ERROR, error, FailureCause.MACHINE, metrics
-            )
-        error = f"{reason} ({last_line(str(err))})"
-        return self._ended_by_ray(trial, TrialStatus.OOM, error, FailureCause.CONFIG, metrics)
+            return self._ended_by_ray(trial, TrialStatus.OOM, error, FailureCause.CONFIG, metrics)
+        metrics[RUN_ALONE] = True  # as trial_outcome.classify says it of the local runner's
+        error = (
+            "the host's memory ran out while other trials shared its node: Ray's memory monitor "
+            f"stopped it ({said})"
+        )
+        return self._ended_by_ray(trial, TrialStatus.ERROR, error, FailureCause.MACHINE, metrics)
 
     def _node_failed(self, trial: RayTrial, err: Exception) -> TrialOutcome:
         """A step of the trial's actor raised on its node: the machine's fault, not the

@@ -40,9 +40,8 @@ INSTALL_HINT = (
 FORWARDED_VARIABLES = ("DS_ACCELERATOR",)
 CONNECT_TIMEOUT_S = 5.0
 ARCHIVE_WARNING_BYTES = 200 * 2**20
-CLUSTER_REPORTS_LOG = (
-    "ray-cluster.log"  # in logs/: what the cluster reported (keep_cluster_reports_in)
-)
+# In logs/: what the cluster's raylets reported to the driver (keep_cluster_reports_in).
+CLUSTER_REPORTS_LOG = "ray-cluster.log"
 # An address that answers but is not a Ray head's GCS (the dashboard's 8265, the client's 10001)
 # keeps ray.init retrying for minutes, saying only that the GCS did not answer.
 CONNECT_NOTE_S = 20.0
