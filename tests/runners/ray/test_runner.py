@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dsat.constants import OVERWRITE_KEY
+from dsat.constants import MEMORY_RAN_OUT, OVERWRITE_KEY, RUN_ALONE
 from dsat.errors import DsatError
 from dsat.experiment.config import load_experiment
 from dsat.runners.local.entrypoint import entrypoint_tokens
@@ -617,6 +617,35 @@ def test_ray_s_memory_monitor_is_out_of_memory_not_a_lost_node() -> None:
         RayActorError(error_msg="The actor died: the node was running low on memory.")
     )
     assert not ran_out_of_host_memory(ActorDiedError())  # a node gone: its own case
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_ray_s_memory_monitor_beside_other_trials_on_the_node_is_the_machines(
+    ray_cluster: RayTestCluster, tmp_path: Path, shared: bool
+) -> None:
+    """As on the local runner: alone on its node, the configuration's OOM; beside other trials
+    there, the machine's, run again alone. Either way the host's, not the GPU's. (The tests'
+    cluster gives each one-GPU trial a node of its own: sharing is marked as placement would.)"""
+    from ray.exceptions import OutOfMemoryError
+
+    runner = behaviour_runner(tmp_path, slots=1)
+    request_id = start(runner, 1, RUNS_UNTIL_STOPPED)
+    wait_until_running(runner, 1)
+    trial = runner.running.pop(request_id)
+    trial.shared = shared
+    killed = OutOfMemoryError("Task was killed due to the node running low on memory.")
+    outcome = runner._host_memory_out(trial, killed)
+    assert outcome.metrics == (
+        {MEMORY_RAN_OUT: "host", RUN_ALONE: True} if shared else {MEMORY_RAN_OUT: "host"}
+    )
+    if shared:
+        assert (outcome.status, outcome.cause) == (TrialStatus.ERROR, FailureCause.MACHINE)
+        assert (outcome.error or "").startswith(
+            "the host's memory ran out while other trials shared its node"
+        )
+    else:
+        assert (outcome.status, outcome.cause) == (TrialStatus.OOM, FailureCause.CONFIG)
+    assert_nothing_left(runner.results_dir)  # its processes were stopped, as Ray's kill would
 
 
 def test_of_ranks_that_failed_together_the_one_that_failed_by_itself_speaks() -> None:
