@@ -521,13 +521,7 @@ def ended_search_runner(plan: LaunchPlan) -> TrialRunner | None:
         return None
     if not resumes_without_trials(settings, search_spec(plan.experiment), plan.results_dir):
         return None
-    try:
-        kinds = {
-            str(row.get("slot_kind")) for row in read_trial_rows(plan.results_dir / TRIALS_FILE)
-        }
-    except (OSError, ValueError):
-        kinds = set()
-    return EndedSearchRunner(kinds.pop() if len(kinds) == 1 else "GPU")
+    return EndedSearchRunner()
 
 
 def open_runner(plan: LaunchPlan) -> TrialRunner:

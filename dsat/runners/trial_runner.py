@@ -78,9 +78,7 @@ class EndedSearchRunner:
 
     slot_limit = None
     takes_real_time = False  # nothing runs: no progress, nor a resume line, to print
-
-    def __init__(self, slot_kind: str) -> None:
-        self.slot_kind = slot_kind
+    slot_kind = ""  # unknown here: each recorded row says its own, which the cost reads
 
     def start(
         self, request_id: str, hparams: dict[str, Any], ds_config: dict[str, Any], length: int

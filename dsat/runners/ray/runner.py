@@ -132,6 +132,12 @@ def last_line(text: str) -> str:
     return lines[-1] if lines else text
 
 
+def step_failure(err: Exception) -> str:
+    """What a step that raised on a node (a ``RayTaskError``) raised there, in one line."""
+    cause = getattr(err, "cause", None) or err
+    return f"{type(cause).__name__}: {last_line(str(cause))}"
+
+
 def speaking_rank(results: list[dict[str, Any]], ended_first: list[int] | None) -> int:
     """The node whose outcome is the trial's: the first node's, unless dsat stopped it after
     others ended by themselves (``ended_first``: those, where some ended before the rest), or
@@ -264,11 +270,8 @@ class RayRunner:
                 else f"its Ray actor died on a node that is still up ({last_line(str(err))})"
             )
         except (RayTaskError, RayOutOfMemoryError) as err:  # a step failed there: its disk
-            cause = getattr(err, "cause", None) or err
             codes = None
-            failed_there = (
-                f"a node failed to run it: {type(cause).__name__}: {last_line(str(cause))}"
-            )
+            failed_there = f"a node failed to run it: {step_failure(err)}"
         finally:  # nothing of it stays on the cluster, unless its files could not come back
             self._stop(trial)
             self._stop_left_running(trial)
@@ -580,13 +583,11 @@ class RayRunner:
     def _node_failed(self, trial: RayTrial, err: Exception) -> TrialOutcome:
         """A step of the trial's actor raised on its node: the machine's fault, not the
         config's; its other nodes are stopped and the search runs it again."""
-        cause = getattr(err, "cause", None) or err
-        error = f"a node of this trial failed to run it: {type(cause).__name__}: "
-        error += last_line(str(cause))
+        error = f"a node of this trial failed to run it: {step_failure(err)}"
         outcome = self._ended_by_ray(trial, TrialStatus.ERROR, error, FailureCause.MACHINE)
         # The step may have failed before the trial's processes wrote anything (unpacking the
         # model dir): the log the outcome names then holds what the node said, whole.
-        with contextlib.suppress(OSError), open(outcome.log or os.devnull, "a") as log:
+        with contextlib.suppress(OSError), self._log_path(trial, 0).open("a") as log:
             log.write(f"\ndsat: {error}\n{ANSI_ESCAPE.sub('', str(err))}\n")
         return outcome
 
