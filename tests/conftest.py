@@ -6,6 +6,7 @@ import atexit
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -30,6 +31,11 @@ os.environ["PATH"] = interpreter_first(os.environ)["PATH"]
 # against searches running on the machine, nor against another test session's or pytest worker's.
 os.environ["DSAT_LOCK_DIR"] = tempfile.mkdtemp(prefix="dsat-test-locks-")
 atexit.register(shutil.rmtree, os.environ["DSAT_LOCK_DIR"], ignore_errors=True)
+# The searches the tests stop with SIGINT start as a terminal's foreground job does, with SIGINT
+# at its default, also where the suite itself runs in the background (`make test &`): such a job
+# ignores SIGINT, its children inherit that, and dsat keeps an ignored signal ignored (as nohup
+# asks). A Python handler, unlike an ignored signal, is reset to the default by exec.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def copy_example(target: Path, source: Path = EXAMPLE_DIR) -> Path:
