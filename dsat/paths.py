@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 
 def absolute(path: str | Path) -> str:
@@ -27,3 +28,21 @@ def shown(path: str | Path) -> str:
     if relative == os.curdir:
         return relative
     return full if relative.startswith(os.pardir) else relative
+
+
+def logs_where_they_are(value: Any, results_dir: Path) -> Any:
+    """``value`` (a saved state, a row) with every trial's ``log`` named where it is now: a
+    results directory moved since its search ran (renamed, copied off a cluster) names its logs
+    where they were, and a resume would point the user at files that are gone."""
+    if isinstance(value, list):
+        return [logs_where_they_are(item, results_dir) for item in value]
+    if not isinstance(value, dict):
+        return value
+    moved = {key: logs_where_they_are(item, results_dir) for key, item in value.items()}
+    log = moved.get("log")
+    if isinstance(log, str) and log:
+        was = Path(log)
+        here = results_dir / "logs" / was.name
+        if was.parent.name == "logs" and not was.exists() and here.exists():
+            moved["log"] = str(here)
+    return moved

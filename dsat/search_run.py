@@ -14,7 +14,7 @@ from typing import Any
 from dsat.constants import RUN_ALONE, STATE_FILE
 from dsat.errors import DsatError
 from dsat.experiment.settings import SearchSettings
-from dsat.paths import shown
+from dsat.paths import logs_where_they_are, shown
 from dsat.results.directory import BEST_CONFIG_FILE, ResultsWriter, TrialTiming
 from dsat.results.progress import SearchProgress
 from dsat.results.resume import refuse_changed_experiment, write_settings
@@ -134,7 +134,9 @@ def run_search(
     resuming = (results_dir / STATE_FILE).is_file()
     if resuming:
         try:
-            state = json.loads((results_dir / STATE_FILE).read_text())
+            state = logs_where_they_are(
+                json.loads((results_dir / STATE_FILE).read_text()), results_dir
+            )
             refuse_changed_experiment(results_dir, spec, state)
             load_state_json(method, state)
             recorder.machine_failed = dict(state.get(MACHINE_FAILED_STATE_KEY, {}))

@@ -19,7 +19,7 @@ from typing import Any
 from dsat.atomic_file import write_json_atomic, write_text_atomic
 from dsat.constants import AUTOTUNING_KEY, DSAT_MODE_KEY, OVERWRITE_KEY, RUN_ALONE
 from dsat.errors import DsatError
-from dsat.paths import shown
+from dsat.paths import logs_where_they_are, shown
 from dsat.results.cost import MACHINE_FAILED_KEY, search_cost
 from dsat.results.utilization import Utilization, positive_number
 from dsat.search.confirmation import rounds_note
@@ -245,7 +245,7 @@ class ResultsWriter:
         path = self.directory / TRIALS_FILE
         if path.is_file():  # a resumed search keeps what was written before
             try:
-                self._lines = read_trial_rows(path)
+                self._lines = logs_where_they_are(read_trial_rows(path), self.directory)
             except ValueError as err:
                 raise DsatError(
                     f"{shown(path)}: {err}; put back the file as dsat wrote it to resume, or "

@@ -425,3 +425,33 @@ def test_a_directory_without_its_state_says_its_trials_can_still_be_reported(
     (results / SETTINGS_FILE).unlink()  # read first: it said only that it was missing
     error = assert_one_line_error(capsys, ["asha", "--resume", str(results)], SETTINGS_FILE)
     assert "is missing" in error and "`dsat report out` still draws its trials" in error
+
+
+def test_a_results_dir_that_moved_names_its_logs_where_they_are_now(
+    interrupted: tuple[Path, str], tmp_path: Path
+) -> None:
+    """A state and rows name each log where the search ran: renamed (or copied off a cluster)
+    and resumed, the rows and the failure lines pointed at files that were gone."""
+    results, _ = interrupted
+    (results / "logs").mkdir(exist_ok=True)
+    (results / "logs" / "001-moved.log").write_text("a trial's output\n")
+    moved_log = str(results / "logs" / "001-moved.log")
+    lost_log = str(results / "logs" / "002-lost.log")  # not in the directory: left as named
+    state = json.loads((results / STATE_FILE).read_text())
+    state["tracker"]["records"][0]["log"] = moved_log
+    state["tracker"]["records"][1]["log"] = lost_log
+    (results / STATE_FILE).write_text(json.dumps(state))
+    lines = rows(results)
+    lines[0]["log"] = moved_log
+    lines[0]["machine_failed"] = [{"start": 0.0, "end": 1.0, "error": "x", "log": moved_log}]
+    (results / TRIALS_FILE).write_text("".join(json.dumps(line) + "\n" for line in lines))
+    new = tmp_path / "renamed"
+    results.rename(new)
+
+    assert main(["asha", "--resume", str(new)]) == 0
+    kept = json.loads((new / STATE_FILE).read_text())["tracker"]["records"]
+    assert kept[0]["log"] == str(new / "logs" / "001-moved.log")
+    assert kept[1]["log"] == lost_log
+    first = rows(new)[0]
+    assert first["log"] == str(new / "logs" / "001-moved.log")
+    assert first["machine_failed"][0]["log"] == first["log"]
