@@ -242,10 +242,14 @@ class ResultsWriter:
         self.utilization = utilization or Utilization()
         self.directory.mkdir(parents=True, exist_ok=True)
         self._lines: list[dict[str, Any]] = []
+        self._rows_moved = False
         path = self.directory / TRIALS_FILE
         if path.is_file():  # a resumed search keeps what was written before
             try:
-                self._lines = logs_where_they_are(read_trial_rows(path), self.directory)
+                read = read_trial_rows(path)
+                self._lines = logs_where_they_are(read, self.directory)
+                # The directory moved: the rows say so by the summary, whether or not a trial runs.
+                self._rows_moved = self._lines != read
             except ValueError as err:
                 raise DsatError(
                     f"{shown(path)}: {err}; put back the file as dsat wrote it to resume, or "
@@ -315,10 +319,14 @@ class ResultsWriter:
                     and row_record.status is TrialStatus.COMPLETED
                     and tracker.may_hand_over(row_record)
                 )
+        self._write_rows(lines)
+        self._write_best(tracker)
+
+    def _write_rows(self, lines: list[dict[str, Any]]) -> None:
         text = "".join(json.dumps(line, sort_keys=True) + "\n" for line in lines)
         write_text_atomic(self.directory / TRIALS_FILE, text)
         self._lines = lines
-        self._write_best(tracker)
+        self._rows_moved = False
 
     def _write_best(self, tracker: TrialTracker, again: bool = False) -> None:
         best = tracker.best()
@@ -338,6 +346,8 @@ class ResultsWriter:
         cost, and the best config as the search finally decided it (the confirmation round
         decides after its last trial is recorded)."""
         self._write_best(tracker, again=True)  # its MFU as the FLOPs are counted at the end
+        if self._rows_moved:
+            self._write_rows(self._lines)
         cost = search_cost(self._lines, tracker.slots_per_trial, self.slot_kind)
         reason = f"{HANDED_OVER_PREFIX} {why}\n" if why else ""
         best = tracker.best()

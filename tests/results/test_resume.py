@@ -455,3 +455,10 @@ def test_a_results_dir_that_moved_names_its_logs_where_they_are_now(
     first = rows(new)[0]
     assert first["log"] == str(new / "logs" / "001-moved.log")
     assert first["machine_failed"][0]["log"] == first["log"]
+    # Moved again once it has ended: a plain resume runs no trial, and renames them all the same.
+    again = tmp_path / "renamed again"
+    new.rename(again)
+    assert main(["asha", "--resume", str(again)]) == 0
+    assert rows(again)[0]["log"] == str(again / "logs" / "001-moved.log")
+    kept = json.loads((again / STATE_FILE).read_text())["tracker"]["records"]
+    assert kept[0]["log"] == rows(again)[0]["log"]
