@@ -361,6 +361,31 @@ IGNORED = re.compile(
 )
 
 
+def message_after(said: list[str], number: int, count: int = MESSAGE_LINES) -> list[str]:
+    """The lines after the exception on ``said[number]`` that go on with its message (NCCL's
+    "Last error:" and its text), of its process: up to ``count``, and up to a blank line, a
+    traceback, another exception or a line that begins another's (an atexit callback's
+    traceback after it is not its message: its OOM made a KeyError one)."""
+    label = RANK_PREFIX.match(said[number])
+    stream = label.group(1) if label else None
+    message: list[str] = []
+    for after in range(number + 1, min(number + 1 + count, len(said))):
+        line = said[after]
+        other = RANK_PREFIX.match(line)
+        if (other.group(1) if other else None) != stream:
+            break
+        if (
+            not _unlabelled(line).strip()
+            or NOT_WORDS.match(line)
+            or IGNORED.match(line)
+            or CHAINED.match(line)
+            or _exception_at(said, after) is not None
+        ):
+            break
+        message.append(line)
+    return message
+
+
 def _other_output(line: str) -> bool:
     """Whether a line is output of its own, not part of a traceback, an exception's indented
     message or launcher noise."""

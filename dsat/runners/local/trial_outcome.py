@@ -37,6 +37,7 @@ from dsat.trial_failure import (
     final_exceptions,
     last_words,
     lost_a_peer,
+    message_after,
     not_the_machines,
     one_line,
     reporting_rank_left_first,
@@ -215,10 +216,10 @@ def out_of_memory_line(text: str, code: int | None) -> str | None:
         said = said_lines(text)
         return next(
             (
-                one_line(said[number + after])
+                one_line(line)
                 for number in ended
-                for after in range(1, MESSAGE_LINES + 1)
-                if number + after < len(said) and text_shows_out_of_memory(said[number + after])
+                for line in message_after(said, number, MESSAGE_LINES)
+                if text_shows_out_of_memory(line)
             ),
             None,
         )

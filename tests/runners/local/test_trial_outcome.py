@@ -10,7 +10,12 @@ from pathlib import Path
 import pytest
 
 from dsat.constants import CONFIG_NOT_TAKEN, MEMORY_RAN_OUT, RUN_ALONE, TRIAL_OUTCOME_FILE
-from dsat.runners.local.trial_outcome import classify, oom_kill_count, oom_killed_since
+from dsat.runners.local.trial_outcome import (
+    ResultWatch,
+    classify,
+    oom_kill_count,
+    oom_killed_since,
+)
 from dsat.trial import TrialStatus
 from dsat.trial_failure import FailureCause
 
@@ -204,6 +209,14 @@ def test_a_timeout_says_so_first(tmp_path: Path) -> None:
     end = classify(tmp_path, trial(tmp_path, "step 1\n"), None, True, 300)
     assert end.status is TrialStatus.TIMEOUT and end.error is not None
     assert end.error.splitlines()[0] == "stopped after the trial timeout of 300 s"
+    assert end.cause is FailureCause.UNKNOWN  # slow for its config, or the machine: not known
+
+
+def test_an_oom_the_reporting_context_wrote_down_is_one_whatever_the_log(tmp_path: Path) -> None:
+    """dsat_reporting_context writes it where it caught the OOM; the log need not say so."""
+    log = trial(tmp_path, "step 3\n", {"status": "oom"})
+    end = classify(tmp_path, log, 1, False, 60)
+    assert end.status is TrialStatus.OOM and end.cause is FailureCause.CONFIG, end.error
 
 
 def test_the_oom_killer_count_moves_only_forward() -> None:
@@ -239,6 +252,10 @@ def test_memory_words_beside_a_machine_fault_do_not_blame_the_config(tmp_path: P
     ):
         end = classify(tmp_path, trial(tmp_path, before + port_taken), 1, False, 60)
         assert end.status is TrialStatus.ERROR and end.cause is FailureCause.MACHINE, end.error
+    # Nor does a hint under it, read as the taken port's message.
+    hint = port_taken + "hint: a port left by a trial that ran out of memory may still be held\n"
+    end = classify(tmp_path, trial(tmp_path, hint), 1, False, 60)
+    assert end.status is TrialStatus.ERROR and end.cause is FailureCause.MACHINE, end.error
     # An allocator's message outside any exception line, with no machine fault, is still an OOM.
     printed = "step 3\nCUDA out of memory. Tried to allocate 2.00 GiB\n"
     assert classify(tmp_path, trial(tmp_path, printed), 1, False, 60).status is TrialStatus.OOM
@@ -298,6 +315,28 @@ def test_an_oom_said_outside_an_exception_line_is_the_reason_given(tmp_path: Pat
     assert end.error.splitlines()[0] == "CUDA out of memory at micro-batch 64"
 
 
+def test_an_atexit_tracebacks_oom_after_an_exception_is_not_its_message(tmp_path: Path) -> None:
+    """The lines after the KeyError were read as its message, into the traceback an atexit
+    callback printed after it: its OOM made the script's KeyError an OOM of the configuration."""
+    log = (
+        'step 1\nTraceback (most recent call last):\n  File "train.py", line 10, in <module>\n'
+        "    batch[\"labels\"]\nKeyError: 'labels'\nError in atexit._run_exitfuncs:\n"
+        'Traceback (most recent call last):\n  File "cuda.py", line 5, in _cleanup\n'
+        "    torch.cuda.synchronize()\nRuntimeError: CUDA error: out of memory\n"
+    )
+    end = classify(tmp_path, trial(tmp_path, log), 1, False, 60)
+    assert end.status is TrialStatus.ERROR, end.error
+    assert end.error is not None and end.error.startswith("KeyError: 'labels'")
+    # NCCL's message, its error's name on a line of its own, is still read to its end.
+    nccl = (
+        "[rank0]: torch.distributed.DistBackendError: NCCL error in: NCCLUtils.hpp:275, "
+        "unhandled cuda error\n[rank0]: ncclUnhandledCudaError: Call to CUDA function failed.\n"
+        "[rank0]: Last error:\n[rank0]: Cuda failure 'out of memory'\n"
+    )
+    end = classify(tmp_path, trial(tmp_path, nccl), 1, False, 60)
+    assert end.status is TrialStatus.OOM, end.error
+
+
 def test_rank_0_leaving_cleanly_before_its_peers_is_the_scripts_fault(tmp_path: Path) -> None:
     """It was an unknown crash, blamed on no one and learned from as the configuration's, with
     rank 1's connection reset as the reason; torchrun lists rank 0 among no failures."""
@@ -317,6 +356,10 @@ def test_rank_0_leaving_cleanly_before_its_peers_is_the_scripts_fault(tmp_path: 
         "  <NO_OTHER_FAILURES>\n", "[1]:\n  rank      : 0 (local_rank: 0)\n  exitcode  : -15\n"
     )
     end = classify(tmp_path, trial(tmp_path, stopped), 1, False, 60)
+    assert end.cause is not FailureCause.SCRIPT, end.error
+    # On one node of several, its torchrun names only its own ranks' failures: rank 0 may have
+    # been on another node, and failed there.
+    end = classify(tmp_path, trial(tmp_path, log), 1, False, 60, every_rank_here=False)
     assert end.cause is not FailureCause.SCRIPT, end.error
 
 
@@ -466,3 +509,29 @@ def test_logs_as_the_layers_print_them(tmp_path: Path, name: str) -> None:
     end = classify(tmp_path, tmp_path / "trial.log", case["code"], False, 60, case["oom_killed"])
     assert end.status.value == case["status"], end.error
     assert (end.cause and end.cause.value) == case["cause"], end.error
+
+
+def test_a_reported_trial_lingers_only_past_the_linger_time() -> None:
+    """Stopped as soon as its result was seen, a trial would lose its DeepSpeed teardown; never,
+    a thread it started would hold its slot until the timeout."""
+    looks: list[float] = []
+
+    def has_reported() -> bool:
+        looks.append(0.0)
+        return True
+
+    watch = ResultWatch(linger_s=10.0)
+    assert watch.lingered(100.0, has_reported) is None  # seen written now
+    assert watch.lingered(100.5, has_reported) is None and len(looks) == 1
+    assert watch.lingered(110.0, has_reported) is None  # exactly the linger time: not yet
+    assert watch.lingered(110.5, has_reported) == pytest.approx(10.5)
+    unwritten = ResultWatch(linger_s=10.0)
+    looked: list[float] = []
+
+    def not_yet() -> bool:
+        looked.append(0.0)
+        return False
+
+    for now in (100.0, 100.5, 101.0, 200.0):  # the file is read once a second at most
+        assert unwritten.lingered(now, not_yet) is None  # never written: never lingers
+    assert len(looked) == 3
