@@ -12,8 +12,10 @@ from dsat.trial_failure import (
     FailureCause,
     diagnose_crash,
     exception_lines,
+    final_exceptions,
     first_line,
     known_failure,
+    reporting_rank_left_first,
 )
 
 TRACEBACK = 'Traceback (most recent call last):\n  File "train.py", line 3, in <module>\n'
@@ -98,8 +100,23 @@ SAMPLES: dict[str, tuple[str, FailureCause]] = {
         "to micro_batch_per_gpu * gradient_acc_step * world_size 16 != 4 * 1 * 2\n",
         FailureCause.CONFIG,
     ),
+    # DeepSpeedCPUAdam's __del__ where its op did not load (a CPU without the op's build).
+    "op not loaded": (
+        "Exception ignored in: <function DeepSpeedCPUAdam.__del__ at 0x7f3a>\n"
+        + TRACEBACK
+        + "AttributeError: 'DeepSpeedCPUAdam' object has no attribute 'ds_opt_adam'\n",
+        FailureCause.CONFIG,
+    ),
     "gpu": (
         TRACEBACK + "RuntimeError: CUDA error: uncorrectable ECC error encountered\n",
+        FailureCause.MACHINE,
+    ),
+    "gpu hidden": (
+        TRACEBACK + "RuntimeError: No CUDA GPUs are available\n",
+        FailureCause.MACHINE,
+    ),
+    "gpu busy": (  # another process holds it in exclusive mode
+        TRACEBACK + "RuntimeError: CUDA error: CUDA-capable device(s) is/are busy or unavailable\n",
         FailureCause.MACHINE,
     ),
     "full disk": (
@@ -110,6 +127,11 @@ SAMPLES: dict[str, tuple[str, FailureCause]] = {
         TRACEBACK + "torch.distributed.DistNetworkError: The server socket has failed to listen "
         "on any local network address. port: 55581, useIpv6: false, code: -98, name: EADDRINUSE, "
         "message: address already in use\n",
+        FailureCause.MACHINE,
+    ),
+    "refused": (  # asyncio's words for it, not the socket's "Connection refused"
+        TRACEBACK
+        + "ConnectionRefusedError: [Errno 111] Connect call failed ('127.0.0.1', 29500)\n",
         FailureCause.MACHINE,
     ),
     "rendezvous": (
@@ -140,8 +162,9 @@ SAMPLES: dict[str, tuple[str, FailureCause]] = {
 
 
 def test_every_known_failure_has_a_sample_it_alone_explains() -> None:
+    """Samples, some entries one per way a layer says it, each explained by its entry."""
     matched = [known_failure(log) for log, _ in SAMPLES.values()]
-    assert sorted(id(k) for k in matched if k) == sorted(id(k) for k in KNOWN_FAILURES)
+    assert {id(k) for k in matched if k} == {id(k) for k in KNOWN_FAILURES}
     for (log, cause), known in zip(SAMPLES.values(), matched, strict=True):
         assert known is not None
         diagnosis = diagnose_crash(log, 1, oom_killed=False)
@@ -206,6 +229,7 @@ def test_sigkill_is_memory_unless_the_oom_killer_stood_still() -> None:
         ("RuntimeError: DataLoader worker (pid 4242) is killed by signal: Killed.\n", 1),
         ("step 3\n", 137),  # a shell entrypoint: 128 + SIGKILL
         ("[launch.py:319:sigkill_handler] ... exits with return code = -9\n", 247),  # deepspeed
+        ("subprocess 4242 exited with return code -9\n", 1),  # a launcher's subprocess
     ],
 )
 def test_sigkill_as_other_layers_report_it_is_memory_when_the_oom_killer_struck(
@@ -259,7 +283,7 @@ def test_a_warm_worker_lost_to_the_oom_killer_is_out_of_memory() -> None:
     assert diagnose_crash(log, 1, oom_killed=None).cause is FailureCause.MACHINE
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT])
 def test_a_signal_from_outside_is_the_machine(sig: signal.Signals) -> None:
     diagnosis = diagnose_crash("step 1\n", -sig, oom_killed=False)
     assert diagnosis.cause is FailureCause.MACHINE
@@ -358,3 +382,55 @@ def test_an_exception_caught_and_logged_is_not_the_reason_the_trial_failed() -> 
     diagnosis = diagnose_crash(log, 1, oom_killed=False)
     assert diagnosis.cause is FailureCause.UNKNOWN, diagnosis
     assert diagnosis.reason == "ValueError: loss became NaN at step 3 (exit code 1)"
+
+
+def test_rank_0_left_first_unless_the_first_to_fail_died_of_a_signal_of_its_own() -> None:
+    """NCCL's watchdog aborts (SIGABRT) a rank whose peer left: still rank 0's early exit; a
+    segfault is the rank's own end."""
+    left = TORCHRUN_SUMMARY.replace(
+        "rank      : 0 (local_rank: 0)", "rank      : 2 (local_rank: 2)"
+    )
+    assert reporting_rank_left_first(left.format(code=-6, name="SIGABRT", traceback="x"))
+    assert reporting_rank_left_first(left.format(code=1, name="", traceback="x"))
+    assert not reporting_rank_left_first(left.format(code=-11, name="SIGSEGV", traceback="x"))
+    assert not reporting_rank_left_first(TORCHRUN_SUMMARY.format(code=1, name="", traceback="x"))
+
+
+def test_a_worker_torchrun_stopped_from_outside_is_no_crash_of_its_own() -> None:
+    """Its SIGTERM is a stop from outside dsat, like torchrun's own: not a rank's crash."""
+    log, _ = SAMPLES["torchrun signalled"]
+    log += TORCHRUN_SUMMARY.format(code=-15, name="SIGTERM", traceback="Signal 15 (SIGTERM)")
+    assert diagnose_crash(log, 1, oom_killed=False).cause is FailureCause.MACHINE
+
+
+OOM_CAUGHT = TRACEBACK + "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB\n"
+
+
+def test_lines_of_output_after_a_caught_oom_part_it_from_the_crash_after() -> None:
+    """torchrun's ranks failing together print their tracebacks one after another, an
+    exception's message may take a few lines after it (NCCL's do): five lines of output of
+    its own part a caught OOM from the ValueError that ended the trial."""
+    said = "".join(f"retrying at micro-batch {8 - i}\n" for i in range(5))
+    summary = TORCHRUN_SUMMARY.format(code=1, name="", traceback="x")
+    log = OOM_CAUGHT + said + TRACEBACK + "ValueError: bad labels\n" + summary
+    assert [line for _, line in final_exceptions(log, 1)] == ["ValueError: bad labels"]
+
+
+@pytest.mark.parametrize(
+    "after",
+    [
+        # an atexit callback's traceback after the exception that ended the process
+        "Error in atexit._run_exitfuncs:\n" + TRACEBACK + "ValueError: flush failed\n",
+        "Exception ignored in: <function Engine.__del__>\n" + TRACEBACK + "ValueError: gone\n",
+    ],
+)
+def test_a_traceback_printed_at_exit_is_not_why_the_process_ended(after: str) -> None:
+    log = TRACEBACK + "KeyError: 'labels'\n" + after
+    assert diagnose_crash(log, 1, oom_killed=False).reason.startswith("KeyError: 'labels'")
+
+
+def test_a_peers_broken_pipe_is_not_the_reason() -> None:
+    log = (
+        "[rank1]: ValueError: the real failure\n[rank0]: BrokenPipeError: [Errno 32] Broken pipe\n"
+    )
+    assert diagnose_crash(log, 1, None).reason.startswith("ValueError: the real failure")
