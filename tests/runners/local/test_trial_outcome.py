@@ -450,6 +450,11 @@ def test_a_tip_that_mentions_out_of_memory_is_no_oom_without_an_allocators_words
     )
     said = STEPS + "CUDA out of memory. Tried to allocate 2.00 GiB\n"
     assert classify(tmp_path, trial(tmp_path, said), -6, False, 60).status is TrialStatus.OOM
+    aborted = STEPS + (
+        "terminate called after throwing an instance of 'c10::Error'\n"
+        "  what():  cudaErrorMemoryAllocation: out of memory\n"
+    )
+    assert classify(tmp_path, trial(tmp_path, aborted), -6, False, 60).status is TrialStatus.OOM
 
 
 def test_an_exit_the_script_chose_after_a_caught_exception_is_said_as_its_own(
