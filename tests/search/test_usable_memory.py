@@ -8,7 +8,7 @@ from typing import Any
 from dsat.constants import MEMORY_RAN_OUT
 from dsat.experiment.metric import Metric
 from dsat.search.tracker import TrialTracker
-from dsat.search.usable_memory import PeakModel, memory_check, usable_memory
+from dsat.search.usable_memory import PeakModel, fills_device, memory_check, usable_memory
 from dsat.trial import TrialKind, TrialRecord, TrialStatus
 
 GIB = 2**30
@@ -129,7 +129,7 @@ def test_a_limit_known_to_a_sample_is_checked_when_the_leaders_next_sample_turns
     buckets = {"reduce_bucket_size": 5 * 10**8, "allgather_bucket_size": 5 * 10**8}
     ran = [record(i, 10 * i, 20.0 * i, overlap_comm=False, **buckets) for i in (1, 2, 3)]
     oom = record(4, 31, None, TrialStatus.OOM, overlap_comm=False, **buckets)
-    for leader_mbs, checked in ((28, True), (26, False)):
+    for leader_mbs, checked in ((28, True), (27, False), (26, False)):
         leader = record(5, leader_mbs, 2.0 * leader_mbs, overlap_comm=False, **buckets)
         records = [profile(), *ran, oom, leader]
         usable = usable_memory(records)
@@ -202,3 +202,93 @@ def test_an_oom_far_below_the_device_says_nothing_of_its_memory() -> None:
     memory (another process, a leak, an OOM injected on the CPU): no margin is taken from it."""
     records = [profile(), record(1, 1, 4.0), record(2, 2, 4.1), record(3, 5, None, TrialStatus.OOM)]
     assert usable_memory(records) is None
+
+
+def test_an_oom_needing_under_half_the_device_says_nothing_of_its_memory() -> None:
+    """1 GiB a sample: micro-batch 34 needs 38 GiB (47.5% of the device), 38 needs 42 GiB."""
+    ran = [profile(), record(1, 10, 14.0), record(2, 20, 24.0)]
+    assert usable_memory([*ran, record(3, 34, None, TrialStatus.OOM)]) is None
+    placed = usable_memory([*ran, record(3, 38, None, TrialStatus.OOM)])
+    assert placed is not None and placed.failed == 42 * GIB
+
+
+def test_an_oom_of_a_confirmation_run_places_the_limit_too() -> None:
+    ran = [profile(), record(1, 10, 20.0), record(2, 20, 35.0), record(3, 36, 59.0)]
+    again = record(4, 38, None, TrialStatus.OOM, kind=TrialKind.CONFIRM, parent="t3")
+    usable = usable_memory([*ran, again])
+    assert usable is not None and usable.failed == 62 * GIB
+
+
+def test_a_run_fills_the_device_only_within_half_a_margin_of_its_total() -> None:
+    """77 of 80 GiB leaves 3 GiB that no run showed usable: 5% of 77 GiB is left free, and a
+    75 GiB configuration is not handed over; 78.5 GiB shows the total usable."""
+    assert not fills_device(77 * GIB, 0.05, TOTAL) and fills_device(78 * GIB, 0.05, TOTAL)
+    tracker = TrialTracker(Metric.FLOPS_PER_GPU, 64, 4, None, 1, memory_margin=0.05)
+    for r in (profile(), record(1, 20, 40.0), record(2, 30, 75.0), record(3, 31, 77.0)):
+        tracker.add(r, queue=False)
+    assert tracker.memory_limit(TOTAL) == 0.95 * 77 * GIB
+    assert not tracker.may_hand_over(tracker.get("t2"))
+    tracker.add(record(4, 32, 78.5), queue=False)
+    tracker.mark_finished("t4", TrialStatus.COMPLETED, tracker.get("t4").metrics)
+    assert tracker.memory_limit(TOTAL) == 0.95 * TOTAL
+    assert tracker.may_hand_over(tracker.get("t2"))
+
+
+def test_of_two_measured_kin_the_least_estimate_is_what_an_oom_needed() -> None:
+    """Two configurations that differ from the one that failed only in bucket sizes, each moved
+    by its bucket memory (4 bytes an element): 60 GiB + 0.4e9 B and 61 GiB - 0.4e9 B."""
+    small = {"reduce_bucket_size": 10**8, "overlap_comm": False}
+    large = {"reduce_bucket_size": 3 * 10**8, "overlap_comm": False}
+    records = [profile(), record(1, 10, 40.0, **small), record(2, 20, 60.0, **small)]
+    records += [record(3, 10, 41.0, **large), record(4, 20, 61.0, **large)]
+    oom = record(5, 20, None, TrialStatus.OOM, reduce_bucket_size=2 * 10**8, overlap_comm=False)
+    assert PeakModel([*records, oom]).needed(oom) == 60 * GIB + 4 * 10**8
+
+
+def test_bytes_a_sample_is_the_median_of_the_configurations_rising_slopes() -> None:
+    """1, 2 and 4 GiB a sample (their mean, 2.33, is pulled by one); a configuration whose peak
+    fell as its micro-batch rose (noise, or a knob) says nothing of it; with no slope, the
+    profile's activations (1 GiB) stand in."""
+    records = [profile()]
+    for index, (slope, group) in enumerate(((1.0, 1), (2.0, 2), (4.0, 3), (-3.0, 4))):
+        records += [
+            record(2 * index + 1, 10, 40.0, sub_group_size=group),
+            record(2 * index + 2, 12, 40.0 + 2 * slope, sub_group_size=group),
+        ]
+    assert PeakModel(records).per_sample(2) == 2 * GIB
+    assert PeakModel([profile(), record(1, 10, 40.0)]).per_sample(2) == GIB
+
+
+def scaled_runs(per_sample_gib: float, leader_mbs: int) -> tuple[list[TrialRecord], TrialRecord]:
+    """Runs at micro-batches 2 and 4 and a leader, ``per_sample_gib`` a sample, no OOM."""
+    leader = record(3, leader_mbs, per_sample_gib * leader_mbs)
+    ran = [record(i, 2 * i, per_sample_gib * 2 * i) for i in (1, 2)]
+    return [profile(), *ran, leader], leader
+
+
+def test_with_no_oom_a_check_runs_only_for_a_leader_within_two_margins_of_the_total() -> None:
+    for leader_mbs, checked in ((35, False), (36, True)):  # 70 and 72 GiB: 90% of 80 GiB
+        records, leader = scaled_runs(2.0, leader_mbs)
+        assert (memory_check(records, None, leader, 0.05) is not None) is checked
+
+
+def test_no_check_while_a_run_near_its_aim_is_on_its_way() -> None:
+    """It aims at 99% of the device (79.2 GiB): a queued run needing 79.75 GiB will tell; one
+    needing 79 GiB will not."""
+    records, leader = scaled_runs(0.25, 296)
+    assert memory_check(records, None, leader, 0.05) is not None
+    for queued_mbs, checked in ((319, False), (316, True)):
+        queued = record(4, queued_mbs, None, TrialStatus.QUEUED)
+        assert (memory_check([*records, queued], None, leader, 0.05) is not None) is checked
+
+
+def test_no_check_where_none_comes_near_its_aim() -> None:
+    """4 GiB a sample, the leader at 72 GiB: its next micro-batch needs 76 GiB, 3.2 GiB short of
+    the aim (79.2 GiB), the one after all the device; a model of 10^6 parameters, whose buckets
+    move a few MB."""
+    records, leader = scaled_runs(4.0, 18)
+    small_model = profile()
+    small_model.metrics["num_params"] = 10**6
+    assert memory_check([small_model, *records[1:]], None, leader, 0.05) is None
+    records, leader = scaled_runs(2.0, 37)
+    assert memory_check(records, None, leader, 0.05) is not None
