@@ -126,11 +126,26 @@ def test_among_equals_the_one_with_more_memory_headroom_wins() -> None:
     fast = measured(steady, 40, [100.5, 100.5], memory=0.9)
     roomy = measured(steady, 32, [100.0, 100.0], memory=0.6)
     assert decide(steady.tracker, [fast, roomy]).chosen is fast
-    # Within the noise but hardly more headroom (2% of the device): the faster one stays.
-    close = method("binary", metric="throughput")
-    fast = measured(close, 40, [100.0, 104.0], memory=0.62)
-    roomy = measured(close, 32, [101.0, 100.0], memory=0.60)
-    assert decide(close.tracker, [fast, roomy]).chosen is fast
+    # Level in estimate and runs (0.2%), but hardly more headroom (2% of the device): the
+    # faster one stays; with 30% more, the roomier one wins.
+    for fast_memory, roomier_wins in ((0.62, False), (0.9, True)):
+        close = method("binary", metric="throughput")
+        fast = measured(close, 40, [100.0, 104.0], memory=fast_memory, searched=100.0)
+        roomy = measured(close, 32, [102.0, 101.5], memory=0.60, searched=100.0)
+        assert (decide(close.tracker, [fast, roomy]).chosen is roomy) is roomier_wins
+
+
+def test_a_leader_whose_run_again_failed_is_not_decided_on_its_search_trial_alone() -> None:
+    """Its one measurement, 50% ahead, is the lucky one the round is there to catch."""
+    m = method("binary", metric="throughput")
+    lucky = measured(m, 40, [], memory=0.5, searched=150.0)
+    again = lucky.replace(
+        request_id=f"{lucky.request_id}-0", kind=TrialKind.CONFIRM, parent_id=lucky.request_id
+    )
+    m.tracker.add(again, queue=False)
+    m.tracker.mark_finished(again.request_id, TrialStatus.ERROR, {})
+    steady = measured(m, 32, [100.0, 100.0], memory=0.5, searched=100.0)
+    assert decide(m.tracker, [lucky, steady]).chosen is steady
 
 
 def test_headroom_wins_only_where_the_runs_are_level_too() -> None:
