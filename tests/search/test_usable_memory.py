@@ -292,3 +292,23 @@ def test_no_check_where_none_comes_near_its_aim() -> None:
     assert memory_check([small_model, *records[1:]], None, leader, 0.05) is None
     records, leader = scaled_runs(2.0, 37)
     assert memory_check(records, None, leader, 0.05) is not None
+
+
+def test_with_a_fixed_batch_a_check_runs_what_shows_the_margin_and_fits_the_device() -> None:
+    """Micro-batches 4, 8, 16 and 32 only; 2 GiB a sample. The leader, at 74 GiB, leaves 5%
+    free if 77.9 GiB is usable: its own buckets reach 77.7 GiB at most, which shows nothing;
+    another configuration's micro-batch 32 needs 78 GiB, which does; a third's, 80 GiB, more
+    than the device has."""
+    leader = record(3, 32, 74.0)
+    records = [profile(), record(1, 4, 18.0), record(2, 8, 26.0), leader]
+    for index, (group, base) in enumerate(((2, 22.0), (3, 24.0))):
+        records += [
+            record(10 + 2 * index, 4, base, sub_group_size=group),
+            record(11 + 2 * index, 8, base + 8.0, sub_group_size=group),
+        ]
+    allowed = [4, 8, 16, 32]
+    check = memory_check(records, None, leader, 0.05, allowed)
+    assert check is not None and check[1] == 32 and check[0].get("sub_group_size") == 2
+    # Without the configuration that shows it, none is run.
+    mine = [r for r in records if r.zero_section.get("sub_group_size") != 2]
+    assert memory_check(mine, None, leader, 0.05, allowed) is None
