@@ -80,6 +80,8 @@ class TrialTracker:
         self._records[record.request_id] = record
         self._index(record)
         self._note_flops(record)
+        if record.status.finished:  # one that ran elsewhere (an import): its peak counts now
+            self._usable_stale = True
         if queue:
             self.enqueue([record.request_id])
         return True
@@ -291,10 +293,9 @@ class TrialTracker:
             # No OOM, and no run near the total, shows how much of it is usable, and a memory
             # check may not be able to (a sample can be half the device, the micro-batch above
             # twice as large with a fixed batch): near the total, only what ran is known to be
-            # usable. Below two margins of the total the limit does not matter.
-            return min(
-                (1.0 - margin) * total, max((1.0 - margin) * ran, (1.0 - 2 * margin) * total)
-            )
+            # usable. Below two margins of the total the limit does not matter. (Never above
+            # the margin of the total: what ran is below it.)
+            return max((1.0 - margin) * ran, (1.0 - 2 * margin) * total)
         return (1.0 - margin) * total
 
     def leaves_margin(self, record: TrialRecord) -> bool:

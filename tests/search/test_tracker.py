@@ -234,3 +234,38 @@ def test_confirmation_runs_are_found_after_a_round_trip_and_forgotten_when_disca
     again.discard("a-confirm-0")
     assert [r.request_id for r in again.confirmation_runs("a")] == ["a-confirm-1"]
     assert again.confirmation_runs("b") == []
+
+
+def test_each_kind_of_run_measures_only_what_it_is() -> None:
+    """A profile's figures are no measurement of a configuration the search compares; the
+    global row is the mean of a search trial's runs, a failed run left out."""
+    t = tracker()
+    runs = {
+        "s": (record("s", 8), TrialStatus.COMPLETED, 100.0),
+        "c1": (record("s", 8, kind=TrialKind.CONFIRM, parent="s"), TrialStatus.COMPLETED, 110.0),
+        "c2": (record("s", 8, kind=TrialKind.CONFIRM, parent="s"), TrialStatus.COMPLETED, 120.0),
+        "c3": (record("s", 8, kind=TrialKind.CONFIRM, parent="s"), TrialStatus.ERROR, 0.0),
+        "p": (record("p", 1, kind=TrialKind.MODEL_PROFILE), TrialStatus.COMPLETED, 5.0),
+        "b": (record("b", 2, kind=TrialKind.BASELINE), TrialStatus.COMPLETED, 50.0),
+    }
+    for rid, (made, status, value) in runs.items():
+        t.add(made.replace(request_id=rid), queue=False)
+        t.mark_finished(rid, status, {"throughput": value} if value else {})
+    s, c1, p, b = t.get("s"), t.get("c1"), t.get("p"), t.get("b")
+    assert t.mean_of_runs(s) == 110.0
+    assert t.measured_value(p) is None and t.measured_value(b) == 50.0
+    assert t.measured_value(c1) == 110.0 and t.measured_value(s) == 100.0
+    assert t.baseline_value(b) == 50.0 and t.baseline_value(s) is None
+    assert t.confirmed_value(c1) == 110.0 and t.confirmed_value(s) is None
+    assert t.metric_value(c1) is None and t.metric_value(b) is None
+
+
+def test_a_trial_that_reports_no_throughput_or_no_device_total_breaks_nothing() -> None:
+    """A throughput of 0 beside FLOPS (a broken step timer) gives no FLOPs a sample to divide
+    by; a device total of 0 says nothing of the memory the trial left free."""
+    t = tracker(Metric.FLOPS_PER_GPU)
+    t.add(record("zero", 4), queue=False)
+    metrics = {"throughput": 0.0, "FLOPS_per_gpu": 3.0e9, "memory_peak_bytes": 10}
+    t.mark_finished("zero", TrialStatus.COMPLETED, {**metrics, "memory_total_bytes": 0})
+    assert t.metric_value(t.get("zero")) == 3.0e9
+    assert t.leaves_margin(t.get("zero")) and t.best() is t.get("zero")
