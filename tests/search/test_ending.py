@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
 import pytest
 
-from dsat.search.ending import profile_failure, repeated_script_failure
-from dsat.trial import TrialOutcome, TrialRecord, TrialStatus
+from dsat.search.ending import (
+    no_search_trial_succeeded,
+    profile_failure,
+    repeated_script_failure,
+    repeated_unknown_failure,
+)
+from dsat.trial import TrialKind, TrialOutcome, TrialRecord, TrialStatus
 from dsat.trial_failure import (
     MACHINE_FAILURES_TO_STOP,
     OP_NOT_BUILT,
@@ -208,3 +214,72 @@ def test_a_profile_whose_op_this_machine_cannot_build_blames_the_build_not_the_c
     reason = profile_failure(record)
     assert error in reason and "fix the DeepSpeed config" not in reason
     assert "fix the build" in reason and '"torch_adam": true' in reason
+
+
+def ended(
+    index: int,
+    stage: int,
+    mbs: int,
+    status: TrialStatus = TrialStatus.ERROR,
+    cause: FailureCause | None = FailureCause.UNKNOWN,
+    error: str | None = "RuntimeError: the same bug",
+    kind: TrialKind = TrialKind.SEARCH,
+) -> TrialRecord:
+    """A finished trial of ZeRO ``stage`` at micro-batch ``mbs``, as the tracker keeps it."""
+    overwrites = {"train_micro_batch_size_per_gpu": mbs, "zero_optimization": {"stage": stage}}
+    return TrialRecord(
+        request_id=f"t{index}",
+        index=index,
+        kind=kind,
+        hparams={"overwrite_deepspeed_args": overwrites},
+        ds_config=overwrites,
+        zero_stage=stage,
+        mbs=mbs,
+        gas=1,
+        lineage_id=f"t{index}",
+        status=status,
+        error=error,
+        cause=cause,
+    )
+
+
+PROFILED = ended(0, 0, 1, TrialStatus.COMPLETED, None, None, TrialKind.MODEL_PROFILE)
+# Five crashes alike over stages 1 and 2 at micro-batches 2 to 8: five configurations.
+ALIKE = [ended(i, 1 + i % 2, 2 * (i + 1) if i < 4 else 2) for i in range(5)]
+
+
+def test_crashes_alike_stop_a_search_only_over_several_stages_and_configurations() -> None:
+    reason = repeated_unknown_failure([PROFILED, *ALIKE])
+    assert reason is not None and "over ZeRO stages 1, 2 at micro-batches 2 to 8" in reason
+    one_batch = repeated_unknown_failure([PROFILED, *[ended(i, 1 + i % 3, 4) for i in range(5)]])
+    assert one_batch is not None and "at micro-batch 4, and" in one_batch
+    for spoiled in (
+        [*ALIKE[:4], ended(4, 2, 2, cause=FailureCause.CONFIG)],  # one is the config's
+        [*ALIKE[:4], ended(4, 2, 2, TrialStatus.TIMEOUT)],  # one hung: slow, not the same bug
+        [*ALIKE[:4], ended(4, 2, 2, error="ValueError: another")],  # two reasons
+        [ended(i, 1, 2 * (i + 1)) for i in range(5)],  # one stage: its micro-batches may be why
+        [ended(i, 1 + i % 2, 2 + 2 * (i % 2)) for i in range(5)],  # two configurations
+        [ended(9, 1, 16, TrialStatus.COMPLETED, None, None), *ALIKE],  # one succeeded
+        ALIKE[:4],  # too few yet
+    ):
+        assert repeated_unknown_failure([PROFILED, *spoiled]) is None
+
+
+def test_where_no_search_trial_succeeded_the_most_common_reason_is_said() -> None:
+    assert no_search_trial_succeeded([PROFILED]) is None  # none ran
+    oom = [ended(i, 1, 8 + i, TrialStatus.OOM, FailureCause.CONFIG, None) for i in range(2)]
+    failed = [PROFILED, *oom, ended(3, 2, 4)]
+    assert no_search_trial_succeeded(failed) == (
+        "none of the 3 search trials succeeded; 2 ended with: oom"
+    )
+    assert no_search_trial_succeeded([*failed, ended(4, 1, 2, TrialStatus.COMPLETED)]) is None
+
+
+def test_a_profile_out_of_memory_names_the_rungs_only_where_the_ladder_climbed() -> None:
+    oom = ended(0, 3, 1, TrialStatus.OOM, FailureCause.CONFIG, "CUDA out of memory")
+    oom = dataclasses.replace(oom, kind=TrialKind.MODEL_PROFILE)
+    climbed = profile_failure(oom, ["z1", "z3_offload_optimizer"])
+    assert "in any way dsat tried (z1; z3_offload_optimizer)" in climbed
+    assert "in any way dsat tried" not in profile_failure(oom, ["z1"])
+    crashed = dataclasses.replace(oom, status=TrialStatus.ERROR, cause=FailureCause.SCRIPT)
+    assert "in any way dsat tried" not in profile_failure(crashed, ["z1", "z3"])
