@@ -76,6 +76,8 @@ def test_a_lucky_measurement_is_not_handed_over() -> None:
     runs = confirm_runs(m)
     assert runs and {r.parent_id for r in runs} >= {searched_best.request_id, best.request_id}
     assert "confirmed z1_mb38" in (m.shutdown_reason or "")
+    said = m.ending.handover_reason  # the round's verdict, said as it decided
+    assert said.startswith(f"{best.name}: the fastest") and "no leader ran again" not in said
     assert not m.search_failed
 
 
@@ -381,3 +383,27 @@ def test_a_lead_within_the_noise_of_the_runs_says_that_noise() -> None:
     reason = decide(m.tracker, [fast, slow]).reason
     assert reason.startswith("the fastest in its runs: 5.0% ahead of z1_mb32 (within the noise: ")
     assert reason.endswith("% a run, over 3 and 3 runs; either is as good)"), reason
+
+
+def test_where_no_leader_runs_again_the_best_of_the_search_is_handed_over_and_said() -> None:
+    """Every confirmation run crashed: the round shows nothing, and the search's own best that
+    may be handed over is, with that said."""
+    measured = performance()
+    ran: Counter[int] = Counter()
+
+    def crashes_when_run_again(ds_config: dict[str, Any], slots: int) -> dict[str, Any]:
+        if not ds_config.get("autotuning", {}).get("model_info", {}).get("profile"):
+            mbs = ds_config["train_micro_batch_size_per_gpu"]
+            ran[mbs] += 1
+            if ran[mbs] > 1:
+                raise RuntimeError("the run again crashed")
+        return measured(ds_config, slots)
+
+    m = search(crashes_when_run_again)
+    runs = confirm_runs(m)
+    assert runs and all(r.status is TrialStatus.ERROR for r in runs)
+    best = m.tracker.best()
+    assert best is not None and best.mbs == 38 and not m.search_failed
+    assert m.ending.handover_reason == (
+        f"{best.name}: no leader ran again safely; the best of the search that may be handed over"
+    )
