@@ -363,18 +363,19 @@ IGNORED = re.compile(
 
 def message_after(said: list[str], number: int, count: int = MESSAGE_LINES) -> list[str]:
     """The lines after the exception on ``said[number]`` that go on with its message (NCCL's
-    "Last error:" and its text), of its process: up to ``count``, and up to a blank line, a
-    traceback, another exception or a line that begins another's (an atexit callback's
-    traceback after it is not its message: its OOM made a KeyError one)."""
+    "Last error:" and its text), of its process (other ranks' lines between are passed over):
+    up to ``count``, and up to a blank line, a traceback, another exception or a line that
+    begins another's (an atexit callback's traceback after it is not its message: its OOM made
+    a KeyError one)."""
     label = RANK_PREFIX.match(said[number])
     stream = label.group(1) if label else None
     message: list[str] = []
-    for after in range(number + 1, min(number + 1 + count, len(said))):
+    for after in range(number + 1, len(said)):
         line = said[after]
         other = RANK_PREFIX.match(line)
         if (other.group(1) if other else None) != stream:
-            break
-        if (
+            continue
+        if len(message) == count or (
             not _unlabelled(line).strip()
             or NOT_WORDS.match(line)
             or IGNORED.match(line)

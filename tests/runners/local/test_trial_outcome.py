@@ -335,6 +335,13 @@ def test_an_atexit_tracebacks_oom_after_an_exception_is_not_its_message(tmp_path
     )
     end = classify(tmp_path, trial(tmp_path, nccl), 1, False, 60)
     assert end.status is TrialStatus.OOM, end.error
+    # Another rank's line printed in the middle of it does not end it.
+    between = nccl.replace("[rank0]: Last error:", "[rank1]: step 3\n[rank0]: Last error:")
+    end = classify(tmp_path, trial(tmp_path, between), 1, False, 60)
+    assert end.status is TrialStatus.OOM, end.error
+    # Five lines on, what a process says is no longer the message (a note, a later print).
+    later = nccl.replace("[rank0]: Last error:", "[rank0]: Last error:\n" + "[rank0]: more\n" * 3)
+    assert classify(tmp_path, trial(tmp_path, later), 1, False, 60).status is TrialStatus.ERROR
 
 
 def test_rank_0_leaving_cleanly_before_its_peers_is_the_scripts_fault(tmp_path: Path) -> None:
