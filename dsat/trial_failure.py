@@ -301,8 +301,7 @@ def final_exceptions(log: str, code: int | None, rank: int | None = None) -> lis
     gap: dict[str | None, int] = {}
     message: dict[str | None, int] = {}  # lines the last exception's message may still take
     for number, line in enumerate(said):
-        label = RANK_PREFIX.match(line)
-        stream = label.group(1) if label else None
+        stream = _stream(line)
         if (rank is not None and stream != str(rank)) or (signalled and stream is None):
             continue
         if IGNORED.match(line):
@@ -361,19 +360,17 @@ IGNORED = re.compile(
 )
 
 
-def message_after(said: list[str], number: int, count: int = MESSAGE_LINES) -> list[str]:
+def message_after(said: list[str], number: int, count: int) -> list[str]:
     """The lines after the exception on ``said[number]`` that go on with its message (NCCL's
     "Last error:" and its text), of its process (other ranks' lines between are passed over):
     up to ``count``, and up to a blank line, a traceback, another exception or a line that
     begins another's (an atexit callback's traceback after it is not its message: its OOM made
     a KeyError one)."""
-    label = RANK_PREFIX.match(said[number])
-    stream = label.group(1) if label else None
+    stream = _stream(said[number])
     message: list[str] = []
     for after in range(number + 1, len(said)):
         line = said[after]
-        other = RANK_PREFIX.match(line)
-        if (other.group(1) if other else None) != stream:
+        if _stream(line) != stream:
             continue
         if len(message) == count or (
             not _unlabelled(line).strip()
@@ -392,6 +389,12 @@ def _other_output(line: str) -> bool:
     message or launcher noise."""
     text = _unlabelled(line)
     return bool(text.strip()) and not text[:1].isspace() and not NOT_WORDS.match(line)
+
+
+def _stream(line: str) -> str | None:
+    """The rank torch labels ``line`` with (``[rankN]:``); None for an unlabelled line."""
+    label = RANK_PREFIX.match(line)
+    return label.group(1) if label else None
 
 
 def _unlabelled(line: str) -> str:

@@ -23,6 +23,7 @@ from dsat.trial_failure import (
     FailureCause,
 )
 from tests.search.helpers import finish, method, start_profile, suggested
+from tests.search.test_tracker import record
 
 TOO_SHORT = "training ended after 3 optimizer steps; dsat needs 15 to measure this configuration"
 
@@ -226,21 +227,8 @@ def ended(
     kind: TrialKind = TrialKind.SEARCH,
 ) -> TrialRecord:
     """A finished trial of ZeRO ``stage`` at micro-batch ``mbs``, as the tracker keeps it."""
-    overwrites = {"train_micro_batch_size_per_gpu": mbs, "zero_optimization": {"stage": stage}}
-    return TrialRecord(
-        request_id=f"t{index}",
-        index=index,
-        kind=kind,
-        hparams={"overwrite_deepspeed_args": overwrites},
-        ds_config=overwrites,
-        zero_stage=stage,
-        mbs=mbs,
-        gas=1,
-        lineage_id=f"t{index}",
-        status=status,
-        error=error,
-        cause=cause,
-    )
+    made = record(f"t{index}", mbs, stage=stage, kind=kind)
+    return made.replace(index=index, status=status, error=error, cause=cause)
 
 
 PROFILED = ended(0, 0, 1, TrialStatus.COMPLETED, None, None, TrialKind.MODEL_PROFILE)
