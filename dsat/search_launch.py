@@ -423,19 +423,51 @@ def refuse_unreadable_files(copied: list[Path]) -> None:
 
 
 def refuse_others_files(results_dir: Path) -> None:
-    """One line where ``--results-dir`` names a directory holding files that are not a dsat
-    search's (MODEL_DIR itself, a project's folder): a search writes summary.txt, trials/, logs/
-    and more there, over whatever had those names, and would copy MODEL_DIR into itself."""
+    """One line where ``--results-dir`` names a directory holding files a new search would write
+    over or mix with: a project's folder (or MODEL_DIR itself, which a search would copy into
+    itself), or an earlier search whose state is gone (its trials.jsonl would take the new
+    search's rows beside its own, and best_ds_config.json would be replaced). What a search
+    stopped before its first trial leaves (its settings.json, empty folders) is taken."""
     try:
-        found = sorted(p.name for p in results_dir.iterdir() if p.name != LOCK_FILE)
+        entries = [p for p in results_dir.iterdir() if p.name != LOCK_FILE]
     except OSError:  # not there yet, or not a directory: check_results_dir says which
         return
-    if found and SETTINGS_FILE not in found:
-        names = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
+    # An empty folder holds nothing to lose (a search's logs/ made before its first trial).
+    holding = sorted(p.name for p in entries if not empty_folder(p))
+    if not holding:
+        return
+    settings = results_dir / SETTINGS_FILE
+    ours = settings.name in holding and written_by_dsat(settings)
+    if holding == [SETTINGS_FILE] and ours:
+        return  # a search stopped before its first trial began
+    if ours:
         raise DsatError(
-            f"--results-dir {shown(results_dir)} already holds files that are not a dsat "
-            f"search's ({names}); a search would write over them: choose a new or empty directory"
+            f"--results-dir {shown(results_dir)} holds an earlier search's files but not its "
+            f"saved state ({STATE_FILE}), so that search cannot be resumed, and a new one would "
+            "mix its trials with them: choose a new or empty directory"
         )
+    names = ", ".join(holding[:3]) + (", ..." if len(holding) > 3 else "")
+    raise DsatError(
+        f"--results-dir {shown(results_dir)} already holds files that are not a dsat "
+        f"search's ({names}); a search would write over them: choose a new or empty directory"
+    )
+
+
+def empty_folder(path: Path) -> bool:
+    """A folder with no file anywhere inside it (a link is not followed: it counts as a file)."""
+    if path.is_symlink() or not path.is_dir():
+        return False
+    return all(not p.is_file() and not p.is_symlink() for p in path.rglob("*"))
+
+
+def written_by_dsat(path: Path) -> bool:
+    """Whether ``path`` is a search's settings.json, not a file that shares its name (an
+    editor's settings)."""
+    try:
+        SearchSettings.from_json(path.read_text())
+    except (OSError, ValueError, UnicodeDecodeError, TypeError, AttributeError, DsatError):
+        return False
+    return True
 
 
 def launch(settings: SearchSettings, environ: Mapping[str, str]) -> None:

@@ -972,6 +972,40 @@ def test_a_results_dir_holding_other_files_is_refused_and_left_as_it_was(
     assert (empty / "summary.txt").is_file()
 
 
+def test_a_results_dir_named_settings_json_but_not_dsats_or_without_its_state_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A file named settings.json does not make a folder a search's: an editor's is the user's,
+    and an earlier search whose state is gone would have its trials mixed with the new ones and
+    its best_ds_config.json replaced."""
+    base = ["asha", str(SIMULATED / "gpt2_large.yaml"), str(SIMULATED), "--runner", "simulated"]
+    simulated = ["--simulator", GPT2, "--max-trials", "4"]
+    editor = tmp_path / "project"
+    editor.mkdir()
+    (editor / "settings.json").write_text('{"editor.tabSize": 4}\n')
+    (editor / "notes.txt").write_text("mine\n")
+    earlier = tmp_path / "earlier"
+    assert main([*base, *simulated, "--results-dir", str(earlier)]) == 0
+    (earlier / "dsat_search_state.json").unlink()
+    for folder, said in (
+        (editor, "holds files that are not a dsat search's"),
+        (earlier, "holds an earlier search's files but not its saved state"),
+    ):
+        before = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+        line = assert_one_line_error(
+            capsys, [*base, *simulated, "--results-dir", str(folder)], "--results-dir", said
+        )
+        assert "new or empty directory" in line
+        assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()} == before
+    # What a search stopped before its first trial leaves (its settings, an empty folder) is
+    # taken: nothing there to lose.
+    stopped = tmp_path / "stopped"
+    (stopped / "logs").mkdir(parents=True)
+    (stopped / "settings.json").write_bytes((earlier / "settings.json").read_bytes())
+    assert main([*base, *simulated, "--results-dir", str(stopped)]) == 0
+    assert (stopped / "summary.txt").is_file()
+
+
 def test_a_model_dir_file_that_cannot_be_read_is_one_line_before_any_trial(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -3,6 +3,7 @@ over, with memory headroom deciding among equals and a margin no configuration m
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 from dsat.results.directory import confirmation_table
 from dsat.runners.simulated.runner import SimulatedRunner
 from dsat.search.confirmation import (
+    EXTRA_ROUNDS,
     allowed_rounds,
     decide,
     next_round,
@@ -79,6 +81,20 @@ def test_a_lucky_measurement_is_not_handed_over() -> None:
     said = m.ending.handover_reason  # the round's verdict, said as it decided
     assert said.startswith(f"{best.name}: the fastest") and "no leader ran again" not in said
     assert not m.search_failed
+
+
+def test_a_search_that_handed_over_resumes_as_it_ended() -> None:
+    """Resumed (for a full run, or by mistake), an ended search starts nothing and keeps its
+    words: the summary it rewrites still says what the round confirmed."""
+    ended = search(performance(lucky_mbs=32))
+    assert ended.ending.handed_over(ended)
+    resumed = method("binary", zero_stages=(1,), max_concurrent_trials=1, max_trials=12)
+    resumed.load_state_json(json.loads(json.dumps(ended.state_json())))
+    resumed.resume()
+    assert resumed.ending.handed_over(resumed)
+    assert resumed.suggest() is None and resumed.finished
+    assert resumed.shutdown_reason == ended.shutdown_reason
+    assert resumed.tracker.confirmed_id == ended.tracker.confirmed_id
 
 
 def measured(
@@ -343,6 +359,32 @@ def test_runs_that_disagree_with_the_estimate_are_measured_again_then_decide() -
         "which these runs did not show (0.0%): a few runs cannot rule out what the search's "
         "other trials say, and the estimate decides"
     ), verdict.reason
+
+
+def test_leaders_run_again_at_most_extra_rounds_times_then_the_runs_decide() -> None:
+    """Where every extra run again contradicts the estimate, the search does not go on measuring
+    for ever: ``EXTRA_ROUNDS`` more runs of the two, then the measurements decide."""
+    m = method("binary", metric="throughput")
+    pooled = measured(m, 40, [100.0, 101.0], memory=0.5, searched=100.0)
+    fast = measured(m, 32, [110.0, 111.0], memory=0.5, searched=109.0)
+    estimate = {pooled.request_id: 120.0, fast.request_id: 105.0}
+    m.leader_score = lambda: lambda record: estimate[record.request_id]  # type: ignore[method-assign]
+    m.ending.confirmation_candidates = [pooled.request_id, fast.request_id]
+    m.ending.search_end_reason = "--max-trials used up (12)"
+    extra = 0
+    while not m.ending.should_shutdown(m):
+        queued = [m.tracker.get(i) for i in list(m.tracker.queue)]
+        assert sorted(r.parent_id for r in queued) == sorted(estimate)  # both, once each
+        for run in queued:
+            m.tracker.dequeue(run.request_id)
+            m.tracker.mark_running(run.request_id)
+            value = 100.0 if run.parent_id == pooled.request_id else 110.0
+            m.tracker.mark_finished(run.request_id, TrialStatus.COMPLETED, {"throughput": value})
+        extra += 1
+        assert extra <= EXTRA_ROUNDS
+    assert extra == EXTRA_ROUNDS == m.ending.extra_rounds
+    assert m.tracker.confirmed_id == fast.request_id
+    assert m.shutdown_reason == "--max-trials used up (12); confirmed z1_mb32"
 
 
 def test_the_reason_names_what_the_leaders_differ_in() -> None:
