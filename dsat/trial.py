@@ -13,6 +13,24 @@ from typing import Any
 from dsat.trial_failure import FailureCause
 from dsat.zero_space import explicit_zero_config, knob_tags, section_key
 
+# What each field of a saved record holds (``TrialRecord.from_json``); the enums check their own.
+_JSON_FIELD_KINDS: dict[str, type | tuple[type, ...]] = {
+    "request_id": str,
+    "index": int,
+    "hparams": dict,
+    "ds_config": dict,
+    "zero_stage": int,
+    "mbs": int,
+    "gas": int,
+    "lineage_id": str,
+    "parent_id": (str, type(None)),
+    "search_range": (dict, type(None)),
+    "rung": int,
+    "metrics": dict,
+    "error": (str, type(None)),
+    "log": (str, type(None)),
+}
+
 
 def peak_memory_fraction(metrics: Mapping[str, Any]) -> float | None:
     """A trial's peak memory over its device's total, from its metrics, where it measured both."""
@@ -177,7 +195,16 @@ class TrialRecord:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> TrialRecord:
+        """The record ``to_json`` wrote; ``ValueError`` naming the field where a value is not
+        of its kind (a state edited by hand failed later, in the search, as a traceback)."""
         data = dict(data)
+        for name, kinds in _JSON_FIELD_KINDS.items():
+            value = data.get(name)
+            if name in data and (isinstance(value, bool) or not isinstance(value, kinds)):
+                raise ValueError(f"trial {data.get('request_id')!r}: {name} is {value!r}")
+        for name in ("mbs", "gas"):
+            if data.get(name, 1) < 1:
+                raise ValueError(f"trial {data.get('request_id')!r}: {name} is {data[name]!r}")
         data["kind"] = TrialKind(data["kind"])
         data["status"] = TrialStatus(data["status"])
         if data.get("cause") is not None:

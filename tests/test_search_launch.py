@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from dsat.cli import parse_settings
-from dsat.constants import OVERWRITE_KEY
+from dsat.constants import OVERWRITE_KEY, SETTINGS_FILE
 from dsat.experiment.config import load_experiment
 from dsat.results.resume import resume_command
 from dsat.runners import RunnerKind
@@ -240,6 +240,32 @@ def test_ctrl_c_while_the_report_is_written_says_how_to_get_it(
     assert main(["asha", "--resume", str(results)]) == 0
     assert "best DeepSpeed config" in capsys.readouterr().out
     assert (results / "report.html").is_file()
+
+
+def test_ctrl_c_before_the_first_trial_began_offers_no_resume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Stopped while the search worked out its plan, it said "Resume with: --resume DIR", and
+    that resume answered that no search was saved there. The same command again is taken."""
+    from dsat.cli import main
+    from dsat.runners.driver import SearchDriver
+
+    driven = SearchDriver.run
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        raise KeyboardInterrupt
+
+    results = tmp_path / "r"
+    monkeypatch.setattr(SearchDriver, "run", interrupted)
+    argv = [*SIMULATED_ARGV, "--results-dir", str(results)]
+    assert main(argv) == 130
+    assert capsys.readouterr().err.strip() == (
+        "dsat: interrupted before the first trial began; nothing was kept: run the same command "
+        "again"
+    )
+    assert (results / SETTINGS_FILE).is_file()  # written as the search began
+    monkeypatch.setattr(SearchDriver, "run", driven)
+    assert main(argv) == 0
 
 
 class ClusterShrinks(SimulatedRunner):

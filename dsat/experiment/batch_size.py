@@ -45,8 +45,19 @@ def micro_batches_for(global_batch: int, slots: int) -> list[int]:
 GLOBAL_BATCH_FLAG = "--global-batch"
 
 
+# The largest batch per rank dsat lists the divisors of (a million steps; a typo's 10^20 took
+# hours). No training steps its optimizer once per 10^12 samples.
+LARGEST_BATCH_PER_RANK = 2**40
+
+
 def check_global_batch(global_batch: int, slots: int, source: str) -> None:
     """A global batch that no configuration can keep is the user's mistake, said before any trial."""
+    if global_batch // slots > LARGEST_BATCH_PER_RANK:
+        raise DsatError(
+            f"{source}: {TRAIN_BATCH_SIZE} {global_batch} is {global_batch // slots} samples per "
+            f"rank, more than any training takes in one step (dsat keeps at most 2^40); check "
+            "the number"
+        )
     if global_batch % slots:
         fix = f"make it a multiple of {slots}" if global_batch > slots else f"raise it to {slots}"
         # The flag takes a number only: its way to a free batch is to leave it out.

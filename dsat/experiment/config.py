@@ -361,9 +361,20 @@ def load_experiment(
     if not model_dir.is_dir():
         what = "a file, not a directory" if model_dir.exists() else "model directory not found"
         raise DsatError(f"{model_dir}: {what}; pass the folder with your code as MODEL_DIR")
+    if not os.access(model_dir, os.R_OK | os.X_OK):
+        raise DsatError(
+            f"{model_dir}: MODEL_DIR cannot be read; every trial runs in a copy of it: make it "
+            "readable by the user running dsat"
+        )
     for inc in include_paths:
         if not inc.exists():
             raise DsatError(f"--include {inc}: path not found")
+    entrypoint = config.get("entrypoint")
+    if entrypoint is not None and not isinstance(entrypoint, (str, list)):
+        raise DsatError(
+            f"{config_path}: entrypoint is {entrypoint!r}, not a command; give the command that "
+            "trains as a string (python3 train.py) or a list of its words"
+        )
     hparams = config.get("hyperparameters")
     if not isinstance(hparams, dict):
         raise DsatError(
@@ -534,6 +545,13 @@ def validate_with_deepspeed(ds_config: Mapping[str, Any], slots: int, source: st
 
     config = trial_ready_config(ds_config, slots, source)
     if contains_auto(config):
+        zero = config.get("zero_optimization")
+        stage = zero.get("stage") if isinstance(zero, Mapping) else None
+        if stage is not None and (isinstance(stage, bool) or stage not in (0, 1, 2, 3)):
+            raise DsatError(  # DeepSpeed's check, skipped here, would have said so
+                f"{source}: zero_optimization.stage is {stage!r}; give it 0, 1, 2 or 3 (HF fills "
+                'in "auto" batch and optimizer values, not the stage)'
+            )
         load_deepspeed()  # not checked here, but every trial needs it (the check imports it)
         return False
 

@@ -91,6 +91,9 @@ def load_state_json(method: DsatSearchMethod, state: dict[str, Any]) -> None:
     method.tracker.load_json(state["tracker"])
     method.rng.bit_generator.state = state["rng"]
     method.next_index = int(state["next_index"])
+    last = max((r.index for r in method.tracker.records), default=-1)
+    if method.next_index <= last:  # the next trial would take an index a trial has
+        raise ValueError(f"next_index {method.next_index} is not past the last trial's {last}")
     method.ending.confirmation_candidates = list(state.get("confirmation_candidates", []))
     method.ending.search_end_reason = str(state.get("search_end_reason", ""))
     method.ending.extra_rounds = int(state.get("extra_rounds", 0))

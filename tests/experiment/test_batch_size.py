@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from dsat.errors import DsatError
 from dsat.experiment.batch_size import (
+    LARGEST_BATCH_PER_RANK,
     consistent_batch_sizes,
     micro_batches_for,
     replaced_batch,
@@ -181,6 +182,19 @@ def test_a_global_batch_no_configuration_can_keep_is_one_clear_error(
 ) -> None:
     with pytest.raises(DsatError, match=f"train_batch_size {global_batch} cannot be split.*{fix}"):
         consistent_batch_sizes({"train_batch_size": global_batch}, slots, source="ds.json")
+
+
+def test_a_global_batch_beyond_any_training_is_one_line_not_a_search_for_its_divisors() -> None:
+    """10^20 took hours listing its divisors before any trial."""
+    with pytest.raises(
+        DsatError, match=f"train_batch_size {10**20} is {5 * 10**19} samples per rank"
+    ):
+        consistent_batch_sizes({"train_batch_size": 10**20}, 2, source="ds.json")
+    with pytest.raises(DsatError, match="more than any training takes in one step"):
+        with_global_batch({}, 10**20, 2, "--global-batch")
+    largest = 2 * LARGEST_BATCH_PER_RANK  # listed at once
+    assert micro_batches_for(largest, 2)[-1] == LARGEST_BATCH_PER_RANK
+    assert consistent_batch_sizes({"train_batch_size": largest}, 2)["train_batch_size"] == largest
 
 
 def test_the_global_batch_flag_keeps_the_users_micro_batch_where_it_divides() -> None:

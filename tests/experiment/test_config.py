@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +136,30 @@ def test_an_entrypoint_script_that_is_not_there_is_one_line_before_any_trial(
     message = str(raised.value)
     assert "the entrypoint runs trian.py, which is not in MODEL_DIR" in message
     assert "fix the script's path in the entrypoint" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("entrypoint", [5, {"cmd": "python3 train.py"}, True])
+def test_an_entrypoint_that_is_no_command_is_one_line(tmp_path: Path, entrypoint: Any) -> None:
+    """A number failed as a TypeError's traceback; a mapping was called "no entrypoint"."""
+    path = write_experiment(tmp_path / "m", config={"entrypoint": entrypoint})
+    with pytest.raises(DsatError) as raised:
+        load_experiment(path, path.parent)
+    message = str(raised.value)
+    assert f"entrypoint is {entrypoint!r}, not a command" in message and "\n" not in message
+
+
+def test_a_model_dir_that_cannot_be_read_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Looking for the DeepSpeed config in it raised PermissionError's traceback (as root, any
+    folder can be read: ``os.access`` is what dsat asks, and is asked here)."""
+    path = write_experiment(tmp_path / "m")
+    real_access = os.access
+    monkeypatch.setattr(
+        os, "access", lambda p, mode: False if Path(p) == path.parent else real_access(p, mode)
+    )
+    with pytest.raises(DsatError, match=r"/m: MODEL_DIR cannot be read; .*make it readable"):
+        load_experiment(path, path.parent)
 
 
 def test_a_deepspeed_config_outside_model_dir_is_one_line_before_any_trial(
@@ -394,6 +419,20 @@ def test_validate_with_deepspeed_skips_hf_auto_values() -> None:
 def test_validate_with_deepspeed_reports_deepspeeds_reason() -> None:
     with pytest.raises(DsatError, match=r"ds.json: DeepSpeed rejects this config: .*stage"):
         validate_with_deepspeed({"zero_optimization": {"stage": 9}}, slots=1, source="ds.json")
+
+
+@pytest.mark.parametrize("stage", ["auto", "two", 7, True])
+def test_a_zero_stage_that_is_none_is_one_line_beside_hf_auto_values(stage: Any) -> None:
+    """With "auto" anywhere DeepSpeed's own check is skipped (HF fills those values in at run
+    time), and a stage of "auto" ended the search in a ValueError's traceback."""
+    config = {
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+        "zero_optimization": {"stage": stage},
+    }
+    with pytest.raises(DsatError, match=r"ds.json: zero_optimization.stage is .*0, 1, 2 or 3"):
+        validate_with_deepspeed(config, slots=1, source="ds.json")
+    config["zero_optimization"]["stage"] = 2
+    assert validate_with_deepspeed(config, slots=1, source="ds.json") is False
 
 
 def test_overrides_that_are_not_a_mapping_are_one_line(tmp_path: Path) -> None:

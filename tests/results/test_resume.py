@@ -183,6 +183,13 @@ def tracker_edited(text: str, **changes: object) -> str:
     return json.dumps({**state, "tracker": {**state["tracker"], **changes}})
 
 
+def record_edited(text: str, number: int, **changes: object) -> str:
+    state = json.loads(text)
+    records = state["tracker"]["records"]
+    records[number] = {**records[number], **changes}
+    return json.dumps(state)
+
+
 @pytest.mark.parametrize(
     ("name", "damage", "needle"),
     [
@@ -196,6 +203,15 @@ def tracker_edited(text: str, **changes: object) -> str:
         # Ids that name no trial: a KeyError's traceback, from inside the search.
         (STATE_FILE, lambda text: tracker_edited(text, confirmed_id="nope"), "'nope' names no"),
         (STATE_FILE, lambda text: tracker_edited(text, queue=["nope"]), "'nope' names no trial"),
+        # Values of the wrong kind, edited by hand: a RuntimeError's or TypeError's traceback.
+        (
+            STATE_FILE,
+            lambda text: json.dumps({**json.loads(text), "next_index": -1}),
+            "next_index -1 is not past the last trial's",
+        ),
+        (STATE_FILE, lambda text: record_edited(text, 2, mbs="big"), "mbs is 'big'"),
+        (STATE_FILE, lambda text: record_edited(text, 2, gas=0), "gas is 0"),
+        (STATE_FILE, lambda text: record_edited(text, 1, metrics=[]), "metrics is []"),
         (
             STATE_FILE,
             lambda text: json.dumps({**json.loads(text), "version": 99}),

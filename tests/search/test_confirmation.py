@@ -375,11 +375,11 @@ def test_leaders_run_again_at_most_extra_rounds_times_then_the_runs_decide() -> 
     while not m.ending.should_shutdown(m):
         queued = [m.tracker.get(i) for i in list(m.tracker.queue)]
         assert sorted(r.parent_id for r in queued) == sorted(estimate)  # both, once each
-        for run in queued:
-            m.tracker.dequeue(run.request_id)
-            m.tracker.mark_running(run.request_id)
-            value = 100.0 if run.parent_id == pooled.request_id else 110.0
-            m.tracker.mark_finished(run.request_id, TrialStatus.COMPLETED, {"throughput": value})
+        for again in queued:
+            m.tracker.dequeue(again.request_id)
+            m.tracker.mark_running(again.request_id)
+            value = 100.0 if again.parent_id == pooled.request_id else 110.0
+            m.tracker.mark_finished(again.request_id, TrialStatus.COMPLETED, {"throughput": value})
         extra += 1
         assert extra <= EXTRA_ROUNDS
     assert extra == EXTRA_ROUNDS == m.ending.extra_rounds
