@@ -293,6 +293,12 @@ def test_the_summary_says_which_leaders_ran_again_where_the_estimate_and_runs_di
     ), note
 
 
+def test_confirm_top_2_runs_the_two_leaders_again() -> None:
+    m = search(performance(lucky_mbs=32), confirm_top=2)
+    assert len({r.parent_id for r in confirm_runs(m)}) == 2
+    assert m.tracker.best().mbs == 38  # the lucky 32 did not repeat its luck
+
+
 def test_no_round_with_confirm_top_0() -> None:
     m = search(performance(lucky_mbs=32), confirm_top=0)
     assert confirm_runs(m) == [] and m.tracker.best().mbs == 32
@@ -371,10 +377,11 @@ def test_leaders_run_again_at_most_extra_rounds_times_then_the_runs_decide() -> 
     m.leader_score = lambda: lambda record: estimate[record.request_id]  # type: ignore[method-assign]
     m.ending.confirmation_candidates = [pooled.request_id, fast.request_id]
     m.ending.search_end_reason = "--max-trials used up (12)"
-    extra = 0
+    extra, budget = 0, m.tracker.max_trials
     while not m.ending.should_shutdown(m):
         queued = [m.tracker.get(i) for i in list(m.tracker.queue)]
         assert sorted(r.parent_id for r in queued) == sorted(estimate)  # both, once each
+        assert m.tracker.max_trials == budget + 2 * (extra + 1)  # on top of --max-trials
         for again in queued:
             m.tracker.dequeue(again.request_id)
             m.tracker.mark_running(again.request_id)
