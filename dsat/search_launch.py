@@ -42,6 +42,7 @@ from dsat.experiment.config import (
     load_yaml_mapping,
     validate_with_deepspeed,
 )
+from dsat.experiment.config_keys import unknown_key_notes
 from dsat.experiment.settings import SearchSettings
 from dsat.paths import shown
 from dsat.process_limits import address_space_limit
@@ -245,7 +246,7 @@ def plan_search(
         raise DsatError(
             f"--ray-address only applies to --runner ray (the runner is {runner.value})"
         )
-    notes: list[str] = []
+    notes = unknown_key_notes(experiment.config, str(settings.config_path))
     if runner is not RunnerKind.SIMULATED:
         check_entrypoint_script(experiment)
         command = entrypoint_command(experiment)

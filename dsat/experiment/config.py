@@ -27,6 +27,7 @@ from dsat.constants import (
     TRAIN_BATCH_SIZE,
 )
 from dsat.errors import DsatError
+from dsat.experiment.config_keys import refuse_misspelt_keys
 from dsat.experiment.batch_size import (
     GLOBAL_BATCH_FLAG,
     consistent_batch_sizes,
@@ -358,6 +359,7 @@ def load_experiment(
     config_path, model_dir = Path(config_path), Path(model_dir)
     include_paths = tuple(Path(p) for p in includes)
     config = load_yaml_mapping(config_path)
+    refuse_misspelt_keys(config, str(config_path))
     if not model_dir.is_dir():
         what = "a file, not a directory" if model_dir.exists() else "model directory not found"
         raise DsatError(f"{model_dir}: {what}; pass the folder with your code as MODEL_DIR")
