@@ -27,13 +27,13 @@ from dsat.constants import (
     TRAIN_BATCH_SIZE,
 )
 from dsat.errors import DsatError
-from dsat.experiment.config_keys import refuse_misspelt_keys
 from dsat.experiment.batch_size import (
     GLOBAL_BATCH_FLAG,
     consistent_batch_sizes,
     replaced_batch,
     with_global_batch,
 )
+from dsat.experiment.config_keys import refuse_misspelt_keys
 
 # Entrypoint flags that name a DeepSpeed config: HF's `--deepspeed PATH` and DeepSpeed's own
 # `--deepspeed_config PATH` (DeepSpeed's bare `--deepspeed` is a switch with no value).
