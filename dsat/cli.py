@@ -488,6 +488,11 @@ def parse_settings(argv: Sequence[str] | None = None) -> SearchSettings:
     """The settings of the search to run: from the flags, or, with --resume, the saved ones."""
     argv = list(sys.argv[1:] if argv is None else argv)
     namespace = build_parser().parse_args(argv)
+    if namespace.fresh_processes and namespace.trial_host:
+        raise DsatError(  # which one ran went unsaid
+            "--fresh-processes starts each trial in a new interpreter and --trial-host runs "
+            "them in a warm one; drop one of the two"
+        )
     if namespace.resume is not None:
         return resumed_settings(
             namespace.method, given_arguments(argv), namespace.resume, flag_names()

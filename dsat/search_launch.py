@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import shlex
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,7 @@ from dsat.results.directory_lock import (
 )
 from dsat.results.report import write_report
 from dsat.results.resume import (
+    not_a_results_dir,
     read_saved_state,
     refuse_changed_experiment,
     refuse_lost_rows,
@@ -79,7 +81,7 @@ from dsat.results.writable import (
 )
 from dsat.runners import RunnerKind, resolve_runner
 from dsat.runners.determined.submit import DeterminedSetup
-from dsat.runners.local.entrypoint import strip_determined_launcher
+from dsat.runners.local.entrypoint import check_program, strip_determined_launcher
 from dsat.runners.local.full_run import FullExperimentFailed
 from dsat.runners.local.runner import copy_ignore
 from dsat.runners.local.setup import OPS_LOG, LocalSetup
@@ -257,6 +259,10 @@ def plan_search(
         if hf_note is not None:
             notes.append(hf_note)
     if runner is RunnerKind.LOCAL:
+        # A cluster's nodes have their own PATH, which dsat cannot see from here.
+        check_program(
+            entrypoint_command(experiment), experiment.model_dir, str(experiment.config_path)
+        )
         notes.extend(address_space_note(address_space_limit()))
     if runner is RunnerKind.LOCAL and settings.offload_nvme is not None:
         check_local_directory(settings.offload_nvme, "--offload-nvme")
@@ -264,7 +270,7 @@ def plan_search(
     if settings.resume is not None:
         results_dir = Path(settings.resume)
         if not results_dir.is_dir():
-            raise DsatError(f"--resume {results_dir}: no such results directory")
+            raise DsatError(f"--resume {results_dir}: {not_a_results_dir(results_dir)}")
         state = read_saved_state(results_dir, settings.method)
         refuse_changed_experiment(results_dir, search_spec(experiment), state)
         refuse_more_trials_when_finished(results_dir, state, settings.max_trials)
@@ -739,8 +745,8 @@ def closing_lines(
     if entrypoint_flag(method.spec.entrypoint, (HF_DS_FLAG,)) is not None:
         # HF's Trainer checks its batch flags against the JSON and refuses a mismatch.
         use = (
-            f"train with {HF_DS_FLAG} {path} --per_device_train_batch_size {best.mbs} "
-            f"--gradient_accumulation_steps {best.gas}"
+            f"train with {HF_DS_FLAG} {shlex.quote(path)} --per_device_train_batch_size "
+            f"{best.mbs} --gradient_accumulation_steps {best.gas}"
             + "".join(
                 f" {flag} true"
                 for flag in (

@@ -947,6 +947,15 @@ def test_simulated_search_prints_the_summary_and_leaves_results(tmp_path: Path) 
     ) == len(kinds)
 
 
+def test_fresh_processes_and_a_trial_host_together_are_one_line(
+    experiment_yaml: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Both were taken, and nothing said which one ran."""
+    common = ["guided", str(experiment_yaml), str(experiment_yaml.parent), "--fresh-processes"]
+    assert_one_line_error(capsys, [*common, "--trial-host"], "drop one of the two")
+    assert parse_settings([*common, "--no-trial-host"]).fresh_processes
+
+
 def test_a_results_dir_holding_other_files_is_refused_and_left_as_it_was(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

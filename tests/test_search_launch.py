@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,19 @@ def test_the_next_step_is_said_as_the_users_script_takes_a_config(
     assert after.endswith(
         f"(move {tmp_path / 'full-experiment'} away first: it holds the last full run)"
     )
+
+
+def test_the_next_step_quotes_a_path_the_shell_would_split(tmp_path: Path) -> None:
+    """Pasted as printed, `--deepspeed sp res/best_ds_config.json` passed the script three words."""
+    entrypoint = "python3 train.py --deepspeed ds.json --per_device_train_batch_size 4"
+    spec = SearchSpec({"deepspeed_config": "ds.json"}, USER, 1, entrypoint)
+    settings = search_settings("guided", max_trials=8, zero_stages=(1,))
+    results = tmp_path / "sp res ü"
+    method = run_search(settings, spec, SimulatedRunner(cliff_function(24), 1), results)
+    next_line = closing_lines(method, results, full_run=False)[2]
+    quoted = shlex.quote(str(results / "best_ds_config.json"))
+    assert f"--deepspeed {quoted} --per_device_train_batch_size" in next_line
+    assert quoted.startswith("'")
 
 
 class FullRunStoppedByCtrlC(SimulatedRunner):

@@ -128,6 +128,8 @@ def load_ds_json(path: Path, source: str) -> dict[str, Any]:
         raise DsatError(f"{path}: not valid JSON (not UTF-8 text)") from None
     except OSError as err:
         raise DsatError(f"{path}: cannot read it ({err.strerror or err}); {READ_FIX}") from None
+    if not text.strip():  # read as {} (hjson), which DeepSpeed refuses: no batch size
+        raise DsatError(f"{path}: the file is empty; a DeepSpeed config is a JSON object {{...}}")
     try:
         try:
             data = json.loads(text, object_pairs_hook=_refuse_repeated_keys)
@@ -135,7 +137,7 @@ def load_ds_json(path: Path, source: str) -> dict[str, Any]:
             data = _relaxed_json(text)  # comments, trailing commas: DeepSpeed reads them (hjson)
             if data is None:
                 raise DsatError(
-                    f"{path}: not valid JSON ({err.msg} at line {err.lineno}, column "
+                    f"{path}: not valid JSON ({err.msg}: line {err.lineno}, column "
                     f"{err.colno}); fix the syntax"
                 ) from None
     except RepeatedKey as err:
@@ -187,7 +189,12 @@ READ_FIX = "make it readable by the user running dsat"
 
 def slots_per_trial(config: Mapping[str, Any], source: str) -> int:
     resources = config.get("resources") or {}
-    slots = resources.get("slots_per_trial", 1) if isinstance(resources, Mapping) else None
+    if not isinstance(resources, Mapping):
+        raise DsatError(
+            f"{source}: resources is {type(resources).__name__} {resources!r}, not a mapping; "
+            "write it as 'resources:' with 'slots_per_trial: N' indented below"
+        )
+    slots = resources.get("slots_per_trial", 1)
     if isinstance(slots, bool) or not isinstance(slots, int) or slots <= 0:
         raise DsatError(
             f"{source}: resources.slots_per_trial must be a positive integer, got {slots!r}"
@@ -378,6 +385,12 @@ def load_experiment(
             "trains as a string (python3 train.py) or a list of its words"
         )
     hparams = config.get("hyperparameters")
+    if hparams is not None and not isinstance(hparams, dict):
+        raise DsatError(
+            f"{config_path}: hyperparameters is {type(hparams).__name__} {hparams!r}, not a "
+            f"mapping; write it as 'hyperparameters:' with '{DS_CONFIG_KEY}: <your DeepSpeed "
+            "JSON>' indented below"
+        )
     if not isinstance(hparams, dict):
         raise DsatError(
             f"{config_path}: no hyperparameters section; add one with "
@@ -407,6 +420,11 @@ def load_experiment(
             f"{config_path}: hyperparameters.{DS_CONFIG_KEY} names {relative}, outside MODEL_DIR; "
             "each trial runs in a copy of MODEL_DIR (and --include), where it is not: move it "
             "into MODEL_DIR, or --include its folder and name it <folder>/<file>"
+        )
+    if ds_path is None and (model_dir / relative).is_dir():
+        raise DsatError(
+            f"{config_path}: hyperparameters.{DS_CONFIG_KEY} names {relative}, a folder; name "
+            "your DeepSpeed JSON file (relative to MODEL_DIR)"
         )
     if ds_path is None:
         raise DsatError(

@@ -100,9 +100,7 @@ def read_trial_rows(path: Path) -> list[dict[str, Any]]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as err:
-            raise ValueError(
-                f"line {number} is not JSON ({err.msg} at column {err.colno})"
-            ) from None
+            raise ValueError(f"line {number} is not JSON ({err.msg}: column {err.colno})") from None
         wrong = _wrong_key(row)
         if wrong is not None:
             raise ValueError(f"line {number} is not a trial's row ({wrong})")

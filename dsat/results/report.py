@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dsat.atomic_file import write_bytes_atomic, write_text_atomic
-from dsat.constants import AUTOTUNING_KEY, SETTINGS_FILE
+from dsat.constants import AUTOTUNING_KEY, SETTINGS_FILE, STATE_FILE
 from dsat.errors import DsatError
 from dsat.experiment.metric import Metric
 from dsat.experiment.settings import DEFAULT_METRIC
@@ -32,7 +32,7 @@ from dsat.results.directory import (
     VALUE_KEY,
     read_trial_rows,
 )
-from dsat.results.resume import saved_settings
+from dsat.results.resume import refuse_lost_rows, saved_settings
 from dsat.results.utilization import DERIVED_KEYS, MFU_KEY, TOKENS_KEY
 
 REPORT_PNG = "report.png"
@@ -117,12 +117,25 @@ class SearchResults:
         return points
 
 
+def refuse_lost_rows_here(results_dir: Path) -> None:
+    """Where the saved state names finished trials trials.jsonl has no row for (the file gone,
+    emptied), one line saying so, not "no trial has finished yet"."""
+    try:
+        state = json.loads((results_dir / STATE_FILE).read_text())
+        records = state["tracker"]["records"]
+    except (OSError, ValueError, TypeError, KeyError):
+        return  # no state, or none to read: the rows alone say what there is
+    if isinstance(records, list):
+        refuse_lost_rows(results_dir, state, then="to report the search")
+
+
 def load_results(results_dir: Path) -> SearchResults:
     """The results in ``results_dir``, or one line saying what is missing or damaged."""
     path = results_dir / TRIALS_FILE
     if not results_dir.is_dir():
         what = "not a directory" if results_dir.exists() else "no such directory"
         raise DsatError(f"{shown(results_dir)}: {what}; pass the results directory a search wrote")
+    refuse_lost_rows_here(results_dir)
     if not path.is_file() and (results_dir / SETTINGS_FILE).is_file():
         # A search began there (interrupted in its first trial): not "pass a search's directory".
         raise DsatError(f"{shown(results_dir)}: no trial has finished yet; report it once one has")

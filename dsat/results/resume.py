@@ -59,6 +59,13 @@ def write_settings(settings: SearchSettings, results_dir: Path) -> None:
     write_text_atomic(results_dir / SETTINGS_FILE, stored.to_json() + "\n")
 
 
+def not_a_results_dir(path: Path) -> str:
+    """Why ``path`` (not a directory) cannot be resumed, in words."""
+    if path.exists():
+        return "a file, not a results directory; pass the directory a search wrote"
+    return "no such results directory"
+
+
 def report_still_draws(results_dir: Path) -> str:
     """Where a search cannot be resumed but its trials were kept, that they can still be seen."""
     if not (results_dir / TRIALS_FILE).is_file():
@@ -111,7 +118,7 @@ def resumed_settings(
     if "results_dir" in given and absolute(given["results_dir"]) != str(results_dir):
         raise DsatError("--resume DIR already names the results directory; drop --results-dir")
     if not results_dir.is_dir():
-        raise DsatError(f"--resume {resume_dir}: no such results directory")
+        raise DsatError(f"--resume {resume_dir}: {not_a_results_dir(results_dir)}")
     saved = saved_settings(results_dir)
     if method != saved.method:
         raise DsatError(
@@ -238,7 +245,9 @@ def refuse_more_trials_when_finished(
         )
 
 
-def refuse_lost_rows(results_dir: Path, state: Mapping[str, Any]) -> None:
+def refuse_lost_rows(
+    results_dir: Path, state: Mapping[str, Any], then: str = "to resume, or start a new search"
+) -> None:
     """Every trial the saved search finished has its row in trials.jsonl, written before the
     state. Rows missing there were lost (the file removed, emptied or cut), and a resume would
     rewrite the summary's cost, and number the trials, from the rows left; so say so instead."""
@@ -262,7 +271,7 @@ def refuse_lost_rows(results_dir: Path, state: Mapping[str, Any]) -> None:
         raise DsatError(
             f"{shown(path)}: {len(missing)} of the {len(finished)} trials the saved search "
             "finished have no row there (the file was removed, emptied or cut); put it back as "
-            "dsat wrote it to resume, or start a new search"
+            f"dsat wrote it {then}"
         )
 
 

@@ -10,6 +10,7 @@ import logging
 import re
 from typing import TYPE_CHECKING
 
+from dsat.memory import ModelProfile, ModelProfileError
 from dsat.search.confirmation import (
     EXTRA_ROUNDS,
     QUIET_SPREAD,
@@ -40,6 +41,14 @@ def profile_failure(profile: TrialRecord, tried: list[str] | None = None) -> str
     config" only where the config is the cause. ``tried``: the fit ladder's rungs whose
     profiles ran out of memory, when there was more than the user's own config to try."""
     reason, log = first_line(profile.error), log_note(profile.log)
+    if profile.status is TrialStatus.COMPLETED:  # it ran, and its report lacked what dsat needs
+        try:
+            ModelProfile.from_metrics(profile.metrics)
+        except ModelProfileError as err:
+            return (
+                f"the {err}{log}: dsat sizes the search from them (DeepSpeed's profiler reports "
+                "them through dsat.dsat_reporting_context)"
+            )
     if profile.status is TrialStatus.OOM and tried and len(tried) > 1:
         return (
             f"the model does not fit at micro-batch 1 in any way dsat tried ({'; '.join(tried)}): "

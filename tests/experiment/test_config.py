@@ -492,3 +492,41 @@ def test_with_a_free_batch_the_hf_scripts_accumulation_is_the_users(
     method.observe(TrialOutcome(profile.request_id, TrialStatus.COMPLETED, profiled, None, 0, 1))
     trials = [method.suggest() for _ in range(3)]
     assert all(t is not None and t.gas == 2 for t in trials)
+
+
+@pytest.mark.parametrize(
+    ("config", "said"),
+    [
+        # Each was there, of the wrong kind: "no hyperparameters section; add one" and "must be a
+        # positive integer, got None" pointed elsewhere.
+        ({"hyperparameters": ["deepspeed_config"]}, "hyperparameters is list ["),
+        ({"hyperparameters": "ds_config.json"}, "hyperparameters is str 'ds_config.json', not a"),
+        ({"resources": [{"slots_per_trial": 2}]}, "resources is list [{'slots_per_trial': 2}]"),
+        ({"hyperparameters": {"deepspeed_config": "."}}, "names ., a folder; name your"),
+    ],
+)
+def test_a_section_of_the_wrong_kind_is_named_as_such(
+    tmp_path: Path, config: dict[str, Any], said: str
+) -> None:
+    path = write_experiment(tmp_path / "m", config=config)
+    with pytest.raises(DsatError) as raised:
+        load_experiment(path, path.parent)
+    assert said in str(raised.value) and "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        ("", "the file is empty; a DeepSpeed config is a JSON object {...}"),
+        ("  \n", "the file is empty"),
+        # Python's own words end "starting at": dsat's read "starting at at line 1".
+        ('{"a": "cut', "not valid JSON (Unterminated string starting at: line 1, column 7)"),
+    ],
+)
+def test_an_empty_or_cut_deepspeed_config_is_one_line(tmp_path: Path, text: str, said: str) -> None:
+    """An empty file was read as {} (hjson) and searched as the user's config."""
+    path = write_experiment(tmp_path / "m")
+    (path.parent / "ds_config.json").write_text(text)
+    with pytest.raises(DsatError) as raised:
+        load_experiment(path, path.parent)
+    assert said in str(raised.value), raised.value

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from dsat.cli import main
+from dsat.constants import STATE_FILE
 from dsat.experiment.settings import DEFAULT_METRIC
 from dsat.results.directory import SUMMARY_FILE, TRIALS_FILE
 from dsat.results.report import REPORT_HTML, REPORT_PNG, load_results, picked_row
@@ -112,9 +113,14 @@ def test_a_missing_or_damaged_results_dir_is_one_line(
     ):
         (results / TRIALS_FILE).write_text(damaged)
         assert_one_line_error(capsys, ["report", str(results)], TRIALS_FILE, said)
+    # trials.jsonl gone while the state names the trials it finished: not "no trial has
+    # finished yet", which it said.
+    (results / TRIALS_FILE).unlink()
+    line = assert_one_line_error(capsys, ["report", str(results)], TRIALS_FILE, "have no row")
+    assert line.endswith("put it back as dsat wrote it to report the search")
     # A search interrupted in its first trial wrote no trials.jsonl: it is a search's directory
     # (it said "pass a directory a dsat search wrote").
-    (results / TRIALS_FILE).unlink()
+    (results / STATE_FILE).unlink()
     assert_one_line_error(capsys, ["report", str(results)], "no trial has finished yet")
 
 
@@ -219,8 +225,8 @@ def test_what_the_report_cannot_know_it_says(
         f"settings.json is missing or damaged: the trials are ranked by {DEFAULT_METRIC.value}"
         in said
     )
-    (results / TRIALS_FILE).write_text("")
-    assert_one_line_error(capsys, ["report", str(results)], "no trial has finished yet")
+    (results / TRIALS_FILE).write_text("")  # emptied, while the state names its trials
+    assert_one_line_error(capsys, ["report", str(results)], "15 of the 15 trials", "no row")
 
 
 def test_the_picks_label_stays_inside_its_panel(tmp_path: Path) -> None:

@@ -478,3 +478,17 @@ def test_a_results_dir_that_moved_names_its_logs_where_they_are_now(
     assert rows(again)[0]["log"] == str(again / "logs" / "001-moved.log")
     kept = json.loads((again / STATE_FILE).read_text())["tracker"]["records"]
     assert kept[0]["log"] == rows(again)[0]["log"]
+
+
+def test_resume_of_a_file_says_it_is_a_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It said "no such results directory" of a path that is there."""
+    given = tmp_path / "deepspeed.yaml"
+    given.write_text("name: x\n")
+    assert_one_line_error(
+        capsys, ["asha", "--resume", str(given)], "a file, not a results directory"
+    )
+    assert_one_line_error(
+        capsys, ["asha", "--resume", str(tmp_path / "gone")], "no such results directory"
+    )

@@ -217,6 +217,15 @@ def test_a_profile_whose_op_this_machine_cannot_build_blames_the_build_not_the_c
     assert "fix the build" in reason and '"torch_adam": true' in reason
 
 
+def test_a_profile_that_ran_but_reported_too_little_says_what_it_lacked() -> None:
+    """It said "the model-profile trial failed at micro-batch 1: " and nothing after."""
+    (profile,) = suggested(method("binary"))
+    record = profile.replace(status=TrialStatus.COMPLETED, metrics={"num_params": 7}, log="l.log")
+    reason = profile_failure(record)
+    assert reason.startswith("the model-profile trial reported no trainable_num_params, ")
+    assert "(log: l.log)" in reason and "dsat sizes the search from them" in reason
+
+
 def ended(
     index: int,
     stage: int,

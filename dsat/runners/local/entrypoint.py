@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import os
 import shlex
+import shutil
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -101,6 +102,25 @@ NODE_PYTHON = "{node python}"
 # Where torchrun keeps its per-rank folders, in the trial's own directory: left to itself it
 # made a torchelastic_* folder in /tmp for every trial of several processes, never removed.
 LAUNCHER_LOGS = ".torchrun"
+
+
+def check_program(command: Sequence[str], model_dir: Path, source: str) -> None:
+    """``DsatError`` where the program the entrypoint runs (not a Python the trial replaces with
+    this one, nor a Trial class) is neither on this machine's PATH nor a file of MODEL_DIR: every
+    trial failed on it, the model profile first, after the launch had promised a checked input."""
+    if not command or trial_class(command) is not None or command[0] in PYTHON_NAMES:
+        return
+    program = command[0]
+    if "/" in program:  # run from the trial's copy of MODEL_DIR, where a relative one lies
+        found = (model_dir / program).is_file()
+    else:
+        found = shutil.which(program) is not None
+    if not found:
+        where = "in MODEL_DIR" if "/" in program else "on this machine's PATH"
+        raise DsatError(
+            f"{source}: the entrypoint runs {program}, which is not {where}; fix the command "
+            "(for a Python script: python3 train.py ...)"
+        )
 
 
 def trial_command(

@@ -5,7 +5,8 @@
 configuration to the next (noise, an OOM near the limit) reproducibly. Trials overlap up to the
 search's limits and each lasts the ``seconds`` its function reports, on a virtual clock, so a
 64-trial search takes well under a second. ``MemoryError`` means OOM, ``ConnectionError`` a fault of
-the machine (run again, as a taken port would be); any other exception, a failed trial.
+the machine (run again, as a taken port would be); any other exception (``SystemExit`` too), or a
+value that is not finite, a failed trial.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import copy
 import heapq
 import inspect
 import itertools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -73,12 +75,19 @@ class SimulatedRunner:
             else:
                 metrics = dict(self.function(config, self.slots))
             seconds = float(metrics.pop("seconds", self.default_seconds))
-        except Exception as err:  # the user's function failing is a failed trial, not a crash
+            unusable = [
+                k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)
+            ]
+            if unusable:  # searched as a value, a NaN compared as neither better nor worse
+                raise ValueError(f"the function returned {unusable[0]}={metrics[unusable[0]]}")
+        # The user's function failing is a failed trial, not a crash: sys.exit() in it included.
+        except (Exception, SystemExit) as err:
             status, cause = next(
                 (found for kind, found in SIMULATED_FAILURES.items() if isinstance(err, kind)),
                 (TrialStatus.ERROR, FailureCause.UNKNOWN),
             )
-            error, seconds = f"{type(err).__name__}: {err}", self.failed_seconds
+            metrics, error = {}, f"{type(err).__name__}: {err}"
+            seconds = self.failed_seconds
         outcome = TrialOutcome(
             request_id, status, metrics, error, self.now, self.now + seconds, cause
         )

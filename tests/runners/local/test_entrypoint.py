@@ -10,6 +10,7 @@ import pytest
 
 from dsat.errors import DsatError
 from dsat.runners.local.entrypoint import (
+    check_program,
     entrypoint_tokens,
     interpreter_first,
     strip_determined_launcher,
@@ -83,6 +84,21 @@ def test_several_slots_run_under_torchrun_on_the_given_port() -> None:
 def test_launcher_without_a_command_is_a_user_error() -> None:
     with pytest.raises(DsatError, match="no training command"):
         trial_command(["python3", "-m", "determined.launch.deepspeed"], 1, 1)
+
+
+def test_a_program_that_is_not_there_is_one_line_before_any_trial(tmp_path: Path) -> None:
+    """The model-profile trial failed on it, after the launch had passed the input."""
+    (tmp_path / "run.sh").write_text("#!/bin/sh\n")
+    for command in (["python3", "train.py"], ["./run.sh"], ["sh", "run.sh"], ["model_def:Trial"]):
+        check_program(command, tmp_path, "e.yaml")
+    with pytest.raises(
+        DsatError,
+        match=r"^e.yaml: the entrypoint runs no_such_prog_x, which is "
+        r"not on this machine's PATH; fix the command",
+    ):
+        check_program(["no_such_prog_x", "train.py"], tmp_path, "e.yaml")
+    with pytest.raises(DsatError, match="runs ./gone.sh, which is not in MODEL_DIR"):
+        check_program(["./gone.sh"], tmp_path, "e.yaml")
 
 
 @pytest.mark.parametrize(

@@ -65,3 +65,23 @@ def test_function_gets_a_copy() -> None:
     config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1}}
     SimulatedRunner(mutating, 1).start("x", {}, config, 6)
     assert config["zero_optimization"]["stage"] == 1 and seen
+
+
+def test_a_function_that_exits_or_returns_no_number_fails_its_trial_only() -> None:
+    """``sys.exit()`` in the function ended the whole search (exit status 3, no word); a NaN
+    was searched as a measurement, compared as neither better nor worse than any."""
+
+    def bad(ds_config: dict[str, Any], slots: int) -> dict[str, Any]:
+        mbs = ds_config["train_micro_batch_size_per_gpu"]
+        if mbs == 1:
+            raise SystemExit(3)
+        return {"throughput": float("nan") if mbs == 2 else float("inf"), "memory": 1.0}
+
+    executor = SimulatedRunner(bad, slots_per_trial=1)
+    for mbs in (1, 2, 3):
+        executor.start(str(mbs), {}, {"train_micro_batch_size_per_gpu": mbs}, 6)
+    outcomes = {o.request_id: o for o in (executor.wait() for _ in range(3))}
+    assert all(o.status is TrialStatus.ERROR and not o.metrics for o in outcomes.values())
+    assert outcomes["1"].error == "SystemExit: 3"
+    assert outcomes["2"].error == "ValueError: the function returned throughput=nan"
+    assert outcomes["3"].error == "ValueError: the function returned throughput=inf"
