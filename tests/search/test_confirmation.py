@@ -299,9 +299,14 @@ def test_confirm_top_2_runs_the_two_leaders_again() -> None:
     assert m.tracker.best().mbs == 38  # the lucky 32 did not repeat its luck
 
 
-def test_no_round_with_confirm_top_0() -> None:
-    m = search(performance(lucky_mbs=32), confirm_top=0)
+@pytest.mark.parametrize("confirm_top", [0, 1])
+def test_no_round_with_confirm_top_0_or_1(confirm_top: int) -> None:
+    m = search(performance(lucky_mbs=32), confirm_top=confirm_top)
     assert confirm_runs(m) == [] and m.tracker.best().mbs == 32
+    assert m.ending.handover_reason == (
+        f"{m.tracker.best().name}: the best of the search (--confirm-top {confirm_top}: no "
+        "confirmation round)"
+    )
 
 
 @pytest.mark.parametrize("stop_after", [8, 11, 12])
