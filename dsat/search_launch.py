@@ -155,7 +155,10 @@ class SearchInterrupted(Exception):
 
     def __init__(self, method: str, results_dir: Path, said: str | None = None) -> None:
         if said is None and not (results_dir / STATE_FILE).is_file():
-            said = "interrupted before the first trial began; nothing was kept: run the same command again"
+            said = (
+                "interrupted before the first trial began; nothing was kept: run the same "
+                "command again"
+            )
         super().__init__(
             said
             or f"interrupted; every trial was stopped. Resume with: {resume_command(method, results_dir)}"
