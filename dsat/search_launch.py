@@ -264,7 +264,10 @@ def plan_search(
     if runner is RunnerKind.LOCAL:
         # A cluster's nodes have their own PATH, which dsat cannot see from here.
         check_program(
-            entrypoint_command(experiment), experiment.model_dir, str(experiment.config_path)
+            entrypoint_command(experiment),
+            experiment.model_dir,
+            experiment.includes,
+            str(experiment.config_path),
         )
         notes.extend(address_space_note(address_space_limit()))
     if runner is RunnerKind.LOCAL and settings.offload_nvme is not None:

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from dsat.errors import DsatError
+from dsat.experiment.config import resolve_context_path
 
 DETERMINED_LAUNCHERS = (
     "determined.launch.deepspeed",
@@ -104,19 +105,23 @@ NODE_PYTHON = "{node python}"
 LAUNCHER_LOGS = ".torchrun"
 
 
-def check_program(command: Sequence[str], model_dir: Path, source: str) -> None:
+def check_program(
+    command: Sequence[str], model_dir: Path, includes: Sequence[Path], source: str
+) -> None:
     """``DsatError`` where the program the entrypoint runs (not a Python the trial replaces with
     this one, nor a Trial class) is neither on this machine's PATH nor a file of MODEL_DIR: every
     trial failed on it, the model profile first, after the launch had promised a checked input."""
     if not command or trial_class(command) is not None or command[0] in PYTHON_NAMES:
         return
     program = command[0]
-    if "/" in program:  # run from the trial's copy of MODEL_DIR, where a relative one lies
-        found = (model_dir / program).is_file()
+    if os.path.isabs(program):
+        found = Path(program).is_file()
+    elif "/" in program:  # run from the trial's copy of MODEL_DIR (and the includes)
+        found = resolve_context_path(program, model_dir, includes) is not None
     else:
         found = shutil.which(program) is not None
     if not found:
-        where = "in MODEL_DIR" if "/" in program else "on this machine's PATH"
+        where = "in MODEL_DIR nor any --include" if "/" in program else "on this machine's PATH"
         raise DsatError(
             f"{source}: the entrypoint runs {program}, which is not {where}; fix the command "
             "(for a Python script: python3 train.py ...)"

@@ -88,17 +88,27 @@ def test_launcher_without_a_command_is_a_user_error() -> None:
 
 def test_a_program_that_is_not_there_is_one_line_before_any_trial(tmp_path: Path) -> None:
     """The model-profile trial failed on it, after the launch had passed the input."""
-    (tmp_path / "run.sh").write_text("#!/bin/sh\n")
-    for command in (["python3", "train.py"], ["./run.sh"], ["sh", "run.sh"], ["model_def:Trial"]):
-        check_program(command, tmp_path, "e.yaml")
+    model, tools = tmp_path / "model", tmp_path / "tools"  # --include ../tools: tools/go.sh
+    for folder, script in ((model, "run.sh"), (tools, "go.sh")):
+        folder.mkdir()
+        (folder / script).write_text("#!/bin/sh\n")
+    for command in (
+        ["python3", "train.py"],
+        ["./run.sh"],
+        ["sh", "run.sh"],
+        ["model_def:Trial"],
+        ["tools/go.sh"],
+        [str(tools / "go.sh")],
+    ):
+        check_program(command, model, [tools], "e.yaml")
     with pytest.raises(
         DsatError,
         match=r"^e.yaml: the entrypoint runs no_such_prog_x, which is "
         r"not on this machine's PATH; fix the command",
     ):
-        check_program(["no_such_prog_x", "train.py"], tmp_path, "e.yaml")
-    with pytest.raises(DsatError, match="runs ./gone.sh, which is not in MODEL_DIR"):
-        check_program(["./gone.sh"], tmp_path, "e.yaml")
+        check_program(["no_such_prog_x", "train.py"], model, [tools], "e.yaml")
+    with pytest.raises(DsatError, match="runs ./gone.sh, which is not in MODEL_DIR nor any"):
+        check_program(["./gone.sh"], model, [tools], "e.yaml")
 
 
 @pytest.mark.parametrize(
