@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from dsat.trial import TrialStatus
 
 COMPLETES, RUNS_OUT_OF_MEMORY, CRASHES, RUNS_UNTIL_STOPPED = 1, 2, 3, 4
 LEAVES_CHILDREN, LINGERS = 5, 6  # both complete
+LEAVES_CHILDREN_UNTIL_STOPPED = 7
 
 BEHAVIOUR_SCRIPT = """
 import json, os, subprocess, sys, threading, time
@@ -40,10 +42,12 @@ print(f"ran at micro-batch {mbs}", flush=True)
 if mbs in (1, 5, 6):
     json.dump({"status": "completed", "values": {"throughput": 10.0}},
               open("dsat_trial_outcome.json", "w"))
-if mbs == 5:  # one child in the trial's process group, one in a session of its own
+if mbs in (5, 7):  # one child in the trial's process group, one in a session of its own
     for session in (False, True):
         child = subprocess.Popen(["sleep", "300"], start_new_session=session)
         print(f"left pid {child.pid}", flush=True)
+    if mbs == 7:
+        time.sleep(120)
 elif mbs == 6:  # a thread that is no daemon keeps the process from exiting
     threading.Thread(target=time.sleep, args=(300,)).start()
 elif mbs == 2:
@@ -234,6 +238,26 @@ def test_a_local_trial_stopped_is_gone(tmp_path: Path) -> None:
     runner.stop_all()
     assert process.poll() is not None
     assert runner.pool.size == 2
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_a_stopped_trials_children_are_stopped_with_it(tmp_path: Path, warm: bool) -> None:
+    """Ctrl-C stopped the trial's process group, and the child it had started in a session of
+    its own ran on under init, the search's results directory in its environment."""
+    runner = make_local(tmp_path, warm=warm)
+    start(runner, 1, LEAVES_CHILDREN_UNTIL_STOPPED)
+    trial = next(iter(runner.running.values()))
+    deadline = time.monotonic() + 60
+    pids: list[int] = []
+    while len(pids) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+        lines = trial.log_path.read_text().splitlines()
+        pids = [int(line.split()[-1]) for line in lines if line.startswith("left pid")]
+    assert len(pids) == 2
+    runner.stop_all()
+    assert not any(
+        psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in pids
+    )
 
 
 def test_what_a_trial_leaves_running_is_stopped_and_its_result_kept(runner: TrialRunner) -> None:

@@ -60,6 +60,7 @@ from dsat.runners.local.trial_processes import (
     guarded,
     kill_process_group,
     stop_strays,
+    stop_strays_of,
     strays_note,
 )
 from dsat.runners.local.trial_timeout import TrialTimeout
@@ -488,6 +489,7 @@ class LocalRunner:
         kill_process_group(trial.process)
 
     def stop_all(self) -> None:
+        stopped = [trial.directory / HPARAMS_FILE for trial in self.running.values()]
         for trial in list(self.running.values()):
             self._kill(trial)
             trial.log.close()
@@ -496,6 +498,9 @@ class LocalRunner:
             drop_unchanged_copies(trial.directory, self.model_dir, self.includes)
             drop_empty_launcher_logs(trial.directory)
         self.running.clear()
+        # What they started in sessions of their own outlived their groups (a Ctrl-C left a
+        # trial's `sleep 1000` running under init, with the search's results dir in its env).
+        stop_strays_of(stopped)
         self.close()
 
     def close(self) -> None:
