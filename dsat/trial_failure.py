@@ -65,9 +65,12 @@ KNOWN_FAILURES: tuple[KnownFailure, ...] = (
     ),
     _known(
         # Before ImportError: an op only some configurations load (CPU Adam for offload), built
-        # in the trial, that this machine cannot build or load; the script is not to blame.
-        r"Error building extension '\w+'|\w+\.so: cannot open shared object file"
-        r"|has no attribute 'ds_opt_adam'",
+        # in the trial, that this machine cannot build or load; the script is not to blame. The
+        # library is the op's own (under torch_extensions or DeepSpeed's ops), or a CUDA or AIO
+        # library an op links: the script's own ctypes.CDLL("libx.so") is not an op.
+        r"Error building extension '\w+'|has no attribute 'ds_opt_adam'"
+        r"|(?:torch_extensions|deepspeed/ops)/\S+\.so: cannot open shared object file"
+        r"|ImportError: lib(?:cu\w+|aio|nccl)\.so[.\d]*: cannot open shared object file",
         FailureCause.CONFIG,
         OP_NOT_BUILT,
     ),

@@ -8,6 +8,7 @@ import pytest
 
 from dsat.trial_failure import (
     KNOWN_FAILURES,
+    OP_NOT_BUILT,
     REASON_CHARS,
     FailureCause,
     diagnose_crash,
@@ -55,6 +56,15 @@ SAMPLES: dict[str, tuple[str, FailureCause]] = {
     "op build": (
         TRACEBACK + "ImportError: /root/.cache/torch_extensions/py311_cpu/cpu_adam/cpu_adam.so: "
         "cannot open shared object file: No such file or directory\n",
+        FailureCause.CONFIG,
+    ),
+    # A library the op links, loaded by DeepSpeed's op loader.
+    "op dependency": (
+        TRACEBACK
+        + '  File "/venv/lib/python3.11/site-packages/deepspeed/ops/op_builder/builder.py"'
+        ", line 541, in load\n    return importlib.import_module(self.absolute_name())\n"
+        "ImportError: libcurand.so.10: cannot open shared object file: No such file or "
+        "directory\n",
         FailureCause.CONFIG,
     ),
     "import": (
@@ -434,3 +444,17 @@ def test_a_peers_broken_pipe_is_not_the_reason() -> None:
         "[rank1]: ValueError: the real failure\n[rank0]: BrokenPipeError: [Errno 32] Broken pipe\n"
     )
     assert diagnose_crash(log, 1, None).reason.startswith("ValueError: the real failure")
+
+
+def test_a_library_the_script_loads_itself_is_no_deepspeed_op() -> None:
+    """The script's own ctypes.CDLL("libsndfile.so") was "a DeepSpeed op this configuration
+    needs", blamed on every configuration with advice on compilers and torch_adam, and the
+    search ran its whole budget instead of stopping on failures alike."""
+    log = (
+        TRACEBACK
+        + "OSError: libdsatmissingaudio.so: cannot open shared object file: No such file\n"
+    )
+    diagnosis = diagnose_crash(log, 1, oom_killed=False)
+    assert diagnosis.cause is FailureCause.UNKNOWN
+    assert not diagnosis.reason.startswith(OP_NOT_BUILT)
+    assert "libdsatmissingaudio.so" in diagnosis.reason
