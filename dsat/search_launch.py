@@ -70,6 +70,7 @@ from dsat.results.resume import (
     refuse_lost_rows,
     refuse_more_trials_when_finished,
     resume_command,
+    saved_settings,
 )
 from dsat.results.writable import (
     COPIES_AT_START,
@@ -256,19 +257,16 @@ def plan_search(
         check_entrypoint_script(experiment)
         command = entrypoint_command(experiment)
         check_entrypoint_launcher(experiment, command)
+        if runner is RunnerKind.LOCAL:  # a cluster's nodes have their own PATH, unseen from here
+            check_program(
+                command, experiment.model_dir, experiment.includes, str(experiment.config_path)
+            )
         check_hf_args_file(experiment, command)
         check_entrypoint_steps(experiment, settings)
         hf_note = check_hf_global_batch(experiment, settings)
         if hf_note is not None:
             notes.append(hf_note)
     if runner is RunnerKind.LOCAL:
-        # A cluster's nodes have their own PATH, which dsat cannot see from here.
-        check_program(
-            entrypoint_command(experiment),
-            experiment.model_dir,
-            experiment.includes,
-            str(experiment.config_path),
-        )
         notes.extend(address_space_note(address_space_limit()))
     if runner is RunnerKind.LOCAL and settings.offload_nvme is not None:
         check_local_directory(settings.offload_nvme, "--offload-nvme")
@@ -451,8 +449,7 @@ def refuse_others_files(results_dir: Path) -> None:
     holding = sorted(p.name for p in entries if not empty_folder(p))
     if not holding:
         return
-    settings = results_dir / SETTINGS_FILE
-    ours = settings.name in holding and written_by_dsat(settings)
+    ours = SETTINGS_FILE in holding and holds_dsat_settings(results_dir)
     if holding == [SETTINGS_FILE] and ours:
         return  # a search stopped before its first trial began
     if ours:
@@ -475,12 +472,12 @@ def empty_folder(path: Path) -> bool:
     return all(not p.is_file() and not p.is_symlink() for p in path.rglob("*"))
 
 
-def written_by_dsat(path: Path) -> bool:
-    """Whether ``path`` is a search's settings.json, not a file that shares its name (an
-    editor's settings)."""
+def holds_dsat_settings(results_dir: Path) -> bool:
+    """Whether the settings.json in ``results_dir`` is a search's, as a resume reads it, not a
+    file that shares its name (an editor's settings)."""
     try:
-        SearchSettings.from_json(path.read_text())
-    except (OSError, ValueError, UnicodeDecodeError, TypeError, AttributeError, DsatError):
+        saved_settings(results_dir)
+    except (DsatError, OSError, ValueError):
         return False
     return True
 

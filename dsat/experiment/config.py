@@ -385,16 +385,16 @@ def load_experiment(
             "trains as a string (python3 train.py) or a list of its words"
         )
     hparams = config.get("hyperparameters")
-    if hparams is not None and not isinstance(hparams, dict):
+    if hparams is None:
+        raise DsatError(
+            f"{config_path}: no hyperparameters section; add one with "
+            f"'{DS_CONFIG_KEY}: <your DeepSpeed JSON>'"
+        )
+    if not isinstance(hparams, dict):
         raise DsatError(
             f"{config_path}: hyperparameters is {type(hparams).__name__} {hparams!r}, not a "
             f"mapping; write it as 'hyperparameters:' with '{DS_CONFIG_KEY}: <your DeepSpeed "
             "JSON>' indented below"
-        )
-    if not isinstance(hparams, dict):
-        raise DsatError(
-            f"{config_path}: no hyperparameters section; add one with "
-            f"'{DS_CONFIG_KEY}: <your DeepSpeed JSON>'"
         )
     hparams = hyperparameter_values(hparams, f"{config_path}: hyperparameters")
     config = {**config, "hyperparameters": hparams}

@@ -60,7 +60,6 @@ from dsat.runners.local.trial_processes import (
     guarded,
     kill_process_group,
     stop_strays,
-    stop_strays_of,
     strays_note,
 )
 from dsat.runners.local.trial_timeout import TrialTimeout
@@ -454,7 +453,7 @@ class LocalRunner:
     def _finish(self, trial: RunningTrial, classified: TrialEnd) -> TrialOutcome:
         del self.running[trial.request_id]
         self._note(
-            trial, strays_note(stop_strays(trial.directory / HPARAMS_FILE, {trial.process.pid}))
+            trial, strays_note(stop_strays([trial.directory / HPARAMS_FILE], {trial.process.pid}))
         )
         drop_empty_launcher_logs(trial.directory)
         freed = drop_unchanged_copies(trial.directory, self.model_dir, self.includes)
@@ -500,7 +499,7 @@ class LocalRunner:
         self.running.clear()
         # What they started in sessions of their own outlived their groups (a Ctrl-C left a
         # trial's `sleep 1000` running under init, with the search's results dir in its env).
-        stop_strays_of(stopped)
+        stop_strays(stopped)
         self.close()
 
     def close(self) -> None:
@@ -517,7 +516,7 @@ class LocalRunner:
         slots = self.pool.take(self.slots_per_trial)
 
         def stop_left_running() -> None:
-            note = strays_note(stop_strays(directory / HPARAMS_FILE), "the full experiment")
+            note = strays_note(stop_strays([directory / HPARAMS_FILE]), "the full experiment")
             if note:
                 print(note, flush=True)
 

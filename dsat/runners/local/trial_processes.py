@@ -99,17 +99,13 @@ def stop_leftover_trials(results_dir: Path) -> int:
     return len(processes)
 
 
-def stop_strays(hparams_file: Path, spare: Collection[int] = ()) -> list[str]:
-    """``stop_strays_of`` one trial."""
-    return stop_strays_of([hparams_file], spare)
-
-
-def stop_strays_of(hparams_files: Collection[Path], spare: Collection[int] = ()) -> list[str]:
+def stop_strays(hparams_files: Collection[Path], spare: Collection[int] = ()) -> list[str]:
     """Stop the processes trials left running (finished, or stopped by dsat), and name them
     ("sleep (pid 12)"): a child one started and did not wait for, a daemon it spawned in a
-    session of its own. They carry their trial's hyperparameters file in their environment. Left alone, one holds its GPU
-    (a DataLoader worker, a profiler), and later trials run short of memory and are blamed for
-    it. ``spare``: processes that may carry it and must live on (the trial host it ran in)."""
+    session of its own. They carry their trial's hyperparameters file in their environment.
+    Left alone, one holds its GPU (a DataLoader worker, a profiler), and later trials run short
+    of memory and are blamed for it. ``spare``: processes that may carry it and must live on
+    (the trial host it ran in)."""
     wanted = {str(path) for path in hparams_files}
     strays = []
     for process in psutil.process_iter():

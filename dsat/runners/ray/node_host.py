@@ -131,7 +131,7 @@ class TrialNodeHost:
 
     def stop_left_running(self) -> list[str]:
         """Stop what the run left running on this node (``stop_strays``), and name it."""
-        return stop_strays(self.directory / HPARAMS_FILE)
+        return stop_strays([self.directory / HPARAMS_FILE])
 
     def reported(self) -> bool:
         """Whether the trial has written its result (``trial_outcome.ResultWatch``)."""
@@ -154,7 +154,7 @@ class TrialNodeHost:
         on this node beside it (an OOM of the node's memory is then the machine's)."""
         notes = [
             stopped_note(self.directory, timed_out, timeout, lingered),
-            strays_note(stop_strays(self.directory / HPARAMS_FILE)),
+            strays_note(stop_strays([self.directory / HPARAMS_FILE])),
         ]
         if self.log is not None:
             self.log.write("".join(f"\n{line}\n" for line in notes if line).encode())
