@@ -40,6 +40,7 @@ from dsat.training.step_clock import (
     peak_memory,
     trial_precision,
 )
+from dsat.training.trial_directory import trial_directory
 
 logger = logging.getLogger(__name__)
 
@@ -168,14 +169,14 @@ def dsat_reporting_context(
     try:
         yield
     except SystemExit as exit_:
-        directory = Path.cwd()
+        directory = trial_directory()
         result = read_autotuning_result(directory, entered) if exit_.code in (None, 0) else None
         if result is not None:
             report_result(core_context, op, steps_completed, result, directory)
         raise
     except BaseException as err:
         if is_out_of_memory(err):
-            record_out_of_memory(err, Path.cwd())
+            record_out_of_memory(err, trial_directory())
             report_out_of_memory(core_context, op, err)
         raise
     else:
@@ -184,7 +185,9 @@ def dsat_reporting_context(
         # every trial the same): say that, not "train inside dsat_reporting_context".
         if not config_taken() and autotuned_trial() and core_context.distributed.get_rank() == 0:
             with contextlib.suppress(OSError):
-                write_json_atomic(Path.cwd() / TRIAL_OUTCOME_FILE, {"status": CONFIG_NOT_TAKEN})
+                write_json_atomic(
+                    trial_directory() / TRIAL_OUTCOME_FILE, {"status": CONFIG_NOT_TAKEN}
+                )
 
 
 def autotuned_trial() -> bool:

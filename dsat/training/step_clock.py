@@ -32,6 +32,7 @@ from dsat.atomic_file import write_json_atomic
 from dsat.constants import AUTOTUNING_KEY, FULL_BATCH_SHARE, TRIAL_OUTCOME_FILE
 from dsat.device_peaks import peak_flops
 from dsat.memory import Precision
+from dsat.training.trial_directory import trial_directory
 
 # Optimizer steps before the window opens at the latest: the first steps of a run allocate,
 # compile and fill caches (on an H100, GPT-2 medium took 1.4 s, 2.2 s, then 0.5 s a step). It opens
@@ -288,7 +289,7 @@ def start_clock(
         settle = start <= WARMUP_STEPS and last - first + 1 <= MEASURED_STEPS
         _clock = StepClock(first, last, settle=settle, earliest_step=start + 1)
         _time_engine_steps()
-        atexit.register(_explain_missing_results, Path.cwd())
+        atexit.register(_explain_missing_results, trial_directory())
     if precision is not None:
         _clock.precision = precision
     _clock.batch_first = _clock.batch_first or batch_first

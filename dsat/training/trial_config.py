@@ -18,6 +18,7 @@ from dsat.errors import DsatError
 from dsat.experiment.config import deep_merge, load_ds_json
 from dsat.memory import Precision
 from dsat.training.step_clock import note_config_taken, start_clock
+from dsat.training.trial_directory import anchored_result_paths, trial_directory
 
 
 def overwrite_deepspeed_config(
@@ -28,7 +29,7 @@ def overwrite_deepspeed_config(
     note_config_taken()
     if not isinstance(base, Mapping):
         base = load_ds_json(Path(base), "overwrite_deepspeed_config")
-    return deep_merge(base, overwrites)
+    return deep_merge(base, anchored_result_paths(overwrites))
 
 
 def checked_overwrites(hparams: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -41,7 +42,7 @@ def checked_overwrites(hparams: Mapping[str, Any]) -> Mapping[str, Any]:
             f"hyperparameters.{OVERWRITE_KEY} must be a mapping of DeepSpeed keys to values, "
             f"got {type(overwrites).__name__}; remove it (dsat sets it in each trial)"
         )
-    return overwrites
+    return anchored_result_paths(overwrites)
 
 
 def get_ds_config_from_hparams(
@@ -55,6 +56,8 @@ def get_ds_config_from_hparams(
             "JSON in the experiment YAML"
         )
     path = Path(base_dir) / relative
+    if not path.is_file() and (trial_directory() / path).is_file():
+        path = trial_directory() / path  # the script moved (os.chdir) after it started
     if not path.is_absolute() and not path.is_file():
         # The YAML's path was checked at launch: read from elsewhere, the script has changed
         # its working directory (os.chdir), and "fix the path" sent the user to a right one.

@@ -16,6 +16,7 @@ import psutil
 import pytest
 import yaml
 
+from dsat.constants import TRIAL_OUTCOME_FILE
 from dsat.experiment.ds_config_check import deepspeed_config_error
 from dsat.runners.local.runner import HOST_TRIAL_MARK
 from dsat.runners.local.runner import WARM_TRIAL_MARK as WARM_MARK
@@ -359,6 +360,22 @@ def test_the_users_own_config_runs_once_and_the_hand_over_is_compared_with_it(
             line,
         )
     assert "1 baseline" in (results / "summary.txt").read_text()
+
+
+def test_a_script_that_changes_directory_still_reports_its_trials(tmp_path: Path) -> None:
+    # Hydra moves into an output folder before main runs: DeepSpeed's and dsat's result files
+    # must still reach the trial's directory, not read as "exited without reporting".
+    run, results = binary_search(tmp_path, 3, DSAT_TEST_BEHAVIOUR="chdir")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = trials(results)
+    assert [row["status"] for row in rows] == ["completed"] * 3
+    assert json.loads((results / "best_ds_config.json").read_text())[
+        "train_micro_batch_size_per_gpu"
+    ]
+    for trial in (results / "trials").iterdir():
+        # dsat's own outcome (its step clock's figures), not only DeepSpeed's file, is there
+        assert json.loads((trial / TRIAL_OUTCOME_FILE).read_text())["status"] == "completed"
+        assert not any((trial / "outputs").iterdir())  # nothing was left where it moved
 
 
 def test_crashing_trial_is_an_error_not_a_crash_of_the_search(tmp_path: Path) -> None:
