@@ -22,6 +22,8 @@ MODEL_INFO_FILE = "model_info.json"
 METRICS_FILE = "autotuning_metric.json"
 # What dsat_reporting_context leaves behind for a local runner: the enriched result or an OOM.
 TRIAL_OUTCOME_FILE = "dsat_trial_outcome.json"
+# A dsat runner's trial's hyperparameters, beside its copy of MODEL_DIR (ENV_HPARAMS_FILE names it).
+HPARAMS_FILE = "dsat_hparams.json"
 # The outcome a trial leaves when its script never asked for the trial's DeepSpeed config.
 CONFIG_NOT_TAKEN = "config_not_taken"
 # Printed to stderr by the trial side when a trial runs out of memory.

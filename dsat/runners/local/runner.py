@@ -23,6 +23,7 @@ from dsat.constants import (
     ENV_HPARAMS_FILE,
     ENV_RESULTS_DIR,
     ENV_TRIAL_LENGTH,
+    HPARAMS_FILE,
     METRICS_FILE,
     MODEL_INFO_FILE,
     RESULTS_ROOT,
@@ -66,7 +67,6 @@ from dsat.runners.local.trial_timeout import TrialTimeout
 from dsat.runners.local.warm_trials import WarmProcess, WarmWorkers, warm_command
 from dsat.trial import TrialOutcome, TrialStatus
 
-HPARAMS_FILE = "dsat_hparams.json"
 POLL_SECONDS = 0.1
 # After the command on a trial log's first line when the trial was forked from a warm worker.
 WARM_TRIAL_MARK = "# forked from a warm worker"

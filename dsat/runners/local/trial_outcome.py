@@ -17,9 +17,14 @@ from typing import Any, NamedTuple
 
 from dsat.constants import (
     CONFIG_NOT_TAKEN,
+    GRAD_ACCUM_STEPS,
+    HPARAMS_FILE,
     MEMORY_RAN_OUT,
+    MICRO_BATCH_SIZE,
     OOM_MARKER,
+    OVERWRITE_KEY,
     RUN_ALONE,
+    TRAIN_BATCH_SIZE,
     TRIAL_OUTCOME_FILE,
 )
 from dsat.training.oom import (
@@ -331,6 +336,9 @@ def classify(
             f"{diagnose_crash(text, code, oom_killed).reason}"
         )
         return TrialEnd(TrialStatus.ERROR, {}, f"{one_line(reason)}\n{tail}", FailureCause.SCRIPT)
+    changed = batch_sizes_changed(text, directory)
+    if changed is not None:
+        return TrialEnd(TrialStatus.ERROR, {}, f"{changed}\n{tail}", FailureCause.SCRIPT)
     diagnosis = diagnose_crash(text, code, oom_killed)
     if completed and not diagnosis.out_of_memory:
         # Rank 0 writes the metrics after every rank's measured steps, so a crash after them
@@ -340,6 +348,38 @@ def classify(
     if diagnosis.out_of_memory:  # killed for it: the host's memory ran out, not a GPU's
         return _out_of_memory(diagnosis.reason, tail, True, on_gpu, shared, diagnosis.cause)
     return TrialEnd(TrialStatus.ERROR, {}, f"{diagnosis.reason}\n{tail}", diagnosis.cause)
+
+
+# DeepSpeed's refusal of batch sizes that do not multiply out, with its figures.
+BATCH_CHECK = re.compile(r"world_size (\d+) != (\d+) \* (\d+) \* \d+")
+
+
+def batch_sizes_changed(text: str, directory: Path) -> str | None:
+    """Where DeepSpeed refused the batch sizes because the script changed those dsat gave the
+    trial (its own --batch-size flag won): the script is to blame, not the configuration."""
+    found = BATCH_CHECK.search(text)
+    if found is None:
+        return None
+    try:
+        hparams = json.loads((directory / HPARAMS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    asked = hparams.get(OVERWRITE_KEY) if isinstance(hparams, dict) else None
+    if not isinstance(asked, dict):
+        return None
+    got = zip((TRAIN_BATCH_SIZE, MICRO_BATCH_SIZE, GRAD_ACCUM_STEPS), found.groups(), strict=True)
+    changed = [
+        f"{key} {value}, not {asked[key]}"
+        for key, value in got
+        if isinstance(asked.get(key), int) and asked[key] != int(value)
+    ]
+    if not changed:
+        return None
+    return (
+        f"the training script changed the batch sizes dsat gave the trial ({'; '.join(changed)})"
+        ", and DeepSpeed rejected them: build the engine from "
+        "dsat.get_ds_config_from_hparams(hparams) as it is, not with a batch size of its own"
+    )
 
 
 def _out_of_memory(

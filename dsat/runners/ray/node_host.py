@@ -22,9 +22,10 @@ import tempfile
 from pathlib import Path
 from typing import IO, Any
 
+from dsat.constants import HPARAMS_FILE
 from dsat.runners.local.deepspeed_ops import clear_stale_locks
 from dsat.runners.local.entrypoint import NODE_PYTHON, trial_environment
-from dsat.runners.local.runner import HPARAMS_FILE, free_ports
+from dsat.runners.local.runner import free_ports
 from dsat.runners.local.trial_outcome import (
     classify,
     oom_kill_count,

@@ -30,6 +30,7 @@ from dsat.constants import (
     ENV_HPARAMS_FILE,
     ENV_RESULTS_DIR,
     ENV_TRIAL_LENGTH,
+    HPARAMS_FILE,
     MEMORY_RAN_OUT,
     METRICS_FILE,
     MODEL_INFO_FILE,
@@ -42,7 +43,6 @@ from dsat.results.directory import FULL_RUN_DIR, trials_numbered
 from dsat.runners.local.entrypoint import NODE_PYTHON, rendezvous_environment, trial_command
 from dsat.runners.local.full_run import FullExperimentFailed
 from dsat.runners.local.log_cap import cap_log
-from dsat.runners.local.runner import HPARAMS_FILE
 from dsat.runners.local.trial_outcome import LINGER_S, ResultWatch
 from dsat.runners.local.trial_processes import strays_note
 from dsat.runners.local.trial_timeout import TrialTimeout

@@ -378,6 +378,18 @@ def test_a_script_that_changes_directory_still_reports_its_trials(tmp_path: Path
         assert not any((trial / "outputs").iterdir())  # nothing was left where it moved
 
 
+def test_a_script_that_sets_its_own_micro_batch_is_blamed_not_the_config(tmp_path: Path) -> None:
+    run, results = binary_search(tmp_path, 2, DSAT_TEST_BEHAVIOUR="own_micro_batch:8")
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    [profile] = trials(results)
+    assert profile["cause"] == "script"
+    assert (
+        "changed the batch sizes dsat gave the trial (train_micro_batch_size_per_gpu 8, not 1)"
+        in (profile["error"])
+    )
+    assert "no configuration can pass until the training script is fixed" in run.stderr
+
+
 def test_crashing_trial_is_an_error_not_a_crash_of_the_search(tmp_path: Path) -> None:
     # In fresh processes, so that path runs real DeepSpeed too.
     run, results = binary_search(tmp_path, 3, "--fresh-processes", DSAT_TEST_BEHAVIOUR="crash")

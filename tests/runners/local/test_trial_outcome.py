@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from dsat.constants import CONFIG_NOT_TAKEN, MEMORY_RAN_OUT, RUN_ALONE, TRIAL_OUTCOME_FILE
+from dsat.constants import (
+    CONFIG_NOT_TAKEN,
+    HPARAMS_FILE,
+    MEMORY_RAN_OUT,
+    OVERWRITE_KEY,
+    RUN_ALONE,
+    TRIAL_OUTCOME_FILE,
+)
 from dsat.runners.local.trial_outcome import (
     ResultWatch,
     classify,
@@ -121,6 +128,39 @@ def test_data_that_runs_out_in_the_measured_steps_is_the_scripts_with_the_advice
     assert classify(tmp_path, trial(tmp_path, quoted, short), 1, False, 60).cause is not (
         FailureCause.SCRIPT
     )
+
+
+BATCH_REFUSED = (
+    "Traceback (most recent call last):\n"
+    '  File "train.py", line 40, in <module>\n'
+    "AssertionError: Check batch related parameters. train_batch_size is not equal to "
+    "micro_batch_per_gpu * gradient_acc_step * world_size 4 != 8 * 1 * 1\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("asked", "cause"),
+    [
+        ({"train_batch_size": 4, "train_micro_batch_size_per_gpu": 8}, FailureCause.CONFIG),
+        ({"train_batch_size": 4, "train_micro_batch_size_per_gpu": 4}, FailureCause.SCRIPT),
+    ],
+)
+def test_batch_sizes_refused_blame_the_script_only_where_it_changed_them(
+    tmp_path: Path, asked: dict[str, int], cause: FailureCause
+) -> None:
+    # dsat's own sizes always multiply out: DeepSpeed got 8 where it gave 4, so the script's
+    # own --batch-size flag won; where DeepSpeed got what dsat gave, the config is to blame.
+    (tmp_path / HPARAMS_FILE).write_text(json.dumps({OVERWRITE_KEY: asked}))
+    end = classify(tmp_path, trial(tmp_path, BATCH_REFUSED), 1, False, 60)
+    assert end.status is TrialStatus.ERROR and end.cause is cause
+    reason = (end.error or "").splitlines()[0]
+    if cause is FailureCause.SCRIPT:
+        assert reason.startswith(
+            "the training script changed the batch sizes dsat gave the trial "
+            "(train_micro_batch_size_per_gpu 8, not 4), and DeepSpeed rejected them"
+        )
+    else:
+        assert reason.startswith("DeepSpeed rejected the batch sizes: AssertionError")
 
 
 def test_an_oom_blames_the_config_and_quotes_the_allocator(tmp_path: Path) -> None:
