@@ -18,6 +18,9 @@ import signal
 from dsat.paths import shown
 
 REASON_CHARS = 200  # the one-line reason a terminal line shows
+# A signal dsat did not send: dsat cannot tell another process's from the script's own.
+FROM_OUTSIDE = "from outside dsat"
+WHO_ELSE = "another process, or the training script itself"
 # A configuration's op (CPU Adam for offload) that this machine cannot build: the search learns
 # to avoid it, but where the user's own configuration needs it, the build is what to fix.
 OP_NOT_BUILT = "a DeepSpeed op this configuration needs could not be built or loaded here"
@@ -44,10 +47,19 @@ class KnownFailure:
     cause: FailureCause
     summary: str
     killed: bool = False  # a process died unasked: the kernel's OOM killer, when it struck
+    # The machine's only when a library raised it (torch.distributed's connections): raised by
+    # the script's own code (its metrics push, a port it binds), the script's.
+    libraries_only: bool = False
 
 
-def _known(pattern: str, cause: FailureCause, summary: str, killed: bool = False) -> KnownFailure:
-    return KnownFailure(re.compile(pattern, re.MULTILINE), cause, summary, killed)
+def _known(
+    pattern: str,
+    cause: FailureCause,
+    summary: str,
+    killed: bool = False,
+    libraries_only: bool = False,
+) -> KnownFailure:
+    return KnownFailure(re.compile(pattern, re.MULTILINE), cause, summary, killed, libraries_only)
 
 
 # First match wins; out-of-memory is checked before this table (dsat.training.oom). The script's
@@ -137,12 +149,14 @@ KNOWN_FAILURES: tuple[KnownFailure, ...] = (
         r"EADDRINUSE|Address already in use",
         FailureCause.MACHINE,
         "a port the trial listens on was taken by another process (EADDRINUSE)",
+        libraries_only=True,
     ),
     _known(
         r"DistNetworkError|Rendezvous(?:Connection|Timeout|Closed)Error|ConnectionRefusedError"
         r"|Connection refused",
         FailureCause.MACHINE,
         "torch.distributed could not connect the trial's processes",
+        libraries_only=True,
     ),
     _known(
         r"ncclSystemError|NCCL error.*(?:unhandled system error|socket)",
@@ -157,7 +171,7 @@ KNOWN_FAILURES: tuple[KnownFailure, ...] = (
     _known(
         r"SignalException|got signal: (?:1|2|3|15)\b",
         FailureCause.MACHINE,
-        "torchrun was stopped by a signal from outside dsat",
+        f"torchrun was stopped by a signal {FROM_OUTSIDE}",
     ),
     _known(
         r"the warm worker that ran this trial exited",  # dsat.runners.local.warm_trials
@@ -533,13 +547,17 @@ def diagnose_crash(log: str, code: int | None, oom_killed: bool | None) -> Diagn
         if oom_killed is False:
             return Diagnosis(
                 FailureCause.MACHINE,
-                "killed by SIGKILL from outside dsat (not the kernel's out-of-memory killer)",
+                f"killed by SIGKILL {FROM_OUTSIDE} (not the kernel's out-of-memory killer): "
+                f"{WHO_ELSE}",
             )
         how = "by the kernel's out-of-memory killer" if oom_killed else "most likely out of memory"
         return Diagnosis(FailureCause.CONFIG, f"killed by SIGKILL, {how}", out_of_memory=True)
     if code is not None and code < 0 and -code in OUTSIDE_SIGNALS:
         name = signal.Signals(-code).name
-        return Diagnosis(FailureCause.MACHINE, f"stopped by {name} from outside dsat")
+        raised = " (a KeyboardInterrupt it raised)" if -code == signal.SIGINT else ""
+        return Diagnosis(
+            FailureCause.MACHINE, f"stopped by {name} {FROM_OUTSIDE}: {WHO_ELSE}{raised}"
+        )
     lines = [line for _, line in final_exceptions(log, code)]
     first_rank = root_cause_rank(log)
     others = []
@@ -564,6 +582,13 @@ def diagnose_crash(log: str, code: int | None, oom_killed: bool | None) -> Diagn
             FailureCause.UNKNOWN,
             one_line(f"a process of the trial died of {crashed.name} (torchrun's root cause)"),
         )
+    if known is not None and known.libraries_only and detail is not None:
+        where = raised_by_own_code(log, detail)
+        if where is not None:
+            return Diagnosis(
+                FailureCause.SCRIPT,
+                one_line(f"the training script's own code ({where}) failed: {detail}"),
+            )
     if known is not None:
         reason = known.summary if detail is None else f"{known.summary}: {detail}"
         return Diagnosis(known.cause, one_line(reason))
@@ -584,6 +609,41 @@ def diagnose_crash(log: str, code: int | None, oom_killed: bool | None) -> Diagn
     )
     reason = f"{exit_code}: {last}" if last else exit_code
     return Diagnosis(FailureCause.UNKNOWN, one_line(reason))
+
+
+# A traceback's frame, and the files of Python's own library and of installed packages.
+FRAME_FILE = re.compile(r'^(?:\[rank\d+\]:)?\s*File "(?P<path>[^"]+)", line (?P<line>\d+)')
+PACKAGE_FILE = re.compile(r"[/\\](?:site|dist)-packages[/\\]")
+STDLIB_FILE = re.compile(r"[/\\]lib[/\\]python3\.\d+[/\\]|^<frozen ")
+
+
+def raised_by_own_code(log: str, exception: str) -> str | None:
+    """Where the last traceback ending in ``exception`` was raised, as "train.py, line 40", when
+    the innermost of its frames outside Python's own library is the user's code (not an
+    installed package's, such as torch's) and the exception is Python's own (an OSError of a
+    socket the script opened, not torch's DistNetworkError of a store it asked torch for);
+    None otherwise, or where its frames cannot be read."""
+    if "." in exception.partition(":")[0]:
+        return None
+    said = said_lines(log)
+    number = next(
+        (i for i in range(len(said) - 1, -1, -1) if _exception_at(said, i) == exception), None
+    )
+    if number is None:
+        return None
+    stream = _stream(said[number])
+    for line in reversed(said[:number]):
+        if _stream(line) != stream:
+            continue
+        frame = FRAME_FILE.match(line)
+        if frame is None:
+            return None  # the traceback's header, or a line that is not a frame
+        path = frame["path"]
+        if PACKAGE_FILE.search(path):
+            return None
+        if not STDLIB_FILE.search(path):
+            return f"{path.rsplit('/', 1)[-1]}, line {frame['line']}"
+    return None
 
 
 def first_line(error: str | None) -> str:

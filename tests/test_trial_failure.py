@@ -20,6 +20,11 @@ from dsat.trial_failure import (
 )
 
 TRACEBACK = 'Traceback (most recent call last):\n  File "train.py", line 3, in <module>\n'
+# A frame of an installed package's (torch's rendezvous) and one of Python's own library.
+PACKAGE_FRAME = (
+    '  File "/venv/lib/python3.11/site-packages/torch/distributed/rendezvous.py", line 9\n'
+)
+STDLIB_FRAME = '  File "/usr/lib/python3.11/socket.py", line 851, in create_connection\n'
 
 # torchrun's summary when one worker died of a signal (as torch 2.13 prints it).
 TORCHRUN_SUMMARY = """torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
@@ -141,6 +146,7 @@ SAMPLES: dict[str, tuple[str, FailureCause]] = {
     ),
     "refused": (  # asyncio's words for it, not the socket's "Connection refused"
         TRACEBACK
+        + PACKAGE_FRAME
         + "ConnectionRefusedError: [Errno 111] Connect call failed ('127.0.0.1', 29500)\n",
         FailureCause.MACHINE,
     ),
@@ -197,6 +203,23 @@ def test_the_reason_quotes_the_exception_in_one_line() -> None:
     assert silent.reason == "exit code 3: step 1 done"
     long = diagnose_crash(TRACEBACK + "RuntimeError: " + "x" * 500 + "\n", 1, None)
     assert len(long.reason) == REASON_CHARS and "\n" not in long.reason
+
+
+def test_a_network_error_of_the_scripts_own_code_is_the_scripts() -> None:
+    """Its own metrics push or a port it binds itself fails whatever dsat does: not the machine's
+    torch.distributed, three runs and "fix the machine"."""
+    refused = "ConnectionRefusedError: [Errno 111] Connection refused\n"
+    own = diagnose_crash(TRACEBACK + STDLIB_FRAME + refused, 1, None)
+    assert own.cause is FailureCause.SCRIPT
+    assert own.reason == (
+        "the training script's own code (train.py, line 3) failed: ConnectionRefusedError: "
+        "[Errno 111] Connection refused"
+    )
+    labelled = "".join(f"[rank1]: {line}\n" for line in (TRACEBACK + refused).splitlines())
+    assert diagnose_crash(labelled, 1, None).reason == own.reason
+    # torch's (a package frame further in), or an error of torch's own kind: the machine's
+    for log in (TRACEBACK + PACKAGE_FRAME + STDLIB_FRAME + refused, SAMPLES["taken port"][0]):
+        assert diagnose_crash(log, 1, None).cause is FailureCause.MACHINE, log
 
 
 def test_a_crashing_rank_is_blamed_not_the_peers_that_lost_it() -> None:
@@ -297,7 +320,11 @@ def test_a_warm_worker_lost_to_the_oom_killer_is_out_of_memory() -> None:
 def test_a_signal_from_outside_is_the_machine(sig: signal.Signals) -> None:
     diagnosis = diagnose_crash("step 1\n", -sig, oom_killed=False)
     assert diagnosis.cause is FailureCause.MACHINE
-    assert diagnosis.reason == f"stopped by {sig.name} from outside dsat"
+    # dsat cannot tell another process's signal from the script's own, and says so
+    assert diagnosis.reason.startswith(
+        f"stopped by {sig.name} from outside dsat: another process, or the training script itself"
+    )
+    assert ("KeyboardInterrupt" in diagnosis.reason) is (sig is signal.SIGINT)
 
 
 def test_exception_line_skips_torchruns_summary() -> None:

@@ -21,10 +21,12 @@ from dsat.search.confirmation import (
 )
 from dsat.trial import TrialKind, TrialRecord, TrialStatus
 from dsat.trial_failure import (
+    FROM_OUTSIDE,
     MACHINE_FAILURES_TO_STOP,
     OP_NOT_BUILT,
     SCRIPT_FAILURES_TO_STOP,
     UNKNOWN_FAILURES_TO_STOP,
+    WHO_ELSE,
     FailureCause,
     first_line,
     log_note,
@@ -173,9 +175,12 @@ def repeated_machine_failure(finished: list[TrialRecord]) -> str | None:
     ):
         return None
     why = first_line(last[-1].error).rpartition("not its configuration: ")[2]  # the driver's
+    remedy = "fix the machine"
+    if FROM_OUTSIDE in why:
+        remedy = f"find what stops them ({WHO_ELSE})"
     return (
         f"the machine failed the last {len(last)} trials on every attempt, not their "
-        f"configurations: {why}{log_note(last[-1].log)}; fix the machine and start again"
+        f"configurations: {why}{log_note(last[-1].log)}; {remedy} and start again"
     )
 
 

@@ -16,10 +16,12 @@ from dsat.search.ending import (
 )
 from dsat.trial import TrialKind, TrialOutcome, TrialRecord, TrialStatus
 from dsat.trial_failure import (
+    FROM_OUTSIDE,
     MACHINE_FAILURES_TO_STOP,
     OP_NOT_BUILT,
     SCRIPT_FAILURES_TO_STOP,
     UNKNOWN_FAILURES_TO_STOP,
+    WHO_ELSE,
     FailureCause,
 )
 from tests.search.helpers import finish, method, start_profile, suggested
@@ -97,13 +99,27 @@ def test_crashes_of_no_known_kind_alike_whatever_the_config_stop_a_search_with_n
     assert ILLEGAL_ACCESS in reason and "fix the training script" in reason
 
 
-@pytest.mark.parametrize("name", ["binary", "guided"])
-def test_trials_the_machine_fails_on_every_attempt_stop_the_search(name: str) -> None:
+@pytest.mark.parametrize(
+    ("name", "why", "remedy"),
+    [
+        ("binary", "the GPU is failing", "fix the machine"),
+        ("guided", "the GPU is failing", "fix the machine"),
+        # dsat cannot tell another process's signal from the script's own: it says so
+        (
+            "guided",
+            f"killed by SIGKILL {FROM_OUTSIDE}: {WHO_ELSE}",
+            f"find what stops them ({WHO_ELSE})",
+        ),
+    ],
+)
+def test_trials_the_machine_fails_on_every_attempt_stop_the_search(
+    name: str, why: str, remedy: str
+) -> None:
     """A GPU gone mid-search: each later trial took its three attempts and counted as its
     configuration's failure, to the end of the budget."""
     m = method(name, max_trials=40)
     running = start_profile(m)
-    gone = "the machine failed this trial 3 time(s), not its configuration: the GPU is failing"
+    gone = f"the machine failed this trial 3 time(s), not its configuration: {why}"
     failed = 0
     while running and not m.finished:
         fail(m, running.pop(0), gone, FailureCause.MACHINE)
@@ -113,7 +129,7 @@ def test_trials_the_machine_fails_on_every_attempt_stop_the_search(name: str) ->
     reason = m.shutdown_reason or ""
     assert reason.startswith(
         f"the machine failed the last {MACHINE_FAILURES_TO_STOP} trials on every attempt, not "
-        "their configurations: the GPU is failing (log: x.log); fix the machine"
+        f"their configurations: {why} (log: x.log); {remedy} and start again"
     ), reason
 
 

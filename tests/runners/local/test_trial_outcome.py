@@ -288,7 +288,8 @@ def test_memory_words_beside_a_machine_fault_do_not_blame_the_config(tmp_path: P
     for before in (
         "note: the allocator retries once on out of memory\n",
         'Traceback (most recent call last):\n  File "train.py", line 9, in <module>\n'
-        "    _connect()  # before the model, so that an out of memory leaves no store\n",
+        "    _connect()  # before the model, so that an out of memory leaves no store\n"
+        '  File "/venv/lib/python3.11/site-packages/torch/distributed/rendezvous.py", line 9\n',
     ):
         end = classify(tmp_path, trial(tmp_path, before + port_taken), 1, False, 60)
         assert end.status is TrialStatus.ERROR and end.cause is FailureCause.MACHINE, end.error
