@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Collection
 from pathlib import Path
@@ -19,7 +20,42 @@ import psutil
 from dsat.constants import ENV_HPARAMS_FILE, ENV_RESULTS_DIR
 
 GUARD = Path(__file__).with_name("trial_guard.py")
+REAPER = Path(__file__).with_name("group_reaper.py")
 KILL_GRACE_SECONDS = 5.0
+
+
+class GroupReaper:
+    """dsat's side of ``group_reaper``: the groups it must stop if dsat dies. Started at the
+    first group; its pipe's only writer is this process, so dsat's end, however it comes,
+    closes it."""
+
+    def __init__(self) -> None:
+        self._process: subprocess.Popen[bytes] | None = None
+        self._lock = threading.Lock()
+
+    def watch(self, group: int) -> None:
+        self._send(f"+{group}")
+
+    def forget(self, group: int) -> None:
+        self._send(f"-{group}")
+
+    def _send(self, line: str) -> None:
+        with self._lock:
+            if self._process is None or self._process.poll() is not None:
+                self._process = subprocess.Popen(
+                    [sys.executable, str(REAPER)],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.DEVNULL,
+                    start_new_session=True,  # out of the terminal's Ctrl-C, as trials are
+                )
+            assert self._process.stdin is not None  # stdin=PIPE
+            with contextlib.suppress(OSError):  # gone: the next line starts another
+                self._process.stdin.write(f"{line}\n".encode())
+                self._process.stdin.flush()
+
+
+# One per dsat process: whatever starts a group that could outlive dsat hands it over.
+group_reaper = GroupReaper()
 
 
 class TrialProcess(Protocol):

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from dsat.runners.local.entrypoint import PYTHON_NAMES
+from dsat.runners.local.trial_processes import group_reaper
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +113,8 @@ class WarmWorker:
             cwd=log_path.parent,
             start_new_session=True,
         )
+        # A host runs trials in itself, and a trial may ignore the SIGTERM its death signal is.
+        group_reaper.watch(self.process.pid)
         self.cold_reason: str | None = None
         self.lost_a_trial = False  # it exited while a trial of it ran (not its first, for a host)
         self.leaving: str | None = None  # why a trial host serves no more trials (a leak)
@@ -191,6 +194,8 @@ class WarmWorker:
             trial.exited(LOST_RETURNCODE)
         self._pending.clear()
         self._replies.put(self.cold_reason)
+        if self.process.poll() is not None:
+            group_reaper.forget(self.process.pid)
 
     def run(
         self, command: Sequence[str], cwd: Path, env: dict[str, str], log_path: Path
@@ -222,6 +227,7 @@ class WarmWorker:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+        group_reaper.forget(self.process.pid)
         # The reader ends the trials the worker still had running (their exit news died with
         # it); once close returns, none of them polls as running.
         self._reader.join(timeout=READER_JOIN_S)

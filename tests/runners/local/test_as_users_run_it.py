@@ -100,6 +100,35 @@ def test_after_kill_9_no_trial_is_left_and_the_printed_command_resumes(tmp_path:
     assert (results / SETTINGS_FILE).read_text() == saved
 
 
+def test_after_kill_9_a_hosted_trial_that_ignores_sigterm_is_stopped_with_its_child(
+    tmp_path: Path,
+) -> None:
+    """A trial host runs the trial in itself, and its death signal is SIGTERM: a trial that
+    ignored it outlived dsat, holding its GPU, with what it started."""
+    path, directory = model_dir(tmp_path)
+    command = [sys.executable, "-m", "dsat", "binary", str(path), str(directory), "-z", "1"]
+    command += ["--max-trials", "3", "--max-slots", "1", "--search-range-factor", "0.005"]
+    command += ["--no-baseline", "--trial-host", "--results-dir", str(tmp_path / "results")]
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env(DSAT_TEST_BEHAVIOUR="hang_ignoring_sigterm"),
+    )
+    deadline = time.monotonic() + 240
+    children: list[psutil.Process] = []
+    while time.monotonic() < deadline and not children:
+        children = [p for p in trial_processes(tmp_path) if p.cmdline()[:1] == ["sleep"]]
+        time.sleep(0.5)
+    assert children, "the search trial did not start its child"
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    deadline = time.monotonic() + 15
+    while trial_processes(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert trial_processes(tmp_path) == []
+
+
 def test_a_stale_build_lock_is_removed_and_the_search_completes(tmp_path: Path) -> None:
     # A Ctrl-C during DeepSpeed's first op build leaves torch's lock file; every process that
     # needs the op would wait on it. A private extensions dir holds a copy of the built op.
