@@ -203,8 +203,14 @@ class Diagnosis:
     out_of_memory: bool = False
 
 
+# What a terminal would act on, not show: a NUL, a colour code's escape, a backspace.
+CONTROL_CHARACTER = re.compile(r"[\x00-\x1f\x7f]")
+
+
 def one_line(text: str) -> str:
-    line = " ".join(text.split())
+    """``text`` in one line that shows as it reads: whitespace runs made one space, control
+    characters written as escapes (``\\x1b``)."""
+    line = CONTROL_CHARACTER.sub(lambda m: f"\\x{ord(m.group()):02x}", " ".join(text.split()))
     return line if len(line) <= REASON_CHARS else line[: REASON_CHARS - 3] + "..."
 
 
@@ -512,6 +518,22 @@ def reporting_rank_left_first(log: str) -> bool:
         return False
     failed = {int(rank) for rank in RANK_FIELD.findall(log, start)}
     return bool(failed) and 0 not in failed
+
+
+EXIT_FIELD = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)", re.MULTILINE)
+
+
+def peer_left_cleanly(log: str, code: int | None) -> bool:
+    """Whether torchrun reports a failed trial whose failed ranks all only lost a peer, and
+    none by a signal: the rank they lost is not among them, so it exited cleanly while they
+    trained (the script ended it early: its shard of the data ran out, an exit of its own)."""
+    start = log.rfind("Failures:")
+    if start < 0 or ROOT_CAUSE.search(log, start) is None:
+        return False
+    if any(int(status) < 0 for status in EXIT_FIELD.findall(log, start)):
+        return False
+    exceptions = [line for _, line in final_exceptions(log, code)]
+    return bool(exceptions) and all(lost_a_peer(line) for line in exceptions)
 
 
 def root_cause_signal(log: str) -> signal.Signals | None:

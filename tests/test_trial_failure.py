@@ -222,6 +222,13 @@ def test_a_network_error_of_the_scripts_own_code_is_the_scripts() -> None:
         assert diagnose_crash(log, 1, None).cause is FailureCause.MACHINE, log
 
 
+def test_a_reason_shows_control_characters_as_escapes() -> None:
+    """A NUL or a colour code in a script's message would print raw on the terminal line."""
+    log = TRACEBACK + "RuntimeError: bad \x00 nul \x1b[31mred\x1b[0m\n"
+    reason = diagnose_crash(log, 1, None).reason
+    assert reason == "RuntimeError: bad \\x00 nul \\x1b[31mred\\x1b[0m (exit code 1)"
+
+
 def test_a_crashing_rank_is_blamed_not_the_peers_that_lost_it() -> None:
     # Rank 0 crashes before its store listens; rank 1 then cannot connect.
     log = (

@@ -45,6 +45,7 @@ from dsat.trial_failure import (
     message_after,
     not_the_machines,
     one_line,
+    peer_left_cleanly,
     reporting_rank_left_first,
     said_lines,
 )
@@ -334,6 +335,12 @@ def classify(
             "rank 0 (the rank that reports) exited cleanly before the others without reporting "
             "metrics: the training script ended it early; the others then failed without it: "
             f"{diagnose_crash(text, code, oom_killed).reason}"
+        )
+        return TrialEnd(TrialStatus.ERROR, {}, f"{one_line(reason)}\n{tail}", FailureCause.SCRIPT)
+    if every_rank_here and not completed and peer_left_cleanly(text, code):
+        reason = (
+            "a rank exited cleanly (exit code 0) while its peers trained, and they then failed "
+            "without it: the training script ended that rank early (every rank must run every step)"
         )
         return TrialEnd(TrialStatus.ERROR, {}, f"{one_line(reason)}\n{tail}", FailureCause.SCRIPT)
     changed = batch_sizes_changed(text, directory)

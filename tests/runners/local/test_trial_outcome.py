@@ -411,6 +411,36 @@ def test_rank_0_leaving_cleanly_before_its_peers_is_the_scripts_fault(tmp_path: 
     assert end.cause is not FailureCause.SCRIPT, end.error
 
 
+def test_another_rank_leaving_cleanly_is_the_scripts_fault(tmp_path: Path) -> None:
+    """Rank 1 ran out of its shard and exited 0; rank 0 then lost it mid-step. It was an unknown
+    crash, learned from as the configuration's, with the lost peer as its reason."""
+    log = (
+        "rank 1: no more data in my shard, done\n"
+        "[rank0]: RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+        "[127.0.0.1]:42201. This is typically caused by a remote worker crashing.\n"
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n"
+        "Failures:\n  <NO_OTHER_FAILURES>\n"
+        "Root Cause (first observed failure):\n[0]:\n  rank      : 0 (local_rank: 0)\n"
+        "  exitcode  : 1 (pid: 4033)\n============================================================\n"
+    )
+    end = classify(tmp_path, trial(tmp_path, log), 1, False, 60)
+    assert end.status is TrialStatus.ERROR and end.cause is FailureCause.SCRIPT, end.error
+    assert end.error is not None and end.error.startswith("a rank exited cleanly (exit code 0)")
+    # A rank of its own failure, or one killed by a signal, is no clean exit of another.
+    for other in (
+        log.replace("RuntimeError: [gloo", "ValueError: bad shape [gloo")
+        .replace("Connection closed by peer", "")
+        .replace("remote worker crashing", "bug"),
+        log.replace(
+            "  <NO_OTHER_FAILURES>\n", "[1]:\n  rank      : 1 (local_rank: 1)\n  exitcode  : -9\n"
+        ),
+    ):
+        end = classify(tmp_path, trial(tmp_path, other), 1, False, 60)
+        assert end.cause is not FailureCause.SCRIPT, end.error
+    end = classify(tmp_path, trial(tmp_path, log), 1, False, 60, every_rank_here=False)
+    assert end.cause is not FailureCause.SCRIPT, end.error
+
+
 def test_a_note_printed_before_an_exception_of_another_kind_is_no_oom(tmp_path: Path) -> None:
     """The note made the script's own KeyError an OOM of every configuration it reached."""
     log = (
