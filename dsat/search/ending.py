@@ -157,9 +157,10 @@ def no_search_trial_succeeded(finished: list[TrialRecord]) -> str | None:
     if not searched or any(r.status is TrialStatus.COMPLETED for r in searched):
         return None
     reasons: dict[str, list[TrialRecord]] = {}
-    for record in searched:
-        reasons.setdefault(first_line(record.error) or record.status.value, []).append(record)
-    reason, alike = max(reasons.items(), key=lambda item: len(item[1]))
+    for record in searched:  # alike where only a port, a step count or a directory differs
+        reasons.setdefault(failure_key(record) or record.status.value, []).append(record)
+    alike = max(reasons.values(), key=len)
+    reason = first_line(alike[-1].error) or alike[-1].status.value
     return (
         f"none of the {len(searched)} search trials succeeded; {len(alike)} ended with: "
         f"{reason}{log_note(alike[-1].log)}"

@@ -286,6 +286,13 @@ def test_where_no_search_trial_succeeded_the_most_common_reason_is_said() -> Non
         "none of the 3 search trials succeeded; 2 ended with: oom"
     )
     assert no_search_trial_succeeded([*failed, ended(4, 1, 2, TrialStatus.COMPLETED)]) is None
+    # Reasons that differ only in a number (a port, a step count) are one reason.
+    refused = "ConnectionRefusedError: Connect call failed ('127.0.0.1', {port})"
+    ports = [ended(i, 1, 2 + i, error=refused.format(port=29500 + i)) for i in range(3)]
+    said = no_search_trial_succeeded([PROFILED, *ports, ended(5, 2, 4, error="ValueError: x")])
+    assert said == (
+        "none of the 4 search trials succeeded; 3 ended with: " + refused.format(port=29502)
+    )
 
 
 def test_a_profile_out_of_memory_names_the_rungs_only_where_the_ladder_climbed() -> None:
