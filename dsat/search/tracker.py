@@ -7,6 +7,7 @@ next; it enforces `--max-trials`, `--max-concurrent-trials` and `--max-slots` fo
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from dsat.constants import CHECKPOINTING_HPARAM, FULL_BATCH_SHARE, OVERWRITE_KEY
@@ -444,4 +445,8 @@ def _flops_and_rate(record: TrialRecord) -> tuple[float, float] | None:
 
 
 def _number(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    """A metric's value, where it is a finite number: a NaN (JSON allows one) would make every
+    comparison false, and the best an accident of order."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    return float(value) if math.isfinite(value) else None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from dsat.experiment.metric import Metric
@@ -100,6 +102,16 @@ def test_best_per_stage_and_overall() -> None:
     assert t.best().request_id == "d"
     assert t.best(0) is None
     assert t.successful_stages == {1, 2, 3}
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_metric_that_is_no_finite_number_is_none_and_never_the_best(bad: float) -> None:
+    t = tracker(Metric.THROUGHPUT)
+    for rid, value in {"a": 10.0, "b": bad, "c": 20.0}.items():
+        t.add(record(rid, len(rid) + int(value if math.isfinite(value) else 7)))
+        t.mark_finished(rid, TrialStatus.COMPLETED, {"throughput": value})
+    assert t.best().request_id == "c"
+    assert t.metric_value(t.get("b")) is None
 
 
 def test_smaller_is_better_and_deepspeed_key_names() -> None:
