@@ -53,6 +53,18 @@ def test_the_examples_own_command_with_the_default_results_dir(tmp_path: Path) -
         assert not (trial / RESULTS_ROOT).exists()  # a trial's copy leaves the results out
 
 
+def kill_9_leaves_no_trial(
+    process: subprocess.Popen[str] | subprocess.Popen[bytes], tmp_path: Path
+) -> None:
+    """SIGKILL to dsat: within 15 s no process of its trials is left."""
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    deadline = time.monotonic() + 15
+    while trial_processes(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert trial_processes(tmp_path) == []
+
+
 def test_after_kill_9_no_trial_is_left_and_the_printed_command_resumes(tmp_path: Path) -> None:
     model_dir(tmp_path)  # tmp_path/model, with search trials that hang until killed
     args = ["binary", "model/deepspeed.yaml", "model", "-z", "1", "--max-trials", "4"]
@@ -83,12 +95,7 @@ def test_after_kill_9_no_trial_is_left_and_the_printed_command_resumes(tmp_path:
         time.sleep(0.5)
     assert len(running) >= 2, "the search trials did not start"
     saved = (results / SETTINGS_FILE).read_text()
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    deadline = time.monotonic() + 15
-    while trial_processes(tmp_path) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert trial_processes(tmp_path) == []
+    kill_9_leaves_no_trial(process, tmp_path)
 
     assert shlex.split(hint)[-2:] == ["--resume", "results"]
     resumed = subprocess.run(
@@ -121,12 +128,7 @@ def test_after_kill_9_a_hosted_trial_that_ignores_sigterm_is_stopped_with_its_ch
         children = [p for p in trial_processes(tmp_path) if p.cmdline()[:1] == ["sleep"]]
         time.sleep(0.5)
     assert children, "the search trial did not start its child"
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    deadline = time.monotonic() + 15
-    while trial_processes(tmp_path) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert trial_processes(tmp_path) == []
+    kill_9_leaves_no_trial(process, tmp_path)
 
 
 def test_a_stale_build_lock_is_removed_and_the_search_completes(tmp_path: Path) -> None:
