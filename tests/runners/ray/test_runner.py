@@ -343,12 +343,20 @@ def test_a_full_runs_output_keeps_its_characters_and_its_log_is_its_own(
 
 class HostThatDiesInTheFullRun(TrialNodeHost):
     """A Ray actor that dies on a node that stays up (a crash of Ray's worker), once the full
-    run has written its checkpoint there."""
+    run has written its checkpoint there: at the next call, whichever it is (a node the runner
+    polls no more after another's death is asked for its files)."""
 
-    def poll(self) -> int | None:
+    def _die_once_written(self) -> None:
         if (Path(self.directory) / "output" / "latest").is_file():
             os._exit(1)
+
+    def poll(self) -> int | None:
+        self._die_once_written()
         return super().poll()
+
+    def files(self) -> list[tuple[str, int, int]]:
+        self._die_once_written()
+        return super().files()
 
 
 def test_a_full_run_whose_actor_died_leaves_what_it_wrote_on_its_node(
