@@ -45,7 +45,10 @@ class GroupReaper:
                 self._process = subprocess.Popen(
                     [sys.executable, str(REAPER)],
                     stdin=subprocess.PIPE,
+                    # Not dsat's own: a caller reading dsat's output to its end would wait
+                    # for the reaper's too.
                     stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
                     start_new_session=True,  # out of the terminal's Ctrl-C, as trials are
                 )
             assert self._process.stdin is not None  # stdin=PIPE
