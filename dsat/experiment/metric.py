@@ -3,6 +3,22 @@
 from __future__ import annotations
 
 import enum
+import math
+from typing import Any
+
+
+def finite_number(value: Any) -> float | None:
+    """A reported value as a float, where it is a finite number (not a bool): a NaN (JSON
+    allows one) makes every comparison false, and an infinity wins every one."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def positive_number(value: Any) -> float | None:
+    """``value`` as a float where it is a finite positive number; else None."""
+    number = finite_number(value)
+    return number if number is not None and number > 0 else None
 
 
 class Metric(str, enum.Enum):

@@ -19,9 +19,10 @@ from typing import Any
 from dsat.atomic_file import write_json_atomic, write_text_atomic
 from dsat.constants import AUTOTUNING_KEY, DSAT_MODE_KEY, OVERWRITE_KEY, RUN_ALONE
 from dsat.errors import DsatError
+from dsat.experiment.metric import positive_number
 from dsat.paths import logs_where_they_are, shown
 from dsat.results.cost import MACHINE_FAILED_KEY, search_cost
-from dsat.results.utilization import Utilization, positive_number
+from dsat.results.utilization import Utilization
 from dsat.search.confirmation import rounds_note
 from dsat.search.tracker import TrialTracker
 from dsat.trial import TrialKind, TrialOutcome, TrialRecord, TrialStatus

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dsat.experiment.config import entrypoint_flag
+from dsat.experiment.metric import positive_number
 
 # What ``derived`` adds to a trial's metrics: worked out from them, not measured.
 TOKENS_KEY = "tokens_per_second"
@@ -27,13 +28,6 @@ SEQ_LEN_KEYS = ("seq_len", "seq_length", "sequence_length", "max_seq_length", "b
 SEQ_LEN_FLAGS = tuple(f"--{key}" for key in SEQ_LEN_KEYS) + tuple(
     f"--{key.replace('_', '-')}" for key in SEQ_LEN_KEYS if "_" in key
 )
-
-
-def positive_number(value: Any) -> float | None:
-    """``value`` as a float where it is a positive number (not a bool); else None."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        return None
-    return float(value)
 
 
 @dataclasses.dataclass(frozen=True)

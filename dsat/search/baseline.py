@@ -17,6 +17,7 @@ from dsat.constants import GRAD_ACCUM_STEPS, MICRO_BATCH_SIZE
 from dsat.errors import DsatError
 from dsat.experiment.batch_size import batch_value, consistent_batch_sizes, fixed_global_batch
 from dsat.experiment.config import deep_merge, entrypoint_batch_flags
+from dsat.experiment.metric import positive_number
 from dsat.search.confirmation import measurements, repeated_measurements
 from dsat.search.measurement_noise import relative_noise
 from dsat.trial import TrialKind, TrialRecord, TrialStatus
@@ -148,9 +149,7 @@ def baseline_stderr(method: DsatSearchMethod) -> float:
     relative; 0 where it did not say): one run is all the comparison has of it."""
     baseline = baseline_run(method)
     value = None if baseline is None else baseline.metrics.get("step_time_stderr")
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return 0.0
-    return float(value) if math.isfinite(value) and value > 0 else 0.0
+    return positive_number(value) or 0.0
 
 
 def unsteady_baseline_said(method: DsatSearchMethod) -> str | None:

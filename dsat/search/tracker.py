@@ -7,11 +7,10 @@ next; it enforces `--max-trials`, `--max-concurrent-trials` and `--max-slots` fo
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
 
 from dsat.constants import CHECKPOINTING_HPARAM, FULL_BATCH_SHARE, OVERWRITE_KEY
-from dsat.experiment.metric import Metric
+from dsat.experiment.metric import Metric, finite_number
 from dsat.search.usable_memory import UsableMemory, fills_device, largest_peak, usable_memory
 from dsat.trial import TrialKind, TrialRecord, TrialStatus
 from dsat.trial_failure import FailureCause
@@ -246,7 +245,7 @@ class TrialTracker:
             return None
         measured, least = _flops_and_rate(record), self._flops_per_sample
         if measured is None or least is None:
-            return _number(record.metrics.get("FLOPS_per_gpu"))
+            return finite_number(record.metrics.get("FLOPS_per_gpu"))
         flops, throughput = measured
         return flops if flops / throughput <= 1.01 * least else least * throughput
 
@@ -267,7 +266,7 @@ class TrialTracker:
         if self.metric is Metric.FLOPS_PER_GPU and "FLOPS_per_gpu" in record.metrics:
             return self.model_flops(record)
         for key in (self.metric.file_key, self.metric.value):
-            value = _number(record.metrics.get(key))
+            value = finite_number(record.metrics.get(key))
             if value is not None:
                 return value
         return None
@@ -437,16 +436,8 @@ def _confirmed_parent(record: TrialRecord) -> str | None:
 
 def _flops_and_rate(record: TrialRecord) -> tuple[float, float] | None:
     """Its FLOPS_per_gpu and throughput, where it reports both (a positive throughput)."""
-    flops = _number(record.metrics.get("FLOPS_per_gpu"))
-    throughput = _number(record.metrics.get("throughput"))
+    flops = finite_number(record.metrics.get("FLOPS_per_gpu"))
+    throughput = finite_number(record.metrics.get("throughput"))
     if flops is None or throughput is None or not throughput > 0:
         return None
     return flops, throughput
-
-
-def _number(value: Any) -> float | None:
-    """A metric's value, where it is a finite number: a NaN (JSON allows one) would make every
-    comparison false, and the best an accident of order."""
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        return None
-    return float(value) if math.isfinite(value) else None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dsat.experiment.metric import Metric
+from dsat.experiment.metric import Metric, finite_number, positive_number
 
 
 @pytest.mark.parametrize(
@@ -39,3 +39,22 @@ def test_values_read_with_their_units() -> None:
     assert Metric.THROUGHPUT.describe(30.0) == "30 samples/s"
     assert Metric.LATENCY.describe(5.7) == "5.7 ms a step"
     assert Metric.FORWARD.describe(510.9) == "510.9 µs a pass"
+
+
+@pytest.mark.parametrize(
+    ("value", "finite", "positive"),
+    [
+        (3, 3.0, 3.0),
+        (-2.5, -2.5, None),
+        (0, 0.0, None),
+        (True, None, None),  # a flag, not a measurement
+        ("3", None, None),
+        (float("nan"), None, None),
+        (float("inf"), None, None),
+        (None, None, None),
+    ],
+)
+def test_only_finite_numbers_are_reported_values(
+    value: object, finite: float | None, positive: float | None
+) -> None:
+    assert finite_number(value) == finite and positive_number(value) == positive
