@@ -21,6 +21,7 @@ import contextlib
 import importlib.util
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -245,6 +246,10 @@ def _build(
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             pass_fds=claim,
+            # A group of its own, stopped whole: torch's ninja and the compilers it starts do
+            # not hold the claim, and outlived a build process killed alone, still compiling
+            # into the directory whose lock the next search then took for a stale one.
+            start_new_session=True,
         )
         assert process.stdout is not None  # stdout=PIPE above
         done = threading.Event()
@@ -259,8 +264,7 @@ def _build(
                 _report(line.decode(errors="replace").split(), log_path)
             code = process.wait()
         except BaseException:  # Ctrl-C or SIGTERM: the build stops with dsat
-            process.kill()
-            process.wait()
+            _stop_build(process)
             raise
         finally:
             done.set()
@@ -274,6 +278,16 @@ def _build(
     return code == 0
 
 
+def _stop_build(process: subprocess.Popen[bytes]) -> None:
+    """The build process and all it started (ninja, the compilers), at once."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # not a group's leader, or gone
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+    process.wait()
+
+
 def _build_clock(
     process: subprocess.Popen[bytes], names: list[str], started: float, done: threading.Event
 ) -> None:
@@ -282,7 +296,7 @@ def _build_clock(
     while not done.wait(BUILD_CLOCK_S):
         elapsed = time.monotonic() - started
         if elapsed > BUILD_TIMEOUT_S:
-            process.kill()
+            _stop_build(process)
             return
         minutes, seconds = divmod(int(elapsed), 60)
         logger.info(

@@ -173,7 +173,9 @@ def test_a_silent_build_shows_a_clock_and_is_stopped_past_its_time_limit(
     one past BUILD_TIMEOUT_S even though it never prints (the limit was checked per line)."""
     monkeypatch.setattr(deepspeed_ops, "BUILD_CLOCK_S", 0.2)
     monkeypatch.setattr(deepspeed_ops, "BUILD_TIMEOUT_S", 0.7)
-    silent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    silent = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True
+    )
     done = threading.Event()
     started = time.monotonic()
     with caplog.at_level(logging.INFO, logger=deepspeed_ops.logger.name):
@@ -182,3 +184,38 @@ def test_a_silent_build_shows_a_clock_and_is_stopped_past_its_time_limit(
     assert time.monotonic() - started < 5
     clock = [r.getMessage() for r in caplog.records if "so far" in r.getMessage()]
     assert clock and clock[0] == "building DeepSpeed's CPUAdamBuilder op: 0:00 so far"
+
+
+STARTS_A_COMPILER = """
+import subprocess, sys, time
+child = subprocess.Popen(["sleep", "60"])
+print(f"child {child.pid}", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_stopped_build_takes_what_it_started_with_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch's ninja and the compilers it starts outlived a build process killed alone, still
+    compiling into the directory whose lock the next search removed as stale."""
+    monkeypatch.setattr(deepspeed_ops, "BUILD_SCRIPT", STARTS_A_COMPILER)
+    monkeypatch.setattr(deepspeed_ops, "BUILD_CLOCK_S", 0.2)
+    monkeypatch.setattr(deepspeed_ops, "BUILD_TIMEOUT_S", 1.0)
+    log = tmp_path / "ops.log"
+    started = time.monotonic()
+    assert not deepspeed_ops._build({"CPUAdamBuilder": False}, {}, log, ())
+    assert time.monotonic() - started < 10  # not held until the compiler, holding its output, ends
+    child = int(log.read_text().split()[1])
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and _running(child):
+        time.sleep(0.1)
+    assert not _running(child)
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has ended; its parent (init, here) reaps it
