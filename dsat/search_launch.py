@@ -440,13 +440,14 @@ def refuse_others_files(results_dir: Path) -> None:
     over or mix with: a project's folder (or MODEL_DIR itself, which a search would copy into
     itself), or an earlier search whose state is gone (its trials.jsonl would take the new
     search's rows beside its own, and best_ds_config.json would be replaced). What a search
-    stopped before its first trial leaves (its settings.json, empty folders) is taken."""
+    stopped before its first trial leaves (its settings.json, empty folders, the log of its
+    DeepSpeed op build, which a kill -9 during the build leaves) is taken."""
     try:
         entries = [p for p in results_dir.iterdir() if p.name != LOCK_FILE]
     except OSError:  # not there yet, or not a directory: check_results_dir says which
         return
     # An empty folder holds nothing to lose (a search's logs/ made before its first trial).
-    holding = sorted(p.name for p in entries if not empty_folder(p))
+    holding = sorted(p.name for p in entries if not (empty_folder(p) or only_ops_log(p)))
     if not holding:
         return
     ours = SETTINGS_FILE in holding and holds_dsat_settings(results_dir)
@@ -463,6 +464,13 @@ def refuse_others_files(results_dir: Path) -> None:
         f"--results-dir {shown(results_dir)} already holds files that are not a dsat "
         f"search's ({names}); a search would write over them: choose a new or empty directory"
     )
+
+
+def only_ops_log(path: Path) -> bool:
+    """A search's ``logs/`` holding nothing but its DeepSpeed op build's log."""
+    if path.name != "logs" or path.is_symlink() or not path.is_dir():
+        return False
+    return all(child.name == OPS_LOG and child.is_file() for child in path.iterdir())
 
 
 def empty_folder(path: Path) -> bool:

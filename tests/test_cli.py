@@ -15,6 +15,7 @@ import yaml
 
 from dsat.cli import main, parse_settings
 from dsat.experiment.metric import Metric
+from dsat.runners.local.setup import OPS_LOG
 from tests.conftest import run_cli, write_experiment
 
 
@@ -1013,6 +1014,19 @@ def test_a_results_dir_named_settings_json_but_not_dsats_or_without_its_state_is
     (stopped / "settings.json").write_bytes((earlier / "settings.json").read_bytes())
     assert main([*base, *simulated, "--results-dir", str(stopped)]) == 0
     assert (stopped / "summary.txt").is_file()
+    # So is what a kill -9 during DeepSpeed's op build leaves: the same command then runs. Its
+    # logs/ with any other file stays refused.
+    building = tmp_path / "building"
+    (building / "logs").mkdir(parents=True)
+    (building / "logs" / OPS_LOG).write_text("dsat-build start deepspeed_shm_comm 0\n")
+    assert main([*base, *simulated, "--results-dir", str(building)]) == 0
+    other = tmp_path / "other"
+    (other / "logs").mkdir(parents=True)
+    (other / "logs" / OPS_LOG).write_text("x\n")
+    (other / "logs" / "mine.txt").write_text("mine\n")
+    assert_one_line_error(
+        capsys, [*base, *simulated, "--results-dir", str(other)], "--results-dir", "(logs)"
+    )
 
 
 def test_a_model_dir_file_that_cannot_be_read_is_one_line_before_any_trial(
