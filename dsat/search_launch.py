@@ -13,7 +13,9 @@ import math
 import os
 import re
 import shlex
-from collections.abc import Mapping
+import signal
+import threading
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -609,6 +611,22 @@ def open_runner(plan: LaunchPlan) -> TrialRunner:
         ) from None
 
 
+@contextlib.contextmanager
+def stop_signals_held() -> Iterator[None]:
+    """Ctrl-C, SIGTERM and SIGHUP ignored while the body runs (in the main thread only, where
+    handlers can be set); each handler as it was after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in held}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+
+
 def search_here(plan: LaunchPlan, runner: TrialRunner) -> None:
     """The search on this machine with ``runner``, then its report and the full run if asked."""
     settings = plan.settings
@@ -616,6 +634,7 @@ def search_here(plan: LaunchPlan, runner: TrialRunner) -> None:
     if runner.takes_real_time:
         print(f"dsat: if stopped, resume with: {resume_command(settings.method, plan.results_dir)}")
     spec = search_spec(experiment)
+    closed = False
     try:
         method = run_search(settings, spec, runner, plan.results_dir)
     except KeyboardInterrupt:
@@ -623,7 +642,13 @@ def search_here(plan: LaunchPlan, runner: TrialRunner) -> None:
         # not the message: what is left of the trials dies with dsat (their guards, Ray).
         with contextlib.suppress(KeyboardInterrupt):
             runner.stop_all()
-        raise SearchInterrupted(settings.method, plan.results_dir) from None
+        # A third, in the runner's close, ended dsat with a bare "interrupted" and no resume
+        # line: what is left to do is short, and is done with the stop signals held.
+        with stop_signals_held():
+            interrupted = SearchInterrupted(settings.method, plan.results_dir)
+            closed = True
+            runner.close()
+        raise interrupted from None
     except OSError as err:  # wherever the search was writing: the results files, a trial's copy
         failure = write_failure(err, plan.results_dir)
         if failure is None:
@@ -634,7 +659,8 @@ def search_here(plan: LaunchPlan, runner: TrialRunner) -> None:
     except RunnerStopped as err:
         raise SearchStopped(err.why, err.remedy, settings.method, plan.results_dir) from None
     finally:
-        runner.close()
+        if not closed:
+            runner.close()
     trains = plan.runner is not RunnerKind.SIMULATED
     try:
         report_end(method, plan.results_dir, settings.run_full_experiment, trains)

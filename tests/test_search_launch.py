@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shlex
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +121,45 @@ def test_ctrl_c_in_the_full_run_says_it_was_stopped_and_how_to_train_again(tmp_p
         f"{resume_command('binary', tmp_path / 'r')} --run-full-experiment"
     )
     assert (tmp_path / "r" / "best_ds_config.json").is_file()
+
+
+class InterruptedOften(SimulatedRunner):
+    """A search the user stops with Ctrl-C at its third trial, then presses Ctrl-C again and
+    again while it stops: one more lands as the runner closes."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.started = 0
+
+    def start(self, *args: Any, **kwargs: Any) -> None:
+        self.started += 1
+        if self.started == 3:
+            raise KeyboardInterrupt
+        super().start(*args, **kwargs)
+
+    def stop_all(self) -> None:
+        os.kill(os.getpid(), signal.SIGINT)  # the second: it cuts the waiting short
+        time.sleep(0.1)
+
+    def close(self) -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.1)
+        super().close()
+
+
+def test_ctrl_c_pressed_again_and_again_while_the_search_stops_keeps_its_resume_line(
+    tmp_path: Path,
+) -> None:
+    """A Ctrl-C that landed in the runner's close ended dsat with a bare "interrupted"."""
+    experiment = load_experiment(SIMULATED / "gpt2_large.yaml", SIMULATED)
+    settings = search_settings("binary", max_trials=20)
+    runner = InterruptedOften(cliff_function(24), experiment.slots_per_trial)
+    setup = SimulatedSetup(cliff_function(24), experiment.slots_per_trial)
+    plan = LaunchPlan(settings, experiment, RunnerKind.LOCAL, "test", tmp_path / "r", setup)
+    with pytest.raises(SearchInterrupted) as raised:
+        search_here(plan, runner)
+    assert f"Resume with: {resume_command('binary', tmp_path / 'r')}" in str(raised.value)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # as it was
 
 
 class FullRunRecorded(SimulatedRunner):
