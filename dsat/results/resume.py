@@ -218,17 +218,20 @@ def refuse_more_trials_when_finished(
     ended = handed_over or confirming or state.get("shutdown_reason") is not None
     if max_trials == saved_settings(results_dir).max_trials:
         return
-    started = sum(
-        1
-        for record in state["tracker"]["records"]
-        if not (isinstance(record, dict) and record.get("status") == "queued")
-    )
+    statuses = [
+        record.get("status") for record in state["tracker"]["records"] if isinstance(record, dict)
+    ]
+    started = sum(1 for status in statuses if status != "queued")
     added = state.get("added_trials", 0)  # the baseline run, on top of --max-trials
     counted = started - (added if isinstance(added, int) else 0)
     if not ended and max_trials < counted:
+        # A trial the interruption stopped holds its place, and runs again from the start.
+        again = statuses.count("running")
+        first = f" (the {again} the interruption stopped run again first)" if again else ""
         raise DsatError(
             f"--max-trials {max_trials} is below the {counted} trials the search in "
-            f"{shown(results_dir)} has run; give {counted} to end it now, or more to run more"
+            f"{shown(results_dir)} has started; give {counted} to start no new one{first}, or "
+            "more to run more"
         )
     if ended:
         where = (

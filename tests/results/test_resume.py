@@ -425,7 +425,10 @@ def test_max_trials_below_what_ran_is_refused_and_leaves_the_search_resumable(
     error = assert_one_line_error(
         capsys, ["asha", "--resume", str(results), "--max-trials", "2"], "--max-trials 2"
     )
-    assert f"below the {started} trials" in error
+    assert f"below the {started} trials" in error and f"give {started} to start no new one" in error
+    # Those the interruption stopped hold their places, and run again first: said, not "end it".
+    stopped = sum(1 for r in state["tracker"]["records"] if r["status"] == "running")
+    assert stopped and f"(the {stopped} the interruption stopped run again first)" in error
     assert (results / SETTINGS_FILE).read_text() == settings
     assert main(["asha", "--resume", str(results), "--max-trials", str(started)]) == 0
     assert "handed over: " in (results / "summary.txt").read_text()
