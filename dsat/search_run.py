@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from dsat.constants import RUN_ALONE, STATE_FILE
+from dsat.constants import RUN_ALONE, SETTINGS_FILE, STATE_FILE
 from dsat.errors import DsatError
 from dsat.experiment.settings import SearchSettings
 from dsat.paths import logs_where_they_are, shown
@@ -157,6 +157,10 @@ def run_search(
     writer.keep_best_config = method.ending.handed_over(method)
     with progress or contextlib.nullcontext():
         driver.run(resume=resuming)
+    if not (results_dir / SETTINGS_FILE).is_file():
+        # The results dir was removed while the search ran: its other files are written again
+        # as trials end, and the resume command the last lines give needs these too.
+        write_settings(settings, results_dir)
     if driver.shutdown is not None or not runner.running_count():
         writer.write_summary(method.tracker, method.ending.handover_reason, method.summary_notes())
         save_state(method, results_dir)

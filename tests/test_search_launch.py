@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import shlex
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -32,6 +33,7 @@ from dsat.search_launch import (
     open_runner,
     plan_search,
     search_here,
+    search_spec,
 )
 from dsat.search_run import run_search
 from tests.search.helpers import cliff_function, search_settings
@@ -160,6 +162,34 @@ def test_ctrl_c_pressed_again_and_again_while_the_search_stops_keeps_its_resume_
         search_here(plan, runner)
     assert f"Resume with: {resume_command('binary', tmp_path / 'r')}" in str(raised.value)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # as it was
+
+
+class ResultsRemovedMidSearch(SimulatedRunner):
+    """The user removes the results dir while the search runs (its third trial starts)."""
+
+    def __init__(self, results: Path, *args: Any) -> None:
+        super().__init__(*args)
+        self.results, self.started = results, 0
+
+    def start(self, *args: Any, **kwargs: Any) -> None:
+        self.started += 1
+        if self.started == 3:
+            shutil.rmtree(self.results)
+        super().start(*args, **kwargs)
+
+
+def test_a_results_dir_removed_mid_search_can_still_be_resumed(tmp_path: Path) -> None:
+    """The rest was written again as trials ended, but not settings.json: the resume command
+    the last lines gave was refused ("no saved search there")."""
+    from dsat.cli import main
+
+    results = tmp_path / "r"
+    settings = parse_settings([*SIMULATED_ARGV, "--results-dir", str(results)])
+    experiment = load_experiment(SIMULATED / "gpt2_large.yaml", SIMULATED)
+    runner = ResultsRemovedMidSearch(results, cliff_function(4096), experiment.slots_per_trial)
+    run_search(settings, search_spec(experiment), runner, results)
+    assert (results / SETTINGS_FILE).is_file()
+    assert main(["asha", "--resume", str(results)]) == 0
 
 
 class FullRunRecorded(SimulatedRunner):
