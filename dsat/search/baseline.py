@@ -152,16 +152,18 @@ def baseline_stderr(method: DsatSearchMethod) -> float:
     return positive_number(value) or 0.0
 
 
-def unsteady_baseline_said(method: DsatSearchMethod) -> str | None:
+def unsteady_baseline_said(method: DsatSearchMethod, level: bool = False) -> str | None:
     """Where the user's config's run was unsteady (``UNSTEADY_RUN``), that the ratio against it
     is rough: a baseline measured while something else used the machine read 700x slower than
-    the hand-over, and was compared as if it were exact."""
+    the hand-over, and was compared as if it were exact. ``level``: the two were not told apart,
+    for that unsteadiness."""
     stderr = baseline_stderr(method)
     if stderr < UNSTEADY_RUN:
         return None
+    rough = "too rough to tell the two apart" if level else "rough"
     return (
         f"your config's run was unsteady (its mean step time known only to +/-{stderr:.0%}: "
-        "was the machine busy?), so this ratio is rough"
+        f"was the machine busy?), so this ratio is {rough}"
     )
 
 
@@ -174,15 +176,20 @@ def against_yours_said(method: DsatSearchMethod) -> str | None:
     if judged is None:
         return None
     speedup, beyond_noise, noise = judged
+    unsteady = unsteady_baseline_said(method, level=not beyond_noise)
     said = None
-    if not beyond_noise:
+    if not beyond_noise and unsteady is None:
         said = f"level with your config within the noise ({noise:.1%} a run)"
+    elif not beyond_noise:
+        # A 0.76x "level within the noise (1.9% a run)": the run of the user's config, not
+        # this search's noise, is what could not tell them apart, and is said as such.
+        said = None
     elif speedup < 1:
         said = (
             f"your config measured faster, by more than the noise ({noise:.1%} a run): keep it, "
             f"or start a longer search (--max-trials, {method.settings.max_trials} here)"
         )
-    return "; ".join(part for part in (said, unsteady_baseline_said(method)) if part) or None
+    return "; ".join(part for part in (said, unsteady) if part) or None
 
 
 def yours_clearly_faster(method: DsatSearchMethod) -> bool:
