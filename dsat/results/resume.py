@@ -267,8 +267,12 @@ def refuse_lost_rows(
         )
     try:
         rows = read_trial_rows(path) if path.is_file() else []
-    except (OSError, ValueError):
+    except OSError:
         return  # the results writer says what is wrong with it
+    except ValueError as err:  # said here, before any slot is claimed or op built
+        raise DsatError(
+            f"{shown(path)}: {err}; put back the file as dsat wrote it {then}"
+        ) from None
     missing = finished - {row["request_id"] for row in rows}
     if missing:
         raise DsatError(

@@ -247,6 +247,27 @@ def test_a_damaged_or_foreign_results_dir_is_one_line(
     assert {file.name: file.read_bytes() for file in results.iterdir() if file.is_file()} == before
 
 
+def test_a_torn_trials_file_is_said_before_the_runner_opens(
+    interrupted: tuple[Path, str],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """It was said only once the slots were claimed and DeepSpeed's ops built."""
+    from dsat.runners.simulated.setup import SimulatedSetup
+
+    def opened(*args: object) -> None:
+        raise AssertionError("the runner opened before the damaged file was said")
+
+    monkeypatch.setattr(SimulatedSetup, "open", opened)
+    results, _ = interrupted
+    path = results / TRIALS_FILE
+    path.write_text(path.read_text() + '{"trial": 9, "kind"\n')  # cut mid-row
+    line = assert_one_line_error(capsys, ["asha", "--resume", str(results)], TRIALS_FILE)
+    assert "is not JSON" in line and line.endswith(
+        "put back the file as dsat wrote it to resume, or start a new search"
+    )
+
+
 def test_a_results_file_that_is_a_directory_says_to_move_it(
     interrupted: tuple[Path, str], capsys: pytest.CaptureFixture[str]
 ) -> None:
