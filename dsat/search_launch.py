@@ -14,8 +14,7 @@ import os
 import re
 import shlex
 import signal
-import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +100,7 @@ from dsat.search.baseline import (
 from dsat.search.ending import no_search_trial_succeeded, repeated_failure
 from dsat.search.method import DsatSearchMethod
 from dsat.search.trial_builder import SearchSpec
-from dsat.search_run import best_config_path, resumes_without_trials, run_search
+from dsat.search_run import best_config_path, resumes_without_trials, run_search, stops_held
 from dsat.training.hf_args import HF_DS_FLAG, checkpointing_flags
 from dsat.training.step_clock import measured_window
 from dsat.trial import TrialRecord
@@ -611,22 +610,6 @@ def open_runner(plan: LaunchPlan) -> TrialRunner:
         ) from None
 
 
-@contextlib.contextmanager
-def stop_signals_held() -> Iterator[None]:
-    """Ctrl-C, SIGTERM and SIGHUP ignored while the body runs (in the main thread only, where
-    handlers can be set); each handler as it was after."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    held = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in held}
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
-
-
 def search_here(plan: LaunchPlan, runner: TrialRunner) -> None:
     """The search on this machine with ``runner``, then its report and the full run if asked."""
     settings = plan.settings
@@ -643,8 +626,8 @@ def search_here(plan: LaunchPlan, runner: TrialRunner) -> None:
         with contextlib.suppress(KeyboardInterrupt):
             runner.stop_all()
         # A third, in the runner's close, ended dsat with a bare "interrupted" and no resume
-        # line: what is left to do is short, and is done with the stop signals held.
-        with stop_signals_held():
+        # line: what is left to do is short, and is done with every stop signal ignored.
+        with stops_held(replay=False, signals=(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)):
             interrupted = SearchInterrupted(settings.method, plan.results_dir)
             closed = True
             runner.close()

@@ -7,7 +7,7 @@ import dataclasses
 import json
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +32,10 @@ STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
 @contextlib.contextmanager
-def stops_held() -> Iterator[None]:
-    """Ctrl-C and SIGTERM wait until the block is done, then act as they would have. (Not by
-    the signal mask: a signal sent to the process goes to any thread that does not block it.)"""
+def stops_held(replay: bool = True, signals: Collection[int] = STOP_SIGNALS) -> Iterator[None]:
+    """Ctrl-C and SIGTERM (``signals``) wait until the block is done, then act as they would
+    have; without ``replay``, they are ignored. (Not by the signal mask: a signal sent to the
+    process goes to any thread that does not block it.)"""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -43,13 +44,13 @@ def stops_held() -> Iterator[None]:
     def hold(signum: int, frame: object) -> None:
         caught.append(signum)
 
-    previous = {sig: signal.signal(sig, hold) for sig in STOP_SIGNALS}
+    previous = {sig: signal.signal(sig, hold) for sig in signals}
     try:
         yield
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, signal.SIG_DFL if handler is None else handler)
-        for signum in caught[:1]:
+        for signum in caught[:1] if replay else ():
             signal.raise_signal(signum)
 
 
