@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import os
 import re
 import signal
 
@@ -253,7 +254,7 @@ def _paragraph(lines: list[str]) -> list[str]:
 
 
 # A traceback's frame line; the line after it quotes the frame's source, comments and all.
-FRAME_LINE = re.compile(r'^(?:\[rank\d+\]:)?\s*File ".*", line \d+')
+FRAME_LINE = re.compile(r'^(?:\[rank\d+\]:)?\s*File "(?P<path>.*)", line (?P<line>\d+)')
 # A frame's quoted source, indented under it; a frame without source (``<frozen runpy>``, code
 # from ``-c``) is followed by the next frame or the exception itself.
 QUOTED_LINE = re.compile(r"^(?:\[rank\d+\]:)?\s{4}")
@@ -633,8 +634,7 @@ def diagnose_crash(log: str, code: int | None, oom_killed: bool | None) -> Diagn
     return Diagnosis(FailureCause.UNKNOWN, one_line(reason))
 
 
-# A traceback's frame, and the files of Python's own library and of installed packages.
-FRAME_FILE = re.compile(r'^(?:\[rank\d+\]:)?\s*File "(?P<path>[^"]+)", line (?P<line>\d+)')
+# The files of Python's own library and of installed packages, as a traceback's frames name them.
 PACKAGE_FILE = re.compile(r"[/\\](?:site|dist)-packages[/\\]")
 STDLIB_FILE = re.compile(r"[/\\]lib[/\\]python3\.\d+[/\\]|^<frozen ")
 
@@ -657,14 +657,14 @@ def raised_by_own_code(log: str, exception: str) -> str | None:
     for line in reversed(said[:number]):
         if _stream(line) != stream:
             continue
-        frame = FRAME_FILE.match(line)
+        frame = FRAME_LINE.match(line)
         if frame is None:
             return None  # the traceback's header, or a line that is not a frame
         path = frame["path"]
         if PACKAGE_FILE.search(path):
             return None
         if not STDLIB_FILE.search(path):
-            return f"{path.rsplit('/', 1)[-1]}, line {frame['line']}"
+            return f"{os.path.basename(path)}, line {frame['line']}"
     return None
 
 

@@ -56,8 +56,9 @@ def get_ds_config_from_hparams(
             "JSON in the experiment YAML"
         )
     path = Path(base_dir) / relative
-    if not path.is_file() and (trial_directory() / path).is_file():
-        path = trial_directory() / path  # the script moved (os.chdir) after it started
+    moved = trial_directory() / path  # where it is if the script moved (os.chdir) after it started
+    if not path.is_file() and moved.is_file():
+        path = moved
     if not path.is_absolute() and not path.is_file():
         # The YAML's path was checked at launch: read from elsewhere, the script has changed
         # its working directory (os.chdir), and "fix the path" sent the user to a right one.

@@ -33,8 +33,9 @@ def anchored_result_paths(overwrites: Mapping[str, Any]) -> Mapping[str, Any]:
     block = overwrites.get(AUTOTUNING_KEY)
     if not isinstance(block, Mapping):
         return overwrites
+    directory = trial_directory()
     relative = {
-        key: str(trial_directory() / value)
+        key: str(directory / value)
         for key in RESULT_PATH_KEYS
         if isinstance(value := block.get(key), str) and not os.path.isabs(value)
     }
