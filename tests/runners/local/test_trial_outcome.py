@@ -385,16 +385,22 @@ def test_an_atexit_tracebacks_oom_after_an_exception_is_not_its_message(tmp_path
     assert classify(tmp_path, trial(tmp_path, later), 1, False, 60).status is TrialStatus.ERROR
 
 
+def first_to_fail(rank: int, pid: int) -> str:
+    """torchrun's summary naming ``rank`` alone as failed (exit code 1)."""
+    return (
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n"
+        "Failures:\n  <NO_OTHER_FAILURES>\n"
+        f"Root Cause (first observed failure):\n[0]:\n  rank      : {rank} (local_rank: {rank})\n"
+        f"  exitcode  : 1 (pid: {pid})\n============================================================\n"
+    )
+
+
 def test_rank_0_leaving_cleanly_before_its_peers_is_the_scripts_fault(tmp_path: Path) -> None:
     """It was an unknown crash, blamed on no one and learned from as the configuration's, with
     rank 1's connection reset as the reason; torchrun lists rank 0 among no failures."""
     log = (
         "[rank1]: RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:22156: "
-        "Connection reset by peer.\n"
-        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n"
-        "Failures:\n  <NO_OTHER_FAILURES>\n"
-        "Root Cause (first observed failure):\n[0]:\n  rank      : 1 (local_rank: 1)\n"
-        "  exitcode  : 1 (pid: 17486)\n============================================================\n"
+        "Connection reset by peer.\n" + first_to_fail(rank=1, pid=17486)
     )
     end = classify(tmp_path, trial(tmp_path, log), 1, False, 60)
     assert end.status is TrialStatus.ERROR and end.cause is FailureCause.SCRIPT, end.error
@@ -418,10 +424,7 @@ def test_another_rank_leaving_cleanly_is_the_scripts_fault(tmp_path: Path) -> No
         "rank 1: no more data in my shard, done\n"
         "[rank0]: RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer "
         "[127.0.0.1]:42201. This is typically caused by a remote worker crashing.\n"
-        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n"
-        "Failures:\n  <NO_OTHER_FAILURES>\n"
-        "Root Cause (first observed failure):\n[0]:\n  rank      : 0 (local_rank: 0)\n"
-        "  exitcode  : 1 (pid: 4033)\n============================================================\n"
+        + first_to_fail(rank=0, pid=4033)
     )
     end = classify(tmp_path, trial(tmp_path, log), 1, False, 60)
     assert end.status is TrialStatus.ERROR and end.cause is FailureCause.SCRIPT, end.error
