@@ -2,7 +2,9 @@
 the hand-over is (as DeepSpeed's autotuning tutorial reports against its baseline).
 
 It runs right after the model profile, on top of ``--max-trials`` like the confirmation round,
-and is never handed over. Where the config leaves the micro-batch to an HF script (``"auto"``),
+and is never handed over. Where its run was unsteady (another job on the machine) and the
+hand-over cannot be told apart from it for that, it runs once more at the end of the confirmation
+round: measure again rather than say "too rough to tell". Where the config leaves the micro-batch to an HF script (``"auto"``),
 the entrypoint's ``--per_device_train_batch_size`` (and accumulation) is the user's. It is skipped
 (and the summary says why) when neither sets it, or when the memory model says it cannot fit;
 ``--no-baseline`` skips it.
@@ -111,29 +113,63 @@ def described_with_knobs(record: TrialRecord) -> str:
     return describe(record) + (f" ({', '.join(knobs)})" if knobs else "")
 
 
+def baseline_runs(method: DsatSearchMethod) -> list[TrialRecord]:
+    """Every run of the user's own configuration, in order (a second where the first was
+    unsteady, ``measure_yours_again``)."""
+    return [r for r in method.tracker.records if r.kind is TrialKind.BASELINE]
+
+
 def baseline_run(method: DsatSearchMethod) -> TrialRecord | None:
-    """The run of the user's own configuration (the last, if a resumed search ran it again)."""
-    runs = [r for r in method.tracker.records if r.kind is TrialKind.BASELINE]
+    """The last run of the user's own configuration."""
+    runs = baseline_runs(method)
     return runs[-1] if runs else None
 
 
-def speedup_over_yours(method: DsatSearchMethod) -> float | None:
-    """How many times faster the hand-over measured than the user's own config (the mean of its
-    runs, as the summary's global row), where both were measured."""
+def run_stderr(record: TrialRecord) -> float:
+    """How well a run knew its own mean step time (``step_time_stderr``, relative; 0 where it
+    did not say)."""
+    return positive_number(record.metrics.get("step_time_stderr")) or 0.0
+
+
+def yours_measured(method: DsatSearchMethod) -> tuple[float, float, int] | None:
+    """The user's config's metric, how well its runs knew it (relative; 0: not said) and how
+    many runs measured it. Two runs are pooled by how steady each was (weighted by the inverse
+    of its variance, in logs): a run on a busy machine is slow as well as rough, and a steady
+    one beside it should decide. Where a run did not say, the last that measured stands."""
     tracker = method.tracker
-    baseline, handed = baseline_run(method), tracker.best()
-    mine = None if baseline is None else tracker.baseline_value(baseline)
-    theirs = None if handed is None else tracker.mean_of_runs(handed)
-    if not mine or theirs is None:
+    runs = [
+        (value, run_stderr(r))
+        for r in baseline_runs(method)
+        if (value := tracker.baseline_value(r)) is not None and value > 0
+    ]
+    if not runs:
         return None
+    if len(runs) == 1 or any(stderr == 0 for _, stderr in runs):
+        value, stderr = runs[-1]
+        return value, stderr, 1
+    weights = [1 / stderr**2 for _, stderr in runs]
+    pooled = sum(w * math.log(value) for w, (value, _) in zip(weights, runs, strict=True))
+    return math.exp(pooled / sum(weights)), 1 / math.sqrt(sum(weights)), len(runs)
+
+
+def speedup_over_yours(method: DsatSearchMethod, handed: TrialRecord | None = None) -> float | None:
+    """How many times faster the hand-over (or ``handed``) measured than the user's own config
+    (the mean of its runs, as the summary's global row), where both were measured."""
+    tracker = method.tracker
+    handed = handed or tracker.best()
+    yours = yours_measured(method)
+    theirs = None if handed is None else tracker.mean_of_runs(handed)
+    if yours is None or theirs is None:
+        return None
+    mine = yours[0]
     return mine / theirs if tracker.metric.smaller_is_better else theirs / mine
 
 
-def yours_handed_over(method: DsatSearchMethod) -> bool:
-    """Whether the configuration handed over is the user's own (the same ZeRO settings,
-    micro-batch and accumulation): then its runs against the baseline's are one configuration
-    measured again, not a speed-up."""
-    mine, handed = baseline_run(method), method.tracker.best()
+def yours_handed_over(method: DsatSearchMethod, handed: TrialRecord | None = None) -> bool:
+    """Whether the configuration handed over (or ``handed``) is the user's own (the same ZeRO
+    settings, micro-batch and accumulation): then its runs against the baseline's are one
+    configuration measured again, not a speed-up."""
+    mine, handed = baseline_run(method), handed or method.tracker.best()
     if mine is None or handed is None:
         return False
     return (handed.zero_key, handed.mbs, handed.gas) == (mine.zero_key, mine.mbs, mine.gas)
@@ -145,11 +181,10 @@ UNSTEADY_RUN = 0.10
 
 
 def baseline_stderr(method: DsatSearchMethod) -> float:
-    """How well the user's config's run knew its own mean step time (``step_time_stderr``,
-    relative; 0 where it did not say): one run is all the comparison has of it."""
-    baseline = baseline_run(method)
-    value = None if baseline is None else baseline.metrics.get("step_time_stderr")
-    return positive_number(value) or 0.0
+    """How well the user's config's runs knew its mean step time (``yours_measured``; 0 where
+    they did not say): its runs are all the comparison has of it."""
+    yours = yours_measured(method)
+    return 0.0 if yours is None else yours[1]
 
 
 def unsteady_baseline_said(method: DsatSearchMethod, level: bool = False) -> str | None:
@@ -157,14 +192,49 @@ def unsteady_baseline_said(method: DsatSearchMethod, level: bool = False) -> str
     is rough: a baseline measured while something else used the machine read 700x slower than
     the hand-over, and was compared as if it were exact. ``level``: the two were not told apart,
     for that unsteadiness."""
-    stderr = baseline_stderr(method)
-    if stderr < UNSTEADY_RUN:
+    yours = yours_measured(method)
+    if yours is None or yours[1] < UNSTEADY_RUN:
         return None
+    _, stderr, runs = yours
     rough = "too rough to tell the two apart" if level else "rough"
+    which = "run was" if runs == 1 else f"{runs} runs were"
     return (
-        f"your config's run was unsteady (its mean step time known only to +/-{stderr:.0%}: "
+        f"your config's {which} unsteady (its mean step time known only to +/-{stderr:.0%}: "
         f"was the machine busy?), so this ratio is {rough}"
     )
+
+
+def measure_yours_again(method: DsatSearchMethod, handed: TrialRecord) -> list[TrialRecord]:
+    """One more run of the user's config, registered and on top of the budget, where its only
+    run was unsteady and ``handed`` (the round's choice) could not be told apart from it for
+    that: "0.76x your config, too rough to tell" left the user with nothing to act on, where one
+    steadier run decides. At most once, and not where the hand-over is the user's own config."""
+    tracker = method.tracker
+    runs = baseline_runs(method)
+    measured = [r for r in runs if tracker.baseline_value(r) is not None]
+    if len(measured) != 1 or runs[-1] is not measured[0] or yours_handed_over(method, handed):
+        return []
+    first = measured[0]
+    judged = _against_yours(method, handed)
+    if run_stderr(first) < UNSTEADY_RUN or judged is None or judged[1]:
+        return []
+    index = method.next_index
+    again = method.register(
+        first.replace(
+            request_id=method.builder.request_id(index),
+            index=index,
+            parent_id=first.request_id,
+            status=TrialStatus.QUEUED,
+            metrics={},
+            error=None,
+            cause=None,
+            log=None,
+        )
+    )
+    if again is None:
+        return []
+    tracker.max_trials += 1
+    return [again]
 
 
 def against_yours_said(method: DsatSearchMethod) -> str | None:
@@ -199,13 +269,15 @@ def yours_clearly_faster(method: DsatSearchMethod) -> bool:
     return judged is not None and judged[0] < 1 and judged[1]
 
 
-def _against_yours(method: DsatSearchMethod) -> tuple[float, bool, float] | None:
-    """The hand-over's speed-up over the user's config, whether it is more than the noise either
-    way, and that noise (one run's, as this search's repeated runs showed it), judged with the
-    mean of the hand-over's runs against the one run of the user's config, whose own unsteadiness
-    (``baseline_stderr``) adds to it. None without both."""
-    speedup = speedup_over_yours(method)
-    handed = method.tracker.best()
+def _against_yours(
+    method: DsatSearchMethod, handed: TrialRecord | None = None
+) -> tuple[float, bool, float] | None:
+    """The hand-over's (or ``handed``'s) speed-up over the user's config, whether it is more
+    than the noise either way, and that noise (one run's, as this search's repeated runs showed
+    it), judged with the mean of the hand-over's runs against the runs of the user's config,
+    whose own unsteadiness (``baseline_stderr``) adds to it. None without both."""
+    handed = handed or method.tracker.best()
+    speedup = speedup_over_yours(method, handed)
     if speedup is None or handed is None:
         return None
     tracker = method.tracker
@@ -213,6 +285,24 @@ def _against_yours(method: DsatSearchMethod) -> tuple[float, bool, float] | None
     runs = max(1, len(measurements(tracker, handed)))
     spread = math.sqrt(noise**2 * (1 + 1 / runs) + baseline_stderr(method) ** 2)
     return speedup, abs(math.log(speedup)) > 2 * spread, noise
+
+
+def measured_as(method: DsatSearchMethod, value: float) -> str:
+    """The user's config's value as the summary gives it, with what its run again showed where
+    its first run was unsteady (``measure_yours_again``)."""
+    tracker = method.tracker
+    said = f"{tracker.metric.value} {value:.4g}"
+    runs = baseline_runs(method)
+    again = [r for r in runs if r.parent_id and r.parent_id in {p.request_id for p in runs}]
+    if not again:
+        return said
+    first = tracker.get(again[-1].parent_id or "")
+    unsteady = f"the first, unsteady (+/-{run_stderr(first):.0%}), ran again"
+    if again[-1].status is not TrialStatus.COMPLETED:
+        return f"{said}: {unsteady} and {again[-1].status.value}"
+    counted = yours_measured(method)
+    pooled = "weighted by how steady each was" if counted and counted[2] > 1 else "the last"
+    return f"{said} over 2 runs, {pooled}: {unsteady}"
 
 
 def baseline_line(method: DsatSearchMethod) -> str:
@@ -224,10 +314,11 @@ def baseline_line(method: DsatSearchMethod) -> str:
     if baseline is None:
         why = why_no_baseline(method)
         return f"your config: not run ({why})" if why else ""
-    mine = tracker.baseline_value(baseline)
-    if mine is None:
+    yours = yours_measured(method)
+    if yours is None:
         ended = "ran out of memory" if baseline.status is TrialStatus.OOM else baseline.status.value
         return f"your config ({describe(baseline)}): {ended}"
+    mine = yours[0]
     speedup = speedup_over_yours(method)
     if handed is None or speedup is None:
         return f"your config ({describe(baseline)}): {mine:.4g} {tracker.metric.value}"
@@ -235,11 +326,11 @@ def baseline_line(method: DsatSearchMethod) -> str:
         return (
             f"your config is the one handed over ({described_with_knobs(handed)}): nothing "
             f"faster that this search could hand over ran ({speedup:.2f}x is its runs against "
-            f"your config's run, {tracker.metric.value} {mine:.4g})"
+            f"your config's run, {measured_as(method, mine)})"
         )
     said = against_yours_said(method)
     return (
-        f"{speedup:.2f}x your config ({tracker.metric.value} {mine:.4g}): "
+        f"{speedup:.2f}x your config ({measured_as(method, mine)}): "
         f"{described_with_knobs(baseline)} -> {described_with_knobs(handed)}"
         + (f"; {said}" if said else "")
     )

@@ -11,6 +11,7 @@ import re
 from typing import TYPE_CHECKING
 
 from dsat.memory import ModelProfile, ModelProfileError
+from dsat.search.baseline import measure_yours_again
 from dsat.search.confirmation import (
     EXTRA_ROUNDS,
     QUIET_SPREAD,
@@ -359,6 +360,15 @@ class SearchEnding:
             chosen = ranked[0]
             reason = "no leader ran again safely; the best of the search that may be handed over"
             logger.info("confirmation round: no leader ran again safely; keeping %s", chosen.name)
+        again = measure_yours_again(method, chosen)
+        if again:  # the verdict is the same when the round ends again: its runs are as they were
+            tracker.enqueue([r.request_id for r in again])
+            logger.info(
+                "confirmation round: your config's run was unsteady and level with %s for that; "
+                "running it again",
+                chosen.name,
+            )
+            return False
         tracker.confirmed_id = chosen.request_id
         self.handover_reason = f"{chosen.name}: {reason}"
         self.shutdown_reason = f"{self.search_end_reason}; confirmed {chosen.name}"

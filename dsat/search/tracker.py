@@ -18,9 +18,12 @@ from dsat.trial_failure import FailureCause
 
 def config_key(record: TrialRecord) -> str:
     """Identity of a trial's configuration: two trials with the same key measure the same thing
-    (a confirmation run measures it again on purpose, so each has its own)."""
+    (a confirmation run measures it again on purpose, so each has its own, as does the user's
+    config run again)."""
     if record.kind is TrialKind.CONFIRM:
         return f"confirm:{record.request_id}"
+    if record.kind is TrialKind.BASELINE and record.parent_id is not None:
+        return f"again:{record.request_id}"
     overwrites = record.hparams.get(OVERWRITE_KEY, {})
     switch = record.hparams.get(CHECKPOINTING_HPARAM)
     if switch is not None:  # the script's own switch, which the fit ladder may set

@@ -4,15 +4,21 @@ and the summary says how much faster the hand-over is, or why it did not run."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from dsat.constants import STATE_FILE
 from dsat.results.directory import SUMMARY_FILE, TRIALS_FILE
+from dsat.runners.simulated.performance_model import optimum
 from dsat.runners.simulated.performance_models import BUILTIN_MODELS
 from dsat.runners.simulated.runner import SimulatedRunner
 from dsat.search.baseline import (
     baseline_line,
     described_with_knobs,
+    speedup_over_yours,
     yours_clearly_faster,
     yours_handed_over,
 )
@@ -144,6 +150,85 @@ def test_an_unsteady_run_of_the_users_config_is_said_and_widens_the_noise(tmp_pa
     far = measured_at(1 / 700, 0.42)  # beyond even that noise: the gain stands, said as rough
     assert far.startswith("700.00x your config") and "level with" not in far
     assert far.endswith("so this ratio is rough")
+
+
+def unsteady_first_run(stderr: float) -> Callable[..., dict[str, Any]]:
+    """The simulated model, with the user's config's first run measured on a busy machine: as
+    fast as the best configuration there is (a lucky window) and with ``stderr`` over its steps;
+    every later run of that config measures it as it is, steadily."""
+    best, _ = optimum(MODEL, SLOTS, "FLOPS_per_gpu", False, base=MODEL.base_ds_config)
+    runs: list[dict[str, Any]] = []
+
+    def perform(ds_config: dict[str, Any], slots: int, run_id: str) -> dict[str, Any]:
+        result = MODEL(ds_config, slots, run_id=run_id)
+        if ds_config.get("autotuning", {}).get("model_info", {}).get("profile"):
+            return result
+        if not runs:  # the first trial after the profile: the user's config
+            runs.append(ds_config)
+            scale = best / result["FLOPS_per_gpu"]
+            return {
+                **result,
+                "FLOPS_per_gpu": best,
+                "throughput": result["throughput"] * scale,
+                "latency": result["latency"] / scale,
+                "step_time_stderr": stderr,
+            }
+        return {**result, "step_time_stderr": 0.01} if ds_config == runs[0] else result
+
+    return perform
+
+
+def test_an_unsteady_run_of_the_users_config_level_with_the_hand_over_runs_again(
+    tmp_path: Path,
+) -> None:
+    """ "0.76x your config; your config's run was unsteady (+/-21%), so this ratio is too rough
+    to tell the two apart" (examples/hf_trainer on a busy machine) left the user nothing to act
+    on. Where the one run of their config was that unsteady and level with the hand-over, the
+    round ends with one more run of it (on top of the budget), which decides; a steady run
+    level with it is not run again, nor is one told apart from it."""
+    spec = SearchSpec({"deepspeed_config": "ds.json"}, USER, SLOTS)
+
+    def searched(stderr: float, results: Path) -> tuple[DsatSearchMethod, list[dict[str, Any]]]:
+        chosen = search_settings("binary", max_trials=10, baseline=True, confirm_top=3)
+        runner = SimulatedRunner(unsteady_first_run(stderr), SLOTS)
+        method = run_search(chosen, spec, runner, results)
+        return method, [row for row in rows(results) if row["kind"] == "baseline"]
+
+    method, ran = searched(0.3, tmp_path / "busy")
+    first, again = (r for r in method.tracker.records if r.kind is TrialKind.BASELINE)
+    assert len(ran) == 2 and again.parent_id == first.request_id
+    assert [row["kind"] for row in rows(tmp_path / "busy")][-1] == "baseline"  # the round's end
+    # Its run again is steady (+/-1%), and pooled by steadiness it all but decides.
+    steady = ran[1]["metrics"]["FLOPS_per_gpu"]
+    speedup = speedup_over_yours(method)
+    handed = method.tracker.best()
+    assert speedup is not None and handed is not None
+    assert speedup == pytest.approx(method.tracker.mean_of_runs(handed) / steady, rel=0.01)
+    line = baseline_line(method)
+    assert line.startswith(f"{speedup:.2f}x your config (FLOPS_per_gpu ")
+    assert (
+        "over 2 runs, weighted by how steady each was: the first, unsteady (+/-30%), ran again"
+        in line
+    )
+    assert "too rough" not in line and "level with" not in line and speedup > 1.1
+    assert not yours_clearly_faster(method)
+    summary = (tmp_path / "busy" / SUMMARY_FILE).read_text()
+    assert "2 baselines" in summary
+    state = json.loads((tmp_path / "busy" / STATE_FILE).read_text())
+    assert state["added_trials"] >= 2  # both runs of the user's config on top of --max-trials
+
+    # Stopped before its run again ended, the search resumes to the same trials and verdict.
+    function = unsteady_first_run(0.3)
+    chosen = search_settings("binary", max_trials=10, baseline=True, confirm_top=3)
+    parts = tmp_path / "parts"
+    run_search(chosen, spec, SimulatedRunner(function, SLOTS), parts, len(method.tracker) - 1)
+    resumed = run_search(chosen, spec, SimulatedRunner(function, SLOTS), parts)
+    assert [r.name for r in resumed.tracker.records] == [r.name for r in method.tracker.records]
+    assert baseline_line(resumed) == line
+
+    # A steady run level with the hand-over: the noise says "level", and nothing runs again.
+    _, once = searched(0.01, tmp_path / "quiet")
+    assert len(once) == 1
 
 
 def test_a_hand_over_that_is_the_users_own_config_says_so(tmp_path: Path) -> None:
