@@ -557,10 +557,6 @@ def report_main(argv: Sequence[str]) -> int:
     return 0
 
 
-# Signals that stop a search as Ctrl-C does (SIGINT itself raises KeyboardInterrupt).
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     from dsat.runners.local.full_run import FullExperimentFailed
     from dsat.search_launch import (
@@ -570,6 +566,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         SearchStopped,
         launch,
     )
+    from dsat.search_run import STOP_SIGNALS
 
     argv = list(sys.argv[1:] if argv is None else argv)
     printable_output()
@@ -588,7 +585,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     previous = {
         signum: signal.signal(signum, stop_as_ctrl_c)
         for signum in STOP_SIGNALS
-        if signal.getsignal(signum) is not signal.SIG_IGN  # nohup's stays ignored
+        # SIGINT raises KeyboardInterrupt itself; nohup's SIGHUP stays ignored
+        if signum != signal.SIGINT and signal.getsignal(signum) is not signal.SIG_IGN
     }
     try:
         launch(parse_settings(argv), os.environ)
@@ -628,6 +626,8 @@ def main_exit() -> None:
     """Console-script entry point. Once dsat has said how it ended, a second Ctrl-C is
     ignored: it landed in torch's exit handlers and printed a traceback after the message."""
     code = main()
-    for signum in (signal.SIGINT, *STOP_SIGNALS):
+    from dsat.search_run import STOP_SIGNALS
+
+    for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
     sys.exit(code)

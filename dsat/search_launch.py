@@ -13,7 +13,6 @@ import math
 import os
 import re
 import shlex
-import signal
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -627,7 +626,7 @@ def search_here(plan: LaunchPlan, runner: TrialRunner) -> None:
             runner.stop_all()
         # A third, in the runner's close, ended dsat with a bare "interrupted" and no resume
         # line: what is left to do is short, and is done with every stop signal ignored.
-        with stops_held(replay=False, signals=(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)):
+        with stops_held(replay=False):
             interrupted = SearchInterrupted(settings.method, plan.results_dir)
             closed = True
             runner.close()

@@ -28,12 +28,14 @@ from dsat.search.trial_builder import SearchSpec
 from dsat.trial import TrialOutcome, TrialStatus
 from dsat.trial_failure import FailureCause
 
-STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+# Ctrl-C, ``kill`` (a scheduler's preemption) and the terminal closing: each stops a search as
+# Ctrl-C does (dsat.cli), and none may come between what is written as one.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @contextlib.contextmanager
 def stops_held(replay: bool = True, signals: Collection[int] = STOP_SIGNALS) -> Iterator[None]:
-    """Ctrl-C and SIGTERM (``signals``) wait until the block is done, then act as they would
+    """Ctrl-C, SIGTERM and SIGHUP (``signals``) wait until the block is done, then act as they would
     have; without ``replay``, they are ignored. (Not by the signal mask: a signal sent to the
     process goes to any thread that does not block it.)"""
     if threading.current_thread() is not threading.main_thread():

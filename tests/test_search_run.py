@@ -15,10 +15,11 @@ from dsat.search_run import resumes_without_trials, run_search, stops_held
 from tests.search.helpers import cliff_function, search_settings, spec
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_a_stop_between_a_trials_row_and_its_state_waits_for_both(sig: signal.Signals) -> None:
     """A Ctrl-C after the row, before the state, left the trial "running" on disk: the resume
-    ran it again and lost its first measurement."""
+    ran it again and lost its first measurement. SIGHUP (the terminal closed) stops a search
+    as Ctrl-C does, and was not held."""
 
     def stop(signum: int, frame: object) -> None:
         raise KeyboardInterrupt  # as the CLI's handlers do
