@@ -51,6 +51,10 @@ class KnownFailure:
     # The machine's only when a library raised it (torch.distributed's connections): raised by
     # the script's own code (its metrics push, a port it binds), the script's.
     libraries_only: bool = False
+    # ... and only the script's when its own line raised it, not a call into Python's library
+    # under it: a lock it takes without waiting fails so, a fork at the process limit through
+    # subprocess or multiprocessing too.
+    own_line_only: bool = False
 
 
 def _known(
@@ -59,8 +63,17 @@ def _known(
     summary: str,
     killed: bool = False,
     libraries_only: bool = False,
+    own_line_only: bool = False,
 ) -> KnownFailure:
-    return KnownFailure(re.compile(pattern, re.MULTILINE), cause, summary, killed, libraries_only)
+    return KnownFailure(
+        re.compile(pattern, re.MULTILINE), cause, summary, killed, libraries_only, own_line_only
+    )
+
+
+LIMIT_OF_THE_MACHINE = (
+    "the process ran into a limit of the machine (open files, threads, processes or address "
+    "space: see `ulimit -a`)"
+)
 
 
 # First match wins; out-of-memory is checked before this table (dsat.training.oom). The script's
@@ -71,10 +84,18 @@ KNOWN_FAILURES: tuple[KnownFailure, ...] = (
         # an import (a library it cannot map) or an op's build included; no configuration escapes
         # it and none is to blame.
         r"Too many open files|\[Errno 2[34]\]|can't start new thread|pthread_create failed"
-        r"|\[Errno 11\] Resource temporarily unavailable|failed to map segment from shared object",
+        r"|failed to map segment from shared object",
         FailureCause.MACHINE,
-        "the process ran into a limit of the machine (open files, threads or address space: "
-        "see `ulimit -a`)",
+        LIMIT_OF_THE_MACHINE,
+    ),
+    _known(
+        # EAGAIN: a fork at the process limit (ulimit -u), or the script's own lock taken
+        # without waiting (fcntl.flock with LOCK_NB) that another process holds.
+        r"\[Errno 11\] Resource temporarily unavailable",
+        FailureCause.MACHINE,
+        LIMIT_OF_THE_MACHINE,
+        libraries_only=True,
+        own_line_only=True,
     ),
     _known(
         # Before ImportError: an op only some configurations load (CPU Adam for offload), built
@@ -606,7 +627,7 @@ def diagnose_crash(log: str, code: int | None, oom_killed: bool | None) -> Diagn
             one_line(f"a process of the trial died of {crashed.name} (torchrun's root cause)"),
         )
     if known is not None and known.libraries_only and detail is not None:
-        where = raised_by_own_code(log, detail)
+        where = raised_by_own_code(log, detail, known.own_line_only)
         if where is not None:
             return Diagnosis(
                 FailureCause.SCRIPT,
@@ -639,12 +660,13 @@ PACKAGE_FILE = re.compile(r"[/\\](?:site|dist)-packages[/\\]")
 STDLIB_FILE = re.compile(r"[/\\]lib[/\\]python3\.\d+[/\\]|^<frozen ")
 
 
-def raised_by_own_code(log: str, exception: str) -> str | None:
+def raised_by_own_code(log: str, exception: str, own_line_only: bool = False) -> str | None:
     """Where the last traceback ending in ``exception`` was raised, as "train.py, line 40", when
     the innermost of its frames outside Python's own library is the user's code (not an
     installed package's, such as torch's) and the exception is Python's own (an OSError of a
     socket the script opened, not torch's DistNetworkError of a store it asked torch for);
-    None otherwise, or where its frames cannot be read."""
+    None otherwise, or where its frames cannot be read. ``own_line_only``: the innermost frame
+    of all must be the user's (a call into Python's library under it says None)."""
     if "." in exception.partition(":")[0]:
         return None
     said = said_lines(log)
@@ -661,7 +683,7 @@ def raised_by_own_code(log: str, exception: str) -> str | None:
         if frame is None:
             return None  # the traceback's header, or a line that is not a frame
         path = frame["path"]
-        if PACKAGE_FILE.search(path):
+        if PACKAGE_FILE.search(path) or (own_line_only and STDLIB_FILE.search(path)):
             return None
         if not STDLIB_FILE.search(path):
             return f"{os.path.basename(path)}, line {frame['line']}"

@@ -58,6 +58,13 @@ SAMPLES: dict[str, tuple[str, FailureCause]] = {
         TRACEBACK + "OSError: [Errno 24] Too many open files\n",
         FailureCause.MACHINE,
     ),
+    # A fork at ulimit -u, under the script's call into Python's library.
+    "process count": (
+        TRACEBACK
+        + '  File "/usr/lib/python3.11/subprocess.py", line 1883, in _execute_child\n'
+        + "BlockingIOError: [Errno 11] Resource temporarily unavailable\n",
+        FailureCause.MACHINE,
+    ),
     "op build": (
         TRACEBACK + "ImportError: /root/.cache/torch_extensions/py311_cpu/cpu_adam/cpu_adam.so: "
         "cannot open shared object file: No such file or directory\n",
@@ -222,6 +229,26 @@ def test_a_network_error_of_the_scripts_own_code_is_the_scripts() -> None:
         assert diagnose_crash(log, 1, None).cause is FailureCause.MACHINE, log
 
 
+def test_a_lock_the_script_takes_without_waiting_is_the_scripts_not_a_limit() -> None:
+    """``fcntl.flock(f, LOCK_EX | LOCK_NB)`` on a lock another process holds raises EAGAIN, as a
+    fork at the process limit does: "a limit of the machine", three runs and "fix the machine".
+    Raised on the script's own line it is the script's; through Python's library (a fork in
+    subprocess or multiprocessing) it stays the machine's limit."""
+    eagain = "BlockingIOError: [Errno 11] Resource temporarily unavailable\n"
+    own = diagnose_crash(
+        TRACEBACK + "    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)\n" + eagain, 1, None
+    )
+    assert own.cause is FailureCause.SCRIPT
+    assert own.reason == (
+        "the training script's own code (train.py, line 3) failed: BlockingIOError: [Errno 11] "
+        "Resource temporarily unavailable"
+    )
+    fork = '  File "/usr/lib/python3.11/subprocess.py", line 1883, in _execute_child\n'
+    for log in (TRACEBACK + fork + eagain, TRACEBACK + PACKAGE_FRAME + eagain):
+        limit = diagnose_crash(log, 1, None)
+        assert limit.cause is FailureCause.MACHINE and "limit of the machine" in limit.reason
+
+
 def test_a_reason_shows_control_characters_as_escapes() -> None:
     """A NUL or a colour code in a script's message would print raw on the terminal line."""
     log = TRACEBACK + "RuntimeError: bad \x00 nul \x1b[31mred\x1b[0m\n"
@@ -357,7 +384,9 @@ def test_without_torchrun_s_summary_a_rank_s_own_error_beats_its_peer_s_lost_con
     [
         "RuntimeError: pipe: Too many open files",  # gloo, at ulimit -n 24
         "RuntimeError: can't start new thread",
-        "BlockingIOError: [Errno 11] Resource temporarily unavailable",  # fork at ulimit -u
+        # a fork at ulimit -u (a DataLoader's workers: multiprocessing's frame under the script's)
+        '  File "/usr/lib/python3.11/multiprocessing/popen_fork.py", line 66, in _launch\n'
+        "BlockingIOError: [Errno 11] Resource temporarily unavailable",
         # torch's import at ulimit -v: not the script's missing module, nor an op's build
         "ImportError: /venv/lib/python3.11/site-packages/torch/lib/libtorch_cpu.so: failed to "
         "map segment from shared object",
