@@ -660,6 +660,9 @@ def test_bad_random_count_flags(
         (["--max-trials", "1"], "an integer of 2 or more"),
         (["--trial-timeout", "inf"], "a positive, finite number"),  # "positive" alone: inf is
         (["--zero-stages=1,2"], "separate the stages with spaces: --zero-stages 1 2"),
+        # "$HEAD" unset: "--ray-address only applies to --runner ray", of the flag it was given
+        (["--ray-address", ""], "--ray-address is empty (an unset shell variable?)"),
+        (["--runner", "ray", "--ray-address", " "], "give the head node's address, HOST:6379"),
     ],
 )
 def test_a_refused_value_says_what_would_be_taken(

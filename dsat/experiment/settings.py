@@ -154,6 +154,12 @@ class SearchSettings:
             raise DsatError(
                 f"--divisor must be at least 2 (ASHA keeps 1/divisor per rung), got {self.divisor}"
             )
+        if self.ray_address is not None and not self.ray_address.strip():
+            # "--ray-address $HEAD" with HEAD unset: one check took it as given, another as not.
+            raise DsatError(
+                "--ray-address is empty (an unset shell variable?): give the head node's address, "
+                "HOST:6379, or leave the flag out"
+            )
         if self.resume and self.results_dir and self.resume != self.results_dir:
             raise DsatError("--resume DIR already names the results directory; drop --results-dir")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import os
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -16,10 +17,18 @@ from dsat.runners.local.runner import copy_ignore
 
 
 def _add_tree(bundle: zipfile.ZipFile, root: Path, prefix: str, results_dir: Path) -> None:
+    """``root``'s files under ``prefix``. A link to a folder is followed, as the local runner's
+    copy follows it (``data -> /datasets/x``, the usual way to point at a dataset, was left out,
+    and the trial failed on Ray alone); a link back to a folder above it is not walked twice."""
     ignore = copy_ignore(results_dir)
-    for directory, subdirs, names in os.walk(root):
+    for directory, subdirs, names in os.walk(root, followlinks=True):
         ignored = ignore(directory, [*subdirs, *names])
-        subdirs[:] = sorted(d for d in subdirs if d not in ignored)
+        above = {os.path.realpath(d) for d in _folders_up_to(Path(directory), root)}
+        subdirs[:] = sorted(
+            d
+            for d in subdirs
+            if d not in ignored and os.path.realpath(os.path.join(directory, d)) not in above
+        )
         relative = Path(directory).relative_to(root)
         for name in sorted(names):
             if name in ignored:
@@ -29,17 +38,25 @@ def _add_tree(bundle: zipfile.ZipFile, root: Path, prefix: str, results_dir: Pat
                 bundle.write(path, str(Path(prefix) / relative / name))
 
 
+def _folders_up_to(directory: Path, root: Path) -> list[Path]:
+    """``directory`` and each folder above it, up to ``root``."""
+    return [directory, *(p for p in directory.parents if p.is_relative_to(root))]
+
+
 def model_archive(model_dir: Path, includes: tuple[Path, ...], results_dir: Path) -> bytes:
-    """The zip's bytes: MODEL_DIR's contents at the top, each include beside them by its name."""
-    buffer = io.BytesIO()
-    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as bundle:
-        _add_tree(bundle, model_dir, ".", results_dir)
-        for include in includes:
-            if include.is_dir():
-                _add_tree(bundle, include, include.name, results_dir)
-            else:
-                bundle.write(include, include.name)
-    return buffer.getvalue()
+    """The zip's bytes: MODEL_DIR's contents at the top, each include beside them by its name.
+    Built in a temporary file, not in memory: a model dir of a few GB took three times that in
+    the driver's memory (the buffer, and its copy as bytes)."""
+    with tempfile.TemporaryFile() as spooled:
+        with zipfile.ZipFile(spooled, "w", zipfile.ZIP_DEFLATED) as bundle:
+            _add_tree(bundle, model_dir, ".", results_dir)
+            for include in includes:
+                if include.is_dir():
+                    _add_tree(bundle, include, include.name, results_dir)
+                else:
+                    bundle.write(include, include.name)
+        spooled.seek(0)
+        return spooled.read()
 
 
 def unpack(archive: bytes, directory: Path) -> None:

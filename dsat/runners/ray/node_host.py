@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from dsat.constants import HPARAMS_FILE
+from dsat.results.directory import FULL_RUN_DIR
 from dsat.runners.local.deepspeed_ops import clear_stale_locks
 from dsat.runners.local.entrypoint import NODE_PYTHON, trial_environment
 from dsat.runners.local.runner import free_ports
@@ -242,3 +243,26 @@ def left_behind_log(name: str, offset: int, clean: bool = True) -> bytes:
     if clean:
         host.clean()
     return found
+
+
+def clear_earlier_copies(search_name: str) -> None:
+    """Remove what an earlier run of this search left on this node: a dsat killed with SIGKILL
+    (or a lost driver) removes no trial's copy, and a resume runs those trials again under new
+    names, so each such copy, a whole model dir, stayed for good. The full run's copies stay: what
+    it wrote is the user's until the next full run replaces it. Run by a Ray task pinned to the
+    node as the search opens; the directory lock keeps a second dsat off this search."""
+    root = Path(tempfile.gettempdir()) / NODE_ROOT / search_name
+    try:
+        entries = list(root.iterdir())
+    except OSError:  # none left, or nothing this process may read
+        return
+    for entry in entries:
+        if entry.name.startswith(FULL_RUN_DIR):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                entry.unlink()
+    with contextlib.suppress(OSError):
+        root.rmdir()

@@ -46,7 +46,13 @@ from dsat.runners.local.log_cap import cap_log
 from dsat.runners.local.trial_outcome import LINGER_S, ResultWatch
 from dsat.runners.local.trial_processes import strays_note
 from dsat.runners.local.trial_timeout import TrialTimeout
-from dsat.runners.ray.node_host import NODE_ROOT, TrialNodeHost, left_behind_log, protocol
+from dsat.runners.ray.node_host import (
+    NODE_ROOT,
+    TrialNodeHost,
+    clear_earlier_copies,
+    left_behind_log,
+    protocol,
+)
 from dsat.runners.ray.placement import TrialLayout, node_capacities
 from dsat.runners.trial_runner import RunnerStopped
 from dsat.trial import TrialOutcome, TrialStatus
@@ -833,6 +839,22 @@ class RayRunner:
                     log.write(rest if rest is not None else lost_note(here))
             if cap:
                 cap_log(self._log_path(trial, rank))
+
+    def clear_earlier_copies(self, node_ids: list[str]) -> None:
+        """What an earlier run of this search left on ``node_ids`` removed (``clear_earlier_copies``
+        on each); a node that does not answer in time keeps it, and the search goes on."""
+        from ray.exceptions import GetTimeoutError, RayError
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        clear = self.ray.remote(clear_earlier_copies)
+        cleared = [
+            clear.options(
+                num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+            ).remote(self.search_name)
+            for node in node_ids
+        ]
+        with contextlib.suppress(RayError, GetTimeoutError):
+            self.ray.get(cleared, timeout=STOP_WAIT_S)
 
     def _left_behind_log(
         self, trial: RayTrial, rank: int, offset: int, clean: bool = True

@@ -120,6 +120,12 @@ def answers_http2(address: str) -> bool | None:
 
 def check_address(address: str) -> None:
     """A DsatError where nothing listens at ``address``, or something that is no Ray head."""
+    if address.lower().startswith(("http://", "https://")):
+        # Ray's own refusal ends "To fix this, either:", its fixes on the lines below.
+        raise DsatError(
+            f"{address} (--ray-address or {ENV_RAY_ADDRESS}) is a web address, as the "
+            f"dashboard's and the Jobs API's are: {NOT_THE_GCS}"
+        )
     if not reachable(address):
         raise DsatError(
             f"no Ray cluster answers at {address} (--ray-address or {ENV_RAY_ADDRESS}); start "
@@ -170,10 +176,9 @@ class RaySetup:
                         **({} if address else {"include_dashboard": False}),
                     )
             except (ConnectionError, RuntimeError, ValueError) as err:
-                first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-                raise DsatError(
-                    f"cannot connect to the Ray cluster at {address}: {first}"
-                ) from None
+                # All of Ray's message on one line: its first alone can end mid-sentence.
+                said = " ".join(str(err).split()) or type(err).__name__
+                raise DsatError(f"cannot connect to the Ray cluster at {address}: {said}") from None
             keep_sigterm(stopping)
         return ray
 
@@ -288,7 +293,7 @@ def open_runner(
             "to every node of every trial; keep data outside MODEL_DIR"
         )
     search_name = node_search_name(results_dir)
-    return RayRunner(
+    runner = RayRunner(
         ray,
         entrypoint,
         ray.put(archive),
@@ -299,6 +304,8 @@ def open_runner(
         timeout,
         environ,
     )
+    runner.clear_earlier_copies([node["NodeID"] for node in nodes])
+    return runner
 
 
 def keep_cluster_reports_in(path: Path) -> None:

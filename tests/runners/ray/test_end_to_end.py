@@ -146,6 +146,9 @@ def test_kill_9_leaves_nothing_on_the_cluster_and_the_search_resumes(
     results = tmp_path / "results"
     assert_nothing_left(results)  # each trial dies with its node's actor, which dies with dsat
     assert_no_placement_group_left()
+    # ... but nothing removed the trials' copies on the nodes (this host's temporary directory)
+    copies = Path(tempfile.gettempdir()) / NODE_ROOT / node_search_name(results)
+    assert any(copies.glob("0*-node0"))
 
     (tmp_path / "model" / "behaviour.txt").unlink()  # the trials no longer hang
     resumed = subprocess.run(
@@ -155,6 +158,9 @@ def test_kill_9_leaves_nothing_on_the_cluster_and_the_search_resumes(
     rows = trials(results)
     assert len(rows) == 2 and all(row["status"] == "completed" for row in rows)
     assert (results / "best_ds_config.json").is_file()
+    # The resume ran those trials again under new names; the killed run's copies went as it
+    # opened, each a whole model dir that stayed for good.
+    assert not copies.exists()
 
 
 def test_an_unreachable_cluster_is_one_line(experiment_yaml: Path) -> None:

@@ -31,3 +31,25 @@ def test_the_archive_holds_what_a_local_trial_copy_holds(tmp_path: Path) -> None
     files = sorted(str(p.relative_to(target)) for p in target.rglob("*") if p.is_file())
     assert files == ["data/x.txt", "shared.py", "train.sh"]
     assert os.access(target / "train.sh", os.X_OK)  # an entrypoint may be an executable script
+
+
+def test_a_link_to_a_folder_travels_as_the_local_copy_takes_it(tmp_path: Path) -> None:
+    """``data -> /datasets/x`` in the model dir: the local runner's copy follows it, and the Ray
+    runner's archive left it out, so the trial failed on Ray alone (FileNotFoundError). A link
+    back to a folder above it is not walked round and round."""
+    shared = tmp_path / "datasets" / "x"
+    shared.mkdir(parents=True)
+    (shared / "x.txt").write_text("x")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "train.py").write_text("print(open('data/x.txt').read())\n")
+    (model / "data").symlink_to(shared, target_is_directory=True)
+    (model / "loop").mkdir()
+    (model / "loop" / "back").symlink_to(model, target_is_directory=True)
+
+    target = tmp_path / "node"
+    unpack(model_archive(model, (), tmp_path / "results"), target)
+
+    files = sorted(str(p.relative_to(target)) for p in target.rglob("*") if p.is_file())
+    assert files == ["data/x.txt", "train.py"]
+    assert (target / "data" / "x.txt").read_text() == "x"

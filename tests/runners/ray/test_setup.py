@@ -97,6 +97,16 @@ def test_an_address_that_answers_in_http1_is_no_ray_head(monkeypatch: pytest.Mon
     assert answers_http2("ray://head:10001") is None and answers_http2("auto") is None
 
 
+@pytest.mark.parametrize("address", ["http://127.0.0.1:8265", "HTTPS://head:443"])
+def test_a_web_address_says_which_address_to_give(address: str) -> None:
+    """Ray's own refusal was cut to its first line: "... To fix this, either:", and no fix."""
+    with pytest.raises(DsatError) as info:
+        check_address(address)
+    message = str(info.value)
+    assert message.startswith(f"{address} (--ray-address or RAY_ADDRESS) is a web address")
+    assert message.endswith("which needs ray://)") and "\n" not in message
+
+
 def test_a_connect_that_never_ends_is_given_up_as_a_usage_error() -> None:
     """ray.init cannot be interrupted; nothing of the search has started then."""
     code = (
