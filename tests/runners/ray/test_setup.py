@@ -142,6 +142,8 @@ def test_what_the_cluster_reports_goes_to_a_log_not_between_dsats_lines(
     ray_worker.print_to_stdstream(report, ignore_prefix=False)  # as the listener calls it
     ray_worker.print_to_stdstream({**report, "pid": 4242, "lines": ["a task's print"]}, False)
     out = capsys.readouterr().out
-    assert "died" not in out and "state dump" not in out and "a task's print" in out
+    # A cluster of an earlier test may report too, at any moment (a worker it killed): only
+    # this report's lines are looked for.
+    assert "node 3f2a died" not in out and "state dump" not in out and "a task's print" in out
     kept = (tmp_path / "logs" / "ray-cluster.log").read_text()
-    assert kept == "node 3f2a died\nstate dump\n" and not (tmp_path / "first.log").exists()
+    assert "node 3f2a died\nstate dump\n" in kept and not (tmp_path / "first.log").exists()
