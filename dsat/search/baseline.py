@@ -218,23 +218,9 @@ def measure_yours_again(method: DsatSearchMethod, handed: TrialRecord) -> list[T
     judged = _against_yours(method, handed)
     if run_stderr(first) < UNSTEADY_RUN or judged is None or judged[1]:
         return []
-    index = method.next_index
-    again = method.register(
-        first.replace(
-            request_id=method.builder.request_id(index),
-            index=index,
-            parent_id=first.request_id,
-            status=TrialStatus.QUEUED,
-            metrics={},
-            error=None,
-            cause=None,
-            log=None,
-        )
-    )
-    if again is None:
-        return []
-    tracker.max_trials += 1
-    return [again]
+    again = method.rerun(first)
+    tracker.max_trials += len(again)
+    return again
 
 
 def against_yours_said(method: DsatSearchMethod) -> str | None:

@@ -378,7 +378,7 @@ class DsatSearchMethod(SearchMethod):
         """``failed``'s configuration once more, next in its lineage: the machine failed it on
         every attempt, and a machine fault is not the configuration's (a GPU that comes back, a
         node replaced). Were it left as failed, every method would take its micro-batch for too
-        large and search below it."""
+        large and search below it. (Also the user's config measured again, ``baseline``.)"""
         again = failed.replace(
             request_id=self.builder.request_id(self.next_index),
             index=self.next_index,
