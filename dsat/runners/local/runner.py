@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import socket
 import subprocess
 import time
@@ -171,7 +172,22 @@ def prepare_trial_directory(
             shutil.copytree(include, target, ignore=ignore, dirs_exist_ok=True)
         else:
             shutil.copy2(include, target)
+    writable_by_owner(directory)
     write_json_atomic(directory / HPARAMS_FILE, hparams)
+
+
+def writable_by_owner(directory: Path) -> None:
+    """The copy's folders and files made writable by their owner: a read-only model dir (a
+    shared checkout, a mounted dataset's code) copied with its modes stopped every search at its
+    first trial ("cannot write trials/001-.../dsat_hparams.json"), and a results directory left
+    so could not be removed."""
+    for folder, _, names in os.walk(directory):
+        for path in (folder, *(os.path.join(folder, name) for name in names)):
+            if os.path.islink(path):
+                continue
+            mode = os.stat(path).st_mode
+            if not mode & stat.S_IWUSR:
+                os.chmod(path, stat.S_IMODE(mode) | stat.S_IWUSR)
 
 
 class LocalRunner:

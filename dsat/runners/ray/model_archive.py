@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import os
+import stat
 import tempfile
 import zipfile
 from pathlib import Path
@@ -66,5 +67,5 @@ def unpack(archive: bytes, directory: Path) -> None:
         for info in bundle.infolist():
             path = bundle.extract(info, directory)
             mode = (info.external_attr >> 16) & 0o777
-            if mode:
-                os.chmod(path, mode)
+            if mode:  # writable by its owner: a read-only model dir's copy must take the trial's files
+                os.chmod(path, mode | stat.S_IWUSR)

@@ -207,6 +207,33 @@ def test_a_folder_holding_only_results_is_left_out_of_a_trials_copy(tmp_path: Pa
     assert sorted(p.name for p in (tmp_path / "copy2" / "runs").iterdir()) == ["notes.txt"]
 
 
+def test_a_read_only_model_dir_gives_writable_copies(tmp_path: Path) -> None:
+    """copytree keeps modes: a read-only model dir (a shared checkout) gave read-only copies,
+    and every search stopped at its first trial ("cannot write .../dsat_hparams.json"). Root
+    writes regardless, so the modes are what is checked; executable bits stay."""
+    import stat
+
+    from dsat.runners.local.runner import prepare_trial_directory
+
+    model = tmp_path / "model"
+    (model / "conf").mkdir(parents=True)
+    (model / "train.sh").write_text("#!/bin/sh\n")
+    (model / "conf" / "a.yaml").write_text("a: 1\n")
+    os.chmod(model / "train.sh", 0o555)
+    os.chmod(model / "conf" / "a.yaml", 0o444)
+    for folder in (model / "conf", model):
+        os.chmod(folder, 0o555)
+    try:
+        copy = tmp_path / "trial"
+        prepare_trial_directory(copy, model, (), {"x": 1}, tmp_path / "results")
+    finally:
+        for folder in (model, model / "conf"):
+            os.chmod(folder, 0o755)
+    for path in (copy, copy / "conf", copy / "conf" / "a.yaml", copy / "train.sh"):
+        assert os.stat(path).st_mode & stat.S_IWUSR, path
+    assert os.access(copy / "train.sh", os.X_OK) and (copy / "dsat_hparams.json").is_file()
+
+
 LARGE_FILES = """
 import json
 assert len(open("data.bin", "rb").read()) == 3 * 2**20  # the trial reads it from its copy

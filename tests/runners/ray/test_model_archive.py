@@ -32,6 +32,10 @@ def test_the_archive_holds_what_a_local_trial_copy_holds(tmp_path: Path) -> None
     assert files == ["data/x.txt", "shared.py", "train.sh"]
     assert os.access(target / "train.sh", os.X_OK)  # an entrypoint may be an executable script
 
+    os.chmod(model / "train.sh", 0o555)  # a read-only model dir: its copy takes the trial's files
+    unpack(model_archive(model, (), results), tmp_path / "again")
+    assert os.stat(tmp_path / "again" / "train.sh").st_mode & 0o777 == 0o755
+
 
 def test_a_link_to_a_folder_travels_as_the_local_copy_takes_it(tmp_path: Path) -> None:
     """``data -> /datasets/x`` in the model dir: the local runner's copy follows it, and the Ray
