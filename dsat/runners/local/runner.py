@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import os
 import shutil
-import stat
 import socket
+import stat
 import subprocess
 import time
 from collections.abc import Callable
