@@ -25,6 +25,7 @@ from dsat.experiment.batch_size import batch_value
 from dsat.experiment.config import HF_BATCH_FLAGS, deep_merge, load_ds_json
 from dsat.memory import Precision
 from dsat.training.step_clock import start_clock
+from dsat.training.trial_directory import trial_directory
 from dsat.training.trial_config import checked_overwrites
 
 logger = logging.getLogger(__name__)
@@ -99,8 +100,11 @@ def checkpointing_flags(args: Sequence[str]) -> list[str]:
 
 
 def merged_config_path(ds_config_path: Path) -> Path:
+    """The trial's own config, in the trial's directory whatever ``--deepspeed`` names: an
+    absolute path to the user's file had every trial write beside it, in the user's model dir,
+    and trials running at once shared one file (a trial could train with another's config)."""
     stem = ds_config_path.name.removesuffix(".json")
-    return ds_config_path.with_name(stem + MERGED_SUFFIX)
+    return trial_directory() / (stem + MERGED_SUFFIX)
 
 
 def get_hf_args_with_overwrites(args: Sequence[str], hparams: Mapping[str, Any]) -> list[str]:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from dsat import get_hf_args_with_overwrites
-from dsat.constants import AUTOTUNING_KEY
+from dsat.constants import AUTOTUNING_KEY, ENV_HPARAMS_FILE
 from dsat.errors import DsatError
 from dsat.memory import Precision
 from dsat.training.step_clock import current_clock, trial_precision
@@ -22,6 +22,13 @@ BASE = {
     "train_batch_size": "auto",
     "zero_optimization": {"stage": 1, "overlap_comm": True},
 }
+
+
+@pytest.fixture(autouse=True)
+def in_a_trial_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run by hand, a trial's files go to the working directory: here, the test's own."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(ENV_HPARAMS_FILE, raising=False)
 
 
 @pytest.fixture
@@ -141,6 +148,28 @@ def test_auto_values_are_left_to_hf(ds_path: Path) -> None:
     new = get_hf_args_with_overwrites(args, _hparams(zero_optimization={"stage": 2}))
     assert _value(new, "--per_device_train_batch_size") == "8"
     assert "--gradient_accumulation_steps" not in new
+
+
+def test_the_trials_config_goes_to_its_own_directory_whatever_the_path_to_yours(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--deepspeed /abs/ds_config.json`` had every trial write ds_config.dsat.json beside the
+    user's file, in their model dir, and trials running at once shared that one file."""
+    mine = tmp_path / "model" / "ds_config.json"
+    mine.parent.mkdir()
+    mine.write_text(json.dumps(BASE))
+    written = []
+    for name in ("001-a", "002-b"):
+        trial = tmp_path / "trials" / name
+        trial.mkdir(parents=True)
+        monkeypatch.setenv(ENV_HPARAMS_FILE, str(trial / "dsat_hparams.json"))
+        new = get_hf_args_with_overwrites(
+            ["--deepspeed", str(mine)], _hparams(train_micro_batch_size_per_gpu=len(written) + 2)
+        )
+        written.append(Path(_value(new, "--deepspeed")))
+    assert written == [tmp_path / "trials" / n / "ds_config.dsat.json" for n in ("001-a", "002-b")]
+    assert [json.loads(w.read_text())["train_micro_batch_size_per_gpu"] for w in written] == [2, 3]
+    assert sorted(p.name for p in mine.parent.iterdir()) == ["ds_config.json"]
 
 
 def test_no_overwrites_is_a_no_op(ds_path: Path) -> None:
