@@ -25,8 +25,8 @@ from dsat.experiment.batch_size import batch_value
 from dsat.experiment.config import HF_BATCH_FLAGS, deep_merge, load_ds_json
 from dsat.memory import Precision
 from dsat.training.step_clock import start_clock
-from dsat.training.trial_directory import trial_directory
 from dsat.training.trial_config import checked_overwrites
+from dsat.training.trial_directory import trial_directory
 
 logger = logging.getLogger(__name__)
 
