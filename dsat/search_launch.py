@@ -385,14 +385,24 @@ def check_hf_global_batch(experiment: Experiment, settings: SearchSettings) -> s
     may set it in code, so HF's default is only a likely refusal: a note, returned, not an
     error. ``--global-batch`` replaces the batch on purpose."""
     entrypoint = experiment.config.get("entrypoint")
-    if settings.global_batch is not None or entrypoint_flag(entrypoint, (HF_DS_FLAG,)) is None:
+    if entrypoint_flag(entrypoint, (HF_DS_FLAG,)) is None:
         return None
     merged = deep_merge(experiment.ds_config, experiment.hparams.get(OVERWRITE_KEY) or {})
     source = str(experiment.ds_config_path)
-    batch = fixed_global_batch(merged, source)
-    if batch is None:
-        return None
     flags = entrypoint_batch_flags(entrypoint)
+    for flag, key in HF_BATCH_FLAGS.items():
+        # A number in both that differ: HF refuses the run, and the run of the user's config
+        # (the baseline) measured the JSON's, which they never trained with.
+        number, passed = batch_value(merged, key, source), flags.get(key)
+        if number is not None and passed is not None and number != passed:
+            raise DsatError(
+                f"{shown(experiment.ds_config_path)}: {key} {number} is not the entrypoint's "
+                f'{flag} {passed}, and HF refuses that run ("mismatch TrainingArguments '
+                f'values"): make them agree, or set {key} to "auto"'
+            )
+    batch = fixed_global_batch(merged, source)
+    if settings.global_batch is not None or batch is None:
+        return None
     given: dict[str, int] = {}
     unset: list[str] = []  # the flags whose number HF's default supplies
     for flag, key in HF_BATCH_FLAGS.items():

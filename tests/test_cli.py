@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from dsat.cli import main, parse_settings
+from dsat.errors import DsatError
 from dsat.experiment.metric import Metric
 from dsat.runners.local.setup import OPS_LOG
 from tests.conftest import run_cli, write_experiment
@@ -457,13 +458,32 @@ def test_an_hf_batch_that_does_not_make_the_configs_global_batch_is_one_line(
         'set train_batch_size to "auto", or pass --global-batch N',
     )
     settings = parse_settings(["asha", str(path), str(path.parent)])
-    # Where they agree, or where the config's own number replaces a flag, nothing is said.
-    for ds_config in (
-        {**auto, "train_batch_size": 8},
-        {**auto, "train_batch_size": 16, "gradient_accumulation_steps": 4},
+    # Where they agree, nothing is said.
+    (path.parent / "ds_config.json").write_text(json.dumps({**auto, "train_batch_size": 8}))
+    check_hf_global_batch(load_experiment(path, path.parent), settings)
+    # A number in the config that the entrypoint's flag contradicts: HF refuses the user's own
+    # run as well (its baseline, 8 x 2, was run by dsat alone, and compared as theirs).
+    for ds_config, said in (
+        ({**auto, "train_batch_size": 16, "gradient_accumulation_steps": 4}, "accumulation"),
+        ({**auto, "train_micro_batch_size_per_gpu": 8}, "micro-batch"),
     ):
         (path.parent / "ds_config.json").write_text(json.dumps(ds_config))
-        check_hf_global_batch(load_experiment(path, path.parent), settings)
+        key, flag, number, passed = {
+            "accumulation": ("gradient_accumulation_steps", "--gradient_accumulation_steps", 4, 2),
+            "micro-batch": (
+                "train_micro_batch_size_per_gpu",
+                "--per_device_train_batch_size",
+                8,
+                4,
+            ),
+        }[said]
+        with pytest.raises(DsatError) as info:
+            check_hf_global_batch(load_experiment(path, path.parent), settings)
+        assert str(info.value).endswith(
+            f"ds_config.json: {key} {number} is not the entrypoint's {flag} {passed}, and HF "
+            f'refuses that run ("mismatch TrainingArguments values"): make them agree, or set '
+            f'{key} to "auto"'
+        )
     # --global-batch searches at another batch on purpose.
     (path.parent / "ds_config.json").write_text(json.dumps({**auto, "train_batch_size": 16}))
     given = parse_settings(["asha", str(path), str(path.parent), "--global-batch", "16"])
@@ -1270,8 +1290,9 @@ def test_once_dsat_has_said_how_it_ended_a_second_ctrl_c_is_ignored(
     """A second Ctrl-C landed in torch's exit handlers and printed a traceback after dsat's
     own "interrupted" line."""
     import dsat.cli
+    from dsat.search_run import STOP_SIGNALS
 
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, *dsat.cli.STOP_SIGNALS)}
+    handlers = {s: signal.getsignal(s) for s in STOP_SIGNALS}
     monkeypatch.setattr(dsat.cli, "main", lambda: 130)
     try:
         with pytest.raises(SystemExit) as ended:

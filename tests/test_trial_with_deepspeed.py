@@ -194,6 +194,22 @@ def test_two_process_trial(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.parametrize("kind", [TrialKind.MODEL_PROFILE, TrialKind.SEARCH])
+def test_a_config_asked_for_and_not_used_is_said_so(tmp_path: Path, kind: TrialKind) -> None:
+    """The script asked for the trial's config and built its engine from its own JSON (an HF
+    script that parsed sys.argv, not what dsat returned): it was told "train inside
+    dsat.dsat_reporting_context", which it did. The engine's steps show it had no autotuning
+    block."""
+    own = ("config=ds_config\n", 'config=__import__("json").load(open("ds_config.json"))\n')
+    result = run_example_trial(tmp_path / "trial", dsat_overrides(kind, 1, 1), script_edit=own)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert _outcome(tmp_path / "trial") == {
+        "status": "config_not_taken",
+        "taken": True,
+        "hf": False,
+    }
+
+
 def test_full_run_without_autotuning_trains(tmp_path: Path) -> None:
     """Without an autotuning block the loop runs to the end and reports a loss, not a profile."""
     batch = {

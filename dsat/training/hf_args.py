@@ -24,7 +24,7 @@ from dsat.errors import DsatError
 from dsat.experiment.batch_size import batch_value
 from dsat.experiment.config import HF_BATCH_FLAGS, deep_merge, load_ds_json
 from dsat.memory import Precision
-from dsat.training.step_clock import start_clock
+from dsat.training.step_clock import note_config_taken, start_clock
 from dsat.training.trial_config import checked_overwrites
 from dsat.training.trial_directory import trial_directory
 
@@ -103,13 +103,16 @@ def merged_config_path(ds_config_path: Path) -> Path:
     """The trial's own config, in the trial's directory whatever ``--deepspeed`` names: an
     absolute path to the user's file had every trial write beside it, in the user's model dir,
     and trials running at once shared one file (a trial could train with another's config)."""
-    stem = ds_config_path.name.removesuffix(".json")
-    return trial_directory() / (stem + MERGED_SUFFIX)
+    name = ds_config_path.name.removesuffix(".json") + MERGED_SUFFIX
+    directory = trial_directory()
+    # By its name where the trial's directory is the working one: the arguments the log shows.
+    return Path(name) if directory == Path.cwd() else directory / name
 
 
 def get_hf_args_with_overwrites(args: Sequence[str], hparams: Mapping[str, Any]) -> list[str]:
     """HF Trainer arguments that carry this trial's DeepSpeed overrides."""
     overwrites = checked_overwrites(hparams)
+    note_config_taken(hf_arguments=True)
     args = list(args)
     if not overwrites:
         return args

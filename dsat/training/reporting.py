@@ -37,8 +37,10 @@ from dsat.training.step_clock import (
     config_taken,
     current_clock,
     device_peak,
+    hf_arguments_taken,
     peak_memory,
     trial_precision,
+    untuned_engine_stepped,
 )
 from dsat.training.trial_directory import trial_directory
 
@@ -183,11 +185,20 @@ def dsat_reporting_context(
         # The loop ended without DeepSpeed's exit: where the script never asked for the trial's
         # config, its engine ran the user's own JSON (no autotuning block, so no results, and
         # every trial the same): say that, not "train inside dsat_reporting_context".
-        if not config_taken() and autotuned_trial() and core_context.distributed.get_rank() == 0:
+        # Where it asked for the config and an engine stepped without it, the result was
+        # thrown away (HF arguments parsed from sys.argv, not from what dsat returned).
+        untuned = not config_taken() or untuned_engine_stepped()
+        if untuned and autotuned_trial() and core_context.distributed.get_rank() == 0:
+            said = {"status": CONFIG_NOT_TAKEN, "taken": config_taken(), "hf": hf_script()}
             with contextlib.suppress(OSError):
-                write_json_atomic(
-                    trial_directory() / TRIAL_OUTCOME_FILE, {"status": CONFIG_NOT_TAKEN}
-                )
+                write_json_atomic(trial_directory() / TRIAL_OUTCOME_FILE, said)
+
+
+def hf_script() -> bool:
+    """Whether this is an HF Trainer script: it asked for its HF arguments, or was given
+    ``--deepspeed`` (the fix to give it is ``dsat.get_hf_args_with_overwrites``)."""
+    given = any(a == "--deepspeed" or a.startswith("--deepspeed=") for a in sys.argv[1:])
+    return hf_arguments_taken() or given
 
 
 def autotuned_trial() -> bool:

@@ -234,6 +234,10 @@ _precision: Precision | None = None  # the trial's, from its start_clock
 # Whether the script asked for the trial's config (get_ds_config_from_hparams, the HF arguments):
 # a script that builds its engine from its own JSON runs every trial at its own config.
 _config_taken = False
+# Whether it asked through the HF arguments (an HF Trainer script), and whether an engine then
+# stepped without the autotuning block all the trial's configs carry (the result thrown away).
+_hf_arguments = False
+_untuned_engine = False
 
 
 def current_clock() -> StepClock | None:
@@ -249,20 +253,40 @@ def trial_precision() -> Precision | None:
 def stop_clock() -> None:
     """Forget this process's clock and precision (a process that runs several trials' code: a
     trial host, the tests)."""
-    global _clock, _precision, _config_taken
+    global _clock, _precision, _config_taken, _hf_arguments, _untuned_engine
     _clock = None
     _precision = None
     _config_taken = False
+    _hf_arguments = False
+    _untuned_engine = False
 
 
-def note_config_taken() -> None:
-    """The script asked for the trial's DeepSpeed config (or its HF arguments)."""
-    global _config_taken
+def note_config_taken(hf_arguments: bool = False) -> None:
+    """The script asked for the trial's DeepSpeed config (or, ``hf_arguments``, its HF
+    arguments)."""
+    global _config_taken, _hf_arguments
     _config_taken = True
+    _hf_arguments = _hf_arguments or hf_arguments
 
 
 def config_taken() -> bool:
     return _config_taken
+
+
+def hf_arguments_taken() -> bool:
+    return _hf_arguments
+
+
+def note_engine_step(autotuning_enabled: bool) -> None:
+    """An engine stepped; without autotuning, it was not built from the trial's config."""
+    global _untuned_engine
+    _untuned_engine = _untuned_engine or not autotuning_enabled
+
+
+def untuned_engine_stepped() -> bool:
+    """Whether an engine stepped without the trial's config, though the script asked for it
+    (``dsat.get_hf_args_with_overwrites`` called, what it returned not parsed)."""
+    return _untuned_engine
 
 
 def start_clock(
@@ -279,7 +303,10 @@ def start_clock(
     if precision is not None:  # what a model profile reports too
         _precision = precision
     block = (overwrites or {}).get(AUTOTUNING_KEY)
-    if not isinstance(block, Mapping) or "end_profile_step" not in block:
+    if not isinstance(block, Mapping):
+        return None
+    _time_engine_steps()  # also in the model profile: an engine without the block is noted
+    if "end_profile_step" not in block:
         return None
     if _clock is None:
         start = int(block.get("start_profile_step", 0))
@@ -288,7 +315,6 @@ def start_clock(
         # It opens after the step DeepSpeed's FLOPs profiler slows (the one from ``start``).
         settle = start <= WARMUP_STEPS and last - first + 1 <= MEASURED_STEPS
         _clock = StepClock(first, last, settle=settle, earliest_step=start + 1)
-        _time_engine_steps()
         atexit.register(_explain_missing_results, trial_directory())
     if precision is not None:
         _clock.precision = precision
@@ -350,6 +376,7 @@ def _time_engine_steps() -> None:
 
     def step(engine: Any, *args: Any, **kwargs: Any) -> Any:
         before = engine.global_steps
+        note_engine_step(bool(engine.autotuning_enabled()))
         try:
             result = original(engine, *args, **kwargs)
         except BaseException:  # DeepSpeed's own end of the trial among them

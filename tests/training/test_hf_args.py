@@ -68,7 +68,7 @@ def test_rewrites_flags_and_config(
     assert _value(new, "--per_device_train_batch_size") == "3"
     assert _value(new, "--gradient_accumulation_steps") == "2"  # added: HF's default would be 1
     merged_path = Path(_value(new, "--deepspeed"))
-    assert merged_path != ds_path and merged_path.parent == ds_path.parent
+    assert merged_path == Path("ds_config.dsat.json")  # in the working directory, by its name
     merged = json.loads(merged_path.read_text())
     assert merged["zero_optimization"] == {"stage": 3, "overlap_comm": True}
     assert merged["train_batch_size"] == 12
@@ -76,7 +76,7 @@ def test_rewrites_flags_and_config(
     # Nothing else beside it: the merged file is written whole by each rank, with no lock file.
     assert sorted(p.name for p in ds_path.parent.iterdir()) == sorted(
         [ds_path.name, merged_path.name]
-    )
+    )  # (the test's directory is both the trial's and the one --deepspeed names)
     assert _value(new, "--output_dir") == "out" and args[3] == str(ds_path)  # input list untouched
     assert "changing --per_device_train_batch_size from 8 to 3" in caplog.text
     # Said in the trial's log: its first line is the command with the user's own flags, and a

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from dsat.constants import (
     TRIAL_OUTCOME_FILE,
 )
 from dsat.memory import Precision
-from dsat.training.step_clock import start_clock, stop_clock
+from dsat.training.step_clock import note_engine_step, start_clock, stop_clock
 
 METRICS = {
     "fwd": 1.5,
@@ -252,7 +253,29 @@ def test_a_loop_that_never_took_the_trials_config_says_so(
     monkeypatch.setenv(ENV_HPARAMS_FILE, str(hparams_file(trial_dir, trial)))
     with dsat_reporting_context(_Recorder(0), None):
         pass  # trained with json.load(open("ds.json"))
-    assert _outcome(trial_dir) == {"status": CONFIG_NOT_TAKEN}
+    assert _outcome(trial_dir) == {"status": CONFIG_NOT_TAKEN, "taken": False, "hf": False}
+    # An HF script (given --deepspeed) that never called dsat's helper is told the HF fix.
+    (trial_dir / TRIAL_OUTCOME_FILE).unlink()
+    monkeypatch.setattr(sys, "argv", ["train.py", "--deepspeed=ds.json"])
+    with dsat_reporting_context(_Recorder(0), None):
+        pass
+    assert _outcome(trial_dir) == {"status": CONFIG_NOT_TAKEN, "taken": False, "hf": True}
+
+
+@pytest.mark.usefixtures("fresh_trial")
+def test_hf_arguments_asked_for_and_not_parsed_say_so(
+    trial_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It called dsat.get_hf_args_with_overwrites, threw the result away and parsed sys.argv:
+    the Trainer's engine stepped without the autotuning block, and it was told "train inside
+    dsat.dsat_reporting_context", which it did."""
+    trial = {AUTOTUNING_KEY: {"enabled": True, "model_info": {"profile": True}}}
+    monkeypatch.setenv(ENV_HPARAMS_FILE, str(hparams_file(trial_dir, trial)))
+    monkeypatch.chdir(trial_dir)
+    dsat.get_hf_args_with_overwrites(["--deepspeed", "ds.json"], {OVERWRITE_KEY: trial})
+    with dsat_reporting_context(_Recorder(0), None):
+        note_engine_step(autotuning_enabled=False)  # the Trainer's engine, from ds.json
+    assert _outcome(trial_dir) == {"status": CONFIG_NOT_TAKEN, "taken": True, "hf": True}
 
 
 @pytest.mark.usefixtures("fresh_trial")

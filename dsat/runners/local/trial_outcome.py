@@ -239,6 +239,36 @@ def out_of_memory_line(text: str, code: int | None) -> str | None:
     )
 
 
+def config_not_taken(taken: bool, hf: bool) -> str:
+    """Why the trial's engine ran the user's own JSON, and the fix for the script's kind: an HF
+    Trainer script told to call deepspeed.initialize, or one that called dsat's helper and
+    parsed its own arguments anyway told to "train inside dsat.dsat_reporting_context", which
+    it did, was given a fix that was not its own."""
+    if hf and taken:
+        return (
+            "the HF Trainer ran without the trial's config (its DeepSpeed engine had no "
+            "autotuning block): build the TrainingArguments from the arguments "
+            "dsat.get_hf_args_with_overwrites(args, hparams) returns (their --deepspeed is the "
+            "trial's config), not from your own"
+        )
+    if hf:
+        return (
+            "the script built its DeepSpeed engine without the trial's config: pass its "
+            "arguments through dsat.get_hf_args_with_overwrites(args, hparams) and build the "
+            "TrainingArguments from what it returns"
+        )
+    if taken:
+        return (
+            "the script's DeepSpeed engine ran without the trial's config (it had no autotuning "
+            "block): pass what dsat.get_ds_config_from_hparams(hparams) returns to "
+            "deepspeed.initialize, not your own JSON"
+        )
+    return (
+        "the script built its DeepSpeed engine without the trial's config: pass "
+        "dsat.get_ds_config_from_hparams(hparams) to deepspeed.initialize, not your own JSON"
+    )
+
+
 def _caught(text: str) -> str:
     """Where a script that exited 0 had caught an exception, which: what ended its training early
     (it was told only to let the loop run longer)."""
@@ -308,10 +338,7 @@ def classify(
         host = host_memory_ran_out(reason)
         return _out_of_memory(reason, tail, host, on_gpu, shared, FailureCause.CONFIG)
     if code == 0 and outcome.get("status") == CONFIG_NOT_TAKEN:
-        reason = (
-            "the script built its DeepSpeed engine without the trial's config: pass "
-            "dsat.get_ds_config_from_hparams(hparams) to deepspeed.initialize, not your own JSON"
-        )
+        reason = config_not_taken(bool(outcome.get("taken")), bool(outcome.get("hf")))
         return TrialEnd(TrialStatus.ERROR, {}, f"{reason}\n{tail}", FailureCause.SCRIPT)
     if code == 0:
         reason = (

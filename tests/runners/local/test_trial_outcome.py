@@ -92,6 +92,17 @@ def test_failures_the_script_causes_whatever_the_config(tmp_path: Path) -> None:
         "dsat.get_ds_config_from_hparams(hparams) to deepspeed.initialize, not your own JSON"
     )
     assert end.error.splitlines()[1] == "trained"  # the log's tail follows
+    # An HF script is told the HF fix; one that asked and threw the result away, that it did.
+    said = {
+        (False, True): "pass its arguments through dsat.get_hf_args_with_overwrites(args, hparams)",
+        (True, True): "the HF Trainer ran without the trial's config (its DeepSpeed engine had no",
+        (True, False): "the script's DeepSpeed engine ran without the trial's config (it had no",
+    }
+    for (taken, hf), words in said.items():
+        outcome = {"status": CONFIG_NOT_TAKEN, "taken": taken, "hf": hf}
+        end = classify(tmp_path, trial(tmp_path, "trained\n", outcome), 0, False, 60)
+        assert end.cause is FailureCause.SCRIPT and end.error is not None
+        assert words in end.error.splitlines()[0], end.error
 
 
 RAN_OUT = (
