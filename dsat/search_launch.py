@@ -263,9 +263,12 @@ def plan_search(
             )
         check_hf_args_file(experiment, command)
         check_entrypoint_steps(experiment, settings)
-        hf_note = check_hf_global_batch(experiment, settings)
-        if hf_note is not None:
-            notes.append(hf_note)
+        for hf_note in (
+            check_hf_global_batch(experiment, settings),
+            hf_periodic_work_note(experiment, settings),
+        ):
+            if hf_note is not None:
+                notes.append(hf_note)
     if runner is RunnerKind.LOCAL:
         notes.extend(address_space_note(address_space_limit()))
     if runner is RunnerKind.LOCAL and settings.offload_nvme is not None:
@@ -370,6 +373,42 @@ def check_entrypoint_steps(experiment: Experiment, settings: SearchSettings) -> 
             f"measures up to optimizer step {needed} (--end-profile-step and dsat's window); "
             f"give --max_steps {needed} or more"
         )
+
+
+# HF's TrainingArguments flags for work it does every N optimizer steps, in either spelling:
+# (what it does, its strategy flags, the flag of its N, the strategies that do it by steps).
+HF_PERIODIC_WORK = (
+    ("evaluates", ("--eval_strategy", "--evaluation_strategy", "--eval-strategy",
+                   "--evaluation-strategy"), ("--eval_steps", "--eval-steps"), ("steps",)),
+    ("saves a checkpoint", ("--save_strategy", "--save-strategy"),
+     ("--save_steps", "--save-steps"), ("steps", None)),  # HF saves by steps unless told not to
+)  # fmt: skip
+
+
+def hf_periodic_work_note(experiment: Experiment, settings: SearchSettings) -> str | None:
+    """A note where an HF Trainer entrypoint evaluates or saves every N steps, N within the
+    steps a trial measures: that time counted in every trial's step times (eval every step read
+    the FLOPS 100x low, and a noise of it "2.81x your config"), and each trial kept a checkpoint
+    a step in its copy."""
+    entrypoint = experiment.config.get("entrypoint")
+    if entrypoint_flag(entrypoint, (HF_DS_FLAG,)) is None:
+        return None
+    needed = measured_window(settings.start_profile_step, settings.end_profile_step)[1] + 1
+    found: list[str] = []
+    for does, strategy_flags, steps_flags, by_steps in HF_PERIODIC_WORK:
+        strategy = entrypoint_flag(entrypoint, strategy_flags)
+        every = entrypoint_flag(entrypoint, steps_flags)
+        if strategy in by_steps and every is not None and every.isdigit():
+            if 0 < int(every) <= needed:
+                found.append(f"{does} every {every} step(s) ({steps_flags[0]} {every})")
+    if not found:
+        return None
+    return (
+        f"dsat: note: {shown(experiment.config_path)}: the entrypoint {' and '.join(found)}, "
+        f"within the {needed} optimizer steps a trial measures: that time counts in every "
+        "trial's step times, and each trial keeps what it saves in its copy; give them more "
+        "steps than that, or turn them off for the search (--eval_strategy no, --save_strategy no)"
+    )
 
 
 # What HF's TrainingArguments take when neither the flag nor the config gives the number.

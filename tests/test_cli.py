@@ -490,6 +490,38 @@ def test_an_hf_batch_that_does_not_make_the_configs_global_batch_is_one_line(
     check_hf_global_batch(load_experiment(path, path.parent, global_batch=16), given)
 
 
+def test_hf_evaluation_or_saving_within_a_trials_steps_is_a_note(tmp_path: Path) -> None:
+    """--eval_steps 1 read every trial's FLOPS 100x low (the ratio against the user's config
+    was then eval time's noise), and --save_steps 1 kept a checkpoint a step in every trial's
+    copy, with nothing said."""
+    from dsat.experiment.config import load_experiment
+    from dsat.search_launch import hf_periodic_work_note
+
+    base = "python3 train.py --deepspeed ds_config.json"
+
+    def note(flags: str) -> str | None:
+        path = write_experiment(
+            tmp_path / str(len(flags)), config={"entrypoint": f"{base} {flags}"}
+        )
+        settings = parse_settings(["asha", str(path), str(path.parent)])
+        return hf_periodic_work_note(load_experiment(path, path.parent), settings)
+
+    both = note("--eval_strategy steps --eval_steps 1 --save_steps=2")
+    assert both is not None and both.startswith("dsat: note: ")
+    assert (
+        "the entrypoint evaluates every 1 step(s) (--eval_steps 1) and saves a checkpoint " in both
+    )
+    assert "every 2 step(s) (--save_steps 2), within the " in both
+    assert both.endswith("turn them off for the search (--eval_strategy no, --save_strategy no)")
+    # Evaluation by epoch, saving turned off, or either beyond the measured steps: nothing.
+    for quiet in (
+        "--evaluation_strategy epoch --eval_steps 1",
+        "--save_strategy no --save_steps 1",
+        "--eval_strategy steps --eval_steps 500 --save_steps 500",
+    ):
+        assert note(quiet) is None, quiet
+
+
 def test_an_hf_batch_that_holds_only_with_a_number_the_script_may_set_is_a_note(
     tmp_path: Path,
 ) -> None:
