@@ -109,9 +109,17 @@ KNOWN_FAILURES: tuple[KnownFailure, ...] = (
         OP_NOT_BUILT,
     ),
     _known(
-        r"ModuleNotFoundError|ImportError",
+        # HF's callbacks say it so: "WandbCallback requires wandb to be installed".
+        r"ModuleNotFoundError|ImportError|requires \S+ to be installed",
         FailureCause.SCRIPT,
         "the training script cannot import what it needs",
+    ),
+    _known(
+        # dsat's trial-side helpers refuse how the script calls them (no --deepspeed to merge
+        # into, hyperparameters without the config's path): the script's, whatever the config.
+        r"\bDsatError: ",
+        FailureCause.SCRIPT,
+        "dsat's trial helpers refused how the script calls them",
     ),
     _known(
         r"^\s*(?:\[rank\d+\]:\s*)?(?:SyntaxError|IndentationError|TabError)\b",

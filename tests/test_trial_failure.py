@@ -58,6 +58,12 @@ SAMPLES: dict[str, tuple[str, FailureCause]] = {
         TRACEBACK + "OSError: [Errno 24] Too many open files\n",
         FailureCause.MACHINE,
     ),
+    # dsat's own helper, refusing how the script called it.
+    "dsat helper": (
+        TRACEBACK + "dsat.errors.DsatError: get_hf_args_with_overwrites: the HF arguments have no "
+        "--deepspeed PATH; pass your DeepSpeed JSON with --deepspeed\n",
+        FailureCause.SCRIPT,
+    ),
     # A fork at ulimit -u, under the script's call into Python's library.
     "process count": (
         TRACEBACK
@@ -203,6 +209,11 @@ def test_the_reason_quotes_the_exception_in_one_line() -> None:
         "the training script cannot import what it needs: "
         "ModuleNotFoundError: No module named 'transformerz'"
     )
+    # HF's callbacks say a missing package in words of their own.
+    wandb = "RuntimeError: WandbCallback requires wandb to be installed. Run `pip install wandb`."
+    missing = diagnose_crash(TRACEBACK + wandb + "\n", 1, None)
+    assert missing.cause is FailureCause.SCRIPT
+    assert missing.reason == f"the training script cannot import what it needs: {wandb}"
     unknown = diagnose_crash(TRACEBACK + "ValueError: bad shape (3, 4)\n", 1, None)
     assert unknown.cause is FailureCause.UNKNOWN
     assert unknown.reason == "ValueError: bad shape (3, 4) (exit code 1)"

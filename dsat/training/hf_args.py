@@ -144,5 +144,5 @@ def get_hf_args_with_overwrites(args: Sequence[str], hparams: Mapping[str, Any])
         for flag in checkpointing_flags(args):
             args = _set_flag(args, flag, "true")
     # The log's first line is the command as the user wrote it; this is what the trial ran with.
-    print(f"dsat: this trial's HF arguments: {shlex.join(args)}", file=sys.stderr, flush=True)
+    print(f"dsat: HF arguments as dsat sets them: {shlex.join(args)}", file=sys.stderr, flush=True)
     return args

@@ -81,7 +81,7 @@ def test_rewrites_flags_and_config(
     assert "changing --per_device_train_batch_size from 8 to 3" in caplog.text
     # Said in the trial's log: its first line is the command with the user's own flags, and a
     # script that does not print its arguments left no trace of what the trial ran with.
-    assert f"dsat: this trial's HF arguments: {shlex.join(new)}" in capsys.readouterr().err
+    assert f"dsat: HF arguments as dsat sets them: {shlex.join(new)}" in capsys.readouterr().err
 
 
 def test_a_search_trials_clock_knows_the_trainers_inputs_lead_with_the_batch(
