@@ -54,6 +54,8 @@ STATE_FILE = "dsat_search_state.json"
 CHECKPOINTING_HPARAM = "gradient_checkpointing"
 # A trial's metric: the rows its measured steps were fed as a share of full batches, where below 1.
 FULL_BATCH_SHARE = "full_batch_share"
+# ... and above 1: the script fed its forwards batches of its own, larger than the trial's.
+ROWS_OVER_BATCH = "rows_over_batch"
 # The model profile's report of the precision it ran at (fp32, fp16 or bf16): what the memory
 # model counts by, where the DeepSpeed JSON leaves it to HF's Trainer ("auto").
 PRECISION_KEY = "precision"

@@ -29,7 +29,12 @@ from pathlib import Path
 from typing import Any
 
 from dsat.atomic_file import write_json_atomic
-from dsat.constants import AUTOTUNING_KEY, FULL_BATCH_SHARE, TRIAL_OUTCOME_FILE
+from dsat.constants import (
+    AUTOTUNING_KEY,
+    FULL_BATCH_SHARE,
+    ROWS_OVER_BATCH,
+    TRIAL_OUTCOME_FILE,
+)
 from dsat.device_peaks import peak_flops
 from dsat.memory import Precision
 from dsat.training.trial_directory import trial_directory
@@ -163,6 +168,8 @@ class StepClock:
         if share is not None and share < 1:  # samples/s counts the samples the steps ran
             ours["throughput"] *= share
             ours[FULL_BATCH_SHARE] = share
+        elif share is not None and share > 1:  # more than a full batch: not the data running out
+            ours[ROWS_OVER_BATCH] = share
         flops = flops_per_step(deepspeed)
         if flops is not None:
             ours["FLOPS_per_gpu"] = flops / seconds

@@ -106,6 +106,29 @@ def test_an_hf_trials_batches_count_as_short_even_when_all_are() -> None:
     assert clock.full_batch_share() == pytest.approx(5 / 8)
 
 
+def test_an_hf_script_feeding_more_rows_than_the_trials_batch_is_said() -> None:
+    """An HF script that set per_device_train_batch_size = 3 after parsing, at the trial's
+    micro-batch 1: its steps ran 3 rows each, measured as 1; nothing said it. A trial that ran
+    so ends as the script's error, not as a measurement."""
+    from dsat.constants import ROWS_OVER_BATCH
+    from dsat.runners.local.trial_outcome import script_batch_note
+
+    clock = clock_with([0.5] * 4, batch=1)
+    clock.batch_first = True  # as get_hf_args_with_overwrites starts the clock
+    fed(clock, {step: [3] for step in range(5, 9)}, 1, 1)
+    values = clock.metrics(DEEPSPEED)
+    assert values[ROWS_OVER_BATCH] == pytest.approx(3.0) and "full_batch_share" not in values
+    note = script_batch_note({"status": "completed", "values": values})
+    assert note is not None and note.startswith(
+        "the training script fed its steps 3.00x the rows of the trial's batch: it sets a batch "
+        "size of its own"
+    )
+    full = clock_with([0.5] * 4, batch=1)
+    full.batch_first = True
+    fed(full, {step: [1] for step in range(5, 9)}, 1, 1)
+    assert script_batch_note({"values": full.metrics(DEEPSPEED)}) is None
+
+
 def test_the_leading_dimension_is_the_first_tensor_inputs() -> None:
     import torch
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -23,6 +23,7 @@ from dsat.constants import (
     MICRO_BATCH_SIZE,
     OOM_MARKER,
     OVERWRITE_KEY,
+    ROWS_OVER_BATCH,
     RUN_ALONE,
     TRAIN_BATCH_SIZE,
     TRIAL_OUTCOME_FILE,
@@ -309,6 +310,9 @@ def classify(
     text = log_end(log_path, log_start)
     tail = log_tail(text)
     completed = outcome.get("status") == "completed"
+    fed_more = script_batch_note(outcome) if completed else None
+    if fed_more is not None:
+        return TrialEnd(TrialStatus.ERROR, {}, f"{fed_more}\n{tail}", FailureCause.SCRIPT)
     if timed_out:
         if completed:  # it reported, then did not exit: dsat stopped it, the measurement stands
             return TrialEnd(TrialStatus.COMPLETED, dict(outcome.get("values", {})), None, None)
@@ -386,6 +390,24 @@ def classify(
 
 # DeepSpeed's refusal of batch sizes that do not multiply out, with its figures.
 BATCH_CHECK = re.compile(r"world_size (\d+) != (\d+) \* (\d+) \* \d+")
+
+
+def script_batch_note(outcome: Mapping[str, Any]) -> str | None:
+    """Where the measured steps' forwards were fed more rows than the trial's batch (the step
+    clock's ``ROWS_OVER_BATCH``): the script set a batch size of its own (an HF script that
+    changed ``per_device_train_batch_size`` after parsing; DeepSpeed does not see it), so the
+    measurement is of another configuration. It read "short batches: the data ran out" at a
+    larger micro-batch, and passed unsaid at a smaller one."""
+    values = outcome.get("values")
+    share = values.get(ROWS_OVER_BATCH) if isinstance(values, Mapping) else None
+    if not isinstance(share, (int, float)) or share <= 1:
+        return None
+    return (
+        f"the training script fed its steps {share:.2f}x the rows of the trial's batch: it sets "
+        "a batch size of its own (an HF script: per_device_train_batch_size changed after its "
+        "arguments were parsed), so this measured another configuration; train with the batch "
+        "sizes dsat gives"
+    )
 
 
 def batch_sizes_changed(text: str, directory: Path) -> str | None:

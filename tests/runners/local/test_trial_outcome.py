@@ -39,6 +39,13 @@ def test_metrics_reported_are_a_completed_trial(tmp_path: Path) -> None:
     end = classify(tmp_path, log, 0, False, 60)
     assert end.status is TrialStatus.COMPLETED and end.metrics == {"throughput": 3.0}
     assert end.error is None and end.cause is None
+    # Fed more rows than the trial's batch (the script's own batch size): another configuration
+    # measured, the script's error, also where it lingered and dsat stopped it.
+    over = {"status": "completed", "values": {"throughput": 3.0, "rows_over_batch": 3.0}}
+    for timed_out in (False, True):
+        end = classify(tmp_path, trial(tmp_path, "ok\n", over), 0, timed_out, 60)
+        assert (end.status, end.cause) == (TrialStatus.ERROR, FailureCause.SCRIPT), timed_out
+        assert end.error is not None and "3.00x the rows of the trial's batch" in end.error
 
 
 TEARDOWN_ABORT = (
