@@ -3,11 +3,11 @@ the hand-over is (as DeepSpeed's autotuning tutorial reports against its baselin
 
 It runs right after the model profile, on top of ``--max-trials`` like the confirmation round,
 and is never handed over. Where its run was unsteady (another job on the machine) and the
-hand-over cannot be told apart from it for that, it runs once more at the end of the confirmation
-round: measure again rather than say "too rough to tell". Where the config leaves the micro-batch to an HF script (``"auto"``),
-the entrypoint's ``--per_device_train_batch_size`` (and accumulation) is the user's. It is skipped
-(and the summary says why) when neither sets it, or when the memory model says it cannot fit;
-``--no-baseline`` skips it.
+hand-over cannot be told apart from it for that, it runs once more at the end of the
+confirmation round: measure again rather than say "too rough to tell". Where the config leaves
+the micro-batch to an HF script (``"auto"``), the entrypoint's ``--per_device_train_batch_size``
+(and accumulation) is the user's. It is skipped (and the summary says why) when neither sets
+it, or when the memory model says it cannot fit; ``--no-baseline`` skips it.
 """
 
 from __future__ import annotations
