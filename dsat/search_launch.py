@@ -715,6 +715,12 @@ def search_here(plan: LaunchPlan, runner: TrialRunner) -> None:
             runner.run_full_experiment(full_run_hparams(method, best, plan.results_dir))
         except KeyboardInterrupt:
             raise FullRunInterrupted(settings.method, plan.results_dir) from None
+        except FullExperimentFailed as err:  # the training failed: how to train again, as Ctrl-C's
+            again = f"{resume_command(settings.method, plan.results_dir)} --run-full-experiment"
+            raise FullExperimentFailed(
+                f"{err}; to train again once it is fixed: move "
+                f"{shown(plan.results_dir / FULL_RUN_DIR)} away, then {again}"
+            ) from None
         except OSError as err:
             failure = write_failure(err, plan.results_dir)
             if failure is None:

@@ -125,6 +125,32 @@ def test_ctrl_c_in_the_full_run_says_it_was_stopped_and_how_to_train_again(tmp_p
     assert (tmp_path / "r" / "best_ds_config.json").is_file()
 
 
+class TrainingFails(SimulatedRunner):
+    """A runner whose full run's training exits non-zero, as the local and Ray runners say it."""
+
+    def run_full_experiment(self, hparams: dict[str, Any]) -> None:
+        raise FullExperimentFailed(
+            "the full experiment with the best config exited with code 1; its log is x.log"
+        )
+
+
+def test_a_full_run_that_fails_says_how_to_train_again(tmp_path: Path) -> None:
+    """Ctrl-C's line gave the command that trains again; a crashed run's did not."""
+    experiment = load_experiment(SIMULATED / "gpt2_large.yaml", SIMULATED)
+    settings = search_settings("binary", max_trials=20, run_full_experiment=True)
+    runner = TrainingFails(cliff_function(24), experiment.slots_per_trial)
+    setup = SimulatedSetup(cliff_function(24), experiment.slots_per_trial)
+    results = tmp_path / "r"
+    plan = LaunchPlan(settings, experiment, RunnerKind.RAY, "test", results, setup)
+    with pytest.raises(FullExperimentFailed) as raised:
+        search_here(plan, runner)
+    assert str(raised.value) == (
+        "the full experiment with the best config exited with code 1; its log is x.log; to "
+        f"train again once it is fixed: move {results / 'full-experiment'} away, then "
+        f"{resume_command('binary', results)} --run-full-experiment"
+    )
+
+
 class InterruptedOften(SimulatedRunner):
     """A search the user stops with Ctrl-C at its third trial, then presses Ctrl-C again and
     again while it stops: one more lands as the runner closes."""
