@@ -81,7 +81,9 @@ class SearchSpec:
             )
         if self.global_batch is not None:
             return f"global batch: {self.global_batch}{made}, kept in every trial"
-        became = "" if handed_over is None else f"{handed_over.ds_config[TRAIN_BATCH_SIZE]}{made}, "
+        if handed_over is None:  # nothing to train with: no advice on keeping its batch
+            return "global batch: free"
+        became = f"{handed_over.ds_config[TRAIN_BATCH_SIZE]}{made}, "
         return f"global batch: {became}free: set train_batch_size or --global-batch N to keep yours"
 
     def allowed_micro_batch(self, wanted: int, lo: int = 1, hi: int | None = None) -> int | None:
