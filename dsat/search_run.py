@@ -35,9 +35,9 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 @contextlib.contextmanager
 def stops_held(replay: bool = True, signals: Collection[int] = STOP_SIGNALS) -> Iterator[None]:
-    """Ctrl-C, SIGTERM and SIGHUP (``signals``) wait until the block is done, then act as they would
-    have; without ``replay``, they are ignored. (Not by the signal mask: a signal sent to the
-    process goes to any thread that does not block it.)"""
+    """Ctrl-C, SIGTERM and SIGHUP (``signals``) wait until the block is done, then act as they
+    would have; without ``replay``, they are ignored. (Not by the signal mask: a signal sent to
+    the process goes to any thread that does not block it.)"""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

@@ -67,7 +67,6 @@ def unpack(archive: bytes, directory: Path) -> None:
         for info in bundle.infolist():
             path = bundle.extract(info, directory)
             mode = (info.external_attr >> 16) & 0o777
-            if (
-                mode
-            ):  # writable by its owner: a read-only model dir's copy must take the trial's files
+            # Writable by its owner: a read-only model dir's copy must take the trial's files.
+            if mode:
                 os.chmod(path, mode | stat.S_IWUSR)
