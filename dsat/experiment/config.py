@@ -202,6 +202,38 @@ def slots_per_trial(config: Mapping[str, Any], source: str) -> int:
     return slots
 
 
+def refuse_include_clashes(model_dir: Path, includes: Sequence[Path]) -> None:
+    """One line where an include would replace a file of MODEL_DIR's (or of another include's)
+    in the trial's copy, where each lands under its own name: dsat checked and planned with
+    MODEL_DIR's ``ds_config.json`` while every trial trained with the include's."""
+    taken: dict[str, Path] = {}
+    for inc in includes:
+        earlier = taken.setdefault(inc.name, inc)
+        if earlier is not inc:
+            raise DsatError(
+                f"--include {inc} and --include {earlier} both land in each trial's copy as "
+                f"{inc.name}; include one of them, or their parent folders"
+            )
+        there = model_dir / inc.name
+        files = (
+            [Path(folder, name) for folder, _, names in os.walk(inc) for name in names]
+            if inc.is_dir()
+            else [inc]
+        )
+        for path in files:
+            mine = there / path.relative_to(inc) if inc.is_dir() else there
+            if "__pycache__" not in path.parts and (mine.is_file() or mine.is_symlink()):
+                raise DsatError(
+                    f"--include {inc}: its {path.name} would replace MODEL_DIR's {mine} in "
+                    "each trial's copy, while dsat checks and plans with MODEL_DIR's; rename "
+                    "one of them"
+                )
+        if inc.is_dir() and there.exists() and not there.is_dir():
+            raise DsatError(
+                f"--include {inc}: a folder, where MODEL_DIR has the file {there}; rename one"
+            )
+
+
 def resolve_context_path(relative: str, model_dir: Path, includes: Sequence[Path]) -> Path | None:
     """Where a path relative to a trial's directory (``hyperparameters.deepspeed_config``, the
     entrypoint's script) points here: MODEL_DIR first, then the includes.
@@ -378,6 +410,7 @@ def load_experiment(
     for inc in include_paths:
         if not inc.exists():
             raise DsatError(f"--include {inc}: path not found")
+    refuse_include_clashes(model_dir, include_paths)
     entrypoint = config.get("entrypoint")
     if entrypoint is not None and not isinstance(entrypoint, (str, list)):
         raise DsatError(

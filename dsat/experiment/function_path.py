@@ -11,6 +11,7 @@ from types import ModuleType
 from typing import Any
 
 from dsat.errors import DsatError
+from dsat.paths import absolute
 
 
 def _import_file(path: Path, flag: str, spec: str) -> ModuleType:
@@ -30,6 +31,20 @@ def _import_file(path: Path, flag: str, spec: str) -> ModuleType:
     return module
 
 
+def names_a_file(target: str) -> bool:
+    """Whether ``MODULE_OR_FILE`` is a file's path (else a module's dotted name)."""
+    return target.endswith(".py") or "/" in target
+
+
+def with_absolute_file(spec: str) -> str:
+    """``spec`` with a file's path made absolute against the working directory (a module's name
+    as it is): a search started with ``intr.py:perf`` could not be resumed from elsewhere."""
+    target, sep, function_name = spec.rpartition(":")
+    if not sep or not target or not names_a_file(target):
+        return spec
+    return f"{absolute(target)}:{function_name}"
+
+
 def load_callable(spec: str, flag: str = "--simulator") -> Callable[..., Any]:
     """The function ``spec`` names; any failure is a one-line ``DsatError`` naming ``flag``."""
     target, sep, function_name = spec.rpartition(":")
@@ -38,7 +53,7 @@ def load_callable(spec: str, flag: str = "--simulator") -> Callable[..., Any]:
             f"{flag} {spec}: expected MODULE_OR_FILE:FUNCTION, e.g. my_model.py:simulate"
         )
     try:
-        if target.endswith(".py") or "/" in target:
+        if names_a_file(target):
             module = _import_file(Path(target), flag, spec)
         else:
             module = importlib.import_module(target)

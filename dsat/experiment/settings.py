@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from dsat.errors import DsatError
+from dsat.experiment.function_path import with_absolute_file
 from dsat.experiment.metric import Metric
 from dsat.paths import absolute
 
@@ -182,6 +183,7 @@ class SearchSettings:
             search_runner_config=optional(self.search_runner_config),
             results_dir=optional(self.results_dir),
             resume=optional(self.resume),
+            simulator=None if self.simulator is None else with_absolute_file(self.simulator),
         )
 
     def on_cluster(self) -> SearchSettings:

@@ -364,13 +364,34 @@ def test_ds_config_found_through_an_included_folder(tmp_path: Path) -> None:
     assert load_experiment(path, path.parent, [tmp_path / "configs"]).ds_config == {}
 
 
-def test_model_dir_wins_over_includes(tmp_path: Path) -> None:
+def test_an_include_that_would_replace_a_model_dir_file_is_one_line(tmp_path: Path) -> None:
+    """MODEL_DIR's ds_config.json was the one dsat checked and planned with, while every trial's
+    copy held the include's (copied over it): an SGD config DeepSpeed refused mid-search, or
+    one configuration measured and another handed over. Two includes of one name alike."""
     path = write_experiment(tmp_path / "m")
     other = tmp_path / "ds_config.json"
     other.write_text("{}")
-    assert (
-        load_experiment(path, path.parent, [other]).ds_config_path == path.parent / "ds_config.json"
+    with pytest.raises(DsatError) as info:
+        load_experiment(path, path.parent, [other])
+    assert str(info.value) == (
+        f"--include {other}: its ds_config.json would replace MODEL_DIR's "
+        f"{path.parent / 'ds_config.json'} in each trial's copy, while dsat checks and plans with "
+        "MODEL_DIR's; rename one of them"
     )
+    # A folder that merges with MODEL_DIR's: a file of both is refused, new files are not.
+    (path.parent / "conf").mkdir()
+    (path.parent / "conf" / "a.yaml").write_text("a: 1\n")
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "b.yaml").write_text("b: 1\n")
+    load_experiment(path, path.parent, [tmp_path / "conf"])
+    (tmp_path / "conf" / "a.yaml").write_text("a: 2\n")
+    with pytest.raises(DsatError, match="its a.yaml would replace MODEL_DIR's"):
+        load_experiment(path, path.parent, [tmp_path / "conf"])
+    (tmp_path / "x" / "shared.py").parent.mkdir()
+    for shared in (tmp_path / "x" / "shared.py", tmp_path / "shared.py"):
+        shared.write_text("")
+    with pytest.raises(DsatError, match="both land in each trial's copy as shared.py"):
+        load_experiment(path, path.parent, [tmp_path / "x" / "shared.py", tmp_path / "shared.py"])
 
 
 @pytest.mark.parametrize("slots", [0, -1, "two", True])

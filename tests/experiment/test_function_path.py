@@ -45,3 +45,22 @@ def test_module_that_raises_on_import(tmp_path: Path) -> None:
     (tmp_path / "broken.py").write_text("raise RuntimeError('boom\\nsecond line')\n")
     with pytest.raises(DsatError, match=r"\(RuntimeError: boom\)$"):
         load_callable(f"{tmp_path / 'broken.py'}:f")
+
+
+def test_a_files_path_is_made_absolute_a_modules_name_is_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A search started with ``--simulator intr.py:perf`` saved it as typed, and a resume from
+    another directory could not find the file (nor be given it again: "differs")."""
+    from dsat.experiment.function_path import with_absolute_file
+    from dsat.experiment.settings import SearchSettings
+
+    monkeypatch.chdir(tmp_path)
+    assert with_absolute_file("intr.py:perf") == f"{tmp_path}/intr.py:perf"
+    assert with_absolute_file("sims/intr.py:perf") == f"{tmp_path}/sims/intr.py:perf"
+    named = "dsat.runners.simulated.performance_models:gpt2_large"
+    assert with_absolute_file(named) == named and with_absolute_file("nocolon") == "nocolon"
+    settings = SearchSettings(
+        method="binary", config_path="x.yaml", model_dir=".", simulator="a.py:f"
+    )
+    assert settings.with_absolute_paths().simulator == f"{tmp_path}/a.py:f"
