@@ -285,10 +285,7 @@ def plan_search(
     elif settings.results_dir is not None:
         results_dir = Path(settings.results_dir)
         if (results_dir / STATE_FILE).is_file():
-            raise DsatError(
-                f"--results-dir {shown(results_dir)} already holds a search; continue it with "
-                f"`{resume_command(settings.method, results_dir)}` or choose another directory"
-            )
+            raise DsatError(held_search_said(results_dir, settings.method))
         refuse_others_files(results_dir)
     else:
         results_dir = default_results_dir(
@@ -470,6 +467,28 @@ def check_hf_global_batch(experiment: Experiment, settings: SearchSettings) -> s
         f"HF Trainer run makes of it, {makes} (--per_device_train_batch_size, "
         "--gradient_accumulation_steps, or the config's numbers), and HF refuses that run: "
         'make them agree, set train_batch_size to "auto", or pass --global-batch N'
+    )
+
+
+def held_search_said(results_dir: Path, method: str) -> str:
+    """Why ``--results-dir`` cannot take a new search, with the search it holds as it is: the
+    command that continues it named this command's method (``asha --resume`` of a guided
+    search, refused in turn), and offered to continue a search that had ended."""
+    with contextlib.suppress(DsatError):
+        method = saved_settings(results_dir).method
+    ended = False
+    with contextlib.suppress(OSError, ValueError, AttributeError, TypeError):
+        state = json.loads((results_dir / STATE_FILE).read_text())
+        ended = state.get("shutdown_reason") is not None
+    if ended:
+        return (
+            f"--results-dir {shown(results_dir)} already holds a search, which has ended (its "
+            f"results stay there; `{resume_command(method, results_dir)}` shows them again); "
+            "choose another directory"
+        )
+    return (
+        f"--results-dir {shown(results_dir)} already holds a search; continue it with "
+        f"`{resume_command(method, results_dir)}` or choose another directory"
     )
 
 

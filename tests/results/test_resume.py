@@ -296,6 +296,32 @@ def test_config_and_model_dir_are_required_without_resume(
     assert_one_line_error(capsys, ["asha"], "CONFIG_PATH", "--resume")
 
 
+def test_a_new_search_into_a_held_directory_names_the_search_it_holds(
+    interrupted: tuple[Path, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It said `guided --resume out` of an asha search (this command's method), which was then
+    refused; and offered to continue a search that had ended."""
+    results, command = interrupted
+    settings = json.loads((results / SETTINGS_FILE).read_text())
+    new_search = [
+        "guided", settings["config_path"], settings["model_dir"], "--runner", "simulated",
+        "--simulator", settings["simulator"],
+        "--results-dir", "out",
+    ]  # fmt: skip
+    assert main(new_search) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "dsat: error: --results-dir out already holds a search; continue it with "
+        f"`{command}` or choose another directory"
+    )
+    state = json.loads((results / STATE_FILE).read_text())
+    (results / STATE_FILE).write_text(json.dumps({**state, "shutdown_reason": "ended"}))
+    assert main(new_search) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("dsat: error: --results-dir out already holds a search, which has ended")
+    assert err.endswith(f"`{command}` shows them again); choose another directory")
+
+
 def test_a_directory_another_search_runs_in_is_one_line(
     interrupted: tuple[Path, str], capsys: pytest.CaptureFixture[str]
 ) -> None:
