@@ -477,6 +477,9 @@ def load_experiment(
             f"hyperparameters.{DS_CONFIG_KEY} is {relative}; make them name the same file"
         )
     ds_config = load_ds_json(ds_path, f"hyperparameters.{DS_CONFIG_KEY} in {config_path}")
+    zero = ds_config.get("zero_optimization")
+    if isinstance(zero, bool):  # DeepSpeed's old form, which it runs as ZeRO-1 (true) or 0
+        ds_config = {**ds_config, "zero_optimization": {"stage": int(zero)}}
     replaced = None
     if global_batch is not None:
         slots = slots_per_trial(config, str(config_path))

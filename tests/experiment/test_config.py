@@ -334,6 +334,15 @@ def test_a_yaml_key_given_twice_is_one_line(tmp_path: Path) -> None:
     assert load_experiment(path, path.parent).slots_per_trial == 2
 
 
+def test_zero_optimization_true_is_zero_1_as_deepspeed_runs_it(tmp_path: Path) -> None:
+    """DeepSpeed's old form ``"zero_optimization": true`` runs as ZeRO-1; dsat called the user's
+    config ZeRO-0 in trials.jsonl and the summary."""
+    for old, stage in ((True, 1), (False, 0)):
+        path = write_experiment(tmp_path / str(old), ds_config={"zero_optimization": old})
+        zero = load_experiment(path, path.parent).ds_config["zero_optimization"]
+        assert zero == {"stage": stage}
+
+
 def test_name_defaults_to_the_config_file_stem(tmp_path: Path) -> None:
     path = write_experiment(tmp_path / "m", config={"name": ""})
     assert load_experiment(path, path.parent).name == "deepspeed"
