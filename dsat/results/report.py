@@ -53,6 +53,12 @@ class SearchResults:
     metric: Metric
     picked: dict[str, Any] | None
     metric_unknown: str | None = None  # why the metric is the default, not the search's
+    handed_over: bool = True  # False: the search has not ended, and picked is its best so far
+
+    @property
+    def picked_label(self) -> str:
+        """How the picked trial is named: only a search that ended handed one over."""
+        return "picked" if self.handed_over else "best so far"
 
     @property
     def search_rows(self) -> list[dict[str, Any]]:
@@ -158,7 +164,18 @@ def load_results(results_dir: Path) -> SearchResults:
             f"by {DEFAULT_METRIC.value}, the default metric, which may not be the search's"
         )
     picked = picked_row(rows, results_dir / BEST_METRICS_FILE)
-    return SearchResults(rows, metric, picked, unknown)
+    return SearchResults(rows, metric, picked, unknown, search_handed_over(results_dir))
+
+
+def search_handed_over(results_dir: Path) -> bool:
+    """Whether the search confirmed the configuration it hands over (its state says so; a
+    state that cannot be read says nothing against it): best_ds_metrics.json is written as a
+    search goes, and an interrupted one's report named its best so far "picked"."""
+    try:
+        state = json.loads((results_dir / STATE_FILE).read_text())
+        return state["tracker"].get("confirmed_id") is not None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return True
 
 
 def picked_row(rows: list[dict[str, Any]], best_metrics: Path) -> dict[str, Any] | None:
@@ -288,7 +305,7 @@ def draw_throughput(ax: Any, results: SearchResults) -> None:
         values = [v for row in results.search_rows if (v := results.value(row)) is not None]
         below = value >= (min(values, default=value) + max(values, default=value)) / 2
         ax.annotate(
-            "\n".join(name_lines(f"picked: {picked['name']}")),
+            "\n".join(name_lines(f"{results.picked_label}: {picked['name']}")),
             (picked["mbs"], value),
             color="red",
             xytext=(12 if left else -12, -14 if below else 12),
@@ -412,7 +429,7 @@ def report_to_terminal(results_dir: Path) -> None:
         print(f"dsat: {results.metric_unknown}")
     print(stage_table(results))
     if results.picked is not None:
-        print(f"picked: {results.picked['name']}")
+        print(f"{results.picked_label}: {results.picked['name']}")
     print(results.cost_line())
     try:
         png, page_path = write_report(results_dir, results)

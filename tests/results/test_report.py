@@ -76,9 +76,25 @@ def test_an_interrupted_search_is_reported_then_resumed_and_reported_again(
     monkeypatch.delenv("STOP_AT_CALL")
     assert main(["asha", "--resume", str(results)]) == 0
     assert_report(results)
+    assert load_results(results).picked_label == "picked"
     assert (results / REPORT_PNG).read_bytes() != first  # drawn again with every trial
     ends = [row["end"] for row in load_results(results).rows]
     assert ends == sorted(ends)  # the resumed run's clock carries on: progress runs forward
+
+
+def test_an_interrupted_searchs_best_so_far_is_not_called_picked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """best_ds_metrics.json is written as a search goes: `dsat report` of an interrupted one
+    said "picked: z2_mb3", and circled it so, though nothing was handed over."""
+    monkeypatch.setenv("STOP_AT_CALL", "8")
+    code, results = simulated_search(tmp_path, "--max-concurrent-trials", "1")
+    assert code == 130
+    capsys.readouterr()
+    assert main(["report", str(results)]) == 0
+    out = capsys.readouterr().out
+    best = load_results(results).picked
+    assert best is not None and f"\nbest so far: {best['name']}\n" in out and "picked" not in out
 
 
 def test_without_matplotlib_the_search_runs_and_report_says_how_to_install(
