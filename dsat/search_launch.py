@@ -756,6 +756,21 @@ def search_here(plan: LaunchPlan, runner: TrialRunner) -> None:
             ) from None
 
 
+def batch_in_file(path: Path, best: TrialRecord) -> tuple[int, int]:
+    """The micro-batch and accumulation best_ds_config.json holds now (the hand-over's where it
+    is gone, unreadable or leaves them out): the HF flags the last lines give must agree with
+    the file they name, which the user may have edited, or HF refuses the run."""
+    found = [best.mbs, best.gas]
+    with contextlib.suppress(OSError, ValueError):
+        on_disk = json.loads(path.read_text())
+        if isinstance(on_disk, dict):
+            for i, key in enumerate((MICRO_BATCH_SIZE, GRAD_ACCUM_STEPS)):
+                value = on_disk.get(key)
+                if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                    found[i] = value
+    return found[0], found[1]
+
+
 def full_run_hparams(
     method: DsatSearchMethod, best: TrialRecord, results_dir: Path
 ) -> dict[str, Any]:
@@ -837,9 +852,10 @@ def closing_lines(
     path = shown(best_config_path(results_dir))
     if entrypoint_flag(method.spec.entrypoint, (HF_DS_FLAG,)) is not None:
         # HF's Trainer checks its batch flags against the JSON and refuses a mismatch.
+        micro, accumulation = batch_in_file(best_config_path(results_dir), best)
         use = (
             f"train with {HF_DS_FLAG} {shlex.quote(path)} --per_device_train_batch_size "
-            f"{best.mbs} --gradient_accumulation_steps {best.gas}"
+            f"{micro} --gradient_accumulation_steps {accumulation}"
             + "".join(
                 f" {flag} true"
                 for flag in (

@@ -78,6 +78,13 @@ def test_the_next_step_is_said_as_the_users_script_takes_a_config(
         closing_lines(method, tmp_path, full_run=False, trains=False)[2]
         == (next_line.split(", or have dsat train with it")[0])
     )
+    if "--per_device_train_batch_size" in how:
+        # Edited by hand, then shown again (a plain --resume): the flags it gave contradicted
+        # the file they named, the mismatch HF refuses.
+        edited = {**json.loads(path.read_text()), "train_micro_batch_size_per_gpu": 2}
+        path.write_text(json.dumps(edited))
+        again = closing_lines(method, tmp_path, full_run=False)[2]
+        assert f"--per_device_train_batch_size 2 --gradient_accumulation_steps {best.gas}" in again
     # After a full run, that command is refused until its directory is moved: said up front.
     (tmp_path / "full-experiment").mkdir()
     (tmp_path / "full-experiment" / "checkpoint").write_text("x")
