@@ -252,6 +252,23 @@ def plan_search(
         raise DsatError(
             f"--ray-address only applies to --runner ray (the runner is {runner.value})"
         )
+    # Accepted and ignored, these would leave the user trusting what does not happen there
+    # (Determined's setup says its own words of the local runner's).
+    only_for = [("--search-runner-config", settings.search_runner_config is not None, "determined")]
+    if runner in (RunnerKind.RAY, RunnerKind.SIMULATED):
+        only_for += [
+            ("--fresh-processes", settings.fresh_processes, "local"),
+            (
+                "--trial-host" if settings.trial_host else "--no-trial-host",
+                settings.trial_host is not None,
+                "local",
+            ),
+        ]
+    for flag, given, kind in only_for:
+        if given and runner.value != kind:
+            raise DsatError(
+                f"{flag} only applies to --runner {kind} (the runner is {runner.value}); drop it"
+            )
     notes = unknown_key_notes(experiment.config, str(settings.config_path))
     if runner is not RunnerKind.SIMULATED:
         check_entrypoint_script(experiment)

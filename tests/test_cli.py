@@ -275,6 +275,35 @@ def test_ray_address_with_another_runner(
     )
 
 
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--fresh-processes"], "--fresh-processes only applies to --runner local"),
+        (["--no-trial-host"], "--no-trial-host only applies to --runner local"),
+        (["--search-runner-config", "r.yaml"], "--search-runner-config only applies to --runner"),
+    ],
+)
+def test_a_flag_of_another_runner_is_refused_not_ignored(
+    experiment_yaml: Path, capsys: pytest.CaptureFixture[str], flags: list[str], said: str
+) -> None:
+    """They were accepted and ignored with --runner simulated (and ray), as --ray-address and
+    --simulator are not: the user trusted what did not happen."""
+    (experiment_yaml.parent / "r.yaml").write_text("name: x\n")
+    simulated = [
+        "--runner",
+        "simulated",
+        "--simulator",
+        "dsat.runners.simulated.performance_models:gpt2_large_16xv100",
+    ]
+    assert_one_line_error(
+        capsys,
+        ["asha", str(experiment_yaml), str(experiment_yaml.parent), *simulated]
+        + [str(experiment_yaml.parent / f) if f == "r.yaml" else f for f in flags],
+        said,
+        "(the runner is simulated); drop it",
+    )
+
+
 # ---------------------------------------------------------------- errors: one line, exit 2 (subprocess)
 
 
