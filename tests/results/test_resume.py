@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dsat.cli import main
+from dsat.cli import main, parse_settings
 from dsat.constants import SETTINGS_FILE, STATE_FILE
 from dsat.errors import DsatError
 from dsat.paths import shown
@@ -172,10 +172,17 @@ def test_settings_saved_under_the_flags_earlier_name_resume(
     assert not list(results.glob(".*.tmp"))  # cleared on resume
 
 
-def test_how_trials_start_may_change_on_resume(interrupted: tuple[Path, str]) -> None:
+def test_how_trials_start_may_change_on_resume(
+    interrupted: tuple[Path, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A local runner's flag, taken on resume; this search's runner (the simulator) starts no
+    process, so there it is refused rather than ignored."""
     results, _ = interrupted
-    assert main(["asha", "--resume", str(results), "--fresh-processes"]) == 0
-    assert json.loads((results / SETTINGS_FILE).read_text())["fresh_processes"] is True
+    assert parse_settings(["asha", "--resume", str(results), "--fresh-processes"]).fresh_processes
+    capsys.readouterr()
+    assert main(["asha", "--resume", str(results), "--fresh-processes"]) == 2
+    assert "--fresh-processes only applies to --runner local" in capsys.readouterr().err
+    assert json.loads((results / SETTINGS_FILE).read_text())["fresh_processes"] is False
 
 
 def tracker_edited(text: str, **changes: object) -> str:
