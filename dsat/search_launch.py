@@ -66,6 +66,7 @@ from dsat.results.report import write_report
 from dsat.results.resume import (
     not_a_results_dir,
     read_saved_state,
+    readable_state,
     refuse_changed_experiment,
     refuse_lost_rows,
     refuse_more_trials_when_finished,
@@ -493,11 +494,8 @@ def held_search_said(results_dir: Path, method: str) -> str:
     search, refused in turn), and offered to continue a search that had ended."""
     with contextlib.suppress(DsatError):
         method = saved_settings(results_dir).method
-    ended = False
-    with contextlib.suppress(OSError, ValueError, AttributeError, TypeError):
-        state = json.loads((results_dir / STATE_FILE).read_text())
-        ended = state.get("shutdown_reason") is not None
-    if ended:
+    state = readable_state(results_dir)
+    if state is not None and state.get("shutdown_reason") is not None:
         return (
             f"--results-dir {shown(results_dir)} already holds a search, which has ended (its "
             f"results stay there; `{resume_command(method, results_dir)}` shows them again); "

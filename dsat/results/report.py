@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dsat.atomic_file import write_bytes_atomic, write_text_atomic
-from dsat.constants import AUTOTUNING_KEY, SETTINGS_FILE, STATE_FILE
+from dsat.constants import AUTOTUNING_KEY, SETTINGS_FILE
 from dsat.errors import DsatError
 from dsat.experiment.metric import Metric
 from dsat.experiment.settings import DEFAULT_METRIC
@@ -32,7 +32,7 @@ from dsat.results.directory import (
     VALUE_KEY,
     read_trial_rows,
 )
-from dsat.results.resume import refuse_lost_rows, saved_settings
+from dsat.results.resume import readable_state, refuse_lost_rows, saved_settings
 from dsat.results.utilization import DERIVED_KEYS, MFU_KEY, TOKENS_KEY
 
 REPORT_PNG = "report.png"
@@ -123,15 +123,11 @@ class SearchResults:
         return points
 
 
-def refuse_lost_rows_here(results_dir: Path) -> None:
+def refuse_lost_rows_here(results_dir: Path, state: dict[str, Any] | None) -> None:
     """Where the saved state names finished trials trials.jsonl has no row for (the file gone,
-    emptied), one line saying so, not "no trial has finished yet"."""
-    try:
-        state = json.loads((results_dir / STATE_FILE).read_text())
-        records = state["tracker"]["records"]
-    except (OSError, ValueError, TypeError, KeyError):
-        return  # no state, or none to read: the rows alone say what there is
-    if isinstance(records, list):
+    emptied), one line saying so, not "no trial has finished yet". Without a state to read, the
+    rows alone say what there is."""
+    if state is not None and isinstance(state["tracker"].get("records"), list):
         refuse_lost_rows(results_dir, state, then="to report the search")
 
 
@@ -141,7 +137,8 @@ def load_results(results_dir: Path) -> SearchResults:
     if not results_dir.is_dir():
         what = "not a directory" if results_dir.exists() else "no such directory"
         raise DsatError(f"{shown(results_dir)}: {what}; pass the results directory a search wrote")
-    refuse_lost_rows_here(results_dir)
+    state = readable_state(results_dir)
+    refuse_lost_rows_here(results_dir, state)
     if not path.is_file() and (results_dir / SETTINGS_FILE).is_file():
         # A search began there (interrupted in its first trial): not "pass a search's directory".
         raise DsatError(f"{shown(results_dir)}: no trial has finished yet; report it once one has")
@@ -164,18 +161,10 @@ def load_results(results_dir: Path) -> SearchResults:
             f"by {DEFAULT_METRIC.value}, the default metric, which may not be the search's"
         )
     picked = picked_row(rows, results_dir / BEST_METRICS_FILE)
-    return SearchResults(rows, metric, picked, unknown, search_handed_over(results_dir))
-
-
-def search_handed_over(results_dir: Path) -> bool:
-    """Whether the search confirmed the configuration it hands over (its state says so; a
-    state that cannot be read says nothing against it): best_ds_metrics.json is written as a
-    search goes, and an interrupted one's report named its best so far "picked"."""
-    try:
-        state = json.loads((results_dir / STATE_FILE).read_text())
-        return state["tracker"].get("confirmed_id") is not None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return True
+    # best_ds_metrics.json is written as a search goes: an interrupted one's report named its
+    # best so far "picked". A state that cannot be read says nothing against a hand-over.
+    handed_over = state is None or state["tracker"].get("confirmed_id") is not None
+    return SearchResults(rows, metric, picked, unknown, handed_over)
 
 
 def picked_row(rows: list[dict[str, Any]], best_metrics: Path) -> dict[str, Any] | None:

@@ -162,6 +162,18 @@ def _display(value: Any) -> str:
     return str(value)
 
 
+def readable_state(results_dir: Path) -> dict[str, Any] | None:
+    """The search state saved in ``results_dir`` as it is, with its tracker; None where there is
+    none, or none to read (for what only describes a search: ``read_saved_state`` checks it)."""
+    try:
+        state = json.loads((results_dir / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(state, dict) or not isinstance(state.get("tracker"), dict):
+        return None
+    return state
+
+
 def read_saved_state(results_dir: Path, method: str) -> dict[str, Any]:
     """The search state saved in ``results_dir``, checked to be readable and this method's."""
     path = results_dir / STATE_FILE

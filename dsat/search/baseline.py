@@ -279,7 +279,8 @@ def measured_as(method: DsatSearchMethod, value: float) -> str:
     tracker = method.tracker
     said = f"{tracker.metric.value} {value:.4g}"
     runs = baseline_runs(method)
-    again = [r for r in runs if r.parent_id and r.parent_id in {p.request_id for p in runs}]
+    ids = {r.request_id for r in runs}
+    again = [r for r in runs if r.parent_id in ids]
     if not again:
         return said
     first = tracker.get(again[-1].parent_id or "")

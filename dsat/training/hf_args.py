@@ -54,6 +54,11 @@ def _find_flag(args: Sequence[str], flag: str) -> tuple[int, str | None]:
     return -1, None
 
 
+def passes_deepspeed(args: Sequence[str]) -> bool:
+    """Whether ``args`` give ``--deepspeed`` (in any spelling HF takes): an HF Trainer script's."""
+    return _find_flag(args, HF_DS_FLAG)[0] >= 0
+
+
 def _set_flag(args: list[str], flag: str, value: str) -> list[str]:
     index, old = _find_flag(args, flag)
     if index < 0:

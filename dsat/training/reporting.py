@@ -32,6 +32,7 @@ from dsat.constants import (
     PRECISION_KEY,
     TRIAL_OUTCOME_FILE,
 )
+from dsat.training.hf_args import passes_deepspeed
 from dsat.training.oom import is_out_of_memory
 from dsat.training.step_clock import (
     config_taken,
@@ -197,8 +198,7 @@ def dsat_reporting_context(
 def hf_script() -> bool:
     """Whether this is an HF Trainer script: it asked for its HF arguments, or was given
     ``--deepspeed`` (the fix to give it is ``dsat.get_hf_args_with_overwrites``)."""
-    given = any(a == "--deepspeed" or a.startswith("--deepspeed=") for a in sys.argv[1:])
-    return hf_arguments_taken() or given
+    return hf_arguments_taken() or passes_deepspeed(sys.argv[1:])
 
 
 def autotuned_trial() -> bool:
