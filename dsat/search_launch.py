@@ -44,7 +44,7 @@ from dsat.experiment.config import (
     validate_with_deepspeed,
 )
 from dsat.experiment.config_keys import unknown_key_notes
-from dsat.experiment.settings import SearchSettings
+from dsat.experiment.settings import DEFAULT_MAX_SEARCH_RUNNER_RESTARTS, SearchSettings
 from dsat.paths import shown
 from dsat.process_limits import address_space_limit
 from dsat.results.cost import search_cost
@@ -255,7 +255,14 @@ def plan_search(
         )
     # Accepted and ignored, these would leave the user trusting what does not happen there
     # (Determined's setup says its own words of the local runner's).
-    only_for = [("--search-runner-config", settings.search_runner_config is not None, "determined")]
+    only_for = [
+        ("--search-runner-config", settings.search_runner_config is not None, "determined"),
+        (
+            "--max-search-runner-restarts",
+            settings.max_search_runner_restarts != DEFAULT_MAX_SEARCH_RUNNER_RESTARTS,
+            "determined",
+        ),
+    ]
     if runner in (RunnerKind.RAY, RunnerKind.SIMULATED):
         only_for += [
             ("--fresh-processes", settings.fresh_processes, "local"),

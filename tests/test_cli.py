@@ -281,6 +281,7 @@ def test_ray_address_with_another_runner(
         (["--fresh-processes"], "--fresh-processes only applies to --runner local"),
         (["--no-trial-host"], "--no-trial-host only applies to --runner local"),
         (["--search-runner-config", "r.yaml"], "--search-runner-config only applies to --runner"),
+        (["--max-search-runner-restarts", "2"], "--max-search-runner-restarts only applies to"),
     ],
 )
 def test_a_flag_of_another_runner_is_refused_not_ignored(

@@ -181,15 +181,26 @@ def interpreter_first(environ: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
+# libgomp, torch's OpenMP on Linux, spins 300000 turns (milliseconds) before a waiting thread
+# sleeps. A trial's threads that share their cores with other work then spin against a partner
+# that is not running, and each parallel op waits out a time slice: 6-10x slower steps on 2 cores
+# with one kept busy, 28x for the HF example's. 10000 turns cost nothing measurable on a quiet
+# machine and win 1.4-8x of it back (benchmarks/README.md, openmp_wait.py).
+OPENMP_SPIN_TURNS = 10000
+OPENMP_WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
 def trial_environment(environ: Mapping[str, str]) -> dict[str, str]:
-    """What every process dsat starts for a trial inherits: ``interpreter_first``, and Python's
-    output unbuffered unless the user's environment says otherwise. Into a file, a script's
-    prints are otherwise block-buffered: they reach the trial's log after its traceback, or never
-    where the process is killed (the OOM killer, a timeout), and a full run shows them in 8 KiB
-    bursts. Ray writes its workers' output unbuffered for the same reason, and torchrun's log
-    files are line-buffered."""
+    """What every process dsat starts for a trial inherits: ``interpreter_first``; Python's
+    output unbuffered and OpenMP's short spin (``OPENMP_SPIN_TURNS``), each unless the user's
+    environment says otherwise. Into a file, a script's prints are otherwise block-buffered: they
+    reach the trial's log after its traceback, or never where the process is killed (the OOM
+    killer, a timeout), and a full run shows them in 8 KiB bursts. Ray writes its workers' output
+    unbuffered for the same reason, and torchrun's log files are line-buffered."""
     env = interpreter_first(environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
+    if not any(name in env for name in OPENMP_WAIT_VARIABLES):
+        env["GOMP_SPINCOUNT"] = str(OPENMP_SPIN_TURNS)
     return env
 
 

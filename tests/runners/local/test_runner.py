@@ -14,6 +14,7 @@ import pytest
 from dsat.cli import parse_settings
 from dsat.constants import RUN_ALONE
 from dsat.runners.local import log_cap
+from dsat.runners.local.entrypoint import OPENMP_SPIN_TURNS
 from dsat.runners.local.runner import WARM_TRIAL_MARK, LocalRunner, free_ports
 from dsat.runners.local.setup import hosts_trials
 from dsat.runners.local.slots import SlotPool
@@ -430,3 +431,24 @@ def test_the_hosts_memory_running_out_beside_another_trial_is_the_machines_until
         assert alone.metrics == {}
     finally:
         ex.close()
+
+
+PRINTS_OPENMP_SETTINGS = """
+import os, torch
+print("threads", torch.get_num_threads(), "spin", os.environ.get("GOMP_SPINCOUNT"))
+"""
+
+
+@pytest.mark.parametrize("warm", [True, False])
+@pytest.mark.parametrize("wait", [None, "ACTIVE"])
+def test_a_trials_openmp_threads_wait_briefly_unless_the_user_says_how(
+    tmp_path: Path, warm: bool, wait: str | None
+) -> None:
+    """libgomp's own spin (milliseconds) made a trial's steps 6-28x slower while another
+    process kept one of the cores busy; a user's OMP_WAIT_POLICY is theirs to keep."""
+    environ = {} if wait is None else {"OMP_WAIT_POLICY": wait}
+    ex = local_runner(tmp_path, PRINTS_OPENMP_SETTINGS, warm=warm, environ_extra=environ)
+    one_trial(ex)
+    [log] = (tmp_path / "results" / "logs").glob("001-*.log")
+    spin = str(OPENMP_SPIN_TURNS) if wait is None else "None"
+    assert f"threads {ex.cpu_threads} spin {spin}\n" in log.read_text()

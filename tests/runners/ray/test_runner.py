@@ -5,6 +5,7 @@ are checked for every runner in tests/runners/test_trial_runner.py."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 from dsat.constants import MEMORY_RAN_OUT, OVERWRITE_KEY, RUN_ALONE
 from dsat.errors import DsatError
 from dsat.experiment.config import load_experiment
-from dsat.runners.local.entrypoint import entrypoint_tokens
+from dsat.runners.local.entrypoint import OPENMP_SPIN_TURNS, entrypoint_tokens
 from dsat.runners.local.full_run import FullExperimentFailed
 from dsat.runners.local.trial_processes import leftover_trials
 from dsat.runners.local.trial_timeout import TrialTimeout
@@ -670,3 +671,28 @@ def test_of_ranks_that_failed_together_the_one_that_failed_by_itself_speaks() ->
     # dsat stopped the first node after another ended: the other speaks, as before.
     stopped = {"status": "error", "error": "stopped by SIGTERM from outside dsat"}
     assert speaking_rank([stopped, failed[1]], [1]) == 1
+
+
+PRINTS_THREADS = """
+import os
+print("threads", os.environ["OMP_NUM_THREADS"], "spin", os.environ.get("GOMP_SPINCOUNT"))
+"""
+
+
+def test_a_trials_processes_get_their_slots_threads_that_wait_briefly(
+    ray_cluster: RayTestCluster, tmp_path: Path
+) -> None:
+    """Each node's process: its slot's share of the node's CPUs, with libgomp's short spin (its
+    default spin slowed steps 6-28x on a core another process kept busy)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "job.py").write_text(PRINTS_THREADS)
+    runner = runner_for(tmp_path, model, ["python3", "job.py"], slots=2)
+    request_id = start(runner, 1, 1)
+    runner.wait()
+    logs = runner.results_dir / "logs"
+    expected = set(runner._threads().values())
+    for log in (logs / f"001-{request_id[:8]}.log", logs / f"001-{request_id[:8]}-node1.log"):
+        said = re.search(r"threads (\d+) spin (\S+)", log.read_text())
+        assert said is not None and int(said[1]) in expected, log.read_text()
+        assert said[2] == str(OPENMP_SPIN_TURNS)
