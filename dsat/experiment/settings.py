@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -209,14 +211,52 @@ class SearchSettings:
         data: dict[str, Any] = json.loads(text)
         if "backend" in data and "runner" not in data:  # saved before --backend became --runner
             data["runner"] = data.pop("backend")
+        if not isinstance(data, dict):
+            raise DsatError(f"search settings are a JSON {type(data).__name__}, not an object")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise DsatError(f"search settings: unknown keys {unknown}")
+        kinds = typing.get_type_hints(cls)
+        for field in dataclasses.fields(cls):
+            if field.name not in data:
+                if field.default is dataclasses.MISSING:
+                    raise DsatError(f"'{field.name}' is missing")
+            elif not _fits(data[field.name], kinds[field.name]):
+                # Python's own words ("'<=' not supported between 'str' and 'int'") name no key
+                raise DsatError(
+                    f"'{field.name}' is {json.dumps(data[field.name])}, not "
+                    f"{_described(kinds[field.name])}"
+                )
         for key in ("include", "zero_stages"):
             if key in data:
                 data[key] = tuple(data[key])
         return cls(**data)
+
+
+def _fits(value: Any, kind: Any) -> bool:
+    """Whether a JSON value is one a field of type ``kind`` takes (a JSON list for a tuple)."""
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        return any(_fits(value, option) for option in typing.get_args(kind))
+    if kind is type(None):
+        return value is None
+    if typing.get_origin(kind) is tuple:
+        item = typing.get_args(kind)[0]
+        return isinstance(value, list) and all(_fits(v, item) for v in value)
+    if isinstance(value, bool):
+        return kind is bool
+    if kind is float:
+        return isinstance(value, (int, float))
+    return isinstance(value, str if kind is Metric else kind)
+
+
+def _described(kind: Any) -> str:
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        return " or ".join(_described(option) for option in typing.get_args(kind))
+    if typing.get_origin(kind) is tuple:
+        return f"a list of {_described(typing.get_args(kind)[0]).split(' ', 1)[1]}s"
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+    return "null" if kind is type(None) else names.get(kind, "a metric's name")
 
 
 def parse_metric(name: str) -> Metric:

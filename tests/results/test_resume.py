@@ -225,6 +225,19 @@ def record_edited(text: str, number: int, **changes: object) -> str:
             "written by a newer dsat (state version 99",
         ),
         (SETTINGS_FILE, lambda text: "{", "damaged search settings"),
+        # Python's words of the first comparison to fail ("'<=' not supported between ..."),
+        # naming no key.
+        (
+            SETTINGS_FILE,
+            lambda text: json.dumps({**json.loads(text), "max_trials": "8"}),
+            "'max_trials' is \"8\", not an integer",
+        ),
+        (
+            SETTINGS_FILE,
+            lambda text: json.dumps({**json.loads(text), "zero_stages": 2}),
+            "'zero_stages' is 2, not a list of integers",
+        ),
+        (SETTINGS_FILE, lambda text: "[1]", "search settings are a JSON list, not an object"),
         (
             SETTINGS_FILE,
             lambda text: json.dumps({**json.loads(text), "new_knob": 1}),
