@@ -125,6 +125,15 @@ def resumed_settings(
             f"--resume {resume_dir}: that search ran `{saved.method}`, not `{method}`; resume it "
             f"with `{resume_command(saved.method, results_dir)}`"
         )
+    moved = [key for key in ("config_path", "model_dir") if key in given]
+    if len(moved) == 1:  # the other was paired silently with the saved one
+        raise DsatError(
+            f"--resume {resume_dir} with {flag_names.get(moved[0], moved[0])} alone: pass both "
+            "CONFIG_PATH and MODEL_DIR where the project moved, or neither"
+        )
+    for key in moved:
+        if not Path(given[key]).exists():
+            raise DsatError(f"{flag_names.get(key, key)} {given[key]}: not found")
     changes: dict[str, Any] = {}
     for key, value in given.items():
         if key in ("method", "resume", "results_dir"):  # checked above, or not a setting
@@ -135,7 +144,7 @@ def resumed_settings(
             before = before.value
         if now == before:
             continue
-        if key not in ADJUSTABLE_ON_RESUME:
+        if key not in ADJUSTABLE_ON_RESUME and not _moved_includes(key, now, before):
             differs = (
                 f"{flag} differs from how the saved search ran"
                 if isinstance(value, bool)  # a switch: its value says nothing to the user
@@ -152,6 +161,12 @@ def resumed_settings(
             changes["run_full_experiment"] = False
     resumed = dataclasses.replace(saved, resume=str(results_dir), results_dir=None, **changes)
     return resumed.with_absolute_paths()
+
+
+def _moved_includes(key: str, now: Any, before: Any) -> bool:
+    """Whether ``--include`` names the same files, by name and order, in another place (the
+    project moved with them, as CONFIG_PATH and MODEL_DIR may)."""
+    return key == "include" and [Path(p).name for p in now] == [Path(p).name for p in before]
 
 
 def _display(value: Any) -> str:

@@ -60,7 +60,11 @@ def rows(results: Path) -> list[dict[str, object]]:
 
 
 def interrupt_at(
-    call: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, experiment: Path = SIMULATED
+    call: int,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    experiment: Path = SIMULATED,
+    *extra: str,
 ) -> int:
     """A search of ``experiment``'s GPT2-large run from tmp_path into ``out``, Ctrl-C'd in its
     ``call``-th trial; returns dsat's exit code."""
@@ -69,7 +73,9 @@ def interrupt_at(
     monkeypatch.setenv("STOP_AT_CALL", str(call))
     args = ["asha", str(experiment / "gpt2_large.yaml"), str(experiment), "--runner", "simulated"]
     try:
-        return main([*args, "--simulator", "sim.py:perf", "--results-dir", "out", *ORIGINAL_FLAGS])
+        return main(
+            [*args, "--simulator", "sim.py:perf", "--results-dir", "out", *ORIGINAL_FLAGS, *extra]
+        )
     finally:
         monkeypatch.delenv("STOP_AT_CALL")
 
@@ -462,8 +468,47 @@ def test_a_project_that_moved_resumes_from_its_new_place(
         f"the search's config {old / 'gpt2_large.yaml'} is not there any more",
         "pass its new CONFIG_PATH and MODEL_DIR with --resume",
     )
+    # One of the two was paired with the other's saved place, and a typo blamed the saved one.
+    assert_one_line_error(
+        capsys,
+        ["asha", str(new / "gpt2_large.yaml"), "--resume", "out"],
+        "with CONFIG_PATH alone: pass both CONFIG_PATH and MODEL_DIR",
+    )
+    assert_one_line_error(
+        capsys,
+        ["asha", str(new / "gpt2.yaml"), str(new), "--resume", "out"],
+        f"CONFIG_PATH {new / 'gpt2.yaml'}: not found",
+    )
     assert main(["asha", str(new / "gpt2_large.yaml"), str(new), "--resume", "out"]) == 0
     assert json.loads((tmp_path / "out" / SETTINGS_FILE).read_text())["model_dir"] == str(new)
+
+
+def test_a_project_that_moved_with_its_includes_resumes_with_them_in_their_new_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--include at its new place was refused as a changed flag, so the moved project could not
+    be resumed at all; a file of another name is still a change."""
+    import shutil
+
+    old, new = tmp_path / "old", tmp_path / "new"
+    shutil.copytree(SIMULATED, old / "model")
+    (old / "shared").mkdir()
+    (old / "shared" / "tokens.txt").write_text("a b c\n")
+    included = ["--include", str(old / "shared" / "tokens.txt")]
+    assert interrupt_at(6, tmp_path, monkeypatch, old / "model", *included) == 130
+    capsys.readouterr()
+    old.rename(new)
+    moved = ["asha", str(new / "model" / "gpt2_large.yaml"), str(new / "model"), "--resume", "out"]
+    (new / "shared" / "vocab.txt").write_text("a b c\n")
+    assert_one_line_error(
+        capsys,
+        [*moved, "--include", str(new / "shared" / "vocab.txt")],
+        "--include",
+        "differs from the saved search's",
+    )
+    assert main([*moved, "--include", str(new / "shared" / "tokens.txt")]) == 0
+    saved = json.loads((tmp_path / "out" / SETTINGS_FILE).read_text())
+    assert saved["include"] == [str(new / "shared" / "tokens.txt")]
 
 
 def test_a_second_ctrl_c_while_the_trials_stop_still_says_how_to_resume(
