@@ -129,14 +129,28 @@ class RunningTrial:
 def copy_ignore(results_dir: Path) -> Callable[[str, list[str]], set[str]]:
     """What a trial's copy leaves out: caches, environments, and dsat's results, this search's
     and earlier ones' (which may lie inside MODEL_DIR, as with `--results-dir out` or the
-    default from `.`): each search copied every earlier one into each of its trials."""
+    default from `.`): each search copied every earlier one into each of its trials. And a link
+    to a folder the copy is already in (``loop -> .``, ``up -> ..``, two folders linking each
+    other): followed, as links to folders are, it copied the tree into itself until its paths
+    grew too long, a copy as many times the size as it went deep."""
 
     def ignore(directory: str, names: list[str]) -> set[str]:
         ignored = set(COPY_IGNORE(directory, names))
         ignored.update(n for n in names if only_results(Path(directory, n), results_dir))
+        ignored.update(n for n in names if links_to_a_folder_above(Path(directory), n))
         return ignored
 
     return ignore
+
+
+def links_to_a_folder_above(directory: Path, name: str) -> bool:
+    """Whether ``directory/name`` links to ``directory`` or a folder above it, as ``directory``
+    was reached (through the links it was reached by)."""
+    path = directory / name
+    if not path.is_symlink():
+        return False
+    target = os.path.realpath(path)
+    return any(os.path.realpath(p) == target for p in (directory, *directory.parents))
 
 
 def only_results(path: Path, results_dir: Path) -> bool:

@@ -20,16 +20,11 @@ from dsat.runners.local.runner import copy_ignore
 def _add_tree(bundle: zipfile.ZipFile, root: Path, prefix: str, results_dir: Path) -> None:
     """``root``'s files under ``prefix``. A link to a folder is followed, as the local runner's
     copy follows it (``data -> /datasets/x``, the usual way to point at a dataset, was left out,
-    and the trial failed on Ray alone); a link back to a folder above it is not walked twice."""
+    and the trial failed on Ray alone), except back to a folder above it (``copy_ignore``)."""
     ignore = copy_ignore(results_dir)
     for directory, subdirs, names in os.walk(root, followlinks=True):
         ignored = ignore(directory, [*subdirs, *names])
-        above = {os.path.realpath(d) for d in _folders_up_to(Path(directory), root)}
-        subdirs[:] = sorted(
-            d
-            for d in subdirs
-            if d not in ignored and os.path.realpath(os.path.join(directory, d)) not in above
-        )
+        subdirs[:] = sorted(d for d in subdirs if d not in ignored)
         relative = Path(directory).relative_to(root)
         for name in sorted(names):
             if name in ignored:
@@ -37,11 +32,6 @@ def _add_tree(bundle: zipfile.ZipFile, root: Path, prefix: str, results_dir: Pat
             path = Path(directory) / name
             if path.is_file():
                 bundle.write(path, str(Path(prefix) / relative / name))
-
-
-def _folders_up_to(directory: Path, root: Path) -> list[Path]:
-    """``directory`` and each folder above it, up to ``root``."""
-    return [directory, *(p for p in directory.parents if p.is_relative_to(root))]
 
 
 def model_archive(model_dir: Path, includes: tuple[Path, ...], results_dir: Path) -> bytes:

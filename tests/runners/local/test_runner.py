@@ -208,6 +208,42 @@ def test_a_folder_holding_only_results_is_left_out_of_a_trials_copy(tmp_path: Pa
     assert sorted(p.name for p in (tmp_path / "copy2" / "runs").iterdir()) == ["notes.txt"]
 
 
+def test_links_to_folders_are_followed_into_a_trials_copy_but_not_round_a_loop(
+    tmp_path: Path,
+) -> None:
+    """``loop -> .`` (or two folders linking each other) copied the model dir into itself until
+    its paths grew too long, a copy hundreds of times its size; ``data -> /datasets/x`` is how
+    a script points at its data, and stays followed (the Ray runner's archive, alike)."""
+    from dsat.runners.local.runner import prepare_trial_directory
+    from dsat.runners.ray.model_archive import model_archive, unpack
+
+    shared = tmp_path / "datasets" / "x"
+    shared.mkdir(parents=True)
+    (shared / "x.txt").write_text("x")
+    model = tmp_path / "model"
+    (model / "a").mkdir(parents=True)
+    (model / "b").mkdir()
+    (model / "train.py").write_text("print(1)\n")
+    (model / "data").symlink_to(shared, target_is_directory=True)
+    (model / "loop").symlink_to(".", target_is_directory=True)
+    (model / "up").symlink_to("..", target_is_directory=True)
+    (model / "a" / "to_b").symlink_to("../b", target_is_directory=True)
+    (model / "b" / "to_a").symlink_to("../a", target_is_directory=True)
+    expected = ["data/x.txt", "dsat_hparams.json", "train.py"]
+
+    copy = tmp_path / "trial"
+    prepare_trial_directory(copy, model, (), {"x": 1}, tmp_path / "results")
+    assert sorted(str(p.relative_to(copy)) for p in copy.rglob("*") if p.is_file()) == expected
+    assert (copy / "a").is_dir() and (copy / "b" / "to_a").is_dir()  # one turn of the pair
+
+    node = tmp_path / "node"
+    unpack(model_archive(model, (), tmp_path / "results"), node)
+    assert sorted(str(p.relative_to(node)) for p in node.rglob("*") if p.is_file()) == [
+        "data/x.txt",
+        "train.py",
+    ]
+
+
 def test_a_read_only_model_dir_gives_writable_copies(tmp_path: Path) -> None:
     """copytree keeps modes: a read-only model dir (a shared checkout) gave read-only copies,
     and every search stopped at its first trial ("cannot write .../dsat_hparams.json"). Root
