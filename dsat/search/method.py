@@ -87,7 +87,7 @@ class DsatSearchMethod(SearchMethod):
         self.ending = SearchEnding()
         # Whether an outcome (or a resume) came since the ending was last asked: the stop rules
         # run once per outcome, before the trials that outcome lets start.
-        self._outcome_pending = False
+        self.outcome_pending = False
         self._interrupted: set[str] = set()  # running when the search stopped, put back by resume
         self._finished = False
         # The precision worked out from the model profile's record (records are frozen: a new
@@ -103,8 +103,8 @@ class DsatSearchMethod(SearchMethod):
             record = self.register(self.make_trial(TrialKind.MODEL_PROFILE, None, 1))
             assert record is not None  # the first trial cannot be a repeat
             return self.tracker.mark_running(record.request_id)
-        if self._outcome_pending:
-            self._outcome_pending = False
+        if self.outcome_pending:
+            self.outcome_pending = False
             if self.ending.should_shutdown(self):
                 logger.debug("search ends: %s", self.shutdown_reason)  # the launch says why
                 self._finished = True
@@ -124,7 +124,7 @@ class DsatSearchMethod(SearchMethod):
             # DeepSpeed's exit races the Close: the first outcome stands.
             logger.info("ignoring a second outcome for finished trial %s", request_id)
             return
-        self._outcome_pending = True
+        self.outcome_pending = True
         if outcome.status is not TrialStatus.COMPLETED:
             record = self.tracker.mark_finished(
                 request_id,
@@ -176,7 +176,7 @@ class DsatSearchMethod(SearchMethod):
         # They run again as they were: the uninterrupted search ran them, and judged again by
         # results that came after they started, some were dropped and new draws took their place.
         self._interrupted = set(interrupted)
-        self._outcome_pending = True
+        self.outcome_pending = True
 
     def abandon(self, request_id: str, reason: str) -> None:
         """End the search because ``request_id`` was stopped from outside (Determined's

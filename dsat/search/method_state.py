@@ -38,6 +38,11 @@ def state_json(method: DsatSearchMethod) -> dict[str, Any]:
         # raise): its runs and its memory check.
         "added_trials": method.tracker.max_trials - method.settings.max_trials,
         "experiment": experiment_fingerprint(method.spec),
+        # An outcome the stop rules have not yet been run for: on Determined the outcome and
+        # the next suggestion are two events, each saved, and a search runner restarted between
+        # them (loaded without a resume) never ran them: after the last trial's, it waited for
+        # ever.
+        "outcome_pending": method.outcome_pending,
     }
 
 
@@ -100,6 +105,8 @@ def load_state_json(method: DsatSearchMethod, state: dict[str, Any]) -> None:
     shutdown_reason = state.get("shutdown_reason")
     method.ending.shutdown_reason = None if shutdown_reason is None else str(shutdown_reason)
     method.ending.handover_reason = str(state.get("handover_reason", ""))
+    # Older states did not say: running the rules once more is what a resume does anyway.
+    method.outcome_pending = bool(state.get("outcome_pending", True))
     # The trials the round added on top of --max-trials (older states: its runs alone).
     confirm_runs = sum(1 for r in method.tracker.records if r.kind is TrialKind.CONFIRM)
     added = int(state.get("added_trials", confirm_runs))

@@ -204,6 +204,46 @@ def test_resumed_search_proposes_the_same_trials(name: str) -> None:
         assert history(driver) == baseline, f"diverged after resuming at event {k}"
 
 
+class StateAfterEachOutcome:
+    """The method's state as saved after each outcome, before the trials it lets start: where
+    Determined checkpoints the search runner between two events."""
+
+    def __init__(self, method: Any) -> None:
+        self.method = method
+        self.saved: list[dict[str, Any]] = []
+
+    def trial_started(self, request_id: str) -> None:
+        pass
+
+    def trial_finished(self, request_id: str, outcome: object) -> None:
+        self.saved.append(json.loads(json.dumps(self.method.state_json())))
+
+    def trial_retried(self, request_id: str, outcome: object, attempt: int) -> None:
+        pass
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_a_state_saved_between_an_outcome_and_what_follows_it_carries_on_alike(name: str) -> None:
+    """A search runner restarted there loads its state without a resume (its trials run on in
+    the cluster): the stop rules that outcome was owed were lost, and after the last search
+    trial's outcome no confirmation round and no end came (the search waited for ever)."""
+    function = cliff_function(19, {1: 0.3, 2: 0.1})
+    overrides = {"max_trials": 12, "max_concurrent_trials": 1, "random_seed": 11, "confirm_top": 2}
+    first = method(name, **overrides)
+    states = StateAfterEachOutcome(first)
+    driver = SearchDriver(first, SimulatedRunner(function, 1), [states])
+    driver.run()
+    whole = history(driver)
+    assert any(r.kind is TrialKind.CONFIRM for r in first.tracker.records)  # the round came
+    for k, saved in enumerate(states.saved):
+        restarted = method(name, **overrides)
+        restarted.load_state_json(saved)
+        rest = SearchDriver(restarted, SimulatedRunner(function, 1))
+        rest.start_suggested()
+        rest.loop()
+        assert whole[: k + 1] + history(rest) == whole, f"diverged after outcome {k + 1}"
+
+
 def test_state_belongs_to_its_method() -> None:
     state = method("asha").state_json()
     with pytest.raises(ValueError, match="asha"):
