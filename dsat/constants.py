@@ -31,6 +31,11 @@ OOM_MARKER = "DSAT_TRIAL_OUT_OF_MEMORY"
 # The searcher metric a trial reports on a cluster when it ran out of memory: the master only
 # says "errored" of a failed trial, so the OOM travels as the trial's reported result.
 OOM_METRIC_KEY = "dsat_out_of_memory"
+# Likewise any other exception the training steps raised, with what it says of its cause (a
+# FailureCause's value): without them the search could not say why, nor stop after a script's
+# bug failed every trial alike.
+ERROR_METRIC_KEY = "dsat_error"
+ERROR_CAUSE_METRIC_KEY = "dsat_error_cause"
 # In an OOM trial's metrics, where the memory that ran out was the host's on a GPU trial (the
 # kernel's OOM killer, torch's CPU allocator): it says nothing of how much of the GPU is usable.
 MEMORY_RAN_OUT = "memory_ran_out"

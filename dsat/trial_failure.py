@@ -648,8 +648,9 @@ def diagnose_crash(log: str, code: int | None, oom_killed: bool | None) -> Diagn
     with contextlib.suppress(ValueError, TypeError):
         if code is not None and code < 0:
             exit_code += f" ({signal.Signals(-code).name})"  # a segfault, an abort
-    if detail is not None:
-        return Diagnosis(FailureCause.UNKNOWN, one_line(f"{detail} ({exit_code})"))
+    if detail is not None:  # a code of None: an exception the trial caught itself, no exit
+        said = detail if code is None else f"{detail} ({exit_code})"
+        return Diagnosis(FailureCause.UNKNOWN, one_line(said))
     # The trial's own last words, not dsat's note of how it ended.
     last = next(
         (

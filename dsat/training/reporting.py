@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 import time
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,8 @@ from dsat.constants import (
     AUTOTUNING_KEY,
     CONFIG_NOT_TAKEN,
     ENV_HPARAMS_FILE,
+    ERROR_CAUSE_METRIC_KEY,
+    ERROR_METRIC_KEY,
     METRICS_FILE,
     MODEL_INFO_FILE,
     OOM_MARKER,
@@ -44,6 +47,7 @@ from dsat.training.step_clock import (
     untuned_engine_stepped,
 )
 from dsat.training.trial_directory import trial_directory
+from dsat.trial_failure import FailureCause, diagnose_crash, lost_a_peer
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +133,22 @@ def report_out_of_memory(core_context: Any, op: Any, err: BaseException) -> None
         logger.warning("could not report the out-of-memory outcome: %s", report_error)
 
 
+def report_error(core_context: Any, op: Any, err: BaseException) -> None:
+    """Tell the search on a cluster (rank 0 only) why the trial failed, as the local runner
+    reads it from the trial's log. A failure that only says a peer or the network went away is
+    left to Determined's 'errored': the rank that failed first may be another, out of sight."""
+    if op is None or core_context.distributed.get_rank() != 0:
+        return
+    diagnosis = diagnose_crash("".join(traceback.format_exception(err)), None, None)
+    if diagnosis.cause is FailureCause.MACHINE or lost_a_peer(diagnosis.reason):
+        return
+    said = {ERROR_METRIC_KEY: diagnosis.reason, ERROR_CAUSE_METRIC_KEY: diagnosis.cause.value}
+    try:
+        op.report_completed(said)
+    except Exception as report_error:  # the error is what the trial must raise
+        logger.warning("could not report the trial's error: %s", report_error)
+
+
 def report_result(
     core_context: Any,
     op: Any,
@@ -181,6 +201,8 @@ def dsat_reporting_context(
         if is_out_of_memory(err):
             record_out_of_memory(err, trial_directory())
             report_out_of_memory(core_context, op, err)
+        elif isinstance(err, Exception):  # not a Ctrl-C, nor the task being stopped
+            report_error(core_context, op, err)
         raise
     else:
         # The loop ended without DeepSpeed's exit: where the script never asked for the trial's

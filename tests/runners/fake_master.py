@@ -8,7 +8,8 @@ cannot parse fails here as it would against a real master.
 
 Trials do not train: ``outcome(hparams)`` scripts each trial's result (a metrics dict, or an
 exception for a trial that errors). A trial that raises an out-of-memory error reports it first
-through dsat's own ``report_out_of_memory``, as ``dsat_reporting_context`` does in a real trial.
+through dsat's own ``report_out_of_memory``, and any other error through ``report_error``, as
+``dsat_reporting_context`` does in a real trial (``FailedOutsideReporting``: one raised outside it).
 """
 
 from __future__ import annotations
@@ -26,11 +27,16 @@ import responses
 from determined.common.api import bindings
 
 from dsat.training.oom import is_out_of_memory
-from dsat.training.reporting import report_out_of_memory
+from dsat.training.reporting import report_error, report_out_of_memory
 
 MASTER = "http://fake-master:8080"
 TOKEN = "fake-token"
 Outcome = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+class FailedOutsideReporting(Exception):
+    """A trial's failure before or outside ``dsat_reporting_context`` (an import, the engine's
+    set-up): the master says only 'errored' of it."""
 
 
 class MasterGone(ConnectionError):
@@ -210,6 +216,8 @@ class FakeMaster:
             op = ReportingOperation()
             if is_out_of_memory(err):
                 report_out_of_memory(CHIEF, op, err)
+            elif not isinstance(err, FailedOutsideReporting):
+                report_error(CHIEF, op, err)
             if op.reported is not None:
                 self._event(
                     validationCompleted=bindings.v1ValidationCompleted(

@@ -20,6 +20,8 @@ from dsat.constants import (
     AUTOTUNING_KEY,
     CONFIG_NOT_TAKEN,
     ENV_HPARAMS_FILE,
+    ERROR_CAUSE_METRIC_KEY,
+    ERROR_METRIC_KEY,
     METRICS_FILE,
     MODEL_INFO_FILE,
     OOM_MARKER,
@@ -226,6 +228,34 @@ def test_a_failed_oom_report_does_not_hide_the_oom(
         raise MemoryError("CUDA out of memory")
     assert "could not report the out-of-memory outcome" in caplog.text
     assert _outcome(trial_dir)["status"] == "oom"
+
+
+def test_another_error_is_reported_with_its_cause_by_the_chief_only(trial_dir: Path) -> None:
+    """Determined says only "errored": the search could not say why a trial failed, nor stop
+    when a script's bug failed every trial alike."""
+    said = {ERROR_METRIC_KEY: "KeyError: 'labels'", ERROR_CAUSE_METRIC_KEY: "unknown"}
+    for rank, expected in ((1, []), (0, [said])):
+        op = _Operation()
+        with pytest.raises(KeyError), dsat_reporting_context(_Recorder(rank), op):
+            raise KeyError("labels")
+        assert op.reported == expected
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        KeyboardInterrupt(),  # the task stopped, not the trial failing
+        RuntimeError("NCCL error: remote process exited or there was a network error"),
+        ConnectionResetError("Connection reset by peer"),
+    ],
+)
+def test_a_lost_peer_or_a_stop_is_left_to_the_master(trial_dir: Path, error: BaseException) -> None:
+    """A rank that lost its peer says nothing of the rank that failed first, which may be out
+    of this one's sight: reported, it would be blamed on what this rank saw."""
+    op = _Operation()
+    with pytest.raises(type(error)), dsat_reporting_context(_Recorder(0), op):
+        raise error
+    assert op.reported == []
 
 
 @pytest.fixture

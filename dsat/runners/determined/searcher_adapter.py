@@ -16,10 +16,19 @@ from typing import Any
 
 from determined import searcher
 
-from dsat.constants import OOM_METRIC_KEY
+from dsat.constants import ERROR_CAUSE_METRIC_KEY, ERROR_METRIC_KEY, OOM_METRIC_KEY
 from dsat.search.method import DsatSearchMethod
 from dsat.search.method_state import load_state, save_state
 from dsat.trial import TrialOutcome, TrialStatus
+from dsat.trial_failure import FailureCause
+
+# Where a trial failed without telling why (before or outside dsat_reporting_context, or a peer
+# lost): what the master says of it, and where to look.
+UNREPORTED_ERROR = (
+    "errored on the cluster with no reason the trial reported (it failed outside "
+    "dsat_reporting_context, or lost a peer); its logs are in the Determined web UI, under the "
+    "trials' experiment"
+)
 
 
 class DsatSearcher(searcher.SearchMethod):  # type: ignore[misc]
@@ -49,9 +58,12 @@ class DsatSearcher(searcher.SearchMethod):  # type: ignore[misc]
         status: TrialStatus,
         metrics: dict[str, Any] | None = None,
         error: str | None = None,
+        cause: FailureCause | None = None,
     ) -> None:
         # The master keeps the trials' times; the method does not read them.
-        self.method.observe(TrialOutcome(str(request_id), status, metrics or {}, error, 0.0, 0.0))
+        self.method.observe(
+            TrialOutcome(str(request_id), status, metrics or {}, error, 0.0, 0.0, cause)
+        )
 
     def initial_operations(
         self, searcher_state: searcher.SearcherState
@@ -74,6 +86,11 @@ class DsatSearcher(searcher.SearchMethod):  # type: ignore[misc]
             return []  # a second outcome (see DsatSearchMethod.observe): no second Close
         if isinstance(metric, dict) and OOM_METRIC_KEY in metric:  # reported by the trial
             self._observe(request_id, TrialStatus.OOM, error=str(metric[OOM_METRIC_KEY]))
+        elif isinstance(metric, dict) and ERROR_METRIC_KEY in metric:  # likewise
+            said = str(metric.get(ERROR_CAUSE_METRIC_KEY))
+            cause = next((c for c in FailureCause if c.value == said), FailureCause.UNKNOWN)
+            error = str(metric[ERROR_METRIC_KEY])
+            self._observe(request_id, TrialStatus.ERROR, error=error, cause=cause)
         else:
             name = self.method.settings.metric.value
             metrics = metric if isinstance(metric, dict) else {name: metric}
@@ -92,7 +109,7 @@ class DsatSearcher(searcher.SearchMethod):  # type: ignore[misc]
         if self.method.tracker.get(str(request_id)).status.finished:
             return []
         if exited_reason is searcher.ExitedReason.ERRORED:
-            self._observe(request_id, TrialStatus.ERROR)
+            self._observe(request_id, TrialStatus.ERROR, error=UNREPORTED_ERROR)
             return []
         self.method.abandon(str(request_id), f"trial exited early: {exited_reason.value}")
         return [searcher.Shutdown(failure=self.method.search_failed)]

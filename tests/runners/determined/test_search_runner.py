@@ -23,11 +23,13 @@ from determined.common.api import bindings
 from dsat.cli import main
 from dsat.results.directory import BEST_CONFIG_FILE, BEST_METRICS_FILE, SUMMARY_FILE, TRIALS_FILE
 from dsat.runners.determined.search_runner import run
+from dsat.runners.determined.searcher_adapter import UNREPORTED_ERROR
 from dsat.search.method import DsatSearchMethod
 from tests.conftest import copy_example
 from tests.runners.fake_master import (
     MASTER,
     TOKEN,
+    FailedOutsideReporting,
     FakeMaster,
     logged_in_environment,
     trial_cluster_info,
@@ -324,6 +326,41 @@ def test_a_search_where_every_trial_fails_shuts_the_experiment_down_as_failed(
     checkpoint = tmp_path / "ckpt" / cluster.checkpoints[-1]
     assert not (checkpoint / BEST_CONFIG_FILE).exists()
     assert {line["status"] for line in trial_lines(checkpoint)[1:]} == {"oom"}
+
+
+@pytest.mark.parametrize("where", ["inside", "outside"])
+def test_a_script_error_in_every_trial_on_the_cluster_is_said_and_ends_the_search_early(
+    cluster: FakeMaster, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, where: str
+) -> None:
+    """Determined says only 'errored' of a failed trial: every row's error was empty, and a
+    script's bug in every trial ran the whole --max-trials on the cluster where the local runner
+    stops after five alike. Raised inside dsat_reporting_context, the trial tells why; outside
+    it, the row says where to look, and the search cannot tell the failures alike."""
+    scripted = ScriptedTrials()
+
+    def every_search_trial_fails(hparams: dict[str, Any]) -> dict[str, Any]:
+        if hparams["overwrite_deepspeed_args"]["autotuning"].get("model_info", {}).get("profile"):
+            return scripted(hparams)
+        if where == "outside":
+            raise FailedOutsideReporting("ImportError: no module named 'wandb'")
+        raise KeyError("labels")
+
+    cluster.outcome = every_search_trial_fails
+    workdir, runner_id = submitted_context(
+        cluster, tmp_path, "--max-trials", "12", "--max-concurrent-trials", "2"
+    )
+    method = run(core_context(monkeypatch, tmp_path / "ckpt", runner_id, None), workdir, runner_id)
+    checkpoint = tmp_path / "ckpt" / cluster.checkpoints[-1]
+    failed = [line for line in trial_lines(checkpoint)[1:] if line["status"] == "error"]
+    assert failed and all(line["status"] == "error" for line in trial_lines(checkpoint)[1:])
+    if where == "inside":
+        assert all(line["error"] == "KeyError: 'labels'" for line in failed)
+        assert {line["cause"] for line in failed} == {"unknown"}
+        assert len(failed) < 10 and "failed alike" in (method.shutdown_reason or "")
+    else:
+        assert all(line["error"] == UNREPORTED_ERROR for line in failed)
+        assert len(failed) == 12  # the search trials and the baseline: nothing says alike
+    assert "KeyError" in (checkpoint / SUMMARY_FILE).read_text() or where == "outside"
 
 
 def test_an_out_of_memory_trial_on_the_cluster_is_an_oom_and_lowers_the_ceiling(
