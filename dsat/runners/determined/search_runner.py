@@ -14,7 +14,6 @@ no DeepSpeed, no torch, no terminal UI.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import shutil
@@ -46,10 +45,10 @@ from dsat.runners.determined.configs import (
 )
 from dsat.runners.determined.searcher_adapter import DsatSearcher
 from dsat.runners.determined.searcher_operations import operations_from_text, operations_to_text
+from dsat.runners.determined.submit import said_by
 from dsat.search import MethodSettings, make_search_method
 from dsat.search.method import DsatSearchMethod
 from dsat.search.trial_builder import SearchSpec
-from dsat.trial_failure import first_line
 
 logger = logging.getLogger(__name__)
 
@@ -159,14 +158,6 @@ def refused_for_good(err: Exception) -> bool:
     )
 
 
-def master_said(err: Exception) -> str:
-    """The master's reason, in one line: its gateway's JSON body carries it as "message"."""
-    text = str(err)
-    with contextlib.suppress(ValueError, AttributeError):
-        text = json.loads(text).get("message") or text
-    return first_line(text)
-
-
 def run(core_context: Any, workdir: Path, runner_experiment_id: int) -> DsatSearchMethod:
     """The whole cluster-side search; returns the method (its tracker holds every trial)."""
     from determined.experimental import client
@@ -200,7 +191,7 @@ def run(core_context: Any, workdir: Path, runner_experiment_id: int) -> DsatSear
             "dsat: the Determined master refused the trials' experiment: %s; the trials take "
             "their resources, workspace and project from %s: fix it there, then submit the "
             "search again",
-            master_said(err),
+            said_by(err),
             settings.config_path,
         )
         return method
@@ -235,7 +226,7 @@ def run(core_context: Any, workdir: Path, runner_experiment_id: int) -> DsatSear
             logger.error(
                 "dsat: the Determined master refused the full experiment: %s; the search's "
                 "%s is in its checkpoint: train with it by hand",
-                master_said(err),
+                said_by(err),
                 BEST_CONFIG_FILE,
             )
             return method

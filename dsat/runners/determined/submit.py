@@ -14,7 +14,9 @@ error naming the versions that work, not an AttributeError deep in a traceback.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import re
 import shutil
 import tempfile
@@ -121,19 +123,32 @@ def experiment_url(master_url: str, experiment_id: int) -> str:
 
 
 def said_by(err: BaseException) -> str:
-    """The first line of what the master's client raised, or its kind where it said nothing."""
-    return first_line(str(err).strip()) or type(err).__name__
+    """What the master said, in one line: its gateway's JSON body carries it as "message";
+    else the first line of what its client raised, or the error's kind where it said nothing."""
+    text = str(err).strip()
+    with contextlib.suppress(ValueError, AttributeError):
+        text = json.loads(text).get("message") or text
+    return first_line(text) or type(err).__name__
 
 
 def submit(settings: SearchSettings, experiment: Experiment, environ: Mapping[str, str]) -> int:
     """Create the search-runner experiment; prints its id and URL, returns the id."""
     require_client_custom_searcher()
     import requests
+    from determined.common import api
     from determined.common.api import bindings
     from determined.common.api import errors as api_errors
     from determined.experimental import client
 
     master = environ.get(ENV_DET_MASTER) or None
+    if master is not None:
+        try:
+            api.canonicalize_master_url(master)
+        except ValueError as err:  # Python's traceback, after "runner determined" was said
+            raise DsatError(
+                f"{ENV_DET_MASTER}={master!r} is not a master's address ({err}); give "
+                "HOST:PORT or http(s)://HOST:PORT"
+            ) from None
     try:
         determined = client.Determined(master=master)
         master_url = determined._session.master
@@ -169,6 +184,12 @@ def submit(settings: SearchSettings, experiment: Experiment, environ: Mapping[st
         ) from None
     except (api_errors.BadRequestException, api_errors.BadResponseException) as err:
         # Every other refusal and failed request (APIException is one), a timeout included.
+        status = getattr(err, "status_code", None)
+        if isinstance(status, int) and status >= 500:  # the master's trouble, not the config's
+            raise DsatError(
+                f"the Determined master could not take the search runner now (HTTP {status}: "
+                f"{said_by(err)}); try again, or ask its administrator if it goes on"
+            ) from None
         raise DsatError(
             f"the Determined master rejected the search runner: {said_by(err)}"
         ) from None

@@ -193,6 +193,44 @@ def test_a_master_that_refuses_the_user_is_one_line(
     assert "permissions on the config's workspace and project" in err[0]
 
 
+@pytest.mark.parametrize(
+    ("status", "said"),
+    [
+        (400, "the Determined master rejected the search runner: bad searcher name\n"),
+        (503, "could not take the search runner now (HTTP 503: bad searcher name); try again"),
+    ],
+)
+def test_a_refusal_says_the_masters_words_and_whether_to_try_again(
+    master: FakeMaster,
+    model_dir: Path,
+    capsys: pytest.CaptureFixture[str],
+    status: int,
+    said: str,
+) -> None:
+    """Both were the master's JSON body as it came, and a master busy or restarting read as a
+    rejection of the config."""
+    master.refuse_create = (status, "bad searcher name")
+    code = main(["asha", str(model_dir / "deepspeed.yaml"), str(model_dir)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and said in err, err
+
+
+@pytest.mark.parametrize("address", ["my-master:808O", "http://host:8080:8080", "https://[::1"])
+def test_a_master_address_that_is_none_is_one_line(
+    master: FakeMaster,
+    model_dir: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    address: str,
+) -> None:
+    """A typo in DET_MASTER was Python's ValueError traceback, after "runner determined"."""
+    monkeypatch.setenv("DET_MASTER", address)
+    code = main(["asha", str(model_dir / "deepspeed.yaml"), str(model_dir)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert f"DET_MASTER={address!r} is not a master's address" in err[0]
+
+
 def test_experiment_url() -> None:
     assert experiment_url("http://m:8080/", 12) == "http://m:8080/det/experiments/12"
     assert json.loads(json.dumps(experiment_url(MASTER, 1)))  # a plain string
