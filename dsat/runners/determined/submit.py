@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from dsat.constants import ENV_DET_MASTER
+from dsat.constants import ENV_DET_MASTER, RESULTS_ROOT
 from dsat.errors import DsatError
 from dsat.experiment.config import Experiment, load_yaml_mapping
 from dsat.experiment.settings import SearchSettings
@@ -122,6 +122,24 @@ def experiment_url(master_url: str, experiment_id: int) -> str:
     return f"{master_url.rstrip('/')}/det/experiments/{experiment_id}"
 
 
+def earlier_results_uploaded(model_dir: Path) -> str:
+    """What to say where local searches left their results in MODEL_DIR (the default from
+    ``python3 -m dsat guided deepspeed.yaml .``) and its .detignore does not leave them out:
+    Determined uploads them with it, to the search runner and to every trial, and a local
+    trial's copies and a full run's checkpoints soon pass its upload limit."""
+    folder = model_dir / RESULTS_ROOT
+    if not folder.is_dir():
+        return ""
+    with contextlib.suppress(OSError):
+        ignored = (model_dir / ".detignore").read_text().splitlines()
+        if any(line.strip().strip("/") == RESULTS_ROOT for line in ignored):
+            return ""
+    return (
+        f"{folder} (earlier local searches' results) is uploaded with MODEL_DIR, to the search "
+        f"runner and to every trial; add a line {RESULTS_ROOT}/ to {model_dir / '.detignore'}"
+    )
+
+
 def said_by(err: BaseException) -> str:
     """What the master said, in one line: its gateway's JSON body carries it as "message";
     else the first line of what its client raised, or the error's kind where it said nothing."""
@@ -155,6 +173,9 @@ def submit(settings: SearchSettings, experiment: Experiment, environ: Mapping[st
         info = bindings.get_GetMaster(determined._session)
         require_master_custom_searcher(master_url, info.version)
         config = runner_config(settings, experiment)
+        uploaded_results = earlier_results_uploaded(experiment.model_dir)
+        if uploaded_results:
+            print(f"dsat: note: {uploaded_results}")
         with tempfile.TemporaryDirectory(prefix="dsat-upload-") as staging:
             includes = stage_context(settings, experiment, Path(staging))
             try:
@@ -164,8 +185,9 @@ def submit(settings: SearchSettings, experiment: Experiment, environ: Mapping[st
                     raise
                 raise DsatError(
                     f"{experiment.model_dir}: MODEL_DIR, the config and the includes come to more "
-                    "than Determined uploads; list what trials do not need (data, checkpoints) "
-                    "in a .detignore file in MODEL_DIR"
+                    "than Determined uploads; list what trials do not need (data, checkpoints"
+                    f"{', ' + RESULTS_ROOT + '/' if uploaded_results else ''}) in a .detignore "
+                    "file in MODEL_DIR"
                 ) from None
     except api_errors.MasterNotFoundException:
         raise DsatError(

@@ -94,6 +94,27 @@ def test_submission_creates_the_search_runner_and_uploads_the_tree(
     assert not any(path.endswith(".pkl") for path in files)
 
 
+def test_earlier_local_results_in_the_model_dir_are_said_to_be_uploaded(
+    master: FakeMaster, model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`python3 -m dsat guided deepspeed.yaml .` leaves dsat-results/ in MODEL_DIR: Determined
+    uploaded it, a copy of MODEL_DIR per trial in it, to the search runner and every trial,
+    without a word; .detignore, which the client reads, is what leaves it out."""
+    earlier = model_dir / "dsat-results" / "core-api-mlp-20261129T101010Z"
+    earlier.mkdir(parents=True)
+    (earlier / "trials.jsonl").write_text("")
+    args = ["asha", str(model_dir / "deepspeed.yaml"), str(model_dir)]
+    assert main(args) == 0
+    assert "add a line dsat-results/ to" in capsys.readouterr().out
+    assert (
+        "mlp/dsat-results/core-api-mlp-20261129T101010Z/trials.jsonl" in master.experiments[0].files
+    )
+    (model_dir / ".detignore").write_text("data/\ndsat-results/\n")
+    assert main(args) == 0
+    assert "dsat-results" not in capsys.readouterr().out
+    assert not any("dsat-results" in path for path in master.experiments[1].files)
+
+
 def test_a_search_runner_config_file_replaces_the_generated_one(
     master: FakeMaster, model_dir: Path, tmp_path: Path
 ) -> None:
