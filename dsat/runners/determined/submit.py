@@ -27,7 +27,7 @@ from typing import Any
 from dsat.constants import ENV_DET_MASTER, RESULTS_ROOT
 from dsat.errors import DsatError
 from dsat.experiment.config import Experiment, load_yaml_mapping
-from dsat.experiment.settings import SearchSettings
+from dsat.experiment.settings import DEFAULT_MAX_SEARCH_RUNNER_RESTARTS, SearchSettings
 from dsat.runners.determined.configs import (
     DSAT_PACKAGE,
     SEARCH_RUNNER_ENTRYPOINT,
@@ -112,8 +112,16 @@ def stage_context(settings: SearchSettings, experiment: Experiment, staging: Pat
 
 def runner_config(settings: SearchSettings, experiment: Experiment) -> dict[str, Any]:
     if settings.search_runner_config is not None:
-        config = load_yaml_mapping(Path(settings.search_runner_config))
+        path = settings.search_runner_config
+        config = load_yaml_mapping(Path(path))
         config.setdefault("entrypoint", SEARCH_RUNNER_ENTRYPOINT)
+        restarts = settings.max_search_runner_restarts
+        if restarts != DEFAULT_MAX_SEARCH_RUNNER_RESTARTS:  # given: taken, not dropped unsaid
+            if config.setdefault("max_restarts", restarts) != restarts:
+                raise DsatError(
+                    f"--max-search-runner-restarts {restarts} and max_restarts "
+                    f"{config['max_restarts']} in {path} disagree; drop one"
+                )
         return config
     return search_runner_config(experiment.config, settings, experiment.config_path.stem)
 

@@ -133,6 +133,23 @@ def test_a_search_runner_config_file_replaces_the_generated_one(
     config = master.experiments[0].config
     assert config["name"] == "my-runner"
     assert config["entrypoint"] == SEARCH_RUNNER_ENTRYPOINT  # filled in when the file has none
+    assert "max_restarts" not in config  # the file's to say (Determined's default)
+
+
+def test_max_search_runner_restarts_given_with_a_runner_config_file_is_taken(
+    master: FakeMaster, model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It was dropped without a word: the file's experiment ran with Determined's default."""
+    runner_yaml = tmp_path / "runner.yaml"
+    runner_yaml.write_text("name: my-runner\nresources: {slots_per_trial: 0}\n")
+    args = ["asha", str(model_dir / "deepspeed.yaml"), str(model_dir)]
+    given = [*args, "--search-runner-config", str(runner_yaml), "--max-search-runner-restarts", "1"]
+    assert main(given) == 0
+    assert master.experiments[0].config["max_restarts"] == 1
+    runner_yaml.write_text("name: my-runner\nmax_restarts: 3\n")
+    assert main(given) == 2
+    err = capsys.readouterr().err
+    assert "--max-search-runner-restarts 1 and max_restarts 3 in" in err and "drop one" in err
 
 
 def test_a_master_without_custom_searchers_gets_a_one_line_error(
