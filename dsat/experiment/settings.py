@@ -209,10 +209,10 @@ class SearchSettings:
     @classmethod
     def from_json(cls, text: str) -> SearchSettings:
         data: dict[str, Any] = json.loads(text)
-        if "backend" in data and "runner" not in data:  # saved before --backend became --runner
-            data["runner"] = data.pop("backend")
         if not isinstance(data, dict):
             raise DsatError(f"search settings are a JSON {type(data).__name__}, not an object")
+        if "backend" in data and "runner" not in data:  # saved before --backend became --runner
+            data["runner"] = data.pop("backend")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
