@@ -439,6 +439,16 @@ def test_a_lead_within_the_noise_of_the_runs_says_that_noise() -> None:
     assert reason.endswith("% a run, over 3 and 3 runs; either is as good)"), reason
 
 
+def test_a_noise_the_runs_did_not_show_is_said_to_be_the_searchs() -> None:
+    """ "one run's spread: 0.0%" stood above "within the noise: 1.1% a run" on the simulator,
+    whose repeats are exact: the noise was the prior's and the other trials', unsaid."""
+    m = method("binary", metric="throughput")
+    fast = measured(m, 40, [101.0, 101.0], memory=0.5, searched=101.0)
+    slow = measured(m, 32, [100.0, 100.0], memory=0.5, searched=100.0)
+    reason = decide(m.tracker, [fast, slow]).reason
+    assert "% a run by the search's trials (these runs: 0.0%), over 3 and 3 runs" in reason, reason
+
+
 def test_where_no_leader_runs_again_the_best_of_the_search_is_handed_over_and_said() -> None:
     """Every confirmation run crashed: the round shows nothing, and the search's own best that
     may be handed over is, with that said."""
