@@ -604,17 +604,28 @@ def diagnose_crash(log: str, code: int | None, oom_killed: bool | None) -> Diagn
             )
         how = "by the kernel's out-of-memory killer" if oom_killed else "most likely out of memory"
         return Diagnosis(FailureCause.CONFIG, f"killed by SIGKILL, {how}", out_of_memory=True)
-    if code is not None and code < 0 and -code in OUTSIDE_SIGNALS:
-        name = signal.Signals(-code).name
-        raised = " (a KeyboardInterrupt it raised)" if -code == signal.SIGINT else ""
-        return Diagnosis(
-            FailureCause.MACHINE, f"stopped by {name} {FROM_OUTSIDE}: {WHO_ELSE}{raised}"
-        )
+    # The trial's process, or the rank torchrun names as the first to fail (its peers then lost
+    # it, and said only that): a rank stopped from outside is no more the config's than a
+    # trial's process is.
+    for stopped in (code, exit_status(log, None)):
+        if stopped is not None and stopped < 0 and -stopped in OUTSIDE_SIGNALS:
+            name = signal.Signals(-stopped).name
+            raised = " (a KeyboardInterrupt it raised)" if -stopped == signal.SIGINT else ""
+            whose = "" if stopped == code else f"rank {root_cause_rank(log)} of the trial "
+            return Diagnosis(
+                FailureCause.MACHINE,
+                f"{whose}stopped by {name} {FROM_OUTSIDE}: {WHO_ELSE}{raised}",
+            )
     lines = [line for _, line in final_exceptions(log, code)]
     first_rank = root_cause_rank(log)
     others = []
     if first_rank is not None:
-        others = not_the_machines([line for _, line in final_exceptions(log, code, first_rank)])
+        first = [line for _, line in final_exceptions(log, code, first_rank)]
+        others = not_the_machines(first)
+        if not others and not all(lost_a_peer(line) for line in first):
+            # The first to fail, failed of the machine (a limit, a port): that, not the lost
+            # peer its peers then said, is the trial's end.
+            others = first
     if all(lost_a_peer(line) for line in others):  # it only lost a peer (a worker of its own)
         others = not_the_machines(lines)
     others = [line for line in others if not lost_a_peer(line)] or others
