@@ -107,7 +107,11 @@ class CheckpointedSearchRunner(searcher.RemoteSearchRunner):  # type: ignore[mis
             if isinstance(op, searcher.Create):
                 self.started[str(op.request_id)] = now
             elif isinstance(op, searcher.Shutdown):
-                self.writer.write_summary(self.method.tracker, notes=self.method.summary_notes())
+                self.writer.write_summary(
+                    self.method.tracker,
+                    self.method.ending.handover_reason,
+                    self.method.summary_notes(),
+                )
         self.last_operations = ops
         return ops
 
@@ -200,7 +204,9 @@ def run(core_context: Any, workdir: Path, runner_experiment_id: int) -> DsatSear
     stopped_from_outside = not (runner.state.experiment_completed or method.finished)
     summary = runner.results_dir / SUMMARY_FILE
     if stopped_from_outside:
-        runner.writer.write_summary(method.tracker, notes=method.summary_notes())
+        runner.writer.write_summary(
+            method.tracker, method.ending.handover_reason, method.summary_notes()
+        )
     if summary.is_file():
         logger.info("dsat summary:\n%s", summary.read_text())
     if stopped_from_outside:

@@ -19,7 +19,7 @@ from determined import searcher
 from dsat.constants import ERROR_CAUSE_METRIC_KEY, ERROR_METRIC_KEY, OOM_METRIC_KEY
 from dsat.search.method import DsatSearchMethod
 from dsat.search.method_state import load_state, save_state
-from dsat.trial import TrialOutcome, TrialStatus
+from dsat.trial import TrialKind, TrialOutcome, TrialStatus
 from dsat.trial_failure import FailureCause
 
 # Where a trial failed without telling why (before or outside dsat_reporting_context, or a peer
@@ -120,8 +120,14 @@ class DsatSearcher(searcher.SearchMethod):  # type: ignore[misc]
         return self._suggested()
 
     def progress(self, searcher_state: searcher.SearcherState) -> float:
-        finished = len(self.method.tracker.finished)
-        return min(finished / self.method.settings.max_trials, 1.0)
+        # Of every trial the search may run: the user's baseline and the confirmation round
+        # come on top of --max-trials (the round's runs once it starts, its most until then),
+        # which read 100% with a fifth of the trials still to run.
+        tracker = self.method.tracker
+        planned = tracker.max_trials
+        if not any(r.kind is TrialKind.CONFIRM for r in tracker.records):
+            planned += self.method.settings.confirm_top
+        return min(len(tracker.finished) / max(planned, 1), 1.0)
 
     def save_method_state(self, path: Path) -> None:
         save_state(self.method, Path(path))

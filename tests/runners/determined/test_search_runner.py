@@ -169,6 +169,8 @@ def test_a_whole_search_runs_through_remote_search_runner(
     assert len(searched) == 16 and len(confirmations) == 3 and len(baselines) == 1
     assert len(cluster.created_order) == 16 + 3 + 1
     assert "x your config" in (checkpoint / "summary.txt").read_text()
+    # Why the hand-over won, as the local summary says it (the cluster's said nothing).
+    assert f"handed over: {method.tracker.best().name}: " in (checkpoint / SUMMARY_FILE).read_text()
     statuses = [line["status"] for line in searched]
     assert statuses.count("error") >= 1 and "completed" in statuses
     completed = [
@@ -188,6 +190,8 @@ def test_a_whole_search_runs_through_remote_search_runner(
     assert "| global" in (checkpoint / SUMMARY_FILE).read_text()
     assert not list(checkpoint.glob("*.pkl")) and not (checkpoint / "ops").exists()
     assert cluster.progress and cluster.progress[-1] == pytest.approx(1.0)
+    # The baseline and the confirmation round count from the start: it read 100% before them.
+    assert cluster.progress == sorted(cluster.progress) and cluster.progress.count(1.0) <= 5
 
 
 def test_a_restarted_search_runner_resumes_and_ends_as_an_uninterrupted_one(
