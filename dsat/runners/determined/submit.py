@@ -95,6 +95,17 @@ def upload_names(experiment: Experiment) -> dict[str, Path]:
                 "context (by dsat or another path); rename it or move it into MODEL_DIR"
             )
         names[name] = path.resolve()
+    # The trials' experiment has MODEL_DIR's contents at its top, and dsat's package and each
+    # include beside them by name: a clash there was the master's "duplicate path" in the search
+    # runner, restarted to fail alike (a clone of dsat in the project, an include copied in).
+    for name in (DSAT_PACKAGE, *(path.resolve().name for path in experiment.includes)):
+        clash = experiment.model_dir / name
+        if clash.exists() or clash.is_symlink():
+            raise DsatError(
+                f"{clash}: each trial's context takes "
+                f"{'dsat itself' if name == DSAT_PACKAGE else 'that --include'} under the name "
+                f"'{name}' beside MODEL_DIR's files; rename or move one of the two"
+            )
     return names
 
 

@@ -196,6 +196,22 @@ def test_upload_names_must_not_collide(tmp_path: Path) -> None:
         upload_names(experiment)
 
 
+@pytest.mark.parametrize("inside", ["dsat", "vocab.json"])
+def test_a_name_the_trials_context_takes_twice_is_refused(tmp_path: Path, inside: str) -> None:
+    """MODEL_DIR's files share the trials' context with dsat's package and each include: a
+    clash submitted fine, then the search runner failed on the master's "duplicate path" as
+    often as Determined restarted it."""
+    model = tmp_path / "mlp"
+    copy_example(model)
+    (tmp_path / "vocab.json").write_text("{}")
+    (model / inside).mkdir()
+    experiment = load_experiment(
+        model / "deepspeed.yaml", model, includes=(tmp_path / "vocab.json",)
+    )
+    with pytest.raises(DsatError, match=f"takes .* under the name '{inside}' beside MODEL_DIR"):
+        upload_names(experiment)
+
+
 @pytest.mark.parametrize(
     ("flags", "named"),
     [
