@@ -13,6 +13,7 @@ import math
 import os
 import re
 import shlex
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -523,6 +524,27 @@ def refuse_unreadable_files(copied: list[Path]) -> None:
                 f"{shown(path)} cannot be read, and every trial runs in a copy of MODEL_DIR "
                 "(and --include); make it readable by the user running dsat, or move it out"
             )
+        special = special_file_kind(path)
+        if special:  # a named pipe's upload to Determined waited for a writer for ever
+            raise DsatError(
+                f"{shown(path)} is {special}, not a file a copy of MODEL_DIR (and --include) "
+                "can hold, and every trial runs in one; move it out"
+            )
+
+
+def special_file_kind(path: Path) -> str:
+    """What ``path`` is where it is no regular file ("" where it is one, or a broken link)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return ""
+    kinds = {
+        stat.S_ISFIFO: "a named pipe",
+        stat.S_ISSOCK: "a socket",
+        stat.S_ISCHR: "a character device",
+        stat.S_ISBLK: "a block device",
+    }
+    return next((kind for test, kind in kinds.items() if test(mode)), "")
 
 
 def refuse_others_files(results_dir: Path) -> None:

@@ -1137,6 +1137,16 @@ def test_a_model_dir_file_that_cannot_be_read_is_one_line_before_any_trial(
     assert not results.exists()
 
 
+def test_a_named_pipe_in_the_model_dir_is_one_line_before_any_trial(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Determined's upload of it waited for a writer for ever; a trial's copy failed on it."""
+    path = write_experiment(tmp_path / "m")
+    os.mkfifo(path.parent / "events")
+    line = assert_one_line_error(capsys, ["asha", str(path), str(path.parent)])
+    assert "m/events is a named pipe, not a file a copy of MODEL_DIR" in line, line
+
+
 def test_a_global_batch_that_replaces_the_configs_is_said_at_launch(tmp_path: Path) -> None:
     """--global-batch replaced the file's batch without a word, and "your config" then ran at
     another micro-batch than the file's."""
