@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import re
 import shutil
 import tempfile
@@ -26,7 +27,7 @@ from typing import Any
 
 from dsat.constants import ENV_DET_MASTER, RESULTS_ROOT
 from dsat.errors import DsatError
-from dsat.experiment.config import Experiment, load_yaml_mapping
+from dsat.experiment.config import Experiment, entrypoint_script, load_yaml_mapping
 from dsat.experiment.settings import DEFAULT_MAX_SEARCH_RUNNER_RESTARTS, SearchSettings
 from dsat.runners.determined.configs import (
     DSAT_PACKAGE,
@@ -159,6 +160,35 @@ def earlier_results_uploaded(model_dir: Path) -> str:
     )
 
 
+def what_the_upload_loses(experiment: Experiment) -> tuple[list[str], list[str]]:
+    """What Determined's client would not take of MODEL_DIR as the trials need it: the files
+    dsat checked that its .detignore leaves out (each an error: the search runner failed on
+    the config, or every trial on the script), and the links to folders it uploads empty (its
+    walk does not follow them: a note, since the same path may be there on the cluster)."""
+    from determined.common import detignore
+
+    model_dir = experiment.model_dir
+    spec = detignore._build_detignore_pathspec(model_dir)
+    needed = [experiment.ds_config_path]
+    script = entrypoint_script(experiment.config.get("entrypoint"))
+    if script is not None:
+        needed.append(model_dir / script)
+    dropped = []
+    for path in needed:
+        with contextlib.suppress(ValueError):  # not in MODEL_DIR: an include, uploaded whole
+            relative = path.resolve().relative_to(model_dir.resolve())
+            folders = [str(p) + "/" for p in relative.parents if str(p) != "."]
+            if any(spec.match_file(name) for name in [str(relative), *folders]):
+                dropped.append(str(path))
+    linked = sorted(
+        str(Path(folder, name))
+        for folder, subdirs, _ in os.walk(model_dir)
+        for name in subdirs
+        if Path(folder, name).is_symlink()
+    )
+    return dropped, linked
+
+
 def said_by(err: BaseException) -> str:
     """What the master said, in one line: its gateway's JSON body carries it as "message";
     else the first line of what its client raised, or the error's kind where it said nothing."""
@@ -195,6 +225,18 @@ def submit(settings: SearchSettings, experiment: Experiment, environ: Mapping[st
         uploaded_results = earlier_results_uploaded(experiment.model_dir)
         if uploaded_results:
             print(f"dsat: note: {uploaded_results}")
+        dropped, linked = what_the_upload_loses(experiment)
+        if dropped:
+            raise DsatError(
+                f"{dropped[0]}: {experiment.model_dir / '.detignore'} leaves it out of what "
+                "Determined uploads, and the trials need it; take it out of .detignore"
+            )
+        for folder in linked:
+            print(
+                f"dsat: note: {folder} links to a folder, which Determined uploads empty (its "
+                "client does not follow links): the trials find it so unless the cluster mounts "
+                "it there; copy its files in, or read them from where the cluster has them"
+            )
         with tempfile.TemporaryDirectory(prefix="dsat-upload-") as staging:
             includes = stage_context(settings, experiment, Path(staging))
             try:

@@ -115,6 +115,35 @@ def test_earlier_local_results_in_the_model_dir_are_said_to_be_uploaded(
     assert not any("dsat-results" in path for path in master.experiments[1].files)
 
 
+@pytest.mark.parametrize("line", ["ds_config.json", "*.py", "/train.py"])
+def test_a_detignore_that_leaves_out_what_the_trials_need_is_one_line(
+    master: FakeMaster, model_dir: Path, capsys: pytest.CaptureFixture[str], line: str
+) -> None:
+    """It submitted, then the search runner failed on the missing config (and Determined
+    restarted it to fail alike), or every trial failed on the missing script."""
+    (model_dir / ".detignore").write_text(f"data/\n{line}\n")
+    code = main(["asha", str(model_dir / "deepspeed.yaml"), str(model_dir)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert ".detignore leaves it out of what Determined uploads, and the trials need it" in err[0]
+    assert not master.experiments
+
+
+def test_a_link_to_a_folder_in_the_model_dir_is_said_to_upload_empty(
+    master: FakeMaster, model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Determined's client does not follow it: the trials found an empty folder, unsaid."""
+    shared = tmp_path / "datasets" / "x"
+    shared.mkdir(parents=True)
+    (shared / "x.txt").write_text("x")
+    (model_dir / "corpus").symlink_to(shared, target_is_directory=True)
+    assert main(["asha", str(model_dir / "deepspeed.yaml"), str(model_dir)]) == 0
+    assert f"{model_dir / 'corpus'} links to a folder, which Determined uploads empty" in (
+        capsys.readouterr().out
+    )
+    assert not any("x.txt" in path for path in master.experiments[0].files)
+
+
 def test_a_search_runner_config_file_replaces_the_generated_one(
     master: FakeMaster, model_dir: Path, tmp_path: Path
 ) -> None:
