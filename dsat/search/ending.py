@@ -162,10 +162,12 @@ def no_search_trial_succeeded(finished: list[TrialRecord]) -> str | None:
         reasons.setdefault(failure_key(record) or record.status.value, []).append(record)
     alike = max(reasons.values(), key=len)
     reason = first_line(alike[-1].error) or alike[-1].status.value
-    return (
-        f"none of the {len(searched)} search trials succeeded; {len(alike)} ended with: "
-        f"{reason}{log_note(alike[-1].log)}"
+    which = (
+        "the one search trial did not succeed; it ended with"
+        if len(searched) == 1
+        else f"none of the {len(searched)} search trials succeeded; {len(alike)} ended with"
     )
+    return f"{which}: {reason}{log_note(alike[-1].log)}"
 
 
 def repeated_machine_failure(finished: list[TrialRecord]) -> str | None:

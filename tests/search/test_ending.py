@@ -286,6 +286,10 @@ def test_where_no_search_trial_succeeded_the_most_common_reason_is_said() -> Non
         "none of the 3 search trials succeeded; 2 ended with: oom"
     )
     assert no_search_trial_succeeded([*failed, ended(4, 1, 2, TrialStatus.COMPLETED)]) is None
+    # One trial: not "none of the 1 search trials succeeded; 1 ended with".
+    assert no_search_trial_succeeded([PROFILED, oom[0]]) == (
+        "the one search trial did not succeed; it ended with: oom"
+    )
     # Reasons that differ only in a number (a port, a step count) are one reason.
     refused = "ConnectionRefusedError: Connect call failed ('127.0.0.1', {port})"
     ports = [ended(i, 1, 2 + i, error=refused.format(port=29500 + i)) for i in range(3)]
