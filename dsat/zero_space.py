@@ -150,6 +150,25 @@ def size_text(value: float) -> str:
     return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
 
 
+def searchable_section(section: dict[str, Any], stage: int) -> dict[str, Any]:
+    """The user's ZeRO section as the start of ``stage``'s search, without a knob's value of
+    another kind than the knob's: HF's "auto", which its Trainer fills in the trial (a step
+    from it compared a string with numbers, and the search ended in a traceback). DeepSpeed's
+    default stands in for it, as where the user set none."""
+    knobs = zero_knobs(stage)
+    return {
+        key: value
+        for key, value in section.items()
+        if key not in knobs or _of_the_knobs_kind(value, knobs[key])
+    }
+
+
+def _of_the_knobs_kind(value: Any, choices: tuple[Any, ...]) -> bool:
+    if all(isinstance(c, bool) for c in choices):
+        return isinstance(value, bool)
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def explicit_zero_config(section: dict[str, Any], stage: int) -> dict[str, Any]:
     """``section`` at ``stage`` with every knob of that stage spelled out, DeepSpeed's defaults
     where the user set none, so that one step changes one known value."""

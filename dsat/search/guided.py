@@ -45,6 +45,7 @@ from dsat.zero_space import (
     explicit_zero_config,
     knob_steps,
     needs_no_less_memory,
+    searchable_section,
     section_key,
     stage3_ladders,
 )
@@ -504,7 +505,8 @@ class GuidedSearch(DsatSearchMethod):
 
         for stage in self.zero_stages:
             for offload in self.offload_space(stage):
-                section = explicit_zero_config({**self._user_zero_section(), **offload}, stage)
+                users = searchable_section(self._user_zero_section(), stage)
+                section = explicit_zero_config({**users, **offload}, stage)
                 if stage == 3:  # ZeRO-3's own knobs, from the hidden size where the user set none
                     start = self.stage3_start()
                     mine = {

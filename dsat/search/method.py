@@ -567,7 +567,9 @@ class DsatSearchMethod(SearchMethod):
         )
 
     def _user_zero_section(self) -> dict[str, Any]:
-        section = self.spec.ds_config.get("zero_optimization")
+        """The user's ZeRO section with their overrides' (the hyperparameters'): a knob set
+        there was replaced by DeepSpeed's default in every search trial."""
+        section = self.spec.user_config.get("zero_optimization")
         return dict(section) if isinstance(section, dict) else {}
 
     @property

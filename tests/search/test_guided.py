@@ -19,12 +19,14 @@ from dsat.runners.simulated.performance_models import (
     optimum,
 )
 from dsat.runners.simulated.runner import SimulatedRunner
-from dsat.search import make_search_method
+from dsat.search import MethodSettings, make_search_method
 from dsat.search.guided import ConfigState
 from dsat.search.method import DsatSearchMethod
+from dsat.search.trial_builder import SearchSpec
 from dsat.trial import TrialKind, TrialRecord, TrialStatus
 from dsat.zero_space import needs_no_less_memory
 from tests.search.helpers import (
+    BASE_DS,
     cliff_function,
     history,
     method,
@@ -530,3 +532,49 @@ def test_one_trial_at_a_time_searches_after_the_users_config(baseline_fits: bool
     assert kinds[:2] == [TrialKind.MODEL_PROFILE, TrialKind.BASELINE]
     assert kinds.count(TrialKind.SEARCH) == 9 and m.tracker.best() is not None
     assert not m.search_failed
+
+
+# HF's documented ZeRO-2 template: its Trainer fills each "auto" in the trial.
+HF_ZERO2 = {
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+    "zero_optimization": {
+        "stage": 2,
+        "allgather_partitions": True,
+        "allgather_bucket_size": "auto",
+        "reduce_bucket_size": "auto",
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+    },
+}
+
+
+def test_an_hf_template_with_auto_bucket_sizes_is_searched_from_deepspeeds_defaults() -> None:
+    """Guided stepped "auto" against numbers: a TypeError's traceback right after the model
+    profile, for HF's own ZeRO-2 and ZeRO-3 templates."""
+    m = make_search_method(
+        MethodSettings(method="guided", zero_stages=(1, 2), confirm_top=0),
+        spec(ds_config=HF_ZERO2),
+    )
+    driver = run(m, cliff_function(24))
+    searched = [f for f in driver.history if f.outcome.status is TrialStatus.COMPLETED]
+    assert len(searched) > 3
+    for finished in driver.history[1:]:  # the model profile runs the user's section as it is
+        zero = finished.ds_config["zero_optimization"]
+        assert "auto" not in (zero.get("reduce_bucket_size"), zero.get("allgather_bucket_size"))
+
+
+def test_a_zero_knob_the_users_overrides_set_is_where_the_search_starts() -> None:
+    """Set in the experiment's overwrite_deepspeed_args, it was replaced by DeepSpeed's default
+    in every search trial: only the model profile ran the user's value."""
+    hparams = {
+        "deepspeed_config": "ds.json",
+        "overwrite_deepspeed_args": {"zero_optimization": {"reduce_bucket_size": 20_000_000}},
+    }
+    m = make_search_method(
+        MethodSettings(method="guided", zero_stages=(1,), confirm_top=0),
+        SearchSpec(hparams, dict(BASE_DS), 1),
+    )
+    driver = run(m, cliff_function(24))
+    sizes = [f.ds_config["zero_optimization"]["reduce_bucket_size"] for f in driver.history]
+    assert sizes[0] == sizes[1] == 20_000_000, sizes  # the model profile, then the search's first
