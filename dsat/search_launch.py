@@ -33,6 +33,7 @@ from dsat.experiment.batch_size import batch_value, fixed_global_batch
 from dsat.experiment.config import (
     HF_BATCH_FLAGS,
     Experiment,
+    autotuning_enabled_note,
     check_entrypoint_launcher,
     check_entrypoint_script,
     check_hf_args_file,
@@ -279,6 +280,9 @@ def plan_search(
                 f"{flag} only applies to --runner {kind} (the runner is {runner.value}); drop it"
             )
     notes = unknown_key_notes(experiment.config, str(settings.config_path))
+    enabled = autotuning_enabled_note(experiment.ds_config, str(experiment.ds_config_path))
+    if enabled is not None:
+        notes.append(f"dsat: note: {enabled}")
     if runner is not RunnerKind.SIMULATED:
         check_entrypoint_script(experiment)
         command = entrypoint_command(experiment)

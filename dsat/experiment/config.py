@@ -482,6 +482,13 @@ def load_experiment(
         ds_config = {**ds_config, "zero_optimization": {"stage": int(zero)}}
     replaced = None
     if global_batch is not None:
+        overrides = hparams.get(OVERWRITE_KEY)
+        theirs = overrides.get(TRAIN_BATCH_SIZE) if isinstance(overrides, dict) else None
+        if theirs is not None and theirs != global_batch:  # it won in every trial, unsaid
+            raise DsatError(
+                f"{GLOBAL_BATCH_FLAG} {global_batch} and hyperparameters.{OVERWRITE_KEY}."
+                f"{TRAIN_BATCH_SIZE} {theirs} in {config_path} disagree; drop one"
+            )
         slots = slots_per_trial(config, str(config_path))
         replaced = replaced_batch(ds_config, global_batch, slots, str(ds_path))
         ds_config = with_global_batch(ds_config, global_batch, slots, GLOBAL_BATCH_FLAG)
@@ -585,10 +592,31 @@ def contains_auto(value: Any) -> bool:
 
 
 def trial_ready_config(ds_config: Mapping[str, Any], slots: int, source: str) -> dict[str, Any]:
-    """``ds_config`` with a consistent batch triple and no autotuning block, as a trial runs it."""
+    """``ds_config`` with a consistent batch triple and no autotuning block, as a trial runs it.
+    The user's own block, handed back with the rest, must be one DeepSpeed can read."""
+    block = ds_config.get(AUTOTUNING_KEY)
+    if block is not None and not isinstance(block, Mapping):
+        raise DsatError(  # DeepSpeed's parser fails on it with an AttributeError
+            f"{source}: {AUTOTUNING_KEY} is {json.dumps(block)}, not a section DeepSpeed reads "
+            f'({{"enabled": false, ...}}); drop it (dsat sets its own in every trial)'
+        )
     config = deep_merge(ds_config, consistent_batch_sizes(ds_config, slots, source=source))
     config.pop(AUTOTUNING_KEY, None)
     return config
+
+
+def autotuning_enabled_note(ds_config: Mapping[str, Any], source: str) -> str | None:
+    """What to say where the user's own autotuning block is enabled: best_ds_config.json keeps
+    it as they wrote it, and DeepSpeed then ends training at its profile steps, without a
+    word (a block copied from DeepSpeed's autotuning tutorial)."""
+    block = ds_config.get(AUTOTUNING_KEY)
+    if not isinstance(block, Mapping) or block.get("enabled") is not True:
+        return None
+    return (
+        f"{source} has {AUTOTUNING_KEY}.enabled true, which best_ds_config.json keeps as you "
+        "wrote it: DeepSpeed stops training at its profile steps with it; set it false to "
+        "train with the hand-over"
+    )
 
 
 def validate_with_deepspeed(ds_config: Mapping[str, Any], slots: int, source: str) -> bool:

@@ -11,8 +11,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from dsat.constants import OVERWRITE_KEY
 from dsat.errors import DsatError
 from dsat.experiment.config import (
+    autotuning_enabled_note,
     check_entrypoint_script,
     deep_merge,
     entrypoint_ds_config,
@@ -560,3 +562,29 @@ def test_an_empty_or_cut_deepspeed_config_is_one_line(tmp_path: Path, text: str,
     with pytest.raises(DsatError) as raised:
         load_experiment(path, path.parent)
     assert said in str(raised.value), raised.value
+
+
+def test_a_global_batch_the_overrides_contradict_is_refused(tmp_path: Path) -> None:
+    """The hyperparameters' train_batch_size won in every trial and the hand-over, and
+    --global-batch was dropped without a word."""
+    overrides = {"deepspeed_config": "ds_config.json", OVERWRITE_KEY: {"train_batch_size": 256}}
+    path = write_experiment(tmp_path / "m", config={"hyperparameters": overrides})
+    with pytest.raises(DsatError, match="--global-batch 64 and hyperparameters.overwrite_deepsp"):
+        load_experiment(path, path.parent, global_batch=64)
+    assert load_experiment(path, path.parent, global_batch=256).ds_config["train_batch_size"] == 256
+
+
+@pytest.mark.parametrize("block", [True, [1], "on"])
+def test_an_autotuning_value_deepspeed_cannot_read_is_refused(block: object) -> None:
+    """DeepSpeed's parser fails on it (an AttributeError); it was searched and handed back."""
+    config = {"train_micro_batch_size_per_gpu": 2, "autotuning": block}
+    with pytest.raises(DsatError, match="ds.json: autotuning is .*, not a section DeepSpeed reads"):
+        trial_ready_config(config, 1, "ds.json")
+
+
+def test_a_users_enabled_autotuning_block_is_said_to_stop_training() -> None:
+    """Handed back as written, it ended the user's training at its profile steps, unsaid."""
+    said = autotuning_enabled_note({"autotuning": {"enabled": True}}, "ds.json")
+    assert said is not None and "DeepSpeed stops training at its profile steps" in said
+    assert autotuning_enabled_note({"autotuning": {"enabled": False}}, "ds.json") is None
+    assert autotuning_enabled_note({}, "ds.json") is None
