@@ -248,7 +248,7 @@ class RayRunner:
         print(f"dsat: full experiment on the Ray cluster ({self.layout.describe()})", flush=True)
         text = codecs.getincrementaldecoder("utf-8")(errors="replace")  # chunks split characters
         codes: list[int | None] | None = None
-        ended, failed_there = False, ""
+        ended, interrupted, failed_there = False, False, ""
         kept_on_nodes: list[str] = []
         try:
             while not self._launch_if_placed(trial):
@@ -278,6 +278,9 @@ class RayRunner:
         except (RayTaskError, RayOutOfMemoryError) as err:  # a step failed there: its disk
             codes = None
             failed_there = f"a node failed to run it: {step_failure(err)}"
+        except KeyboardInterrupt:
+            interrupted = True
+            raise
         finally:  # nothing of it stays on the cluster, unless its files could not come back
             self._stop(trial)
             self._stop_left_running(trial)
@@ -285,6 +288,13 @@ class RayRunner:
                 self._collect_logs(trial, cap=False, clean=False)  # the user's training log
                 if ended:
                     kept_on_nodes = self._bring_back(trial)
+                elif interrupted:  # its checkpoints, hours of training perhaps, were removed
+                    kept_on_nodes = list(trial.nodes)
+                    print(
+                        "dsat: the full run was interrupted; what it wrote "
+                        f"{self._left_on_nodes(trial, kept_on_nodes)}",
+                        flush=True,
+                    )
             except KeyboardInterrupt:
                 kept_on_nodes = list(trial.nodes)
                 print(

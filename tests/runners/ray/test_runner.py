@@ -9,6 +9,7 @@ import re
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -398,6 +399,40 @@ def test_ctrl_c_while_a_full_runs_files_come_back_leaves_them_on_its_nodes(
         runner.run_full_experiment({OVERWRITE_KEY: {"train_micro_batch_size_per_gpu": 1}})
     said = capsys.readouterr().out
     assert "interrupted while what the full run wrote came back; it stays on its Ray nodes" in said
+    copies = node_copies(runner)
+    try:
+        assert len(copies) == 2 and all((c / "output" / "latest").is_file() for c in copies)
+    finally:
+        if copies:
+            shutil.rmtree(copies[0].parent)
+    assert_nothing_left(runner.results_dir)
+
+
+def test_ctrl_c_while_a_full_run_trains_leaves_what_it_wrote_on_its_nodes(
+    ray_cluster: RayTestCluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The nodes' copies, the checkpoints the run had written among them, were removed with the
+    run: hours of training lost to one Ctrl-C (the local runner's full run works in
+    full-experiment/ and keeps them)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "job.py").write_text(WRITES_ITS_OUTPUTS + "import time\ntime.sleep(120)\n")
+    runner = runner_for(tmp_path, model, ["python3", "job.py"], slots=2)
+    poll = runner._poll
+
+    def ctrl_c_once_written(trial: Any) -> list[int | None]:
+        codes = poll(trial)
+        copies = node_copies(runner)
+        if len(copies) == 2 and all((c / "output" / "latest").is_file() for c in copies):
+            raise KeyboardInterrupt
+        return codes
+
+    runner._poll = ctrl_c_once_written  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        runner.run_full_experiment({OVERWRITE_KEY: {"train_micro_batch_size_per_gpu": 1}})
+    assert "the full run was interrupted; what it wrote it stays on its Ray nodes" in (
+        capsys.readouterr().out
+    )
     copies = node_copies(runner)
     try:
         assert len(copies) == 2 and all((c / "output" / "latest").is_file() for c in copies)
