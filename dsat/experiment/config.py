@@ -477,6 +477,15 @@ def load_experiment(
             f"hyperparameters.{DS_CONFIG_KEY} is {relative}; make them name the same file"
         )
     ds_config = load_ds_json(ds_path, f"hyperparameters.{DS_CONFIG_KEY} in {config_path}")
+    parallel = ds_config.get("sequence_parallel_size")
+    if isinstance(parallel, int) and not isinstance(parallel, bool) and parallel > 1:
+        # DeepSpeed's data-parallel ranks are the slots over it: every batch dsat worked out
+        # for the slots was one DeepSpeed refused (and a right one was refused here).
+        raise DsatError(
+            f"{ds_path}: sequence_parallel_size {parallel}: dsat counts every slot as a "
+            "data-parallel rank and does not tune sequence-parallel training; drop the key to "
+            "tune the data-parallel run, or tune this one by hand"
+        )
     zero = ds_config.get("zero_optimization")
     if isinstance(zero, bool):  # DeepSpeed's old form, which it runs as ZeRO-1 (true) or 0
         ds_config = {**ds_config, "zero_optimization": {"stage": int(zero)}}

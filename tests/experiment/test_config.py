@@ -588,3 +588,12 @@ def test_a_users_enabled_autotuning_block_is_said_to_stop_training() -> None:
     assert said is not None and "DeepSpeed stops training at its profile steps" in said
     assert autotuning_enabled_note({"autotuning": {"enabled": False}}, "ds.json") is None
     assert autotuning_enabled_note({}, "ds.json") is None
+
+
+def test_a_sequence_parallel_config_is_refused_in_one_line(tmp_path: Path) -> None:
+    """DeepSpeed divides the ranks by it: every trial's batch and the hand-over were ones it
+    rejected ("112 != 14 * 1 * 4"), and a right batch was refused as inconsistent."""
+    ds = {"train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 2}
+    path = write_experiment(tmp_path / "m", ds_config=ds)
+    with pytest.raises(DsatError, match="sequence_parallel_size 2: dsat counts every slot"):
+        load_experiment(path, path.parent)
