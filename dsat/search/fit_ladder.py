@@ -67,7 +67,20 @@ def with_offload_of(section: dict[str, Any], rung: Mapping[str, Any]) -> dict[st
     GPU: as it is where it keeps as much or more, else with the rung's offload."""
     if offload_level(section) >= offload_level(rung):
         return section
-    return {**section, **rung}
+    return with_offload(section, rung)
+
+
+def with_offload(section: Mapping[str, Any], offload: Mapping[str, Any]) -> dict[str, Any]:
+    """``section`` offloading as ``offload`` (a part of a ZeRO section) says, keeping what the
+    user set of an offload to the same device (``pin_memory: false``, ``fast_init``,
+    ``buffer_count``): each was replaced by dsat's whole choice, pinned memory on."""
+    merged = {**section, **offload}
+    for key, choice in offload.items():
+        mine = section.get(key)
+        if isinstance(mine, Mapping) and isinstance(choice, Mapping):
+            if mine.get("device") == choice.get("device"):
+                merged[key] = {**choice, **mine}
+    return merged
 
 
 OFFLOADED = (

@@ -34,7 +34,7 @@ from dsat.search.concave_curve import NOISE as CURVE_NOISE
 from dsat.search.concave_curve import CurveEvidence, Gap, best_possible, next_gap
 from dsat.search.confirmation import leaders, repeated_measurements
 from dsat.search.denoised_ranking import estimates, measured
-from dsat.search.fit_ladder import offload_level
+from dsat.search.fit_ladder import offload_level, with_offload
 from dsat.search.measurement_noise import noise_scale, relative_noise, residuals_of
 from dsat.search.method import DsatSearchMethod
 from dsat.search.stage3_knobs import hidden_size, stage3_start
@@ -506,7 +506,7 @@ class GuidedSearch(DsatSearchMethod):
         for stage in self.zero_stages:
             for offload in self.offload_space(stage):
                 users = searchable_section(self._user_zero_section(), stage)
-                section = explicit_zero_config({**users, **offload}, stage)
+                section = explicit_zero_config(with_offload(users, offload), stage)
                 if stage == 3:  # ZeRO-3's own knobs, from the hidden size where the user set none
                     start = self.stage3_start()
                     mine = {

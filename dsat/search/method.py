@@ -41,6 +41,7 @@ from dsat.search.fit_ladder import (
     offload_choices,
     offload_level,
     what_it_takes,
+    with_offload,
     with_offload_of,
 )
 from dsat.search.method_settings import MethodSettings
@@ -586,7 +587,9 @@ class DsatSearchMethod(SearchMethod):
         section = random_zero_config(stage, self.rng)
         choices = self.offload_space(stage)
         if len(choices) > 1:
-            section.update(choices[int(self.rng.integers(len(choices)))])
+            choice = choices[int(self.rng.integers(len(choices)))]
+            kept = with_offload(self._user_zero_section(), choice)  # the user's pin_memory...
+            section.update({key: kept[key] for key in choice})
         return section
 
     def new_lineage(self, stage: int | None = None) -> TrialRecord | None:

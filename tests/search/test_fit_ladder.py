@@ -232,3 +232,20 @@ def test_guided_starts_each_offload_family_nvme_apart_from_the_cpu() -> None:
     assert {offload_level(r.zero_section) for r in searched} == {1, 2, 3}
     nvme = [r for r in searched if offload_level(r.zero_section) == 3]
     assert nvme[0].zero_section["offload_param"]["nvme_path"] == "/local_nvme"
+
+
+def test_an_offload_the_user_set_keeps_their_settings_of_it() -> None:
+    """dsat's whole choice replaced it: the user's pin_memory false (hosts where pinning fails)
+    became true in every trial and the hand-over, and fast_init was dropped."""
+    from dsat.search.fit_ladder import with_offload
+
+    mine = {
+        "stage": 2,
+        "offload_optimizer": {"device": "cpu", "pin_memory": False, "fast_init": True},
+    }
+    cpu = {"device": "cpu", "pin_memory": True}
+    both = with_offload(mine, {"offload_optimizer": cpu, "offload_param": cpu})
+    assert both["offload_optimizer"] == {"device": "cpu", "pin_memory": False, "fast_init": True}
+    assert both["offload_param"] == cpu  # nothing of the user's to keep there
+    nvme = {"device": "nvme", "nvme_path": "/nvme", "pin_memory": True}
+    assert with_offload(mine, {"offload_optimizer": nvme})["offload_optimizer"] == nvme
