@@ -784,9 +784,10 @@ def search_here(plan: LaunchPlan, runner: TrialRunner) -> None:
             raise FullRunInterrupted(settings.method, plan.results_dir) from None
         except FullExperimentFailed as err:  # the training failed: how to train again, as Ctrl-C's
             again = f"{resume_command(settings.method, plan.results_dir)} --run-full-experiment"
+            earlier = plan.results_dir / FULL_RUN_DIR
+            move = f"move {shown(earlier)} away, then " if earlier.exists() else ""
             raise FullExperimentFailed(
-                f"{err}; to train again once it is fixed: move "
-                f"{shown(plan.results_dir / FULL_RUN_DIR)} away, then {again}"
+                f"{err}; to train again once it is fixed: {move}{again}"
             ) from None
         except OSError as err:
             failure = write_failure(err, plan.results_dir)

@@ -133,27 +133,36 @@ def test_ctrl_c_in_the_full_run_says_it_was_stopped_and_how_to_train_again(tmp_p
 
 
 class TrainingFails(SimulatedRunner):
-    """A runner whose full run's training exits non-zero, as the local and Ray runners say it."""
+    """A runner whose full run's training exits non-zero, as the local and Ray runners say it
+    (having written its files back into ``wrote``, where given)."""
+
+    wrote: Path | None = None
 
     def run_full_experiment(self, hparams: dict[str, Any]) -> None:
+        if self.wrote is not None:
+            self.wrote.mkdir(parents=True)
         raise FullExperimentFailed(
             "the full experiment with the best config exited with code 1; its log is x.log"
         )
 
 
-def test_a_full_run_that_fails_says_how_to_train_again(tmp_path: Path) -> None:
-    """Ctrl-C's line gave the command that trains again; a crashed run's did not."""
+@pytest.mark.parametrize("wrote", [True, False])
+def test_a_full_run_that_fails_says_how_to_train_again(tmp_path: Path, wrote: bool) -> None:
+    """Ctrl-C's line gave the command that trains again; a crashed run's did not. A run that
+    left nothing in the results dir (its node lost on Ray) was told to move it away."""
     experiment = load_experiment(SIMULATED / "gpt2_large.yaml", SIMULATED)
     settings = search_settings("binary", max_trials=20, run_full_experiment=True)
     runner = TrainingFails(cliff_function(24), experiment.slots_per_trial)
     setup = SimulatedSetup(cliff_function(24), experiment.slots_per_trial)
     results = tmp_path / "r"
+    runner.wrote = results / "full-experiment" if wrote else None
     plan = LaunchPlan(settings, experiment, RunnerKind.RAY, "test", results, setup)
     with pytest.raises(FullExperimentFailed) as raised:
         search_here(plan, runner)
+    move = f"move {results / 'full-experiment'} away, then " if wrote else ""
     assert str(raised.value) == (
         "the full experiment with the best config exited with code 1; its log is x.log; to "
-        f"train again once it is fixed: move {results / 'full-experiment'} away, then "
+        f"train again once it is fixed: {move}"
         f"{resume_command('binary', results)} --run-full-experiment"
     )
 

@@ -269,7 +269,7 @@ class RayRunner:
             ended = True
         except RayActorError as err:  # a node left, or its actor died, while it started or ran
             codes, ended = None, True
-            lost = ", ".join(self._lost_nodes(trial))
+            lost = ", ".join(self._lost_nodes_after(trial, err))
             failed_there = (
                 f"its Ray node {lost} left the cluster"
                 if lost
@@ -719,16 +719,9 @@ class RayRunner:
 
     def _node_lost(self, trial: RayTrial, err: Exception) -> TrialOutcome:
         """An actor of the trial is gone (``err``): its node left the cluster, or it died with
-        its node still up. Its other ranks are stopped; the trial is the machine's error. An
-        actor that cannot be reached may be on a node that has just died, which Ray marks dead
-        only once it missed its health checks: that long is waited for."""
-        from ray.exceptions import ActorUnavailableError
-
-        lost = ", ".join(self._lost_nodes(trial))
-        deadline = time.monotonic() + NODE_DEATH_WAIT_S
-        while not lost and isinstance(err, ActorUnavailableError) and time.monotonic() < deadline:
-            time.sleep(1.0)
-            lost = ", ".join(self._lost_nodes(trial))
+        its node still up (``_lost_nodes_after``). Its other ranks are stopped; the trial is the
+        machine's error."""
+        lost = ", ".join(self._lost_nodes_after(trial, err))
         if lost:
             error = (
                 f"node lost: Ray node {lost} of this trial left the cluster while it ran; its "
@@ -740,6 +733,19 @@ class RayRunner:
                 f"({last_line(str(err))}); its other nodes' processes were stopped"
             )
         return self._ended_by_ray(trial, TrialStatus.ERROR, error, FailureCause.MACHINE)
+
+    def _lost_nodes_after(self, trial: RayTrial, err: Exception) -> list[str]:
+        """The trial's nodes gone, where an actor of it is (``err``). One that cannot be reached
+        may be on a node that has just died, which Ray marks dead only once it missed its health
+        checks: that long is waited for."""
+        from ray.exceptions import ActorUnavailableError
+
+        lost = self._lost_nodes(trial)
+        deadline = time.monotonic() + NODE_DEATH_WAIT_S
+        while not lost and isinstance(err, ActorUnavailableError) and time.monotonic() < deadline:
+            time.sleep(1.0)
+            lost = self._lost_nodes(trial)
+        return lost
 
     def _lost_nodes(self, trial: RayTrial) -> list[str]:
         alive = {node["NodeID"] for node in self.ray.nodes() if node["Alive"]}
