@@ -742,6 +742,7 @@ def test_bad_random_count_flags(
         (["--max-trials", "1"], "an integer of 2 or more"),
         (["--trial-timeout", "inf"], "a positive, finite number"),  # "positive" alone: inf is
         (["--zero-stages=1,2"], "separate the stages with spaces: --zero-stages 1 2"),
+        (["--offload", "--zero-stages", "0"], "--offload needs a ZeRO stage of 1 or more"),
         # "$HEAD" unset: "--ray-address only applies to --runner ray", of the flag it was given
         (["--ray-address", ""], "--ray-address is empty (an unset shell variable?)"),
         (["--runner", "ray", "--ray-address", " "], "give the head node's address, HOST:6379"),

@@ -109,6 +109,11 @@ class SearchSettings:
             raise DsatError(
                 f"--zero-stages must be a subset of 0 1 2 3, got {list(self.zero_stages)}"
             )
+        if self.offload and self.zero_stages == (0,):
+            raise DsatError(  # the search found nothing to offload, and said only "out of memory"
+                "--offload needs a ZeRO stage of 1 or more in --zero-stages (DeepSpeed offloads "
+                "nothing at ZeRO-0); add one, or drop --offload"
+            )
         if self.end_profile_step <= self.start_profile_step:
             raise DsatError(
                 f"--end-profile-step ({self.end_profile_step}) must be greater than "
