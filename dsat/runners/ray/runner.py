@@ -291,8 +291,8 @@ class RayRunner:
                 elif interrupted:  # its checkpoints, hours of training perhaps, were removed
                     kept_on_nodes = list(trial.nodes)
                     print(
-                        "dsat: the full run was interrupted; what it wrote "
-                        f"{self._left_on_nodes(trial, kept_on_nodes)}",
+                        "dsat: the full run was interrupted, and what it wrote did not come "
+                        f"back: {self._left_on_nodes(trial, kept_on_nodes)}",
                         flush=True,
                     )
             except KeyboardInterrupt:

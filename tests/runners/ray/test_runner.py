@@ -399,13 +399,7 @@ def test_ctrl_c_while_a_full_runs_files_come_back_leaves_them_on_its_nodes(
         runner.run_full_experiment({OVERWRITE_KEY: {"train_micro_batch_size_per_gpu": 1}})
     said = capsys.readouterr().out
     assert "interrupted while what the full run wrote came back; it stays on its Ray nodes" in said
-    copies = node_copies(runner)
-    try:
-        assert len(copies) == 2 and all((c / "output" / "latest").is_file() for c in copies)
-    finally:
-        if copies:
-            shutil.rmtree(copies[0].parent)
-    assert_nothing_left(runner.results_dir)
+    assert_kept_on_both_nodes(runner)
 
 
 def test_ctrl_c_while_a_full_run_trains_leaves_what_it_wrote_on_its_nodes(
@@ -430,9 +424,13 @@ def test_ctrl_c_while_a_full_run_trains_leaves_what_it_wrote_on_its_nodes(
     runner._poll = ctrl_c_once_written  # type: ignore[method-assign]
     with pytest.raises(KeyboardInterrupt):
         runner.run_full_experiment({OVERWRITE_KEY: {"train_micro_batch_size_per_gpu": 1}})
-    assert "the full run was interrupted; what it wrote it stays on its Ray nodes" in (
-        capsys.readouterr().out
-    )
+    said = capsys.readouterr().out
+    assert "the full run was interrupted, and what it wrote did not come back: it stays" in said
+    assert_kept_on_both_nodes(runner)
+
+
+def assert_kept_on_both_nodes(runner: RayRunner) -> None:
+    """Both nodes' copies of the full run hold what it wrote (then removed: the tests' own)."""
     copies = node_copies(runner)
     try:
         assert len(copies) == 2 and all((c / "output" / "latest").is_file() for c in copies)
