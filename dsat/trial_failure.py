@@ -611,7 +611,14 @@ def diagnose_crash(log: str, code: int | None, oom_killed: bool | None) -> Diagn
         if stopped is not None and stopped < 0 and -stopped in OUTSIDE_SIGNALS:
             name = signal.Signals(-stopped).name
             raised = " (a KeyboardInterrupt it raised)" if -stopped == signal.SIGINT else ""
-            whose = "" if stopped == code else f"rank {root_cause_rank(log)} of the trial "
+            rank = root_cause_rank(log)
+            whose = (
+                ""
+                if stopped == code
+                else "a process of the trial "
+                if rank is None
+                else f"rank {rank} of the trial "
+            )
             return Diagnosis(
                 FailureCause.MACHINE,
                 f"{whose}stopped by {name} {FROM_OUTSIDE}: {WHO_ELSE}{raised}",
