@@ -269,7 +269,7 @@ class RayRunner:
             ended = True
         except RayActorError as err:  # a node left, or its actor died, while it started or ran
             codes, ended = None, True
-            lost = ", ".join(self._lost_nodes_after(trial, err))
+            lost = ", ".join(self._lost_nodes(trial))
             failed_there = (
                 f"its Ray node {lost} left the cluster"
                 if lost
