@@ -142,33 +142,28 @@ def experiment_url(master_url: str, experiment_id: int) -> str:
     return f"{master_url.rstrip('/')}/det/experiments/{experiment_id}"
 
 
-def earlier_results_uploaded(model_dir: Path) -> str:
+def earlier_results_uploaded(model_dir: Path, ignored: Any) -> str:
     """What to say where local searches left their results in MODEL_DIR (the default from
-    ``python3 -m dsat guided deepspeed.yaml .``) and its .detignore does not leave them out:
-    Determined uploads them with it, to the search runner and to every trial, and a local
-    trial's copies and a full run's checkpoints soon pass its upload limit."""
+    ``python3 -m dsat guided deepspeed.yaml .``) and its .detignore (``ignored``, as
+    Determined's client reads it) does not leave them out: Determined uploads them with it, to
+    the search runner and to every trial, and a local trial's copies and a full run's
+    checkpoints soon pass its upload limit."""
     folder = model_dir / RESULTS_ROOT
-    if not folder.is_dir():
+    if not folder.is_dir() or ignored.match_file(f"{RESULTS_ROOT}/"):
         return ""
-    with contextlib.suppress(OSError):
-        ignored = (model_dir / ".detignore").read_text().splitlines()
-        if any(line.strip().strip("/") == RESULTS_ROOT for line in ignored):
-            return ""
     return (
         f"{folder} (earlier local searches' results) is uploaded with MODEL_DIR, to the search "
         f"runner and to every trial; add a line {RESULTS_ROOT}/ to {model_dir / '.detignore'}"
     )
 
 
-def what_the_upload_loses(experiment: Experiment) -> tuple[list[str], list[str]]:
+def what_the_upload_loses(experiment: Experiment, spec: Any) -> tuple[list[str], list[str]]:
     """What Determined's client would not take of MODEL_DIR as the trials need it: the files
-    dsat checked that its .detignore leaves out (each an error: the search runner failed on
-    the config, or every trial on the script), and the links to folders it uploads empty (its
-    walk does not follow them: a note, since the same path may be there on the cluster)."""
-    from determined.common import detignore
-
+    dsat checked that its .detignore (``spec``) leaves out (each an error: the search runner
+    failed on the config, or every trial on the script), and the links to folders it uploads
+    empty (its walk does not follow them: a note, since the same path may be there on the
+    cluster)."""
     model_dir = experiment.model_dir
-    spec = detignore._build_detignore_pathspec(model_dir)
     needed = [experiment.ds_config_path]
     script = entrypoint_script(experiment.config.get("entrypoint"))
     if script is not None:
@@ -202,7 +197,7 @@ def submit(settings: SearchSettings, experiment: Experiment, environ: Mapping[st
     """Create the search-runner experiment; prints its id and URL, returns the id."""
     require_client_custom_searcher()
     import requests
-    from determined.common import api
+    from determined.common import api, detignore
     from determined.common.api import bindings
     from determined.common.api import errors as api_errors
     from determined.experimental import client
@@ -222,10 +217,11 @@ def submit(settings: SearchSettings, experiment: Experiment, environ: Mapping[st
         info = bindings.get_GetMaster(determined._session)
         require_master_custom_searcher(master_url, info.version)
         config = runner_config(settings, experiment)
-        uploaded_results = earlier_results_uploaded(experiment.model_dir)
+        ignored = detignore._build_detignore_pathspec(experiment.model_dir)
+        uploaded_results = earlier_results_uploaded(experiment.model_dir, ignored)
         if uploaded_results:
             print(f"dsat: note: {uploaded_results}")
-        dropped, linked = what_the_upload_loses(experiment)
+        dropped, linked = what_the_upload_loses(experiment, ignored)
         if dropped:
             raise DsatError(
                 f"{dropped[0]}: {experiment.model_dir / '.detignore'} leaves it out of what "
