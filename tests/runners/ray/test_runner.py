@@ -395,9 +395,7 @@ def test_ctrl_c_while_a_full_runs_files_come_back_leaves_them_on_its_nodes(
         raise KeyboardInterrupt
 
     runner._copy_back = interrupted  # type: ignore[method-assign]
-    with pytest.raises(KeyboardInterrupt):
-        runner.run_full_experiment({OVERWRITE_KEY: {"train_micro_batch_size_per_gpu": 1}})
-    said = capsys.readouterr().out
+    said = interrupted_full_run(runner, capsys)
     assert "interrupted while what the full run wrote came back; it stays on its Ray nodes" in said
     assert_kept_on_both_nodes(runner)
 
@@ -422,11 +420,16 @@ def test_ctrl_c_while_a_full_run_trains_leaves_what_it_wrote_on_its_nodes(
         return codes
 
     runner._poll = ctrl_c_once_written  # type: ignore[method-assign]
-    with pytest.raises(KeyboardInterrupt):
-        runner.run_full_experiment({OVERWRITE_KEY: {"train_micro_batch_size_per_gpu": 1}})
-    said = capsys.readouterr().out
+    said = interrupted_full_run(runner, capsys)
     assert "the full run was interrupted, and what it wrote did not come back: it stays" in said
     assert_kept_on_both_nodes(runner)
+
+
+def interrupted_full_run(runner: RayRunner, capsys: pytest.CaptureFixture[str]) -> str:
+    """What a full run that Ctrl-C stops says on screen."""
+    with pytest.raises(KeyboardInterrupt):
+        runner.run_full_experiment({OVERWRITE_KEY: {"train_micro_batch_size_per_gpu": 1}})
+    return capsys.readouterr().out
 
 
 def assert_kept_on_both_nodes(runner: RayRunner) -> None:
