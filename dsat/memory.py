@@ -68,11 +68,43 @@ class Offload:
 
     @classmethod
     def of(cls, section: Mapping[str, Any] | None) -> Offload:
-        def off(key: str) -> bool:
-            target = (section or {}).get(key)
-            return isinstance(target, Mapping) and target.get("device") not in (None, "none")
+        """What ``section`` offloads and its stage uses (everything it offloads where it names
+        no stage: a part of a section, to be merged into one)."""
+        used = offloaded_keys(section) - unused_offloads(section)
+        return cls("offload_optimizer" in used, "offload_param" in used)
 
-        return cls(off("offload_optimizer"), off("offload_param"))
+
+# The lowest ZeRO stage that uses each offload. DeepSpeed takes either key at any stage: ZeRO-1
+# and -2 leave the parameters on the GPU whatever offload_param says, and at stage 0 the CPU
+# optimizer offload_optimizer brings meets them there and fails at the first step on a GPU.
+OFFLOAD_FROM_STAGE = {"offload_optimizer": 1, "offload_param": 3}
+
+
+def offloaded_keys(section: Mapping[str, Any] | None) -> set[str]:
+    """The offload keys of ``section`` that name a device."""
+    return {
+        key
+        for key in OFFLOAD_FROM_STAGE
+        if isinstance(target := (section or {}).get(key), Mapping)
+        and target.get("device") not in (None, "none")
+    }
+
+
+def unused_offloads(section: Mapping[str, Any] | None) -> set[str]:
+    """The offload keys of ``section`` that name a device its stage does not use: a user's
+    ZeRO-3 offload_param in a ZeRO-2 trial, merged in from their config."""
+    stage = (section or {}).get("stage")
+    if not isinstance(stage, int) or isinstance(stage, bool):
+        return set()
+    return {key for key in offloaded_keys(section) if stage < OFFLOAD_FROM_STAGE[key]}
+
+
+def without_unused_offloads(section: dict[str, Any]) -> dict[str, Any]:
+    """``section`` with each offload its stage does not use turned off (device "none"), not left
+    out: a trial's section is merged into the user's config, where a left-out key stays on."""
+    for key in unused_offloads(section):
+        section = {**section, key: {**section[key], "device": "none"}}
+    return section
 
 
 @dataclasses.dataclass(frozen=True)

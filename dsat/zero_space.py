@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from dsat.memory import without_unused_offloads
+
 BUCKET_SIZES = tuple(n * 10**m for m in range(6, 10) for n in (1, 5))
 
 _STAGE_KNOBS: dict[int, dict[str, tuple[Any, ...]]] = {
@@ -171,12 +173,13 @@ def _of_the_knobs_kind(value: Any, choices: tuple[Any, ...]) -> bool:
 
 def explicit_zero_config(section: dict[str, Any], stage: int) -> dict[str, Any]:
     """``section`` at ``stage`` with every knob of that stage spelled out, DeepSpeed's defaults
-    where the user set none, so that one step changes one known value."""
+    where the user set none, so that one step changes one known value, and no offload the stage
+    does not use."""
     config: dict[str, Any] = {**section, "stage": stage}
     for knob in zero_knobs(stage):
         if knob not in config:
             config[knob] = stage == 3 if knob == "overlap_comm" else DEEPSPEED_DEFAULTS[knob]
-    return config
+    return without_unused_offloads(config)
 
 
 def section_key(section: dict[str, Any]) -> str:

@@ -28,6 +28,7 @@ from dsat.experiment.batch_size import (
     micro_batches_for,
 )
 from dsat.experiment.config import deep_merge
+from dsat.memory import unused_offloads
 from dsat.training.step_clock import measured_window
 from dsat.trial import SearchRange, TrialKind, TrialRecord
 
@@ -143,6 +144,10 @@ class TrialBuilder:
         overwrites = deep_merge(user_overwrites, {AUTOTUNING_KEY: self.autotuning_block(kind)})
         if zero_config is not None:
             overwrites = deep_merge(overwrites, {"zero_optimization": zero_config})
+            # The user's offloads merge into the trial's section: off where its stage has no use.
+            section = deep_merge(spec.ds_config, overwrites)["zero_optimization"]
+            off = {key: {"device": "none"} for key in unused_offloads(section)}
+            overwrites = deep_merge(overwrites, {"zero_optimization": off})
         merged = deep_merge(spec.ds_config, overwrites)
         batch = consistent_batch_sizes(merged, spec.slots_per_trial, micro_batch=mbs)
         overwrites = deep_merge(overwrites, batch)

@@ -249,3 +249,52 @@ def test_an_offload_the_user_set_keeps_their_settings_of_it() -> None:
     assert both["offload_param"] == cpu  # nothing of the user's to keep there
     nvme = {"device": "nvme", "nvme_path": "/nvme", "pin_memory": True}
     assert with_offload(mine, {"offload_optimizer": nvme})["offload_optimizer"] == nvme
+
+
+USERS_ZERO3 = {
+    "zero_optimization": {
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu", "pin_memory": False},
+        "offload_param": {"device": "cpu", "pin_memory": False},
+    }
+}
+
+
+def test_a_trial_turns_off_the_users_offloads_its_stage_does_not_use() -> None:
+    """The user's section merges into every trial's: their ZeRO-3 parameter offload read as
+    offloaded in a ZeRO-2 trial (DeepSpeed ignores it there; the summary said "parameters on the
+    CPU"), and their optimizer offload went into ZeRO-0 trials, whose CPU optimizer fails at
+    the first step on a GPU."""
+    from dsat.search.trial_builder import TrialBuilder
+
+    spec = SearchSpec({"deepspeed_config": "ds.json"}, USERS_ZERO3, 1)
+    make = TrialBuilder(spec, 1, 3, 5).make
+    sections = {
+        stage: make(stage, TrialKind.SEARCH, {"stage": stage}, mbs=2).ds_config["zero_optimization"]
+        for stage in (0, 2, 3)
+    }
+    none = {"device": "none", "pin_memory": False}
+    assert sections[3]["offload_param"]["device"] == "cpu"
+    assert (sections[2]["offload_optimizer"]["device"], sections[2]["offload_param"]) == (
+        "cpu",
+        none,
+    )
+    assert sections[0]["offload_optimizer"] == sections[0]["offload_param"] == none
+    assert [offload_level(sections[s]) for s in (0, 2, 3)] == [0, 1, 2]
+    assert what_it_takes(sections[2], {}) == "ZeRO-2, optimizer states on the CPU"
+    # The user's own config, as submitted, is theirs: the baseline runs it unchanged.
+    baseline = make(9, TrialKind.BASELINE, None, None).ds_config["zero_optimization"]
+    assert baseline == USERS_ZERO3["zero_optimization"]
+
+
+@pytest.mark.parametrize("method", ["guided", "asha", "binary", "random"])
+def test_no_trial_carries_an_offload_its_stage_does_not_use(method: str) -> None:
+    spec = SearchSpec({"deepspeed_config": "ds.json"}, USERS_ZERO3, 1)
+    m = make_search_method(settings(method, max_trials=12, zero_stages=(0, 1, 2, 3)), spec)
+    SearchDriver(m, SimulatedRunner(cliff_function(8), 1)).run()
+    searched = [r for r in m.tracker.records if r.kind is TrialKind.SEARCH]
+    assert {r.zero_stage for r in searched} - {3}, "the search tried no lower stage"
+    for record in searched:
+        section = record.ds_config["zero_optimization"]
+        assert offload_level(section) == {0: 0, 1: 1, 2: 1, 3: 2}[record.zero_stage]
+        assert "offload-param" not in record.name or record.zero_stage == 3
