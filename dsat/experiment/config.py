@@ -631,24 +631,41 @@ def autotuning_enabled_note(ds_config: Mapping[str, Any], source: str) -> str | 
 def validate_with_deepspeed(ds_config: Mapping[str, Any], slots: int, source: str) -> bool:
     """Check a config with DeepSpeed's own parser for ``slots`` data-parallel ranks.
 
-    Returns False when the check cannot be made off the trial (values HF fills in at run time,
-    ``"auto"``); raises ``DsatError`` with DeepSpeed's reason when DeepSpeed rejects the config.
+    Values HF's Trainer or Accelerate fill in at run time (``"auto"``) are left to DeepSpeed's
+    defaults for the check, so a mistake beside them is still caught before any trial (the check
+    was skipped wherever one "auto" stood). Returns False when the check cannot be made (an
+    "auto" inside a list); raises ``DsatError`` with DeepSpeed's reason when it rejects the config.
     """
     from dsat.experiment.ds_config_check import deepspeed_config_error, load_deepspeed
 
     config = trial_ready_config(ds_config, slots, source)
-    if contains_auto(config):
+    with_auto = contains_auto(config)
+    if with_auto:
         zero = config.get("zero_optimization")
         stage = zero.get("stage") if isinstance(zero, Mapping) else None
         if stage is not None and (isinstance(stage, bool) or stage not in (0, 1, 2, 3)):
-            raise DsatError(  # DeepSpeed's check, skipped here, would have said so
+            raise DsatError(  # DeepSpeed would take an "auto" stage, left out, as 0
                 f"{source}: zero_optimization.stage is {stage!r}; give it 0, 1, 2 or 3 (HF fills "
                 'in "auto" batch and optimizer values, not the stage)'
             )
-        load_deepspeed()  # not checked here, but every trial needs it (the check imports it)
-        return False
+        config = without_auto(config)
+        if contains_auto(config):
+            load_deepspeed()  # not checked here, but every trial needs it (the check imports it)
+            return False
 
     reason = deepspeed_config_error(config, world_size=slots)
     if reason is not None:
-        raise DsatError(f"{source}: DeepSpeed rejects this config: {reason}")
+        auto = ' (its "auto" values, which HF fills in, left to DeepSpeed\'s defaults)'
+        raise DsatError(
+            f"{source}: DeepSpeed rejects this config{auto if with_auto else ''}: {reason}"
+        )
     return True
+
+
+def without_auto(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` without its ``"auto"`` keys, at any depth (lists kept as they are)."""
+    return {
+        key: without_auto(value) if isinstance(value, Mapping) else value
+        for key, value in config.items()
+        if not (isinstance(value, str) and value.strip() == AUTO)
+    }
