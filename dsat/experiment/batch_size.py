@@ -20,10 +20,13 @@ from dsat.errors import DsatError
 
 
 def batch_value(config: Mapping[str, Any], key: str, source: str) -> int | None:
-    """The positive integer under ``key``; None when absent or ``"auto"``."""
+    """The positive integer under ``key`` (a whole float taken as one); None when absent or
+    ``"auto"``."""
     value = config.get(key)
     if value is None or (isinstance(value, str) and value.strip() == AUTO):
         return None
+    if isinstance(value, float) and value.is_integer() and value > 0:
+        return int(value)  # 2.56e2 or 256.0 as JSON writers give it; every trial writes 256
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise DsatError(f'{source}: {key} must be a positive integer or "auto", got {value!r}')
     return value

@@ -14,6 +14,7 @@ from dsat.errors import DsatError
 from dsat.experiment.batch_size import (
     LARGEST_BATCH_PER_RANK,
     consistent_batch_sizes,
+    fixed_global_batch,
     micro_batches_for,
     replaced_batch,
     with_global_batch,
@@ -165,6 +166,19 @@ def test_a_fixed_global_batch_is_kept_by_every_micro_batch_allowed(
     assert config["train_batch_size"] == global_batch
     assert config["train_micro_batch_size_per_gpu"] == micro_batch
     assert config["gradient_accumulation_steps"] == per_rank // micro_batch
+
+
+def test_a_whole_float_batch_is_taken_as_the_integer() -> None:
+    """JSON writers give 256.0 or 2.56e2; DeepSpeed takes it beside an integer micro-batch, and
+    every trial and the hand-over write the integer (it was refused as no integer)."""
+    config = {"train_batch_size": 2.56e2, "gradient_accumulation_steps": 2.0}
+    assert fixed_global_batch(config) == 256
+    assert consistent_batch_sizes(config, 4) == {
+        "train_batch_size": 256,
+        "train_micro_batch_size_per_gpu": 32,
+        "gradient_accumulation_steps": 2,
+    }
+    assert all(type(v) is int for v in consistent_batch_sizes(config, 4).values())
 
 
 def test_a_micro_batch_that_breaks_a_fixed_batch_is_refused() -> None:
