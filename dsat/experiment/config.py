@@ -486,6 +486,11 @@ def load_experiment(
             "data-parallel rank and does not tune sequence-parallel training; drop the key to "
             "tune the data-parallel run, or tune this one by hand"
         )
+    check_old_offload_names(ds_config.get("zero_optimization"), f"{ds_path}: zero_optimization")
+    overrides = hparams.get(OVERWRITE_KEY)
+    if isinstance(overrides, Mapping):
+        where = f"{config_path}: hyperparameters.{OVERWRITE_KEY}.zero_optimization"
+        check_old_offload_names(overrides.get("zero_optimization"), where)
     zero = ds_config.get("zero_optimization")
     if isinstance(zero, bool):  # DeepSpeed's old form, which it runs as ZeRO-1 (true) or 0
         ds_config = {**ds_config, "zero_optimization": {"stage": int(zero)}}
@@ -516,6 +521,28 @@ def load_experiment(
             source=f"{config_path}: your JSON with hyperparameters.{OVERWRITE_KEY}",
         )
     return experiment
+
+
+# DeepSpeed's old names for its offloads, and what replaced them.
+OLD_OFFLOAD_NAMES = {
+    "cpu_offload": '"offload_optimizer": {"device": "cpu"}',
+    "cpu_offload_param": '"offload_param": {"device": "cpu"}',
+    "cpu_offload_use_pin_memory": '"pin_memory": true inside those',
+}
+
+
+def check_old_offload_names(section: Any, where: str) -> None:
+    """Refuse DeepSpeed's old offload names: DeepSpeed refuses one beside its new name, which
+    trials set to offload or to turn an offload off, and a key of the user's JSON cannot be
+    removed by a trial's overrides (they merge in); every offload trial failed."""
+    if not isinstance(section, Mapping):
+        return
+    for old, new in OLD_OFFLOAD_NAMES.items():
+        if old in section:
+            raise DsatError(
+                f"{where}.{old} is DeepSpeed's old name, which it refuses beside the new one that "
+                f"dsat's trials set: write {new} instead (or drop it where it is false)"
+            )
 
 
 def check_entrypoint_script(experiment: Experiment) -> None:

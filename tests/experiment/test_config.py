@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from dsat.constants import OVERWRITE_KEY
 from dsat.errors import DsatError
 from dsat.experiment.config import (
+    OLD_OFFLOAD_NAMES,
     autotuning_enabled_note,
     check_entrypoint_script,
     deep_merge,
@@ -23,6 +24,7 @@ from dsat.experiment.config import (
     trial_ready_config,
     validate_with_deepspeed,
 )
+from dsat.experiment.ds_config_check import deepspeed_config_error
 from tests.conftest import write_experiment
 
 json_leaf = st.one_of(st.integers(), st.booleans(), st.text(max_size=5), st.none())
@@ -645,3 +647,27 @@ def test_a_sequence_parallel_config_is_refused_in_one_line(tmp_path: Path) -> No
     path = write_experiment(tmp_path / "m", ds_config=ds)
     with pytest.raises(DsatError, match="sequence_parallel_size 2: dsat counts every slot"):
         load_experiment(path, path.parent)
+
+
+@pytest.mark.parametrize("old", ["cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory"])
+def test_deepspeeds_old_offload_names_are_one_line_with_the_new_one(
+    tmp_path: Path, old: str
+) -> None:
+    """DeepSpeed refuses an old name beside the new one (every offload trial failed), and a
+    key of the user's JSON cannot be taken out by a trial's overrides."""
+    zero = {"stage": 2, old: False}
+    path = write_experiment(tmp_path / "m", ds_config={"zero_optimization": zero})
+    with pytest.raises(DsatError) as caught:
+        load_experiment(path, path.parent)
+    line = str(caught.value)
+    assert line.startswith(f"{path.parent / 'ds_config.json'}: zero_optimization.{old} is")
+    assert OLD_OFFLOAD_NAMES[old] in line
+    zero_optimization = {"zero_optimization": {old: True}}
+    hparams = {"deepspeed_config": "ds_config.json", OVERWRITE_KEY: zero_optimization}
+    path = write_experiment(tmp_path / "n", config={"hyperparameters": hparams})
+    with pytest.raises(DsatError, match=f"overwrite_deepspeed_args.zero_optimization.{old} is"):
+        load_experiment(path, path.parent)
+    new_key = OLD_OFFLOAD_NAMES[old].split('"')[1]
+    if new_key.startswith("offload_"):  # what a trial sets beside it, with the user's False
+        beside = {"zero_optimization": {old: False, new_key: {"device": "none"}}}
+        assert "together" in str(deepspeed_config_error(beside, 1))
