@@ -669,8 +669,8 @@ def print_experiment(plan: LaunchPlan, where_results_go: str) -> None:
     )
     if experiment.replaced_batch is not None:
         print(
-            f"dsat: --global-batch {plan.settings.global_batch} replaces the batch "
-            f"{shown(experiment.ds_config_path)} sets ({experiment.replaced_batch}): every trial, "
+            f"dsat: --global-batch {plan.settings.global_batch} replaces your batch "
+            f"({experiment.replaced_batch}): every trial, "
             f"your config's own run (the baseline) and the hand-over train at "
             f"{plan.settings.global_batch}"
         )

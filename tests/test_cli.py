@@ -1163,9 +1163,9 @@ def test_a_global_batch_that_replaces_the_configs_is_said_at_launch(tmp_path: Pa
     )
     assert result.returncode == 0, result.stderr
     assert (
-        "dsat: --global-batch 256 replaces the batch ds_bert_base.json sets (micro-batch 32 x "
-        "accumulation 1 x 16 slot(s) = 512): every trial, your config's own run (the baseline) "
-        "and the hand-over train at 256"
+        "dsat: --global-batch 256 replaces your batch (micro-batch 32 x accumulation 1 x 16 "
+        "slot(s) = 512, as ds_bert_base.json sets it): every trial, your config's own run (the "
+        "baseline) and the hand-over train at 256"
     ) in result.stdout.replace("examples/simulated/", ""), result.stdout
     best = json.loads((tmp_path / "r" / "best_ds_config.json").read_text())
     assert best["train_batch_size"] == 256

@@ -29,6 +29,7 @@ from dsat.constants import (
 from dsat.errors import DsatError
 from dsat.experiment.batch_size import (
     GLOBAL_BATCH_FLAG,
+    batch_value,
     consistent_batch_sizes,
     replaced_batch,
     with_global_batch,
@@ -327,6 +328,21 @@ def entrypoint_batch_flags(entrypoint: str | Sequence[str] | None) -> dict[str, 
     return found
 
 
+def script_batch(
+    ds_config: Mapping[str, Any], entrypoint: str | Sequence[str] | None, source: str
+) -> dict[str, int]:
+    """The batch an HF Trainer entrypoint passes (``--deepspeed FILE ...
+    --per_device_train_batch_size N``) where ``ds_config`` leaves it to HF (``"auto"`` or
+    absent): the batch the user trains with."""
+    if entrypoint_flag(entrypoint, ("--deepspeed",)) is None:
+        return {}
+    return {
+        key: value
+        for key, value in entrypoint_batch_flags(entrypoint).items()
+        if batch_value(ds_config, key, source) is None
+    }
+
+
 def with_script_accumulation(
     ds_config: dict[str, Any], entrypoint: str | Sequence[str] | None, hparams: Mapping[str, Any]
 ) -> dict[str, Any]:
@@ -504,7 +520,16 @@ def load_experiment(
                 f"{TRAIN_BATCH_SIZE} {theirs} in {config_path} disagree; drop one"
             )
         slots = slots_per_trial(config, str(config_path))
-        replaced = replaced_batch(ds_config, global_batch, slots, str(ds_path))
+        flags = script_batch(ds_config, config.get("entrypoint"), str(ds_path))
+        replaced = replaced_batch(deep_merge(ds_config, flags), global_batch, slots, str(ds_path))
+        if replaced is not None:
+            own = any(
+                batch_value(ds_config, key, str(ds_path)) is not None
+                for key in (TRAIN_BATCH_SIZE, MICRO_BATCH_SIZE, GRAD_ACCUM_STEPS)
+            )
+            by = [relative] if own or not flags else []
+            by += ["your entrypoint's flags"] if flags else []
+            replaced = f"{replaced}, as {' and '.join(by)} set{'' if flags else 's'} it"
         ds_config = with_global_batch(ds_config, global_batch, slots, GLOBAL_BATCH_FLAG)
     else:
         ds_config = with_script_accumulation(ds_config, config.get("entrypoint"), hparams)

@@ -671,3 +671,27 @@ def test_deepspeeds_old_offload_names_are_one_line_with_the_new_one(
     if new_key.startswith("offload_"):  # what a trial sets beside it, with the user's False
         beside = {"zero_optimization": {old: False, new_key: {"device": "none"}}}
         assert "together" in str(deepspeed_config_error(beside, 1))
+
+
+def test_a_global_batch_replacing_the_batch_an_hf_entrypoint_passes_says_so(
+    tmp_path: Path,
+) -> None:
+    """With "auto" in the JSON the batch is the entrypoint's flags': --global-batch replaced it
+    with no launch line."""
+    auto = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}
+    entrypoint = (
+        "python3 train.py --deepspeed ds_config.json --per_device_train_batch_size 4 "
+        "--gradient_accumulation_steps 2"
+    )
+    path = write_experiment(tmp_path / "m", config={"entrypoint": entrypoint}, ds_config=auto)
+    experiment = load_experiment(path, path.parent, global_batch=64)
+    assert experiment.replaced_batch == (
+        "micro-batch 4 x accumulation 2 x 1 slot(s) = 8, as your entrypoint's flags set it"
+    )
+    assert load_experiment(path, path.parent, global_batch=8).replaced_batch is None
+    mine = {**auto, "train_micro_batch_size_per_gpu": 16}  # the JSON's number is what trains
+    path = write_experiment(tmp_path / "n", config={"entrypoint": entrypoint}, ds_config=mine)
+    assert load_experiment(path, path.parent, global_batch=64).replaced_batch == (
+        "micro-batch 16 x accumulation 2 x 1 slot(s) = 32, as ds_config.json and your "
+        "entrypoint's flags set it"
+    )
