@@ -99,3 +99,14 @@ class EndedSearchRunner:
 
     def run_full_experiment(self, hparams: dict[str, Any]) -> None:
         raise RuntimeError("the full run needs the search's own runner")
+
+
+def fewer_slots_fix(slots_per_trial: int, resumed: bool) -> str:
+    """What to do where a trial's slots cannot be had: lower slots_per_trial, except in a
+    resumed search, whose trials were measured on that many (a changed experiment is refused)."""
+    if not resumed:
+        return "lower slots_per_trial"
+    return (
+        f"resume this search where {slots_per_trial} are free (its trials ran on "
+        f"{slots_per_trial}), or start a new one with a lower slots_per_trial"
+    )

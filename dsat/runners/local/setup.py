@@ -48,7 +48,9 @@ class LocalSetup:
         config_path = str(experiment.config_path)
         entrypoint = tuple(entrypoint_tokens(experiment.config.get("entrypoint"), config_path))
         require_command(entrypoint, config_path)
-        pool = SlotPool.for_machine(experiment.slots_per_trial, settings.max_slots, dict(environ))
+        resumed = settings.resume is not None
+        slots = experiment.slots_per_trial
+        pool = SlotPool.for_machine(slots, settings.max_slots, dict(environ), resumed)
         claimable, needed = claimable_slots(pool, dict(environ))
         return cls(
             settings, experiment, entrypoint, pool, tuple(claimable), needed, lock_dir(environ)

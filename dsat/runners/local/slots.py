@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 
 from dsat.errors import DsatError
+from dsat.runners.trial_runner import fewer_slots_fix
 
 
 def visible_gpus(environ: dict[str, str]) -> list[str]:
@@ -27,14 +28,20 @@ class SlotPool:
 
     @classmethod
     def for_machine(
-        cls, slots_per_trial: int, max_slots: int | None, environ: dict[str, str]
+        cls,
+        slots_per_trial: int,
+        max_slots: int | None,
+        environ: dict[str, str],
+        resumed: bool = False,
     ) -> SlotPool:
         gpus = visible_gpus(environ)
+        fix = fewer_slots_fix(slots_per_trial, resumed)
         if gpus:
             if slots_per_trial > len(gpus):
                 raise DsatError(
                     f"resources.slots_per_trial is {slots_per_trial} but this machine has "
-                    f"{len(gpus)} visible GPU(s); lower it or free GPUs (CUDA_VISIBLE_DEVICES)"
+                    f"{len(gpus)} visible GPU(s); make more visible (CUDA_VISIBLE_DEVICES) or "
+                    f"{fix}"
                 )
             count = min(len(gpus), max_slots) if max_slots else len(gpus)
             return cls(gpus[:count], on_gpu=True)
@@ -42,7 +49,7 @@ class SlotPool:
         if slots_per_trial > cores:
             raise DsatError(
                 f"resources.slots_per_trial is {slots_per_trial} but this machine has no GPU and "
-                f"{cores} CPU core(s); lower slots_per_trial"
+                f"{cores} CPU core(s); {fix}"
             )
         # Without GPUs one trial runs at a time unless --max-slots allows more.
         count = max(slots_per_trial, min(max_slots or slots_per_trial, cores))

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dsat.errors import DsatError
+from dsat.runners.trial_runner import fewer_slots_fix
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +52,9 @@ def node_capacities(nodes: Sequence[Mapping[str, Any]], resource: str) -> list[i
     return [int(float(n.get("Resources", {}).get(resource, 0))) for n in nodes if n["Alive"]]
 
 
-def trial_layout(slots: int, capacities: Sequence[int], resource: str) -> TrialLayout:
+def trial_layout(
+    slots: int, capacities: Sequence[int], resource: str, resumed: bool = False
+) -> TrialLayout:
     """The layout for a trial of ``slots`` on nodes with ``capacities``; a DsatError when none
     fits (a trial that fits the cluster but not what is free now waits for it instead)."""
     if any(capacity >= slots for capacity in capacities):
@@ -63,5 +66,5 @@ def trial_layout(slots: int, capacities: Sequence[int], resource: str) -> TrialL
     shown = ", ".join(str(c) for c in capacities) or "none"
     raise DsatError(
         f"resources.slots_per_trial {slots} cannot be placed on the Ray cluster: its live nodes "
-        f"have {shown} {resource}(s); add nodes or lower slots_per_trial"
+        f"have {shown} {resource}(s); add nodes or {fewer_slots_fix(slots, resumed)}"
     )

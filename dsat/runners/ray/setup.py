@@ -198,6 +198,7 @@ class RaySetup:
             timeout,
             dict(self.environ),
             self.address or "a Ray instance started on this machine",
+            resumed=self.settings.resume is not None,
         )
         print(f"dsat: {timeout.describe()}")
         keep_cluster_reports_in(results_dir / "logs" / CLUSTER_REPORTS_LOG)
@@ -274,13 +275,14 @@ def open_runner(
     timeout: TrialTimeout,
     environ: dict[str, str],
     where: str,
+    resumed: bool = False,
 ) -> RayRunner:
     """A runner on the cluster ``ray`` is connected to: the trial's layout chosen from its live
     nodes (a DsatError when no layout fits), the model dir sent to the object store once."""
     nodes = [node for node in ray.nodes() if node["Alive"]]
     resource = slot_resource(nodes)
     capacities = node_capacities(nodes, resource)
-    layout = trial_layout(slots_per_trial, capacities, resource)
+    layout = trial_layout(slots_per_trial, capacities, resource, resumed)
     total = sum(c // layout.slots_per_node * layout.slots_per_node for c in capacities)
     print(
         f"dsat: Ray cluster ({where}): {len(nodes)} node(s), {sum(capacities)} {resource}(s); "

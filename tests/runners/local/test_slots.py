@@ -23,8 +23,20 @@ def test_gpu_pool_respects_cuda_visible_devices_and_max_slots() -> None:
 def test_trial_larger_than_the_machine_is_a_user_error() -> None:
     with pytest.raises(DsatError, match="slots_per_trial is 4 but this machine has 3 visible"):
         SlotPool.for_machine(4, None, {"CUDA_VISIBLE_DEVICES": "0,1,2"})
-    with pytest.raises(DsatError, match="no GPU"):
+    with pytest.raises(DsatError, match="no GPU.*; lower slots_per_trial$"):
         SlotPool.for_machine(10_000, None, {"CUDA_VISIBLE_DEVICES": ""})
+
+
+def test_a_resumed_search_short_of_slots_is_not_told_to_lower_them() -> None:
+    """Its trials were measured on that many, and a resume refuses a changed experiment: the
+    fix it was given led to a second refusal."""
+    for environ in ({"CUDA_VISIBLE_DEVICES": "0,1"}, {"CUDA_VISIBLE_DEVICES": ""}):
+        with pytest.raises(DsatError) as caught:
+            SlotPool.for_machine(10_000, None, environ, resumed=True)
+        assert str(caught.value).endswith(
+            "resume this search where 10000 are free (its trials ran on 10000), or start a new "
+            "one with a lower slots_per_trial"
+        )
 
 
 def test_cpu_pool_runs_one_trial_at_a_time_unless_max_slots_says_more() -> None:

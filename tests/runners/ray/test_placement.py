@@ -36,6 +36,8 @@ def test_a_trial_no_layout_can_hold_is_one_line_naming_the_setting() -> None:
         trial_layout(8, [4, 2], "GPU")
     with pytest.raises(DsatError, match="slots_per_trial 3"):
         trial_layout(3, [2, 2], "GPU")  # 3 is prime: 3 nodes of 1, and there are 2
+    with pytest.raises(DsatError, match="add nodes or resume this search where 8 are free"):
+        trial_layout(8, [4, 2], "GPU", resumed=True)  # a resume refuses a changed experiment
 
 
 def test_slots_are_gpus_where_a_live_node_has_one_else_cpus() -> None:
