@@ -36,6 +36,9 @@ OOM_METRIC_KEY = "dsat_out_of_memory"
 # bug failed every trial alike.
 ERROR_METRIC_KEY = "dsat_error"
 ERROR_CAUSE_METRIC_KEY = "dsat_error_cause"
+# When a trial reported its outcome, on its own clock: its end, where a restarted search runner
+# reads the outcome later.
+REPORTED_AT_KEY = "dsat_reported_at"
 # In an OOM trial's metrics, where the memory that ran out was the host's on a GPU trial (the
 # kernel's OOM killer, torch's CPU allocator): it says nothing of how much of the GPU is usable.
 MEMORY_RAN_OUT = "memory_ran_out"

@@ -16,7 +16,7 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ from dsat.constants import (
     OOM_METRIC_KEY,
     OVERWRITE_KEY,
     PRECISION_KEY,
+    REPORTED_AT_KEY,
     TRIAL_OUTCOME_FILE,
 )
 from dsat.training.hf_args import passes_deepspeed
@@ -122,13 +123,19 @@ def oom_metric(err: BaseException) -> dict[str, str]:
     return {OOM_METRIC_KEY: oom_summary(err)}
 
 
+def searcher_metric(values: Mapping[str, Any]) -> dict[str, Any]:
+    """What a trial tells the search on a cluster: its outcome, and when it reported it (the
+    search runner may read it minutes later, after a restart)."""
+    return {**values, REPORTED_AT_KEY: time.time()}
+
+
 def report_out_of_memory(core_context: Any, op: Any, err: BaseException) -> None:
     """Tell the search (rank 0 only) that the trial ran out of memory, before the error ends it.
     A report that fails must not hide the OOM itself, so its error is only logged."""
     if op is None or core_context.distributed.get_rank() != 0:
         return
     try:
-        op.report_completed(oom_metric(err))
+        op.report_completed(searcher_metric(oom_metric(err)))
     except Exception as report_error:  # the OOM is what the trial must raise
         logger.warning("could not report the out-of-memory outcome: %s", report_error)
 
@@ -144,7 +151,7 @@ def report_error(core_context: Any, op: Any, err: BaseException) -> None:
         return
     said = {ERROR_METRIC_KEY: diagnosis.reason, ERROR_CAUSE_METRIC_KEY: diagnosis.cause.value}
     try:
-        op.report_completed(said)
+        op.report_completed(searcher_metric(said))
     except Exception as report_error:  # the error is what the trial must raise
         logger.warning("could not report the trial's error: %s", report_error)
 
@@ -173,7 +180,7 @@ def report_result(
         steps_completed=steps_completed, metrics=result.values
     )
     if op is not None:
-        op.report_completed(result.values)
+        op.report_completed(searcher_metric(result.values))
 
 
 @contextlib.contextmanager

@@ -27,7 +27,7 @@ import responses
 from determined.common.api import bindings
 
 from dsat.training.oom import is_out_of_memory
-from dsat.training.reporting import report_error, report_out_of_memory
+from dsat.training.reporting import report_error, report_out_of_memory, searcher_metric
 
 MASTER = "http://fake-master:8080"
 TOKEN = "fake-token"
@@ -233,6 +233,8 @@ class FakeMaster:
             # The master closes an errored trial itself and says so, as for any other trial.
             self._event(trialClosed=bindings.v1TrialClosed(requestId=request_id))
             return
+        if isinstance(metrics, dict):  # as the trial's dsat_reporting_context reports it
+            metrics = searcher_metric(metrics)
         self._event(
             validationCompleted=bindings.v1ValidationCompleted(
                 metric=metrics, requestId=request_id, validateAfterLength=length

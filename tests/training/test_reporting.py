@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from dsat.constants import (
     OOM_METRIC_KEY,
     OVERWRITE_KEY,
     PRECISION_KEY,
+    REPORTED_AT_KEY,
     TRIAL_OUTCOME_FILE,
 )
 from dsat.memory import Precision
@@ -208,6 +210,8 @@ class _Operation:
     def report_completed(self, metric: Any) -> None:
         if self.fails:
             raise ConnectionError("master unreachable")
+        # When it reported, on its clock: a restarted search runner's end of the trial.
+        assert abs(metric.pop(REPORTED_AT_KEY) - time.time()) < 60
         self.reported.append(metric)
 
 

@@ -26,6 +26,7 @@ from determined import searcher
 from determined.common.api import bindings
 from determined.common.api import errors as api_errors
 
+from dsat.constants import REPORTED_AT_KEY
 from dsat.experiment.config import load_experiment
 from dsat.experiment.settings import SearchSettings
 from dsat.results.directory import (
@@ -58,6 +59,17 @@ FULL_EXPERIMENT_FILE = "full_experiment_id.txt"
 # restart of the search runner, is counted from there.
 TRIAL_STARTS_FILE = "trial_starts.json"
 RESULT_FILES = (TRIALS_FILE, BEST_CONFIG_FILE, BEST_METRICS_FILE, SUMMARY_FILE)
+
+
+def reported_end(event: bindings.v1SearcherEvent, start: float, now: float) -> float:
+    """When a finished trial ended: when it reported its outcome, on its own clock (kept
+    between its start and now), where it did; else now. An outcome read after a restart of the
+    search runner was timed to the restart: minutes of a rescheduled runner in every such row."""
+    metric = event.validationCompleted.metric if event.validationCompleted else None
+    reported = metric.get(REPORTED_AT_KEY) if isinstance(metric, dict) else None
+    if not isinstance(reported, (int, float)) or isinstance(reported, bool):
+        return now
+    return min(now, max(start, float(reported)))
 
 
 class CheckpointedSearchRunner(searcher.RemoteSearchRunner):  # type: ignore[misc]
@@ -101,8 +113,9 @@ class CheckpointedSearchRunner(searcher.RemoteSearchRunner):  # type: ignore[mis
         if finished:
             record = self.method.tracker.get(finished.requestId)
             start = self.started.pop(record.request_id, now)
+            end = reported_end(event, start, now)
             if not any(line["request_id"] == record.request_id for line in self.writer.lines):
-                self.writer.trial_finished(record, TrialTiming(start, now), self.method.tracker)
+                self.writer.trial_finished(record, TrialTiming(start, end), self.method.tracker)
         for op in ops:
             if isinstance(op, searcher.Create):
                 self.started[str(op.request_id)] = now

@@ -16,7 +16,12 @@ from typing import Any
 
 from determined import searcher
 
-from dsat.constants import ERROR_CAUSE_METRIC_KEY, ERROR_METRIC_KEY, OOM_METRIC_KEY
+from dsat.constants import (
+    ERROR_CAUSE_METRIC_KEY,
+    ERROR_METRIC_KEY,
+    OOM_METRIC_KEY,
+    REPORTED_AT_KEY,
+)
 from dsat.search.method import DsatSearchMethod
 from dsat.search.method_state import load_state, save_state
 from dsat.trial import TrialKind, TrialOutcome, TrialStatus
@@ -94,6 +99,7 @@ class DsatSearcher(searcher.SearchMethod):  # type: ignore[misc]
         else:
             name = self.method.settings.metric.value
             metrics = metric if isinstance(metric, dict) else {name: metric}
+            metrics = {k: v for k, v in metrics.items() if k != REPORTED_AT_KEY}
             self._observe(request_id, TrialStatus.COMPLETED, metrics=metrics)
         return [searcher.Close(request_id)]
 

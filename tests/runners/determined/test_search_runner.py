@@ -21,6 +21,7 @@ import responses
 from determined.common.api import bindings
 
 from dsat.cli import main
+from dsat.constants import REPORTED_AT_KEY
 from dsat.results.directory import BEST_CONFIG_FILE, BEST_METRICS_FILE, SUMMARY_FILE, TRIALS_FILE
 from dsat.runners.determined.search_runner import run
 from dsat.runners.determined.searcher_adapter import UNREPORTED_ERROR
@@ -123,7 +124,11 @@ def core_context(
 
 
 def run_search(
-    master: FakeMaster, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, crash_at_post: int | None
+    master: FakeMaster,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    crash_at_post: int | None,
+    down_for: float = 0.0,
 ) -> tuple[DsatSearchMethod, Path]:
     workdir, runner_id = submitted_context(
         master, tmp_path, "--max-trials", "16", "--metric", "throughput"
@@ -133,7 +138,9 @@ def run_search(
         master.crash_at_post = crash_at_post
         with pytest.raises(Exception, match="container died"):
             run(core_context(monkeypatch, storage, runner_id, None), workdir, runner_id)
-        # Determined restarts the search runner in a fresh container from its latest checkpoint.
+        # Determined restarts the search runner in a fresh container from its latest checkpoint,
+        # after ``down_for`` seconds (minutes, when it waits for a node).
+        time.sleep(down_for)
         fresh = tmp_path / "task-restarted"
         shutil.copytree(workdir, fresh, ignore=shutil.ignore_patterns("dsat-results"))
         workdir = fresh
@@ -194,6 +201,9 @@ def test_a_whole_search_runs_through_remote_search_runner(
     assert cluster.progress == sorted(cluster.progress) and cluster.progress.count(1.0) <= 5
 
 
+DOWN_FOR = 1.5  # seconds the search runner is down before Determined restarts it
+
+
 def test_a_restarted_search_runner_resumes_and_ends_as_an_uninterrupted_one(
     tmp_path: Path,
 ) -> None:
@@ -208,7 +218,7 @@ def test_a_restarted_search_runner_resumes_and_ends_as_an_uninterrupted_one(
             logged_in_environment(patch, tmp_path / "home")
             master.install(mock)
             run_dir = tmp_path / f"crash-{crash}"
-            method, checkpoint = run_search(master, patch, run_dir, crash_at_post=crash)
+            method, checkpoint = run_search(master, patch, run_dir, crash, DOWN_FOR)
         best = method.tracker.best()
         assert best is not None
         results[crash] = (
@@ -222,6 +232,10 @@ def test_a_restarted_search_runner_resumes_and_ends_as_an_uninterrupted_one(
         # them up), and no row is shifted by the time before the restart.
         times = [(line["start"], line["end"]) for line in trial_lines(checkpoint)]
         assert all(began < start < end <= time.time() for start, end in times), times
+        # A trial that ended while the search runner was down ended then, not at its restart:
+        # each was timed to the restart, the downtime in every such row and in the cost.
+        assert all(end - start < DOWN_FOR for start, end in times), times
+        assert all(REPORTED_AT_KEY not in line["metrics"] for line in trial_lines(checkpoint))
     uninterrupted, restarted = results[None], results[9]
     assert restarted[0] == uninterrupted[0]  # the same trials, none created twice
     assert restarted[1] == uninterrupted[1]  # the same best config
