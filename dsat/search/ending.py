@@ -227,13 +227,14 @@ class SearchEnding:
         if reason is None and not tracker.running:
             if not tracker.queue or tracker.num_started >= tracker.max_trials:
                 reason = "no configuration left to try"
-        unconfirmed = tracker.confirmed_id is None and not self.unsafe_memory
+        unconfirmed = tracker.confirmed_id is None
         # Something ran (tracker.best() skips trials over the memory margin, so it cannot tell).
         if reason is not None and unconfirmed and tracker.successful_stages:
             for request_id in list(tracker.queue):  # the search is over: nothing more of it runs
                 tracker.discard(request_id)
             if tracker.running:
                 return False  # the confirmation round starts once the last search trial ends
+            self.unsafe_memory = False  # worked out again: a resumed search may have run more
             if self._start_confirmation(method, reason):
                 return False
             if self.unsafe_memory:

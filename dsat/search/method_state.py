@@ -34,6 +34,7 @@ def state_json(method: DsatSearchMethod) -> dict[str, Any]:
         # rewrites its summary, which said so.
         "shutdown_reason": method.ending.shutdown_reason,
         "handover_reason": method.ending.handover_reason,
+        "unsafe_memory": method.ending.unsafe_memory,  # why nothing was handed over
         # The trials the confirmation round added on top of --max-trials (which a resume may
         # raise): its runs and its memory check.
         "added_trials": method.tracker.max_trials - method.settings.max_trials,
@@ -105,6 +106,7 @@ def load_state_json(method: DsatSearchMethod, state: dict[str, Any]) -> None:
     shutdown_reason = state.get("shutdown_reason")
     method.ending.shutdown_reason = None if shutdown_reason is None else str(shutdown_reason)
     method.ending.handover_reason = str(state.get("handover_reason", ""))
+    method.ending.unsafe_memory = bool(state.get("unsafe_memory", False))
     # Older states did not say: running the rules once more is what a resume does anyway.
     method.outcome_pending = bool(state.get("outcome_pending", True))
     # The trials the round added on top of --max-trials (older states: its runs alone).

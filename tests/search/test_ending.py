@@ -307,3 +307,30 @@ def test_a_profile_out_of_memory_names_the_rungs_only_where_the_ladder_climbed()
     assert "in any way dsat tried" not in profile_failure(oom, ["z1"])
     crashed = dataclasses.replace(oom, status=TrialStatus.ERROR, cause=FailureCause.SCRIPT)
     assert "in any way dsat tried" not in profile_failure(crashed, ["z1", "z3"])
+
+
+@pytest.mark.parametrize("name", ["guided", "binary"])
+def test_a_search_where_nothing_leaves_the_margin_hands_nothing_over_after_a_resume_too(
+    name: str,
+) -> None:
+    """Every configuration that ran fills the device past --memory-margin: nothing is handed
+    over, and the state says so (it was not saved, and a loaded search had to work it out)."""
+    from tests.search.helpers import cliff_function, run
+
+    fits = cliff_function(64)
+
+    def full(ds_config: dict[str, Any], slots: int) -> dict[str, Any]:
+        metrics = fits(ds_config, slots)
+        if "memory_peak_bytes" not in metrics and "throughput" in metrics:
+            metrics.update(memory_peak_bytes=99 * 2**30, memory_total_bytes=100 * 2**30)
+        return metrics
+
+    m = method(name, max_trials=8, memory_margin=0.1, confirm_top=3)
+    run(m, full)
+    assert m.ending.unsafe_memory and m.tracker.confirmed_id is None
+    assert m.shutdown_reason is not None and m.shutdown_reason.endswith("none is handed over")
+    assert m.search_failed
+    loaded = method(name, max_trials=8, memory_margin=0.1, confirm_top=3)
+    loaded.load_state_json(json.loads(json.dumps(m.state_json())))
+    assert loaded.ending.unsafe_memory and loaded.search_failed
+    assert loaded.ending.should_shutdown(loaded) and loaded.shutdown_reason == m.shutdown_reason
