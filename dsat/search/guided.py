@@ -518,7 +518,10 @@ class GuidedSearch(DsatSearchMethod):
                 if any(s.family == (stage, offload_level(section)) for s in states.values()):
                     continue
                 reach = self.model_reach(stage, Offload.of(section))
-                actions.append(Action(math.inf, section, (1 + reach) // 2, reach, "stage"))
+                # A time (latency) is least at the smallest micro-batch: start there, not in
+                # the middle, where a rate is best (the curve's other side was never tried).
+                start = 1 if self.settings.metric.smaller_is_better else (1 + reach) // 2
+                actions.append(Action(math.inf, section, start, reach, "stage"))
 
         curves: dict[str, tuple[int, CurveEvidence, Gap | None]] = {}
 
