@@ -58,7 +58,7 @@ from dsat.search.trial_builder import SearchSpec
 from dsat.trial import TrialOutcome, TrialStatus, leaves_memory_margin
 
 RESULTS = Path(__file__).resolve().parent / "results" / "search_efficiency.json"
-METRIC = Metric.FLOPS_PER_GPU
+METRIC = Metric.FLOPS_PER_GPU  # --metric; set before the worker processes fork
 WITHIN = 0.02
 SURFACES = {
     "builtin": BUILTIN_MODELS,
@@ -90,7 +90,7 @@ REFERENCE_OF = {"guided": "asha", "asha": "asha", "binary": "binary", "random": 
 def dsat_method(
     method: str, seed: int, slots: int, ds_config: dict[str, Any], _: Path
 ) -> DsatSearchMethod:
-    settings = MethodSettings(method=method, random_seed=seed)
+    settings = MethodSettings(method=method, random_seed=seed, metric=METRIC)
     return make_search_method(
         settings, SearchSpec({"deepspeed_config": "ds_config.json"}, ds_config, slots)
     )
@@ -110,6 +110,7 @@ def reference_method(
         include=None,
     )
     args.random_seed = seed
+    args.metric = METRIC.value
     exp_config = {
         "resources": {"slots_per_trial": slots},
         "hyperparameters": {"deepspeed_config": "ds_config.json"},
@@ -165,13 +166,18 @@ def best_measured(
             trial.outcome.metrics, memory_margin
         ):
             continue
-        if best is None or measured(trial) > measured(best):
+        if best is None or oriented(measured(trial)) > oriented(measured(best)):
             best = trial
     return None if best is None else best.ds_config
 
 
 def measured(trial: FinishedTrial) -> float:
     return float(trial.outcome.metrics[METRIC.file_key])
+
+
+def oriented(value: float) -> float:
+    """``value`` so that larger is better (a latency becomes its inverse)."""
+    return 1.0 / value if METRIC.smaller_is_better else value
 
 
 def measure(
@@ -199,7 +205,8 @@ def measure(
     def regret(config: dict[str, Any] | None) -> float:
         if config is None:
             return 1.0
-        return (best - model.metrics(config, slots, noisy=False)[METRIC.file_key]) / best
+        value = model.metrics(config, slots, noisy=False)[METRIC.file_key]
+        return 1.0 - oriented(value) / oriented(best)
 
     regrets = [regret(config) for config in picks]
     stays_at: int | None = None
@@ -211,7 +218,7 @@ def measure(
         (i + 1 for i in range(len(history)) if regret(best_measured(history[: i + 1])) <= WITHIN),
         None,
     )
-    final = best * (1 - regrets[-1])
+    final = oriented(best) * (1 - regrets[-1])
     handed_over = picks[-1]
     safe = handed_over is not None and model.is_safe(handed_over, slots, DEFAULT_MEMORY_MARGIN)
     tried = any(
@@ -229,7 +236,8 @@ def measure(
         "handed_over_within_2pct": regrets[-1] <= WITHIN,
         "handed_over_safe_within_2pct": safe and regrets[-1] <= WITHIN,
         "handed_over_unsafe": handed_over is not None and not safe,
-        "handed_over_within_2pct_of_device_margin_best": final >= unbounded * (1 - WITHIN),
+        "handed_over_within_2pct_of_device_margin_best": final
+        >= oriented(unbounded) * (1 - WITHIN),
         "handed_over_within_2pct_by_margin_rule": regret(by_margin_rule) <= WITHIN,
         "trials_to_2pct": stays_at,
         "gpu_hours_to_2pct": gpu_hours(history, slots, stays_at),
@@ -405,15 +413,15 @@ def best_that_fits(
 ) -> tuple[float, dict[str, Any]]:
     """The best safe configuration without offload; where none fits, with it (what a search
     that climbs dsat's fit ladder can reach without --offload)."""
+    key, smaller = METRIC.file_key, METRIC.smaller_is_better
     try:
-        return optimum(model, slots, METRIC.file_key, False, (1, 2, 3), extra, margin, batch)
+        return optimum(model, slots, key, smaller, (1, 2, 3), extra, margin, batch)
     except ValueError:
-        return optimum(
-            model, slots, METRIC.file_key, False, (1, 2, 3), extra, margin, batch, offload=True
-        )
+        return optimum(model, slots, key, smaller, (1, 2, 3), extra, margin, batch, offload=True)
 
 
 def main() -> None:
+    global METRIC
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=20)
     parser.add_argument(
@@ -425,6 +433,12 @@ def main() -> None:
     parser.add_argument("--surfaces", choices=[*SURFACES, "all"], default="builtin")
     parser.add_argument("--models", nargs="+", choices=list(CASES), help="instead of --surfaces")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument(
+        "--metric",
+        choices=[m.value for m in Metric if m.value in ("FLOPS_per_gpu", "throughput", "latency")],
+        default=Metric.FLOPS_PER_GPU.value,
+        help="what the searches optimise, and what they are scored by",
+    )
     parser.add_argument("--output", type=Path, default=RESULTS, help="where the JSON goes")
     parser.add_argument(
         "--summaries-only", action="store_true", help="leave each run's numbers out of the JSON"
@@ -448,6 +462,7 @@ def main() -> None:
         "trial (dsat's methods only: the reference changes it)",
     )
     options = parser.parse_args()
+    METRIC = Metric(options.metric)
     if options.batch_per_rank is not None:
         options.no_reference = True
     if options.models is None:
@@ -492,7 +507,7 @@ def main() -> None:
             "optimum": best,
             "optimum_config": best_config,
             # What leaving the margin of the usable memory costs against that of the device.
-            "margin_cost": 1.0 - best / unbounded,
+            "margin_cost": 1.0 - oriented(best) / oriented(unbounded),
             "methods": {},
         }
         for method in options.methods:

@@ -520,8 +520,8 @@ class GuidedSearch(DsatSearchMethod):
                 reach = self.model_reach(stage, Offload.of(section))
                 # A time (latency) is least at the smallest micro-batch: start there, not in
                 # the middle, where a rate is best (the curve's other side was never tried).
-                start = 1 if self.settings.metric.smaller_is_better else (1 + reach) // 2
-                actions.append(Action(math.inf, section, start, reach, "stage"))
+                first = 1 if self.settings.metric.smaller_is_better else (1 + reach) // 2
+                actions.append(Action(math.inf, section, first, reach, "stage"))
 
         curves: dict[str, tuple[int, CurveEvidence, Gap | None]] = {}
 
