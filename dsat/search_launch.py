@@ -853,6 +853,8 @@ def report_end(
         print(summary.read_text(), end="")
     # A failed search's reason is its last line, once (SearchFailed).
     ended = "" if method.search_failed else f"; search ended: {method.shutdown_reason}"
+    if not method.search_failed and method.shutdown_reason is None:  # never meant to happen
+        ended = "; the search stopped without a reason to end (dsat's bug: please report it)"
     count = len(method.tracker.finished)
     print(f"dsat: {count} trial{'' if count == 1 else 's'}{spent(method, results_dir)}{ended}")
     try:

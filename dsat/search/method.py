@@ -104,19 +104,29 @@ class DsatSearchMethod(SearchMethod):
             record = self.register(self.make_trial(TrialKind.MODEL_PROFILE, None, 1))
             assert record is not None  # the first trial cannot be a repeat
             return self.tracker.mark_running(record.request_id)
-        if self.outcome_pending:
-            self.outcome_pending = False
-            if self.ending.should_shutdown(self):
-                logger.debug("search ends: %s", self.shutdown_reason)  # the launch says why
-                self._finished = True
+        for _ in range(2):
+            if self.outcome_pending:
+                self.outcome_pending = False
+                if self.ending.should_shutdown(self):
+                    logger.debug("search ends: %s", self.shutdown_reason)  # the launch says why
+                    self._finished = True
+                    return None
+            if not self.tracker.can_start_more():
                 return None
-        if not self.tracker.can_start_more():
-            return None
-        request_id = self._next_queued()
-        if request_id is None:
-            return None
-        self.tracker.dequeue(request_id)
-        return self.tracker.mark_running(request_id)
+            request_id = self._next_queued()
+            if request_id is not None:
+                self.tracker.dequeue(request_id)
+                return self.tracker.mark_running(request_id)
+            if self.tracker.running or not self.tracker.queue:
+                return None
+            # Nothing queued was worth its run, nor any replacement drawn, and nothing running
+            # can change that: no configuration is left to try. The stop rules say so (and start
+            # the confirmation round); without them the search ended with no reason, unconfirmed.
+            logger.info("no queued configuration is worth its run: the search ends")
+            for queued in list(self.tracker.queue):
+                self.tracker.discard(queued)
+            self.outcome_pending = True
+        return None
 
     def observe(self, outcome: TrialOutcome) -> None:
         request_id = outcome.request_id

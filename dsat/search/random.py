@@ -29,15 +29,21 @@ class RandomSearch(DsatSearchMethod):
 
     def untried_stage(self) -> int | None:
         """Each stage of ``--zero-stages`` gets one configuration before any gets a second;
-        stage 3 not once stages 1 and 2 ran above all it could hold (its range is empty: drawn,
-        it crashed the search, and every resume of it)."""
+        stage 3 only where its first trial would run (should_stop_lineage): not once stages 1
+        and 2 ran above all it could hold (its range is empty: drawn, it crashed the search, and
+        every resume of it), nor once they ran without a memory limit (drawn again after each
+        drop, it stalled the search with nothing running and no reason to end)."""
         untried = [
             stage
             for stage in sorted(set(self.zero_stages) - self.tracker.tried_stages())
-            if stage != MEMORY_ONLY_STAGE
-            or any(map(self.stage_three_has_room, self.offload_space(MEMORY_ONLY_STAGE)))
+            if stage != MEMORY_ONLY_STAGE or self.stage_three_worth_a_first_try()
         ]
         return int(untried[int(self.rng.integers(len(untried)))]) if untried else None
+
+    def stage_three_worth_a_first_try(self) -> bool:
+        if LOWER_STAGES & self.tracker.successful_stages and not self.stage_three_reaches_further():
+            return False
+        return any(map(self.stage_three_has_room, self.offload_space(MEMORY_ONLY_STAGE)))
 
     def stage_three_has_room(self, section: dict[str, Any]) -> bool:
         """Whether stage 3, keeping off the GPU what ``section`` does, leaves a micro-batch above

@@ -11,9 +11,19 @@ import pytest
 
 from dsat.cli import main
 from dsat.constants import OVERWRITE_KEY
-from dsat.trial import SearchRange, TrialKind, TrialStatus
+from dsat.search.random import RandomSearch
+from dsat.trial import SearchRange, TrialKind, TrialRecord, TrialStatus
 from tests.conftest import REPO_ROOT
-from tests.search.helpers import cliff_function, created_ids, finish, method, run, start_profile
+from tests.search.helpers import (
+    cliff_function,
+    created_ids,
+    finish,
+    method,
+    run,
+    settings,
+    spec,
+    start_profile,
+)
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -248,3 +258,34 @@ def test_a_resume_runs_again_every_trial_the_interrupt_stopped(tmp_path: Path) -
         finished = {r.request_id for r in resumed.tracker.finished}
         dropped += len(running - finished)
     assert dropped == 0
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_one_trial_at_a_time_the_search_ends_with_a_reason_and_a_hand_over(seed: int) -> None:
+    """Stages 1 and 2 ran with no memory limit, then stage 3 was drawn as untried, dropped at
+    its turn as not worth running, drawn again: after 50 draws the search stopped with nothing
+    running, no reason and no confirmation round (3 of these 10 seeds), and so did every
+    resume."""
+    m = method(
+        "random",
+        max_trials=6,
+        trials_per_random_config=2,
+        random_seed=seed,
+        max_concurrent_trials=1,
+        confirm_top=3,
+    )
+    run(m, cliff_function(10**6))
+    assert (m.shutdown_reason or "").startswith("--max-trials used up (6); confirmed ")
+    assert m.tracker.confirmed_id is not None and not m.tracker.queue
+
+
+class NothingWorthRunning(RandomSearch):
+    def worth_running(self, record: TrialRecord) -> bool:
+        return record.kind is not TrialKind.SEARCH or record.index < 3
+
+
+def test_a_search_whose_queue_holds_nothing_worth_running_ends_with_the_stop_rules() -> None:
+    m = NothingWorthRunning(settings("random", max_trials=10, confirm_top=3), spec())
+    run(m, cliff_function(10**6))
+    assert (m.shutdown_reason or "").startswith("no configuration left to try; confirmed ")
+    assert m.tracker.confirmed_id is not None and not m.tracker.queue
