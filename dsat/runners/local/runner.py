@@ -67,6 +67,7 @@ from dsat.runners.local.trial_processes import (
 from dsat.runners.local.trial_timeout import TrialTimeout
 from dsat.runners.local.warm_trials import WarmProcess, WarmWorkers, warm_command
 from dsat.trial import TrialOutcome, TrialStatus
+from dsat.trial_failure import FailureCause
 
 POLL_SECONDS = 0.1
 # After the command on a trial log's first line when the trial was forked from a warm worker.
@@ -395,9 +396,14 @@ class LocalRunner:
             # context and process group hold device memory the fresh process would lack, which
             # could make its OOM the host's. The slot's next trial starts a new host (none,
             # where one ended during a trial after others).
+            # A host killed from outside (the machine's) says nothing of what hosting leaves:
+            # its slot goes on hosting.
             stop = end.status is TrialStatus.ERROR or (again and self.pool.on_gpu)
+            cold = end.cause is not FailureCause.MACHINE
             for slot in trial.slots:
-                if (stop or self.warm_workers.lost_a_trial(slot)) and self.warm_workers.stop(slot):
+                if (stop or self.warm_workers.lost_a_trial(slot)) and self.warm_workers.stop(
+                    slot, cold, trial.log_path
+                ):
                     trial.host_lost_on.append(slot)
         if not again:
             return False

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -25,6 +26,9 @@ from typing import IO, Any
 
 from dsat.runners.local.entrypoint import PYTHON_NAMES
 from dsat.runners.local.trial_processes import group_reaper
+
+# Signals that stop a process from outside it (a kill, a terminal's or a scheduler's stop).
+STOPPING_SIGNALS = (signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 logger = logging.getLogger(__name__)
 
@@ -181,6 +185,8 @@ class WarmWorker:
                 what = (
                     "stopped the trial, and the trial host it ran in"
                     if trial.stopped_by_dsat
+                    else f"the trial host it ran in was stopped by {signal.Signals(-code).name}"
+                    if -code in STOPPING_SIGNALS  # another process's, or the script's own
                     else "the trial ended the process it ran in"
                 )
                 note = f"\ndsat: {what} (exit code {code})\n"
@@ -323,15 +329,18 @@ class WarmWorkers:
                 worker.log_path,
             )
 
-    def stop(self, slot: str) -> bool:
+    def stop(self, slot: str, cold: bool = True, log_path: Path | None = None) -> bool:
         """Stop ``slot``'s worker now, if it has one; the slot's next trial starts another, or
-        none when this host ended during a trial (as ``run`` would have found it): True then."""
+        none when this host ended during a trial (as ``run`` would have found it): True then.
+        Not ``cold`` where the host's end was the machine's (a kill from outside), which says
+        nothing of what hosting leaves; ``log_path``: where its end is told (the trial's log)."""
         worker = self.workers.pop(slot, None)
         if worker is None:
             return False
         worker.close()
-        if self.host and worker.lost_a_trial:
-            self._go_cold(slot, "its trial host ended during a trial", worker.log_path)
+        if self.host and worker.lost_a_trial and cold:
+            reason = "its trial host ended during a trial"
+            self._go_cold(slot, reason, log_path or worker.log_path)
             return True
         return False
 

@@ -54,6 +54,9 @@ if mode == "oom_crash":
     os._exit(3)
 if mode == "crash" or (mode == "crash_once" and first_run):
     os._exit(3)
+if mode == "killed_once" and first_run:  # as another process's SIGKILL would end it
+    import signal
+    os.kill(os.getpid(), signal.SIGKILL)
 if mode == "exit_0":
     os._exit(0)
 if mode == "segfault":
@@ -403,6 +406,23 @@ def test_a_crash_in_a_host_that_a_fresh_process_does_not_repeat_leaves_the_slot_
     assert confirmed.status is TrialStatus.COMPLETED  # and not in a process of its own
     assert hosted(tmp_path) == [True, True, False, False]  # hosts are not trusted again
     assert len({pid(first), pid(confirmed), *(pid(o) for o in later)}) == 4
+
+
+def test_a_host_killed_from_outside_during_a_trial_leaves_the_slot_hosted(
+    tmp_path: Path,
+) -> None:
+    """A SIGKILL from outside says nothing of what hosting leaves: the slot's trials all started
+    fresh from then on (ten times slower for the rest of the search), its note pointed at the
+    host's empty log, and the trial's log said the trial ended the process."""
+    trials = [{}, {"mode": "killed_once", "flag": str(tmp_path / "flag")}, {}, {}]
+    first, rerun, *later = run_all(job_runner(tmp_path), trials)
+    assert (tmp_path / "flag").exists()  # it was killed in the host
+    assert rerun.status is TrialStatus.COMPLETED
+    log = log_of(tmp_path, 2)
+    assert "the trial host it ran in was stopped by SIGKILL (exit code -9)" in log
+    assert "the trial ended the process" not in log
+    assert hosted(tmp_path) == [True, True, True, True]
+    assert pid(later[0]) == pid(later[1]) != pid(first)  # a new host, kept
 
 
 @pytest.mark.slow
