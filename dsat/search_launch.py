@@ -466,6 +466,22 @@ def check_hf_global_batch(experiment: Experiment, settings: SearchSettings) -> s
                 f'{flag} {passed}, and HF refuses that run ("mismatch TrainingArguments '
                 f'values"): make them agree, or set {key} to "auto"'
             )
+    # A number in the JSON and no flag: HF's default, unless the script sets it in code.
+    defaults = [
+        f"{key} {number} against {flag}'s default {HF_BATCH_DEFAULTS[key]}"
+        for flag, key in HF_BATCH_FLAGS.items()
+        if (number := batch_value(merged, key, source)) is not None
+        and key not in flags
+        and number != HF_BATCH_DEFAULTS[key]
+    ]
+    if defaults and settings.global_batch is None:
+        return (
+            f"dsat: note: {shown(experiment.ds_config_path)}: {' and '.join(defaults)}, which "
+            'your entrypoint does not pass: HF refuses that run ("mismatch TrainingArguments '
+            'values") unless your script sets it in code; the trials and the run of your config '
+            "pass the JSON's numbers themselves: pass the flag in your entrypoint, or set the key "
+            'to "auto"'
+        )
     batch = fixed_global_batch(merged, source)
     if settings.global_batch is not None or batch is None:
         return None

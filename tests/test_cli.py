@@ -514,6 +514,24 @@ def test_an_hf_batch_that_does_not_make_the_configs_global_batch_is_one_line(
             f'refuses that run ("mismatch TrainingArguments values"): make them agree, or set '
             f'{key} to "auto"'
         )
+    # A number in the JSON that no flag passes: HF's default in the user's own run, which HF
+    # refuses unless the script sets it in code (nothing was said).
+    entrypoint = "python3 train.py --deepspeed ds_config.json"
+    for ds_config, said in (
+        (
+            {**auto, "gradient_accumulation_steps": 2},
+            "gradient_accumulation_steps 2 against --gradient_accumulation_steps's default 1",
+        ),
+        (
+            {**auto, "train_micro_batch_size_per_gpu": 4},
+            "train_micro_batch_size_per_gpu 4 against --per_device_train_batch_size's default 8",
+        ),
+    ):
+        bare = write_experiment(
+            tmp_path / str(len(said)), config={"entrypoint": entrypoint}, ds_config=ds_config
+        )
+        note = check_hf_global_batch(load_experiment(bare, bare.parent), settings)
+        assert note is not None and f"ds_config.json: {said}, which your entrypoint" in note
     # --global-batch searches at another batch on purpose.
     (path.parent / "ds_config.json").write_text(json.dumps({**auto, "train_batch_size": 16}))
     given = parse_settings(["asha", str(path), str(path.parent), "--global-batch", "16"])
