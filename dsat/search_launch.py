@@ -296,6 +296,7 @@ def plan_search(
         for hf_note in (
             check_hf_global_batch(experiment, settings),
             hf_periodic_work_note(experiment, settings),
+            hf_strict_json_note(experiment),
         ):
             if hf_note is not None:
                 notes.append(hf_note)
@@ -410,6 +411,27 @@ HF_PERIODIC_WORK = (
     ("saves a checkpoint", ("--save_strategy", "--save-strategy"),
      ("--save_steps", "--save-steps"), ("steps", None)),  # HF saves by steps unless told not to
 )  # fmt: skip
+
+
+def hf_strict_json_note(experiment: Experiment) -> str | None:
+    """A note where an HF Trainer entrypoint's DeepSpeed JSON has comments or trailing commas:
+    DeepSpeed reads them (hjson) and so does dsat, but HF's Trainer reads the file with Python's
+    json and fails, so the user's own run fails where every trial (passed a merged, plain JSON)
+    and the hand-over work."""
+    if entrypoint_flag(experiment.config.get("entrypoint"), (HF_DS_FLAG,)) is None:
+        return None
+    try:
+        json.loads(experiment.ds_config_path.read_text())
+    except json.JSONDecodeError as err:
+        return (
+            f"dsat: note: {shown(experiment.ds_config_path)} is not plain JSON ({err.msg}: line "
+            f"{err.lineno}, column {err.colno}): DeepSpeed and dsat read it, HF's Trainer does "
+            "not, so your own run with it fails; the trials and best_ds_config.json are plain "
+            "JSON"
+        )
+    except (OSError, UnicodeDecodeError):  # read once already: said there
+        return None
+    return None
 
 
 def hf_periodic_work_note(experiment: Experiment, settings: SearchSettings) -> str | None:

@@ -1428,3 +1428,21 @@ def test_a_results_directory_dsat_named_that_another_search_holds_is_passed_over
     assert f"results in {named.name}-2" in out.replace(str(named.parent) + "/", "")
     assert (named.parent / f"{named.name}-2" / "summary.txt").is_file()
     assert not (named / "summary.txt").exists()
+
+
+def test_an_hf_json_with_a_trailing_comma_is_a_note(tmp_path: Path) -> None:
+    """DeepSpeed and dsat read it (hjson); HF's Trainer reads it with Python's json and fails:
+    the user's own run failed while the search said nothing and called their config the best."""
+    from dsat.experiment.config import load_experiment
+    from dsat.search_launch import hf_strict_json_note
+
+    entrypoint = "python3 train.py --deepspeed ds_config.json"
+    path = write_experiment(tmp_path / "m", config={"entrypoint": entrypoint})
+    assert hf_strict_json_note(load_experiment(path, path.parent)) is None
+    (path.parent / "ds_config.json").write_text('{"train_micro_batch_size_per_gpu": 2,}\n')
+    note = hf_strict_json_note(load_experiment(path, path.parent))
+    assert note is not None and "ds_config.json is not plain JSON (" in note
+    assert "line 1, column" in note and "HF's Trainer does not" in note
+    core = write_experiment(tmp_path / "c")  # not an HF entrypoint: DeepSpeed reads it itself
+    (core.parent / "ds_config.json").write_text('{"train_micro_batch_size_per_gpu": 2,}\n')
+    assert hf_strict_json_note(load_experiment(core, core.parent)) is None
