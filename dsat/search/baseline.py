@@ -51,9 +51,23 @@ def user_micro_batch(method: DsatSearchMethod) -> tuple[int, int, dict[str, int]
             from_script.pop(GRAD_ACCUM_STEPS, None)
         merged = deep_merge(merged, from_script)
     micro = batch_value(merged, MICRO_BATCH_SIZE, "config")
-    if micro is None and fixed_global_batch(merged) is None:
+    total = fixed_global_batch(merged)
+    if micro is None and total is None:
         return None
-    batch = consistent_batch_sizes(merged, spec.slots_per_trial)
+    slots = spec.slots_per_trial
+    if micro is not None and total is not None and total % (micro * slots):
+        # Said in the user's terms: the batch may be --global-batch's and the micro-batch the
+        # script's flag, neither of them in the config the generic message named.
+        where = (
+            "your entrypoint's --per_device_train_batch_size"
+            if MICRO_BATCH_SIZE in from_script
+            else f"your config's {MICRO_BATCH_SIZE}"
+        )
+        raise DsatError(
+            f"its micro-batch {micro} ({where}) does not divide the global batch {total} over "
+            f"{slots} slot(s)"
+        )
+    batch = consistent_batch_sizes(merged, slots)
     zero = merged.get("zero_optimization")
     stage = int(zero.get("stage", 0)) if isinstance(zero, dict) else 0
     return stage, batch[MICRO_BATCH_SIZE], from_script

@@ -322,7 +322,11 @@ def test_with_a_fixed_global_batch_the_baseline_keeps_it_with_the_scripts_micro_
     assert "baseline" not in {row["kind"] for row in rows(tmp_path / "odd")}
     summary = (tmp_path / "odd" / SUMMARY_FILE).read_text()
     assert "your config: not run (its batch sizes do not add up: " in summary
-    assert "is not divisible by train_micro_batch_size_per_gpu 5" in summary
+    # In the user's terms: the micro-batch is the flag's; the config named none ("auto").
+    assert (
+        "its micro-batch 5 (your entrypoint's --per_device_train_batch_size) does not divide the "
+        f"global batch {64 * SLOTS} over {SLOTS} slot(s)"
+    ) in summary
     assert method.tracker.best() is not None and not method.search_failed
 
 
