@@ -125,7 +125,10 @@ def knob_tags(section: dict[str, Any], stage: int) -> list[str]:
             tags.append(f"{tag}{size_text(value)}")
     for knob, tag in _SWITCH_TAGS.items():
         default = stage == 3 if knob == "overlap_comm" else DEEPSPEED_DEFAULTS[knob]
-        if knob in zero_knobs(stage) and knob in section and bool(section[knob]) != default:
+        # Overlap is searched from stage 2, but DeepSpeed's ZeRO-1 uses it too: a user's
+        # overlap kept at stage 1 read as dropped.
+        acts = knob in zero_knobs(stage) or knob == "overlap_comm"
+        if acts and knob in section and bool(section[knob]) != default:
             tags.append(tag if section[knob] else f"no-{tag}")
     for knob, tag in (("offload_optimizer", "offload-opt"), ("offload_param", "offload-param")):
         device = (

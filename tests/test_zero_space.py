@@ -93,6 +93,8 @@ def test_a_trial_name_shows_every_knob_set_apart_from_deepspeeds_defaults() -> N
     )
     assert knob_tags(stage3, 3) == ["persist9.09e4", "no-overlap"]
     assert knob_tags({"reduce_bucket_size": 1}, 0) == []
+    # DeepSpeed's ZeRO-1 overlaps too: a user's overlap kept at stage 1 read as dropped.
+    assert knob_tags(explicit_zero_config({"overlap_comm": True}, 1), 1) == ["overlap"]
     assert [size_text(v) for v in (5e8, 1_000, 150_000, 1e6)] == ["5e8", "1000", "1.5e5", "1e6"]
     # What the throughput model pools: the knob settings, not the offload (a curve of its own).
     assert setting_tags({**section, "stage": 2}) == ("rb5e7", "overlap", "no-contiguous")
