@@ -297,6 +297,7 @@ def plan_search(
             check_hf_global_batch(experiment, settings),
             hf_periodic_work_note(experiment, settings),
             hf_strict_json_note(experiment),
+            checkpointing_switch_note(experiment),
         ):
             if hf_note is not None:
                 notes.append(hf_note)
@@ -411,6 +412,32 @@ HF_PERIODIC_WORK = (
     ("saves a checkpoint", ("--save_strategy", "--save-strategy"),
      ("--save_steps", "--save-steps"), ("steps", None)),  # HF saves by steps unless told not to
 )  # fmt: skip
+
+
+def checkpointing_switch_note(experiment: Experiment) -> str | None:
+    """A note where the entrypoint turns activation checkpointing on itself while the
+    hyperparameter says it is off: the fit ladder's checkpointing rung, which sets the
+    hyperparameter, then changes nothing, and every trial checkpoints."""
+    if experiment.hparams.get(CHECKPOINTING_HPARAM) is not False:
+        return None
+    words = entrypoint_words(experiment.config.get("entrypoint"))
+    flags = (f"--{CHECKPOINTING_HPARAM}", f"--{CHECKPOINTING_HPARAM.replace('_', '-')}")
+    on = None
+    for i, word in enumerate(words):
+        flag, eq, value = word.partition("=")
+        if flag in flags:  # the last one given stands, as in argparse
+            if not eq:
+                bare = i + 1 == len(words) or words[i + 1].startswith("-")
+                value = "true" if bare else words[i + 1]
+            on = value.strip().lower() in ("true", "1", "yes")
+    if not on:
+        return None
+    return (
+        f"dsat: note: {shown(experiment.config_path)}: hyperparameters.{CHECKPOINTING_HPARAM} is "
+        f"false but the entrypoint passes --{CHECKPOINTING_HPARAM}: every trial checkpoints, and "
+        "dsat's step of turning it on where the model does not fit changes nothing; drop the "
+        "flag to let dsat turn it on only where needed, or the hyperparameter"
+    )
 
 
 def hf_strict_json_note(experiment: Experiment) -> str | None:

@@ -1446,3 +1446,34 @@ def test_an_hf_json_with_a_trailing_comma_is_a_note(tmp_path: Path) -> None:
     core = write_experiment(tmp_path / "c")  # not an HF entrypoint: DeepSpeed reads it itself
     (core.parent / "ds_config.json").write_text('{"train_micro_batch_size_per_gpu": 2,}\n')
     assert hf_strict_json_note(load_experiment(core, core.parent)) is None
+
+
+def test_checkpointing_on_in_the_entrypoint_and_off_in_the_hyperparameter_is_a_note(
+    tmp_path: Path,
+) -> None:
+    """The fit ladder's checkpointing rung sets the hyperparameter; an entrypoint that turns
+    checkpointing on itself made every trial checkpoint and the rung change nothing, unsaid."""
+    from dsat.experiment.config import load_experiment
+    from dsat.search_launch import checkpointing_switch_note
+
+    hparams = {"deepspeed_config": "ds_config.json", "gradient_checkpointing": False}
+    said = {}
+    for tail in (
+        "--gradient_checkpointing",
+        "--gradient_checkpointing true --seed 1",
+        "--gradient-checkpointing=True",
+        "--gradient_checkpointing false",
+        "",
+    ):
+        entrypoint = f"python3 train.py --deepspeed ds_config.json {tail}".strip()
+        config = {"entrypoint": entrypoint, "hyperparameters": hparams}
+        path = write_experiment(tmp_path / str(len(said)), config=config)
+        said[tail] = checkpointing_switch_note(load_experiment(path, path.parent))
+    on = [t for t, note in said.items() if note is not None]
+    assert on == [
+        "--gradient_checkpointing",
+        "--gradient_checkpointing true --seed 1",
+        "--gradient-checkpointing=True",
+    ]
+    note = said["--gradient_checkpointing"]
+    assert note is not None and "hyperparameters.gradient_checkpointing is false but the " in note
