@@ -26,6 +26,7 @@ from dsat.results.cost import COST_PREFIX, search_cost
 from dsat.results.directory import (
     BEST_CONFIG_FILE,
     BEST_METRICS_FILE,
+    HANDED_OVER_PREFIX,
     SAFE_KEY,
     SUMMARY_FILE,
     TRIALS_FILE,
@@ -162,9 +163,26 @@ def load_results(results_dir: Path) -> SearchResults:
         )
     picked = picked_row(rows, results_dir / BEST_METRICS_FILE)
     # best_ds_metrics.json is written as a search goes: an interrupted one's report named its
-    # best so far "picked". A state that cannot be read says nothing against a hand-over.
-    handed_over = state is None or state["tracker"].get("confirmed_id") is not None
+    # best so far "picked". Without a state (a Determined checkpoint, one deleted), the summary
+    # says whether it handed over: an interrupted search's (none yet) read as handed over.
+    if state is None:
+        handed_over = said_it_handed_over(results_dir / SUMMARY_FILE)
+    else:
+        handed_over = state["tracker"].get("confirmed_id") is not None
     return SearchResults(rows, metric, picked, unknown, handed_over)
+
+
+def said_it_handed_over(summary: Path) -> bool:
+    """Whether a search's summary has its "handed over:" line (one that handed nothing over
+    says "handed over: nothing")."""
+    try:
+        lines = summary.read_text(errors="replace").splitlines()
+    except OSError:
+        return False
+    prefix = f"{HANDED_OVER_PREFIX} "
+    return any(
+        line.startswith(prefix) and not line.startswith(f"{prefix}nothing") for line in lines
+    )
 
 
 def picked_row(rows: list[dict[str, Any]], best_metrics: Path) -> dict[str, Any] | None:

@@ -80,6 +80,8 @@ def test_an_interrupted_search_is_reported_then_resumed_and_reported_again(
     assert (results / REPORT_PNG).read_bytes() != first  # drawn again with every trial
     ends = [row["end"] for row in load_results(results).rows]
     assert ends == sorted(ends)  # the resumed run's clock carries on: progress runs forward
+    (results / STATE_FILE).unlink()  # its summary says it handed over
+    assert load_results(results).picked_label == "picked"
 
 
 def test_an_interrupted_searchs_best_so_far_is_not_called_picked(
@@ -95,6 +97,10 @@ def test_an_interrupted_searchs_best_so_far_is_not_called_picked(
     out = capsys.readouterr().out
     best = load_results(results).picked
     assert best is not None and f"\nbest so far: {best['name']}\n" in out and "picked" not in out
+    # Without its state (deleted, or a Determined checkpoint's files), the summary decides: an
+    # interrupted search has none and was called "picked" again.
+    (results / STATE_FILE).unlink()
+    assert load_results(results).picked_label != "picked"
 
 
 def test_without_matplotlib_the_search_runs_and_report_says_how_to_install(
