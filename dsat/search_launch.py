@@ -67,6 +67,7 @@ from dsat.results.directory_lock import (
 from dsat.results.report import write_report
 from dsat.results.resume import (
     not_a_results_dir,
+    python_command,
     read_saved_state,
     readable_state,
     refuse_changed_experiment,
@@ -827,6 +828,18 @@ def search_here(plan: LaunchPlan, runner: TrialRunner) -> None:
     trains = plan.runner is not RunnerKind.SIMULATED
     try:
         report_end(method, plan.results_dir, settings.run_full_experiment, trains)
+    except SearchFailed as err:
+        if settings.resume is None:
+            raise
+        # Resumed after the fix its reason asked for, it said the same and ran nothing.
+        again = shlex.join(
+            [python_command(), "-m", "dsat", settings.method]
+            + [shown(Path(p)) for p in (settings.config_path, settings.model_dir)]
+        )
+        raise SearchFailed(
+            f"{err}; a failed search stays failed when resumed: once that is fixed, start a new "
+            f"one: {again}"
+        ) from None
     except KeyboardInterrupt:
         again = resume_command(settings.method, plan.results_dir)
         raise SearchInterrupted(

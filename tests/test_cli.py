@@ -1208,6 +1208,19 @@ def test_a_search_stopped_for_trials_failing_alike_says_why_once(tmp_path: Path)
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("dsat: search failed: the machine failed the last "), line
     assert line.count("the GPU fell off the bus") == 1 and "none of the" not in line, line
+    # Resumed once that was fixed, it said the same and ran nothing: say that it needs a new one.
+    again = run_cli("binary", "--resume", str(tmp_path / "r"))
+    assert again.returncode == 1, again.stderr
+    (line,) = again.stderr.strip().splitlines()
+    assert line.count("the GPU fell off the bus") == 1, line
+    assert (
+        "; a failed search stays failed when resumed: once that is fixed, start a new one: " in line
+    )
+    config, model_dir = line.split(" -m dsat binary ")[1].split()
+    assert (Path(config).resolve(), Path(model_dir).resolve()) == (
+        SIMULATED / "bert_base.yaml",
+        SIMULATED,
+    ), line
 
 
 ILLEGAL_ACCESS_SIMULATOR = (
