@@ -758,6 +758,18 @@ def ended_search_runner(plan: LaunchPlan) -> TrialRunner | None:
     return EndedSearchRunner()
 
 
+def moved_project(settings: SearchSettings, results_dir: Path) -> bool:
+    """Whether a resume names another CONFIG_PATH or MODEL_DIR than the search saved."""
+    try:
+        saved = saved_settings(results_dir)
+    except DsatError:
+        return False
+    return any(
+        Path(getattr(saved, key)).resolve() != Path(getattr(settings, key)).resolve()
+        for key in ("config_path", "model_dir")
+    )
+
+
 def open_runner(plan: LaunchPlan) -> TrialRunner:
     """The runner, ready for trials. Ctrl-C while it gets ready (DeepSpeed's ops building, slots
     another search holds) said only "interrupted", and a new search's directory was left
@@ -769,6 +781,11 @@ def open_runner(plan: LaunchPlan) -> TrialRunner:
         settings = plan.settings
         if settings.resume is not None:
             again = resume_command(settings.method, plan.results_dir)
+            if moved_project(settings, plan.results_dir):
+                # Saved once a trial starts: the command without them resumed the old copy.
+                again += " " + shlex.join(
+                    shown(Path(p)) for p in (settings.config_path, settings.model_dir)
+                )
             what = "interrupted before the search went on (no trial had started)"
             if settings.run_full_experiment:
                 again += " --run-full-experiment"  # without it, that command trains nothing

@@ -17,6 +17,7 @@ import pytest
 from dsat.cli import parse_settings
 from dsat.constants import OVERWRITE_KEY, SETTINGS_FILE
 from dsat.experiment.config import load_experiment
+from dsat.paths import shown
 from dsat.results.resume import resume_command
 from dsat.runners import RunnerKind
 from dsat.runners.local.full_run import FullExperimentFailed
@@ -340,6 +341,35 @@ def test_ctrl_c_before_the_full_run_of_an_ended_search_says_the_command_that_tra
     assert str(stopped.value) == (
         "interrupted before the full run started; the search had ended and is kept; "
         f"resume with: {resume_command('asha', results)} --run-full-experiment"
+    )
+
+
+def test_ctrl_c_before_a_moved_projects_resume_goes_on_names_its_new_paths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The new CONFIG_PATH and MODEL_DIR are saved once a trial starts: the command it gave
+    (without them) resumed the old copy of the project."""
+    import shutil
+
+    from dsat.cli import main
+
+    results = tmp_path / "r"
+    assert main([*SIMULATED_ARGV, "--results-dir", str(results)]) == 0
+    moved = tmp_path / "moved"
+    shutil.copytree(SIMULATED, moved)
+
+    def waiting(self: SimulatedSetup, results_dir: Path) -> Any:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(SimulatedSetup, "open", waiting)
+    config = moved / "gpt2_large.yaml"
+    plan = plan_search(
+        parse_settings(["asha", "--resume", str(results), str(config), str(moved)]), {}
+    )
+    with pytest.raises(SearchInterrupted) as stopped:
+        open_runner(plan)
+    assert str(stopped.value).endswith(
+        f"resume with: {resume_command('asha', results)} {shown(config)} {shown(moved)}"
     )
 
 
