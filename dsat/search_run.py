@@ -146,6 +146,8 @@ def run_search(
             runs = [run for kept in recorder.machine_failed.values() for run in kept]
             writer.carry_on_after(max((float(run["end"]) for run in runs), default=0.0))
             driver.carried_over = recorder.carried_over()
+            if progress is not None:
+                progress.carry_on(writer.clock_offset)
         except (KeyError, TypeError, ValueError) as err:
             raise DsatError(
                 f"{shown(results_dir / STATE_FILE)}: damaged search state ({err}); this search "

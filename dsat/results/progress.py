@@ -45,6 +45,11 @@ class SearchProgress:
         self.started_at = clock()
         self._live: Live | None = None
 
+    def carry_on(self, seconds: float) -> None:
+        """Count the elapsed time on from ``seconds``: a resumed search's, whose trials.jsonl
+        times carry on (its lines restarted at 00:00 beside rows ending at 124 s)."""
+        self.started_at = self.clock() - seconds
+
     # ------------------------------------------------------------------ listener hooks
 
     def trial_started(self, request_id: str) -> None:

@@ -151,3 +151,14 @@ def test_the_users_own_config_and_a_confirmation_run_show_what_they_measured() -
     lines = out.getvalue().splitlines()
     assert "your config (z1_mb8): completed, 61.1 GFLOP/s per GPU |" in lines[0]
     assert ": completed, 25 TFLOP/s per GPU |" in lines[1]
+
+
+def test_a_resumed_searchs_clock_carries_on_as_its_rows_do() -> None:
+    """It restarted at 00:00 while trials.jsonl's times carried on (01:07 beside 124 s)."""
+    clock = FakeClock()
+    t = tracker(Metric.THROUGHPUT)
+    t.add(record("p", 1, kind=TrialKind.MODEL_PROFILE))
+    progress = SearchProgress(t, Console(file=io.StringIO(), width=300), clock)
+    progress.carry_on(124.0)
+    clock.now += 7
+    assert progress.status_line().endswith(", 02:11")
