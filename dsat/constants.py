@@ -64,6 +64,9 @@ CHECKPOINTING_HPARAM = "gradient_checkpointing"
 FULL_BATCH_SHARE = "full_batch_share"
 # ... and above 1: the script fed its forwards batches of its own, larger than the trial's.
 ROWS_OVER_BATCH = "rows_over_batch"
+# The shape of every measured training forward's first input, where all had one: two trials of
+# different micro-batches fed the same shape, holding neither, ran the script's own batch size.
+INPUT_SHAPE = "input_shape"
 # The model profile's report of the precision it ran at (fp32, fp16 or bf16): what the memory
 # model counts by, where the DeepSpeed JSON leaves it to HF's Trainer ("auto").
 PRECISION_KEY = "precision"

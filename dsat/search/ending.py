@@ -20,6 +20,7 @@ from dsat.search.confirmation import (
     next_round,
     search_trials,
 )
+from dsat.search.ignored_batch import script_batch_ignored
 from dsat.trial import TrialKind, TrialRecord, TrialStatus
 from dsat.trial_failure import (
     FROM_OUTSIDE,
@@ -219,6 +220,12 @@ class SearchEnding:
         tracker = method.tracker
         if self.handed_over(method):
             return True  # a finished search resumed: as it was
+        ignored = script_batch_ignored(tracker.finished)
+        if ignored is not None:  # no trial measured its configuration: nothing to confirm
+            for request_id in list(tracker.queue):
+                tracker.discard(request_id)
+            self.shutdown_reason = ignored
+            return True
         if self.confirming(method):
             if tracker.running or tracker.queue:
                 return False
@@ -397,5 +404,10 @@ class SearchEnding:
 
     def search_failed(self, method: DsatSearchMethod) -> bool:
         """A search with no successful trial (or no model profile, or only configurations that
-        leave too little memory) has failed."""
-        return method.model_profile_failed() or method.tracker.best() is None or self.unsafe_memory
+        leave too little memory, or trials that all ran the script's own batch) has failed."""
+        return (
+            method.model_profile_failed()
+            or method.tracker.best() is None
+            or self.unsafe_memory
+            or script_batch_ignored(method.tracker.finished) is not None
+        )

@@ -44,6 +44,7 @@ from dsat.search.fit_ladder import (
     with_offload,
     with_offload_of,
 )
+from dsat.search.ignored_batch import same_inputs_line
 from dsat.search.method_settings import MethodSettings
 from dsat.search.method_state import load_state_json, state_json
 from dsat.search.protocol import SearchMethod
@@ -502,6 +503,7 @@ class DsatSearchMethod(SearchMethod):
             self.fit_line(self.tracker.best()),
             baseline_line(self),
             short_batches_line(self.tracker.finished),
+            same_inputs_line(self.tracker.finished),
         ]
 
     def fit_line(self, handed_over: TrialRecord | None) -> str:

@@ -32,6 +32,7 @@ from dsat.atomic_file import write_json_atomic
 from dsat.constants import (
     AUTOTUNING_KEY,
     FULL_BATCH_SHARE,
+    INPUT_SHAPE,
     ROWS_OVER_BATCH,
     TRIAL_OUTCOME_FILE,
 )
@@ -90,6 +91,10 @@ class StepClock:
     # Whether the forwards' leading dimension is the batch: known (HF), or seen to be the
     # micro-batch at least once.
     batch_first: bool = False
+    # The training forwards' first input's shape, while every one had the same (None after
+    # one differed): a search tells from it a script that feeds its own batch size.
+    input_shape: tuple[int, ...] | None = None
+    shapes_differ: bool = False
 
     def mark(self, global_steps: int, train_batch_size: int) -> bool:
         """Note the end of an optimizer step; True once the window is complete with the next
@@ -102,8 +107,16 @@ class StepClock:
             self.train_batch_size = train_batch_size
         return self.complete()
 
-    def note_forward(self, steps_done: int, rows: int, micro_batch: int, accumulation: int) -> None:
-        """Note a training forward fed ``rows`` (its inputs' leading dimension)."""
+    def note_forward(
+        self, steps_done: int, shape: tuple[int, ...], micro_batch: int, accumulation: int
+    ) -> None:
+        """Note a training forward whose first input has ``shape`` (its leading dimension the
+        rows it was fed, where the model is batch-first)."""
+        rows = shape[0]
+        if self.input_shape is None and not self.shapes_differ:
+            self.input_shape = shape
+        elif shape != self.input_shape:
+            self.input_shape, self.shapes_differ = None, True
         self.rows[steps_done] = self.rows.get(steps_done, 0) + rows
         self.rows_per_step = micro_batch * accumulation
         self.batch_first = self.batch_first or rows == micro_batch
@@ -170,6 +183,8 @@ class StepClock:
             ours[FULL_BATCH_SHARE] = share
         elif share is not None and share > 1:  # more than a full batch: not the data running out
             ours[ROWS_OVER_BATCH] = share
+        if self.input_shape is not None:
+            ours[INPUT_SHAPE] = list(self.input_shape)
         flops = flops_per_step(deepspeed)
         if flops is not None:
             ours["FLOPS_per_gpu"] = flops / seconds
@@ -360,11 +375,11 @@ def _time_engine_steps() -> None:
 
     def forward(engine: Any, *args: Any, **kwargs: Any) -> Any:
         if _clock is not None and engine.training and torch.is_grad_enabled():
-            rows = leading_dimension(args, kwargs)
-            if rows is not None:
+            shape = input_shape(args, kwargs)
+            if shape:
                 _clock.note_forward(
                     int(engine.global_steps),
-                    rows,
+                    shape,
                     int(engine.train_micro_batch_size_per_gpu()),
                     int(engine.gradient_accumulation_steps()),
                 )
@@ -400,10 +415,10 @@ def _time_engine_steps() -> None:
     DeepSpeedEngine.forward = forward
 
 
-def leading_dimension(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int | None:
-    """The leading dimension of a forward's first tensor input (HF's ``input_ids``, a plain
-    model's input; a dict, list or tuple of tensors passed whole counts by its first), the batch
-    where the model is batch-first."""
+def input_shape(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[int, ...] | None:
+    """The shape of a forward's first tensor input (HF's ``input_ids``, a plain model's input;
+    a dict, list or tuple of tensors passed whole counts by its first): its leading dimension
+    is the batch where the model is batch-first."""
     import torch
 
     values = [*args, *kwargs.values()]
@@ -413,7 +428,7 @@ def leading_dimension(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int |
         values = [*values[0], *values[1:]]
     for value in values:
         if isinstance(value, torch.Tensor):
-            return int(value.shape[0]) if value.dim() > 0 else None
+            return tuple(int(n) for n in value.shape) if value.dim() > 0 else None
     return None
 
 

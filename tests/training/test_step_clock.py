@@ -8,6 +8,7 @@ from unittest.mock import patch
 
 import pytest
 
+from dsat.constants import INPUT_SHAPE
 from dsat.memory import Precision
 from dsat.training.hf_args import hf_precision
 from dsat.training.step_clock import (
@@ -19,7 +20,7 @@ from dsat.training.step_clock import (
     current_clock,
     device_peak,
     flops_per_step,
-    leading_dimension,
+    input_shape,
     measured_window,
     spread,
     stop_clock,
@@ -70,7 +71,7 @@ def fed(
 ) -> None:
     for done, rows in rows_by_step.items():
         for count in rows:
-            clock.note_forward(done, count, micro, accumulation)
+            clock.note_forward(done, (count, 32), micro, accumulation)
 
 
 def test_short_batches_in_the_window_count_the_samples_they_ran() -> None:
@@ -129,17 +130,27 @@ def test_an_hf_script_feeding_more_rows_than_the_trials_batch_is_said() -> None:
     assert script_batch_note({"values": full.metrics(DEEPSPEED)}) is None
 
 
-def test_the_leading_dimension_is_the_first_tensor_inputs() -> None:
+def test_the_input_shape_is_the_first_tensor_inputs() -> None:
     import torch
 
     ids = torch.zeros(6, 32, dtype=torch.long)
-    assert leading_dimension((), {"input_ids": ids, "labels": torch.zeros(9)}) == 6
-    assert leading_dimension((torch.zeros(3, 4),), {}) == 3
-    assert leading_dimension(({"input_ids": ids},), {}) == 6
-    assert leading_dimension(((ids, torch.zeros(6)),), {}) == 6  # a (inputs, labels) batch
-    assert leading_dimension((None, 2.0), {"x": torch.zeros(5)}) == 5
-    assert leading_dimension((torch.tensor(1.0),), {}) is None
-    assert leading_dimension(("text",), {}) is None
+    assert input_shape((), {"input_ids": ids, "labels": torch.zeros(9)}) == (6, 32)
+    assert input_shape((torch.zeros(3, 4),), {}) == (3, 4)
+    assert input_shape(({"input_ids": ids},), {}) == (6, 32)
+    assert input_shape(((ids, torch.zeros(6)),), {}) == (6, 32)  # a (inputs, labels) batch
+    assert input_shape((None, 2.0), {"x": torch.zeros(5)}) == (5,)
+    assert input_shape((torch.tensor(1.0),), {}) is None
+    assert input_shape(("text",), {}) is None
+
+
+def test_one_input_shape_for_every_forward_is_reported() -> None:
+    """What tells a search that a script feeds its own batch size (search/ignored_batch.py)."""
+    clock = clock_with([0.5] * 4, batch=8)
+    fed(clock, {step: [16] for step in range(5, 9)}, 8, 1)
+    assert clock.metrics(DEEPSPEED)[INPUT_SHAPE] == [16, 32]
+    varied = clock_with([0.5] * 4, batch=8)
+    fed(varied, {5: [8], 6: [8], 7: [3], 8: [8]}, 8, 1)  # one short batch
+    assert INPUT_SHAPE not in varied.metrics(DEEPSPEED)
 
 
 def run_steps(clock: StepClock, step_seconds: list[float]) -> int:

@@ -230,3 +230,30 @@ def test_a_loop_too_short_to_measure_says_why_in_one_line(tmp_path: Path) -> Non
     said = f"trial {rows[1]['trial']} {rows[1]['name']}: error: {first_line[:150]}"
     assert said in run.stdout  # said, not kept
     assert rows[1]["cause"] == "script"
+
+
+def test_a_script_that_feeds_its_own_batch_size_fails_the_search_and_says_so(
+    tmp_path: Path,
+) -> None:
+    """A DataLoader built with batch_size=8, whatever the trial's micro-batch: every trial ran
+    the same work, a larger micro-batch read as faster (3.03x "your config" for the same steps),
+    and nothing was said."""
+    example = copy_example(tmp_path / "core_api_mlp")
+    script = (example / "train.py").read_text()
+    assert "engine.train_micro_batch_size_per_gpu(), width" in script
+    (example / "train.py").write_text(
+        script.replace("engine.train_micro_batch_size_per_gpu(), width", "8, width")
+    )  # the example's own micro-batch, in ds_config.json: the baseline runs it
+    command = [sys.executable, "-m", "dsat", "binary", "deepspeed.yaml", ".", "-z", "1"]
+    command += ["--max-trials", "4", "--results-dir", str(tmp_path / "results")]
+    run = subprocess.run(
+        command, cwd=example, env=env(), capture_output=True, text=True, timeout=540
+    )
+    assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
+    (line,) = run.stderr.strip().splitlines()
+    assert line.startswith(
+        "dsat: search failed: the training script feeds every trial batches "
+        "of 8 whatever its micro-batch: "
+    ), line
+    assert line.endswith("engine.train_micro_batch_size_per_gpu(); docs/porting-core-api.md)")
+    assert not [row for row in trials(tmp_path / "results") if row["kind"] == "confirm"]

@@ -1,0 +1,71 @@
+"""A training script that feeds every trial a batch size of its own (a DataLoader built with
+``batch_size=16``, not the trial's micro-batch): every trial then runs the same work, and a
+larger micro-batch reads as proportionally faster, since samples/s counts the micro-batch.
+
+The trial side reports the shape of its training forwards' first input where every one had the
+same (``INPUT_SHAPE``). Two completed trials of different micro-batches with the same shape,
+whose leading dimension is one of theirs (so that dimension is the batch), show it for sure: the
+search stops, failed, as no trial measured its configuration. The same shape holding neither
+micro-batch may also be a first input that is no batch at all (a buffer of positions): a note.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from dsat.constants import INPUT_SHAPE
+from dsat.trial import TrialKind, TrialRecord, TrialStatus
+
+FIX = (
+    "build the DataLoader from the trial's micro-batch (engine.train_micro_batch_size_per_gpu(); "
+    "docs/porting-core-api.md)"
+)
+
+
+def _pairs(records: Iterable[TrialRecord]) -> list[tuple[TrialRecord, TrialRecord, list[int]]]:
+    """Pairs of completed, measured trials of different micro-batches fed one input shape."""
+    by_shape: dict[tuple[int, ...], list[TrialRecord]] = {}
+    for record in records:
+        shape = record.metrics.get(INPUT_SHAPE)
+        if (
+            record.status is TrialStatus.COMPLETED
+            and record.kind is not TrialKind.MODEL_PROFILE
+            and isinstance(shape, list)
+            and shape
+            and all(isinstance(n, int) for n in shape)
+        ):
+            by_shape.setdefault(tuple(shape), []).append(record)
+    pairs = []
+    for shape, fed in by_shape.items():
+        sizes = {r.mbs: r for r in fed}
+        if len(sizes) > 1:
+            first, *others = sorted(sizes.values(), key=lambda r: (r.mbs != shape[0], r.mbs))
+            pairs += [(first, other, list(shape)) for other in others]
+    return pairs
+
+
+def script_batch_ignored(records: Iterable[TrialRecord]) -> str | None:
+    """Why the search must stop where two trials show the script ignores the micro-batch (the
+    shape's leading dimension is one trial's micro-batch, and another's ran it too); None
+    otherwise."""
+    for own, other, shape in _pairs(records):
+        if own.mbs == shape[0]:
+            return (
+                f"the training script feeds every trial batches of {shape[0]} whatever its "
+                f"micro-batch: {other.name} ran the same inputs as {own.name} (shape {shape}), "
+                f"so no trial measured its configuration; {FIX}"
+            )
+    return None
+
+
+def same_inputs_line(records: Iterable[TrialRecord]) -> str:
+    """A summary note where trials of different micro-batches were fed one input shape that
+    holds neither: perhaps a batch size of the script's own; empty otherwise."""
+    for own, other, shape in _pairs(records):
+        if own.mbs not in shape and other.mbs not in shape:
+            return (
+                f"same inputs: {own.name} and {other.name} were fed inputs of one shape "
+                f"{shape} at different micro-batches; if the script sets a batch size of its "
+                f"own, their figures measure the same batch: {FIX}"
+            )
+    return ""
