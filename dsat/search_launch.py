@@ -43,6 +43,7 @@ from dsat.experiment.config import (
     entrypoint_words,
     load_experiment,
     load_yaml_mapping,
+    searcher_length,
     validate_with_deepspeed,
 )
 from dsat.experiment.config_keys import unknown_key_notes
@@ -874,7 +875,10 @@ def search_here(plan: LaunchPlan, runner: TrialRunner) -> None:
                 "the noise; the full run trains with the hand-over, as asked"
             )
         try:
-            runner.run_full_experiment(full_run_hparams(method, best, plan.results_dir))
+            runner.run_full_experiment(
+                full_run_hparams(method, best, plan.results_dir),
+                searcher_length(plan.experiment.config),
+            )
         except KeyboardInterrupt:
             raise FullRunInterrupted(settings.method, plan.results_dir) from None
         except FullExperimentFailed as err:  # the training failed: how to train again, as Ctrl-C's

@@ -364,6 +364,19 @@ def with_script_accumulation(
     return {**ds_config, GRAD_ACCUM_STEPS: given}
 
 
+def searcher_length(config: Mapping[str, Any]) -> int | None:
+    """The length of the experiment's own searcher operation, in batches (``searcher.max_length:
+    20`` or ``{batches: 20}``), which the full run's ``op.length`` is off a cluster; None where
+    it gives none, or gives it in records or epochs (no batch count without the data)."""
+    searcher = config.get("searcher")
+    length = searcher.get("max_length") if isinstance(searcher, Mapping) else None
+    if isinstance(length, Mapping) and set(length) == {"batches"}:
+        length = length["batches"]
+    if isinstance(length, int) and not isinstance(length, bool) and length > 0:
+        return length
+    return None
+
+
 def same_relative_file(a: str, b: str) -> bool:
     return os.path.normpath(a) == os.path.normpath(b)
 

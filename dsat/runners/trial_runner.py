@@ -62,8 +62,10 @@ class TrialRunner(Protocol):
         """Let go of what the runner holds between trials (warm workers); a later ``start``
         takes it up again."""
 
-    def run_full_experiment(self, hparams: dict[str, Any]) -> None:
-        """Train once with ``hparams`` for the script's full length (``--run-full-experiment``)."""
+    def run_full_experiment(self, hparams: dict[str, Any], length: int | None = None) -> None:
+        """Train once with ``hparams`` for the script's full length (``--run-full-experiment``);
+        ``length``: the searcher operation's, where the experiment gives one (off a cluster
+        Determined's would be 1: a loop over ``op.length`` trained one step)."""
 
 
 class RunnerSetup(Protocol):
@@ -97,7 +99,7 @@ class EndedSearchRunner:
     def close(self) -> None:
         """Nothing is held."""
 
-    def run_full_experiment(self, hparams: dict[str, Any]) -> None:
+    def run_full_experiment(self, hparams: dict[str, Any], length: int | None = None) -> None:
         raise RuntimeError("the full run needs the search's own runner")
 
 

@@ -543,7 +543,7 @@ class LocalRunner:
         if self.warm_workers is not None:
             self.warm_workers.close()
 
-    def run_full_experiment(self, hparams: dict[str, Any]) -> None:
+    def run_full_experiment(self, hparams: dict[str, Any], length: int | None = None) -> None:
         directory = self.results_dir / FULL_RUN_DIR
         prepare_trial_directory(directory, self.model_dir, self.includes, hparams, self.results_dir)
         print(
@@ -559,7 +559,7 @@ class LocalRunner:
         try:
             run_to_the_end(
                 full_run_log(self.results_dir),
-                lambda log: self.spawn(directory, slots, subprocess.PIPE, log),
+                lambda log: self.spawn(directory, slots, subprocess.PIPE, log, length),
                 stop_left_running,
             )
         finally:

@@ -233,7 +233,7 @@ class RayRunner:
     def close(self) -> None:
         """Nothing is held between trials: each has its own placement group and actors."""
 
-    def run_full_experiment(self, hparams: dict[str, Any]) -> None:
+    def run_full_experiment(self, hparams: dict[str, Any], length: int | None = None) -> None:
         """Train once with ``hparams`` on the cluster, laid out as the trials were; the first
         node's output streams here and, with every node's, to ``logs/`` as it comes; what the run
         wrote in its copies on the nodes comes back to ``full-experiment/`` (as the local runner
@@ -244,7 +244,7 @@ class RayRunner:
 
         for earlier in (self.results_dir / "logs").glob(f"{FULL_RUN_DIR}*.log"):
             earlier.unlink(missing_ok=True)  # an earlier run's, of more nodes perhaps
-        trial = self._place(FULL_RUN_DIR, hparams, None, name=FULL_RUN_DIR)
+        trial = self._place(FULL_RUN_DIR, hparams, length, name=FULL_RUN_DIR)
         print(f"dsat: full experiment on the Ray cluster ({self.layout.describe()})", flush=True)
         text = codecs.getincrementaldecoder("utf-8")(errors="replace")  # chunks split characters
         codes: list[int | None] | None = None

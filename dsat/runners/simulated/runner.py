@@ -107,7 +107,7 @@ class SimulatedRunner:
     def close(self) -> None:
         """Nothing is held between trials."""
 
-    def run_full_experiment(self, hparams: dict[str, Any]) -> None:
+    def run_full_experiment(self, hparams: dict[str, Any], length: int | None = None) -> None:
         raise DsatError(NO_FULL_RUN)
 
 

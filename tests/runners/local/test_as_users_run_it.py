@@ -257,3 +257,20 @@ def test_a_script_that_feeds_its_own_batch_size_fails_the_search_and_says_so(
     ), line
     assert line.endswith("engine.train_micro_batch_size_per_gpu(); docs/porting-core-api.md)")
     assert not [row for row in trials(tmp_path / "results") if row["kind"] == "confirm"]
+
+
+def test_the_full_run_of_an_op_length_loop_trains_the_searchers_length(tmp_path: Path) -> None:
+    """Off a cluster Determined's operation has length 1: the Core API idiom trained one step
+    in the full run and said "full experiment finished"; it has the experiment's
+    searcher.max_length, as on a cluster."""
+    example = example_without_steps(tmp_path, None)
+    experiment = yaml.safe_load((example / "deepspeed.yaml").read_text())
+    assert experiment["searcher"]["max_length"] == 20
+    command = [sys.executable, "-m", "dsat", "binary", "deepspeed.yaml", ".", "-z", "1"]
+    command += ["--max-trials", "2", "--search-range-factor", "0.005", "--no-baseline"]
+    command += ["--results-dir", str(tmp_path / "results"), "--run-full-experiment"]
+    run = subprocess.run(
+        command, cwd=example, env=env(), capture_output=True, text=True, timeout=540
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "trained 20 steps, loss" in run.stdout, run.stdout[-3000:]
