@@ -136,6 +136,14 @@ KNOWN_FAILURES: tuple[KnownFailure, ...] = (
         'put the training under `if __name__ == "__main__":`',
     ),
     _known(
+        # DeepSpeed's own --deepspeed_config (deepspeed.add_config_arguments) beside the trial's
+        # config passed to deepspeed.initialize(args=args, config=...): refused in every trial.
+        r"Not sure how to proceed, we were given deepspeed configs in the deepspeed arguments",
+        FailureCause.SCRIPT,
+        "DeepSpeed was given a config twice: the entrypoint's --deepspeed_config (in args) and "
+        "the trial's (config=); drop --deepspeed_config from the entrypoint",
+    ),
+    _known(
         # argparse's refusal, which exits 2 before any training: the entrypoint's arguments.
         r"^(?:\[rank\d+\]:\s*)?\S+: error: (?:unrecognized arguments|the following arguments "
         r"are required|argument \S+: )",

@@ -187,6 +187,13 @@ SAMPLES: dict[str, tuple[str, FailureCause]] = {
         "step 3\n\ndsat: the warm worker that ran this trial exited; trial stopped\n",
         FailureCause.MACHINE,
     ),
+    "config given twice": (  # DeepSpeed's examples' --deepspeed_config beside config=
+        TRACEBACK
+        + PACKAGE_FRAME
+        + "AssertionError: Not sure how to proceed, we were given deepspeed configs in the "
+        "deepspeed arguments and deepspeed.initialize() function call\n",
+        FailureCause.SCRIPT,
+    ),
 }
 
 

@@ -55,8 +55,11 @@ def _find_flag(args: Sequence[str], flag: str) -> tuple[int, str | None]:
 
 
 def passes_deepspeed(args: Sequence[str]) -> bool:
-    """Whether ``args`` give ``--deepspeed`` (in any spelling HF takes): an HF Trainer script's."""
-    return _find_flag(args, HF_DS_FLAG)[0] >= 0
+    """Whether ``args`` give ``--deepspeed PATH`` (in any spelling HF takes): an HF Trainer
+    script's. DeepSpeed's own ``--deepspeed`` (``deepspeed.add_config_arguments``) is a switch
+    with no value: a plain DeepSpeed script's, told it ran without the trial's config as one."""
+    index, value = _find_flag(args, HF_DS_FLAG)
+    return index >= 0 and value is not None and not value.startswith("-") and value != ""
 
 
 def _set_flag(args: list[str], flag: str, value: str) -> list[str]:

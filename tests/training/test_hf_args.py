@@ -243,3 +243,16 @@ def test_the_newer_checkpointing_switch_is_turned_on_where_the_user_passes_it(
 def test_arguments_in_a_file_are_named_where_no_deepspeed_flag_is_found(ds_path: Path) -> None:
     with pytest.raises(DsatError, match=r"arguments in args\.json are read by the script"):
         get_hf_args_with_overwrites(["args.json"], _hparams(train_micro_batch_size_per_gpu=2))
+
+
+def test_deepspeeds_own_switch_is_no_hf_trainers_flag() -> None:
+    """A plain DeepSpeed script started as DeepSpeed's examples are (`--deepspeed
+    --deepspeed_config ds.json`, deepspeed.add_config_arguments) was told, when it ignored the
+    trial's config, to build HF TrainingArguments."""
+    from dsat.training.hf_args import passes_deepspeed
+
+    assert passes_deepspeed(["--deepspeed", "ds.json", "--output_dir", "out"])
+    assert passes_deepspeed(["--deepspeed=ds.json"])
+    assert not passes_deepspeed(["--deepspeed", "--deepspeed_config", "ds.json"])
+    assert not passes_deepspeed(["--lr", "1", "--deepspeed"])
+    assert not passes_deepspeed(["--deepspeed_config", "ds.json"])
