@@ -722,17 +722,20 @@ class RayRunner:
         its node still up (``_lost_nodes_after``). Its other ranks are stopped; the trial is the
         machine's error."""
         lost = ", ".join(self._lost_nodes_after(trial, err))
+        others = "; its other nodes' processes were stopped" if len(trial.nodes) > 1 else ""
         if lost:
-            error = (
-                f"node lost: Ray node {lost} of this trial left the cluster while it ran; its "
-                "other nodes' processes were stopped"
-            )
+            error = f"node lost: Ray node {lost} of this trial left the cluster while it ran"
         else:
-            error = (
-                "the trial's Ray actor died on a node that is still up "
-                f"({last_line(str(err))}); its other nodes' processes were stopped"
-            )
-        return self._ended_by_ray(trial, TrialStatus.ERROR, error, FailureCause.MACHINE)
+            error = "the trial's Ray actor died on a node that is still up"
+        # Ray's own words (why: a kill, its memory monitor) on the lines after the reason: in
+        # it, a terminal line cut them off mid-word, and its bracket with them.
+        said = str(err).strip()
+        return self._ended_by_ray(
+            trial,
+            TrialStatus.ERROR,
+            f"{error}{others}" + (f"\nRay: {said}" if said else ""),
+            FailureCause.MACHINE,
+        )
 
     def _lost_nodes_after(self, trial: RayTrial, err: Exception) -> list[str]:
         """The trial's nodes gone, where an actor of it is (``err``). One that cannot be reached

@@ -182,9 +182,11 @@ def test_a_trial_whose_actor_died_on_a_node_still_up_keeps_its_log_and_leaves_no
     outcome = runner.wait()
     assert outcome.status is TrialStatus.ERROR and outcome.cause is FailureCause.MACHINE
     assert outcome.error is not None
-    assert outcome.error.startswith("the trial's Ray actor died on a node that is still up ("), (
-        outcome.error
-    )
+    # Ray's words after the reason, whole: in it, a terminal line cut them off mid-word. One
+    # node: no "other nodes" to stop.
+    reason, _, ray_said = outcome.error.partition("\n")
+    assert reason == "the trial's Ray actor died on a node that is still up", outcome.error
+    assert ray_said.startswith("Ray: ") and "actor" in ray_said.lower(), outcome.error
     assert outcome.log is not None
     assert f"ran at micro-batch {RUNS_UNTIL_STOPPED}" in Path(outcome.log).read_text()
     assert not on_node.directory.exists() and not on_node.log_path.exists()
