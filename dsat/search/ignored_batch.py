@@ -3,10 +3,10 @@
 larger micro-batch reads as proportionally faster, since samples/s counts the micro-batch.
 
 The trial side reports the shape of its training forwards' first input where every one had the
-same (``INPUT_SHAPE``). Two completed trials of different micro-batches with the same shape,
-whose leading dimension is one of theirs (so that dimension is the batch), show it for sure: the
-search stops, failed, as no trial measured its configuration. The same shape holding neither
-micro-batch may also be a first input that is no batch at all (a buffer of positions): a note.
+same (``INPUT_SHAPE``). Completed trials of three micro-batches fed the same shape, whose leading
+dimension is one of theirs (so that dimension is the batch), show it for sure: the search stops,
+failed, as no trial measured its configuration. Two micro-batches fed one shape that holds
+neither may also be a first input that is no batch at all (a buffer of positions): a note.
 """
 
 from __future__ import annotations
@@ -44,12 +44,20 @@ def _pairs(records: Iterable[TrialRecord]) -> list[tuple[TrialRecord, TrialRecor
     return pairs
 
 
+# Trials of this many micro-batches fed one shape, led by one of theirs, before the search stops:
+# one coincidence (a first input that is no batch, as long as one trial's micro-batch) is not
+# enough.
+SIZES_TO_STOP = 3
+
+
 def script_batch_ignored(records: Iterable[TrialRecord]) -> str | None:
-    """Why the search must stop where two trials show the script ignores the micro-batch (the
-    shape's leading dimension is one trial's micro-batch, and another's ran it too); None
-    otherwise."""
-    for own, other, shape in _pairs(records):
-        if own.mbs == shape[0]:
+    """Why the search must stop where trials show the script ignores the micro-batch (the
+    shape's leading dimension is one trial's micro-batch, and trials of SIZES_TO_STOP - 1 other
+    micro-batches ran it too); None otherwise."""
+    pairs = _pairs(records)
+    for own, other, shape in pairs:
+        fed_alike = {o.mbs for a, o, s in pairs if a is own and s == shape}
+        if own.mbs == shape[0] and len(fed_alike) + 1 >= SIZES_TO_STOP:
             return (
                 f"the training script feeds every trial batches of {shape[0]} whatever its "
                 f"micro-batch: {other.name} ran the same inputs as {own.name} (shape {shape}), "

@@ -15,15 +15,18 @@ def ran(
     return record(rid, mbs, kind=kind).replace(status=TrialStatus.COMPLETED, metrics=metrics)
 
 
-def test_two_micro_batches_fed_one_batch_of_one_of_theirs_stop_the_search() -> None:
+def test_three_micro_batches_fed_one_batch_of_one_of_theirs_stop_the_search() -> None:
     yours = ran("b", 16, [16, 64], TrialKind.BASELINE)
     larger = ran("s", 24, [16, 64])
-    reason = script_batch_ignored([yours, larger])
+    # Two could be a coincidence: a first input that is no batch, as long as one micro-batch.
+    assert script_batch_ignored([yours, larger]) is None
+    third = ran("t", 20, [16, 64])
+    reason = script_batch_ignored([yours, larger, third])
     assert reason is not None and reason.startswith(
         "the training script feeds every trial batches of 16 whatever its micro-batch: "
-        f"{larger.name} ran the same inputs as {yours.name} (shape [16, 64])"
+        f"{third.name} ran the same inputs as {yours.name} (shape [16, 64])"
     )
-    assert same_inputs_line([yours, larger]) == ""  # said as the search's end instead
+    assert same_inputs_line([yours, larger]) == ""  # led by one of theirs: not "neither"
 
 
 def test_inputs_that_follow_the_micro_batch_are_nothing_to_say() -> None:
