@@ -111,7 +111,7 @@ def test_the_next_step_quotes_a_path_the_shell_would_split(tmp_path: Path) -> No
 class FullRunStoppedByCtrlC(SimulatedRunner):
     """A runner whose full run the user stops with Ctrl-C (a real one streams its output then)."""
 
-    def run_full_experiment(self, hparams: dict[str, Any]) -> None:
+    def run_full_experiment(self, hparams: dict[str, Any], length: int | None = None) -> None:
         raise KeyboardInterrupt
 
 
@@ -139,7 +139,7 @@ class TrainingFails(SimulatedRunner):
 
     wrote: Path | None = None
 
-    def run_full_experiment(self, hparams: dict[str, Any]) -> None:
+    def run_full_experiment(self, hparams: dict[str, Any], length: int | None = None) -> None:
         if self.wrote is not None:
             self.wrote.mkdir(parents=True)
         raise FullExperimentFailed(
@@ -242,7 +242,7 @@ class FullRunRecorded(SimulatedRunner):
         super().__init__(*args)
         self.trained: list[dict[str, Any]] = []
 
-    def run_full_experiment(self, hparams: dict[str, Any]) -> None:
+    def run_full_experiment(self, hparams: dict[str, Any], length: int | None = None) -> None:
         self.trained.append(hparams)
 
 
@@ -442,7 +442,7 @@ class ClusterShrinks(SimulatedRunner):
             )
         return super().wait()
 
-    def run_full_experiment(self, hparams: dict[str, Any]) -> None:
+    def run_full_experiment(self, hparams: dict[str, Any], length: int | None = None) -> None:
         raise RunnerStopped(
             "the Ray cluster can no longer place a trial (a node left)", "add nodes"
         )
