@@ -70,7 +70,7 @@ class Offload:
     def of(cls, section: Mapping[str, Any] | None) -> Offload:
         """What ``section`` offloads and its stage uses (everything it offloads where it names
         no stage: a part of a section, to be merged into one)."""
-        used = offloaded_keys(section) - unused_offloads(section)
+        used = used_offloads(section)
         return cls("offload_optimizer" in used, "offload_param" in used)
 
 
@@ -97,6 +97,12 @@ def unused_offloads(section: Mapping[str, Any] | None) -> set[str]:
     if not isinstance(stage, int) or isinstance(stage, bool):
         return set()
     return {key for key in offloaded_keys(section) if stage < OFFLOAD_FROM_STAGE[key]}
+
+
+def used_offloads(section: Mapping[str, Any] | None) -> set[str]:
+    """The offload keys of ``section`` that name a device its stage uses (every one where it
+    names no stage)."""
+    return offloaded_keys(section) - unused_offloads(section)
 
 
 def without_unused_offloads(section: dict[str, Any]) -> dict[str, Any]:

@@ -105,7 +105,7 @@ from dsat.search.ending import no_search_trial_succeeded, repeated_failure
 from dsat.search.method import DsatSearchMethod
 from dsat.search.trial_builder import SearchSpec
 from dsat.search_run import best_config_path, resumes_without_trials, run_search, stops_held
-from dsat.training.hf_args import HF_DS_FLAG, checkpointing_flags
+from dsat.training.hf_args import HF_DS_FLAG, checkpointing_flags, switch_on
 from dsat.training.step_clock import measured_window
 from dsat.trial import TrialRecord
 
@@ -423,16 +423,7 @@ def checkpointing_switch_note(experiment: Experiment) -> str | None:
     if experiment.hparams.get(CHECKPOINTING_HPARAM) is not False:
         return None
     words = entrypoint_words(experiment.config.get("entrypoint"))
-    flags = (f"--{CHECKPOINTING_HPARAM}", f"--{CHECKPOINTING_HPARAM.replace('_', '-')}")
-    on = None
-    for i, word in enumerate(words):
-        flag, eq, value = word.partition("=")
-        if flag in flags:  # the last one given stands, as in argparse
-            if not eq:
-                bare = i + 1 == len(words) or words[i + 1].startswith("-")
-                value = "true" if bare else words[i + 1]
-            on = value.strip().lower() in ("true", "1", "yes")
-    if not on:
+    if not switch_on(words, f"--{CHECKPOINTING_HPARAM}"):
         return None
     return (
         f"dsat: note: {shown(experiment.config_path)}: hyperparameters.{CHECKPOINTING_HPARAM} is "

@@ -525,7 +525,6 @@ def load_experiment(
         ds_config = {**ds_config, "zero_optimization": {"stage": int(zero)}}
     replaced = None
     if global_batch is not None:
-        overrides = hparams.get(OVERWRITE_KEY)
         theirs = overrides.get(TRAIN_BATCH_SIZE) if isinstance(overrides, dict) else None
         if theirs is not None and theirs != global_batch:  # it won in every trial, unsaid
             raise DsatError(

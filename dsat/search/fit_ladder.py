@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from dsat.constants import CHECKPOINTING_HPARAM
-from dsat.memory import Offload, offloaded_keys, unused_offloads
+from dsat.memory import Offload, used_offloads
 
 __all__ = [
     "CHECKPOINTING_HPARAM",
@@ -54,12 +54,10 @@ class FitRung:
 def offload_level(section: Mapping[str, Any] | None) -> int:
     """How much a ZeRO section keeps off the GPU (of what its stage uses): 0 nothing, 1 the
     optimizer's states, 2 the parameters too, 3 both on NVMe."""
-    offload = Offload.of(section)
-    on_nvme = any(
-        (section or {})[key].get("device") == "nvme"
-        for key in offloaded_keys(section) - unused_offloads(section)
-    )
-    return 3 if on_nvme else 2 if offload.params else 1 if offload.optimizer else 0
+    used = used_offloads(section)
+    if any((section or {})[key].get("device") == "nvme" for key in used):
+        return 3
+    return 2 if "offload_param" in used else 1 if "offload_optimizer" in used else 0
 
 
 def with_offload_of(section: dict[str, Any], rung: Mapping[str, Any]) -> dict[str, Any]:

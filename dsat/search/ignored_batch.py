@@ -22,8 +22,11 @@ FIX = (
 )
 
 
-def _pairs(records: Iterable[TrialRecord]) -> list[tuple[TrialRecord, TrialRecord, list[int]]]:
-    """Pairs of completed, measured trials of different micro-batches fed one input shape."""
+def _alike(
+    records: Iterable[TrialRecord],
+) -> list[tuple[TrialRecord, list[TrialRecord], list[int]]]:
+    """Completed, measured trials of different micro-batches fed one input shape: for each
+    shape, the trial whose micro-batch leads it (else the smallest), the others, the shape."""
     by_shape: dict[tuple[int, ...], list[TrialRecord]] = {}
     for record in records:
         shape = record.metrics.get(INPUT_SHAPE)
@@ -35,13 +38,13 @@ def _pairs(records: Iterable[TrialRecord]) -> list[tuple[TrialRecord, TrialRecor
             and all(isinstance(n, int) for n in shape)
         ):
             by_shape.setdefault(tuple(shape), []).append(record)
-    pairs = []
+    groups = []
     for shape, fed in by_shape.items():
         sizes = {r.mbs: r for r in fed}
         if len(sizes) > 1:
             first, *others = sorted(sizes.values(), key=lambda r: (r.mbs != shape[0], r.mbs))
-            pairs += [(first, other, list(shape)) for other in others]
-    return pairs
+            groups.append((first, others, list(shape)))
+    return groups
 
 
 # Trials of this many micro-batches fed one shape, led by one of theirs, before the search stops:
@@ -54,14 +57,12 @@ def script_batch_ignored(records: Iterable[TrialRecord]) -> str | None:
     """Why the search must stop where trials show the script ignores the micro-batch (the
     shape's leading dimension is one trial's micro-batch, and trials of SIZES_TO_STOP - 1 other
     micro-batches ran it too); None otherwise."""
-    pairs = _pairs(records)
-    for own, other, shape in pairs:
-        fed_alike = {o.mbs for a, o, s in pairs if a is own and s == shape}
-        if own.mbs == shape[0] and len(fed_alike) + 1 >= SIZES_TO_STOP:
+    for own, others, shape in _alike(records):
+        if own.mbs == shape[0] and len(others) + 1 >= SIZES_TO_STOP:
             return (
                 f"the training script feeds every trial batches of {shape[0]} whatever its "
-                f"micro-batch: {other.name} ran the same inputs as {own.name} (shape {shape}), "
-                f"so no trial measured its configuration; {FIX}"
+                f"micro-batch: {others[0].name} ran the same inputs as {own.name} (shape "
+                f"{shape}), so no trial measured its configuration; {FIX}"
             )
     return None
 
@@ -69,8 +70,9 @@ def script_batch_ignored(records: Iterable[TrialRecord]) -> str | None:
 def same_inputs_line(records: Iterable[TrialRecord]) -> str:
     """A summary note where trials of different micro-batches were fed one input shape that
     holds neither: perhaps a batch size of the script's own; empty otherwise."""
-    for own, other, shape in _pairs(records):
-        if own.mbs not in shape and other.mbs not in shape:
+    for own, others, shape in _alike(records):
+        other = next((o for o in others if o.mbs not in shape), None)
+        if own.mbs not in shape and other is not None:
             return (
                 f"same inputs: {own.name} and {other.name} were fed inputs of one shape "
                 f"{shape} at different micro-batches; if the script sets a batch size of its "

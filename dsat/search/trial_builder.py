@@ -144,11 +144,13 @@ class TrialBuilder:
         overwrites = deep_merge(user_overwrites, {AUTOTUNING_KEY: self.autotuning_block(kind)})
         if zero_config is not None:
             overwrites = deep_merge(overwrites, {"zero_optimization": zero_config})
-            # The user's offloads merge into the trial's section: off where its stage has no use.
-            section = deep_merge(spec.ds_config, overwrites)["zero_optimization"]
-            off = {key: {"device": "none"} for key in unused_offloads(section)}
-            overwrites = deep_merge(overwrites, {"zero_optimization": off})
         merged = deep_merge(spec.ds_config, overwrites)
+        if zero_config is not None:
+            # The user's offloads merge into the trial's section: off where its stage has no use.
+            off = {key: {"device": "none"} for key in unused_offloads(merged["zero_optimization"])}
+            if off:
+                overwrites = deep_merge(overwrites, {"zero_optimization": off})
+                merged = deep_merge(merged, {"zero_optimization": off})
         batch = consistent_batch_sizes(merged, spec.slots_per_trial, micro_batch=mbs)
         overwrites = deep_merge(overwrites, batch)
         hparams = {

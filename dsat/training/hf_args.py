@@ -54,6 +54,17 @@ def _find_flag(args: Sequence[str], flag: str) -> tuple[int, str | None]:
     return -1, None
 
 
+def switch_on(args: Sequence[str], flag: str) -> bool:
+    """Whether ``args`` turn the switch ``flag`` on (in any spelling HF takes): bare, or with a
+    true value; the last given stands, as in argparse."""
+    index, value = _find_flag(args, flag)
+    if index < 0:
+        return False
+    if value is None or value.startswith("-"):  # a bare switch: the next word is a flag
+        return True
+    return value.strip().lower() in ("true", "1", "yes")
+
+
 def passes_deepspeed(args: Sequence[str]) -> bool:
     """Whether ``args`` give ``--deepspeed PATH`` (in any spelling HF takes): an HF Trainer
     script's. DeepSpeed's own ``--deepspeed`` (``deepspeed.add_config_arguments``) is a switch

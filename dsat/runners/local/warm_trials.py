@@ -26,9 +26,7 @@ from typing import IO, Any
 
 from dsat.runners.local.entrypoint import PYTHON_NAMES
 from dsat.runners.local.trial_processes import group_reaper
-
-# Signals that stop a process from outside it (a kill, a terminal's or a scheduler's stop).
-STOPPING_SIGNALS = (signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+from dsat.trial_failure import OUTSIDE_SIGNALS
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +184,8 @@ class WarmWorker:
                     "stopped the trial, and the trial host it ran in"
                     if trial.stopped_by_dsat
                     else f"the trial host it ran in was stopped by {signal.Signals(-code).name}"
-                    if -code in STOPPING_SIGNALS  # another process's, or the script's own
+                    # another process's, or the script's own
+                    if -code in OUTSIDE_SIGNALS or -code == signal.SIGKILL
                     else "the trial ended the process it ran in"
                 )
                 note = f"\ndsat: {what} (exit code {code})\n"
