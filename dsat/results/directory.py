@@ -338,18 +338,30 @@ class ResultsWriter:
             write_json_atomic(self.directory / BEST_METRICS_FILE, metrics)
             self._best_id = best.request_id
 
-    def write_summary(self, tracker: TrialTracker, why: str = "", notes: Sequence[str] = ()) -> str:
+    def write_summary(
+        self,
+        tracker: TrialTracker,
+        why: str = "",
+        notes: Sequence[str] = (),
+        failed: bool = False,
+    ) -> str:
         """The summary at the end, with why the handed-over configuration won (``why``, the
         search's own words), the search's ``notes`` (what became of the global batch, the
         user's own configuration against the hand-over), its throughput and what the search
         cost, and the best config as the search finally decided it (the confirmation round
-        decides after its last trial is recorded)."""
-        self._write_best(tracker, again=True)  # its MFU as the FLOPs are counted at the end
+        decides after its last trial is recorded). A ``failed`` search hands nothing over: the
+        best config written as trials ended (one later found over the memory limit, or fed the
+        script's own batch) is removed, so no one trains with it."""
+        if failed:
+            for name in (BEST_CONFIG_FILE, BEST_METRICS_FILE):
+                (self.directory / name).unlink(missing_ok=True)
+        else:
+            self._write_best(tracker, again=True)  # its MFU as the FLOPs are counted at the end
         if self._rows_moved:
             self._write_rows(self._lines)
         cost = search_cost(self._lines, tracker.slots_per_trial, self.slot_kind)
         reason = f"{HANDED_OVER_PREFIX} {why}\n" if why else ""
-        best = tracker.best()
+        best = None if failed else tracker.best()
         rate = "" if best is None else self._rate_line(tracker, best)
         text = (
             summary_table(tracker)

@@ -31,7 +31,7 @@ from dsat.search.method import DsatSearchMethod
 from dsat.search.trial_builder import SearchSpec
 from dsat.search_run import run_search
 from dsat.trial import TrialStatus
-from tests.search.helpers import search_settings
+from tests.search.helpers import cliff_function, search_settings
 from tests.search.test_tracker import record, tracker
 
 SPEC = SearchSpec(
@@ -251,3 +251,29 @@ def test_each_row_has_the_value_the_search_ranked_it_by_and_the_report_draws_tha
     assert [results.value(row) for row in results.rows] == [300e6, 340e6]
     # A results directory written before rows had the value: drawn by the trials' own figures.
     assert results.value({"status": "completed", "metrics": {"FLOPS_per_gpu": 5.0}}) == 5.0
+
+
+def test_a_search_that_hands_nothing_over_leaves_no_best_config(tmp_path: Path) -> None:
+    """Trials that ran safely wrote best_ds_config.json as they ended; the machine's OOMs after
+    them showed every configuration over the memory limit, and the search said "none is handed
+    over" beside a best_ds_config.json a user would train with."""
+    fits = cliff_function(64)
+    runs = 0
+
+    def shrinking(ds_config: dict[str, Any], slots: int) -> dict[str, Any]:
+        nonlocal runs
+        metrics = fits(ds_config, slots)
+        if "throughput" in metrics:
+            runs += 1
+            if runs > 3:
+                raise MemoryError("CUDA out of memory")
+            metrics.update(memory_peak_bytes=50 * 2**30, memory_total_bytes=100 * 2**30)
+        return metrics
+
+    settings = search_settings("guided", max_trials=8, random_seed=3)
+    method = run_search(settings, SPEC, SimulatedRunner(shrinking, 16), tmp_path)
+    assert method.search_failed and "none is handed over" in str(method.shutdown_reason)
+    assert [row["status"] for row in lines(tmp_path)][1:4] == ["completed"] * 3
+    assert not (tmp_path / BEST_CONFIG_FILE).exists()
+    assert not (tmp_path / BEST_METRICS_FILE).exists()
+    assert "(handed over)" not in (tmp_path / SUMMARY_FILE).read_text()

@@ -124,6 +124,7 @@ class CheckpointedSearchRunner(searcher.RemoteSearchRunner):  # type: ignore[mis
                     self.method.tracker,
                     self.method.ending.handover_reason,
                     self.method.summary_notes(),
+                    failed=self.method.search_failed,
                 )
         self.last_operations = ops
         return ops
@@ -218,7 +219,10 @@ def run(core_context: Any, workdir: Path, runner_experiment_id: int) -> DsatSear
     summary = runner.results_dir / SUMMARY_FILE
     if stopped_from_outside:
         runner.writer.write_summary(
-            method.tracker, method.ending.handover_reason, method.summary_notes()
+            method.tracker,
+            method.ending.handover_reason,
+            method.summary_notes(),
+            failed=method.search_failed,
         )
     if summary.is_file():
         logger.info("dsat summary:\n%s", summary.read_text())

@@ -257,6 +257,7 @@ def test_a_script_that_feeds_its_own_batch_size_fails_the_search_and_says_so(
     ), line
     assert line.endswith("engine.train_micro_batch_size_per_gpu(); docs/porting-core-api.md)")
     assert not [row for row in trials(tmp_path / "results") if row["kind"] == "confirm"]
+    assert not (tmp_path / "results" / "best_ds_config.json").exists()  # none measured its own
 
 
 def test_the_full_run_of_an_op_length_loop_trains_the_searchers_length(tmp_path: Path) -> None:
