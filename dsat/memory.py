@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from dsat.constants import PRECISION_KEY
@@ -226,8 +226,14 @@ def micro_batches_in(spare: int, profile: ModelProfile) -> int:
 
 
 def log_estimates(
-    profile: ModelProfile, precision: Precision, slots: int, offload: Offload = Offload()
+    profile: ModelProfile,
+    precision: Precision,
+    slots: int,
+    stages: Iterable[int],
+    offload: Offload = Offload(),
 ) -> None:
+    """The model and the memory model's figures for the ``stages`` the search may try (those
+    outside ``--zero-stages`` read as if they would run)."""
     gib = 2**30
     memory = memory_per_gpu_per_stage(profile, precision, slots, offload)
     ceilings = approx_max_micro_batch(profile, precision, slots, offload)
@@ -240,7 +246,7 @@ def log_estimates(
         profile.activation_mem_per_gpu / gib,
         profile.gpu_mem / gib,
     )
-    for stage in sorted(memory):
+    for stage in sorted(set(stages) & set(memory)):
         logger.info(
             "ZeRO-%d: %.3g GiB per GPU at micro-batch 1, approx. max micro-batch %d",
             stage,

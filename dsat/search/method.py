@@ -165,7 +165,13 @@ class DsatSearchMethod(SearchMethod):
                 rung = self.fit_rung
                 if rung.profile_stage is not None:
                     logger.info("the model fits at micro-batch 1 with %s", rung.name)
-                log_estimates(profile, self.precision, self.spec.slots_per_trial, rung.offload)
+                log_estimates(
+                    profile,
+                    self.precision,
+                    self.spec.slots_per_trial,
+                    self.zero_stages,
+                    rung.offload,
+                )
                 if self.settings.baseline:
                     self._queue(functools.partial(baseline_trial, self))
                 self._follow_up(self.initial_lineages)

@@ -327,3 +327,14 @@ def test_the_memory_model_counts_at_the_precision_the_profile_ran(name: str) -> 
     assert ceilings[True][0] is Precision.BF16
     # fp32: 16e6 bytes of states at ZeRO-1 on one GPU; bf16: 20e6, 4 samples of 1e6 fewer.
     assert ceilings[False][1] - ceilings[True][1] == 4
+
+
+def test_the_memory_estimates_name_only_the_stages_searched(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """With -z 1 the launch printed estimates for ZeRO-0, 2 and 3 too, as if they would run."""
+    m = method("binary", zero_stages=(1, 3))
+    with caplog.at_level("INFO", logger="dsat"):
+        start_profile(m)
+    said = [r.getMessage().split(":")[0] for r in caplog.records if "approx. max" in r.message]
+    assert said == ["ZeRO-1", "ZeRO-3"]
