@@ -358,6 +358,15 @@ def test_runs_that_disagree_with_the_estimate_are_measured_again_then_decide() -
     # beside it shows that much.
     assert "; z1_mb32 measured 0.3% faster over its 3 runs, within the noise (" in verdict.reason
     assert "did not show" not in verdict.reason  # these runs do spread by about that much
+    # Faster by less than the shown digit: "measured 0.0% faster" beside "ahead" read as a
+    # contradiction.
+    even = method("binary", metric="throughput")
+    pooled = measured(even, 40, [100.0, 104.0], memory=0.5, searched=102.0)
+    level = measured(even, 32, [102.01, 102.01], memory=0.5, searched=102.01)
+    estimate = {pooled.request_id: 120.0, level.request_id: 105.0}
+    verdict = decide(even.tracker, [pooled, level], score, measure_again=True)
+    assert verdict.chosen is pooled
+    assert "; z1_mb32 measured as fast over its 3 runs, within the noise (" in verdict.reason
     # Runs that repeat exactly, apart by less than the noise dsat assumes: the reason says the
     # runs did not show that noise, and why the estimate decides all the same.
     steady = method("binary", metric="throughput")
