@@ -55,7 +55,7 @@ from dsat.runners.ray.node_host import (
 )
 from dsat.runners.ray.placement import TrialLayout, node_capacities
 from dsat.runners.trial_runner import RunnerStopped
-from dsat.trial import TrialOutcome, TrialStatus
+from dsat.trial import TrialOutcome, TrialStatus, trial_number
 from dsat.trial_failure import FailureCause, first_line, lost_a_peer
 
 logger = logging.getLogger(__name__)
@@ -435,9 +435,9 @@ class RayRunner:
             )
         if not trial.waiting_said and now - trial.asked > PLACEMENT_NOTE_S:
             trial.waiting_said = True
-            logger.info(
-                "trial %s waits for room on the Ray cluster (%s), %.0f s so far",
-                trial.name,
+            logger.info(  # by its number, as the progress lines name it (not its folder)
+                "trial %d waits for room on the Ray cluster (%s), %.0f s so far",
+                trial_number(0, trial.name),
                 self.layout.describe(),
                 now - trial.asked,
             )

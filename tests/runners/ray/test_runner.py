@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+import dsat.runners.ray.runner as ray_runner
 from dsat.constants import MEMORY_RAN_OUT, OVERWRITE_KEY, RUN_ALONE
 from dsat.errors import DsatError
 from dsat.experiment.config import load_experiment
@@ -638,12 +639,20 @@ def test_a_spread_trial_over_its_timeout_names_every_nodes_log(
 
 
 def test_a_trial_that_cannot_be_placed_yet_waits_for_room(
-    ray_cluster: RayTestCluster, tmp_path: Path
+    ray_cluster: RayTestCluster,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    monkeypatch.setattr(ray_runner, "PLACEMENT_NOTE_S", 0.0)  # said at once
     runner = behaviour_runner(tmp_path, slots=1)
+    runner.placement_check_s = 0.0
     assert runner.slot_limit == 2  # two GPUs in the cluster
     ids = [start(runner, n, COMPLETES) for n in (1, 2, 3)]
-    outcomes = [runner.wait() for _ in ids]
+    with caplog.at_level("INFO", logger="dsat"):
+        outcomes = [runner.wait() for _ in ids]
+    # By its number, as the progress lines name it: it said "trial 003-1f2e3d4c".
+    assert "trial 3 waits for room on the Ray cluster (" in caplog.text
     assert {o.request_id for o in outcomes} == set(ids)
     assert all(o.status is TrialStatus.COMPLETED for o in outcomes)
     last = max(outcomes, key=lambda o: o.start)
