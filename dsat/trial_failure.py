@@ -76,6 +76,15 @@ LIMIT_OF_THE_MACHINE = (
 )
 
 
+# A rank that cannot reach its peers: the machine's, or the end of a peer that failed first (a
+# rank that crashed leaves the others failing to connect).
+CONNECT_FAILURES = (
+    "torch.distributed could not connect the trial's processes",
+    "NCCL could not connect the trial's GPUs",
+    "gloo could not connect the trial's processes",
+)
+
+
 # First match wins; out-of-memory is checked before this table (dsat.training.oom). The script's
 # and the config's come first: a rank that crashes leaves its peers failing to connect.
 KNOWN_FAILURES: tuple[KnownFailure, ...] = (
@@ -193,18 +202,18 @@ KNOWN_FAILURES: tuple[KnownFailure, ...] = (
         r"DistNetworkError|Rendezvous(?:Connection|Timeout|Closed)Error|ConnectionRefusedError"
         r"|Connection refused",
         FailureCause.MACHINE,
-        "torch.distributed could not connect the trial's processes",
+        CONNECT_FAILURES[0],
         libraries_only=True,
     ),
     _known(
         r"ncclSystemError|NCCL error.*(?:unhandled system error|socket)",
         FailureCause.MACHINE,
-        "NCCL could not connect the trial's GPUs",
+        CONNECT_FAILURES[1],
     ),
     _known(
         r"Gloo connectFullMesh failed",
         FailureCause.MACHINE,
-        "gloo could not connect the trial's processes",
+        CONNECT_FAILURES[2],
     ),
     _known(
         r"SignalException|got signal: (?:1|2|3|15)\b",
@@ -527,6 +536,12 @@ PEER_LOST = re.compile(
 def lost_a_peer(reason: str) -> bool:
     """Whether a rank's failure ``reason`` says only that a peer went away before it."""
     return PEER_LOST.search(reason) is not None
+
+
+def could_not_connect(reason: str) -> bool:
+    """Whether a rank's failure ``reason`` is that it could not reach its peers (with peers, it
+    may follow from another rank's failure)."""
+    return reason.startswith(CONNECT_FAILURES)
 
 
 # The rank a torchrun failure report names ("  rank      : 1 (local_rank: 1)").

@@ -48,7 +48,7 @@ from dsat.training.step_clock import (
     untuned_engine_stepped,
 )
 from dsat.training.trial_directory import trial_directory
-from dsat.trial_failure import FailureCause, diagnose_crash, lost_a_peer
+from dsat.trial_failure import could_not_connect, diagnose_crash, lost_a_peer
 
 logger = logging.getLogger(__name__)
 
@@ -142,12 +142,18 @@ def report_out_of_memory(core_context: Any, op: Any, err: BaseException) -> None
 
 def report_error(core_context: Any, op: Any, err: BaseException) -> None:
     """Tell the search on a cluster (rank 0 only) why the trial failed, as the local runner
-    reads it from the trial's log. A failure that only says a peer or the network went away is
-    left to Determined's 'errored': the rank that failed first may be another, out of sight."""
-    if op is None or core_context.distributed.get_rank() != 0:
+    reads it from the trial's log. A failure that only says a peer went away, or with peers
+    that they could not be reached, is left to Determined's 'errored': the rank that failed
+    first may be another, out of sight. A fault of the machine rank 0 saw itself (a failing
+    GPU, a full disk) is said as the machine's: the search runs the configuration again rather
+    than take its micro-batch for too large."""
+    distributed = core_context.distributed
+    if op is None or distributed.get_rank() != 0:
         return
     diagnosis = diagnose_crash("".join(traceback.format_exception(err)), None, None)
-    if diagnosis.cause is FailureCause.MACHINE or lost_a_peer(diagnosis.reason):
+    if lost_a_peer(diagnosis.reason) or (
+        distributed.get_size() > 1 and could_not_connect(diagnosis.reason)
+    ):
         return
     said = {ERROR_METRIC_KEY: diagnosis.reason, ERROR_CAUSE_METRIC_KEY: diagnosis.cause.value}
     try:

@@ -243,7 +243,9 @@ class FakeMaster:
 
 
 # The chief's view of a trial's Core API context, for the reports a trial makes itself.
-CHIEF = types.SimpleNamespace(distributed=types.SimpleNamespace(get_rank=lambda: 0))
+CHIEF = types.SimpleNamespace(
+    distributed=types.SimpleNamespace(get_rank=lambda: 0, get_size=lambda: 1)
+)
 
 
 class ReportingOperation:

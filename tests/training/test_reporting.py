@@ -152,14 +152,18 @@ def test_a_scripts_own_failing_exit_is_no_result(trial_dir: Path) -> None:
 class _Recorder:
     """The parts of a Core API context the reporting touches, for a non-chief rank."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, size: int = 2) -> None:
         self.calls: list[str] = []
         self.distributed = self
         self.train = self
         self._rank = rank
+        self._size = size
 
     def get_rank(self) -> int:
         return self._rank
+
+    def get_size(self) -> int:
+        return self._size
 
     def report_validation_metrics(self, steps_completed: int, metrics: dict[str, Any]) -> None:
         self.calls.append("report_validation_metrics")
@@ -260,6 +264,31 @@ def test_a_lost_peer_or_a_stop_is_left_to_the_master(trial_dir: Path, error: Bas
     with pytest.raises(type(error)), dsat_reporting_context(_Recorder(0), op):
         raise error
     assert op.reported == []
+
+
+@pytest.mark.parametrize(
+    ("error", "size", "said"),
+    [
+        (RuntimeError("CUDA error: uncorrectable ECC error encountered"), 2, "GPU is failing"),
+        (OSError(28, "No space left on device"), 2, "the disk is full"),
+        (RuntimeError("NCCL error in: x, unhandled system error"), 1, "NCCL could not connect"),
+        (RuntimeError("NCCL error in: x, unhandled system error"), 2, None),  # a peer's end?
+    ],
+)
+def test_a_fault_of_the_machine_rank_zero_saw_is_reported_as_the_machines(
+    trial_dir: Path, error: BaseException, size: int, said: str | None
+) -> None:
+    """It was left to Determined's 'errored', which the search reads as the configuration's:
+    a failing GPU capped the micro-batch it failed at, and the trial never ran again."""
+    op = _Operation()
+    with pytest.raises(type(error)), dsat_reporting_context(_Recorder(0, size), op):
+        raise error
+    if said is None:
+        assert op.reported == []
+        return
+    (reported,) = op.reported
+    assert reported[ERROR_CAUSE_METRIC_KEY] == "machine"
+    assert said in reported[ERROR_METRIC_KEY]
 
 
 @pytest.fixture

@@ -418,6 +418,44 @@ def test_an_out_of_memory_trial_on_the_cluster_is_an_oom_and_lowers_the_ceiling(
     assert best is not None and best.mbs <= STAGE_CEILING[1]
 
 
+def test_a_gpu_failing_in_a_trial_on_the_cluster_is_the_machines_and_the_trial_runs_again(
+    cluster: FakeMaster, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The trial raised the ECC error inside dsat_reporting_context, which left it to
+    Determined's 'errored': the search took the micro-batch for too large, capped its lineage
+    below it and handed over a slower one; the configuration never ran again."""
+    scripted = ScriptedTrials()
+    failed_gpu: list[int] = []
+
+    def second_search_trial_on_a_failing_gpu(hparams: dict[str, Any]) -> dict[str, Any]:
+        overwrites = hparams["overwrite_deepspeed_args"]
+        if "zero_optimization" in overwrites and not failed_gpu:
+            if overwrites["autotuning"].get("model_info", {}).get("profile"):
+                return scripted(hparams)
+            if scripted.search_trials == 1:
+                failed_gpu.append(overwrites["train_micro_batch_size_per_gpu"])
+                raise RuntimeError("CUDA error: uncorrectable ECC error encountered")
+        return scripted(hparams)
+
+    cluster.outcome = second_search_trial_on_a_failing_gpu
+    flags = ["--max-trials", "8", "--max-concurrent-trials", "1", "--zero-stages", "1"]
+    workdir, runner_id = submitted_context(cluster, tmp_path, *flags, method="binary")
+    method = run(core_context(monkeypatch, tmp_path / "ckpt", runner_id, None), workdir, runner_id)
+    searched = [
+        line
+        for line in trial_lines(tmp_path / "ckpt" / cluster.checkpoints[-1])
+        if line["kind"] == "search"
+    ]
+    failed, *again = [line for line in searched if line["mbs"] == failed_gpu[0]]
+    assert (failed["status"], failed["cause"]) == ("error", "machine")
+    assert failed["error"].startswith("the trial's GPU is failing, busy or not visible: ")
+    # Run again, next in its lineage: the machine's fault says nothing of the configuration.
+    assert [line["overwrites"] for line in again[:1]] == [failed["overwrites"]]
+    assert again[0]["status"] == "completed"
+    best = method.tracker.best()
+    assert best is not None and best.mbs >= failed["mbs"]
+
+
 @pytest.mark.parametrize("whose", ["trials", "full"])
 def test_an_experiment_the_master_refuses_is_one_line_not_a_restart_that_fails_again(
     cluster: FakeMaster,
