@@ -199,6 +199,7 @@ class SearchEnding:
     unsafe_memory: bool = False  # every configuration that ran leaves too little memory
     extra_rounds: int = 0  # runs of leaders the estimate and the runs disagreed on
     handover_reason: str = ""  # why the handed-over configuration won, in plain words
+    stopped_from_outside: bool = False  # a trial stopped by a user ended it (method.abandon)
 
     def stop_reason(self, method: DsatSearchMethod) -> str | None:
         """Why the search must stop now, whatever is still queued; None to go on."""

@@ -53,6 +53,7 @@ from dsat.search.tracker import TrialTracker, config_key
 from dsat.search.trial_builder import SearchSpec, TrialBuilder
 from dsat.search.usable_memory import device_totals, limit_known, memory_check
 from dsat.trial import SearchRange, TrialKind, TrialOutcome, TrialRecord, TrialStatus
+from dsat.trial_failure import FailureCause
 from dsat.zero_space import random_zero_config
 
 logger = logging.getLogger(__name__)
@@ -198,11 +199,21 @@ class DsatSearchMethod(SearchMethod):
 
     def abandon(self, request_id: str, reason: str) -> None:
         """End the search because ``request_id`` was stopped from outside (Determined's
-        'canceled' or 'invalid hyperparameters'): no search trial is worth starting after it."""
+        'canceled' or 'invalid hyperparameters'), as the reference does: no search trial is
+        worth starting after it. The trial's end is not its configuration's (a user stopped
+        it), and the search is not confirmed: no full experiment follows."""
         record = self.tracker.get(request_id)
         if not record.status.finished:
-            self.tracker.mark_finished(request_id, TrialStatus.ERROR, error=reason)
+            self.tracker.mark_finished(
+                request_id, TrialStatus.ERROR, error=reason, cause=FailureCause.MACHINE
+            )
         self.ending.shutdown_reason = reason
+        self.ending.stopped_from_outside = True
+        self._finished = True
+
+    def ended(self) -> None:
+        """Mark a search loaded from a state saved after it finished as finished: a search
+        runner restarted after its Shutdown read as stopped from outside."""
         self._finished = True
 
     @property

@@ -35,6 +35,8 @@ def state_json(method: DsatSearchMethod) -> dict[str, Any]:
         "shutdown_reason": method.ending.shutdown_reason,
         "handover_reason": method.ending.handover_reason,
         "unsafe_memory": method.ending.unsafe_memory,  # why nothing was handed over
+        "finished": method.finished,  # it ended: by its own rules, or a user's stop
+        "stopped_from_outside": method.ending.stopped_from_outside,
         # The trials the confirmation round added on top of --max-trials (which a resume may
         # raise): its runs and its memory check.
         "added_trials": method.tracker.max_trials - method.settings.max_trials,
@@ -107,6 +109,9 @@ def load_state_json(method: DsatSearchMethod, state: dict[str, Any]) -> None:
     method.ending.shutdown_reason = None if shutdown_reason is None else str(shutdown_reason)
     method.ending.handover_reason = str(state.get("handover_reason", ""))
     method.ending.unsafe_memory = bool(state.get("unsafe_memory", False))
+    method.ending.stopped_from_outside = bool(state.get("stopped_from_outside", False))
+    if state.get("finished") is True:
+        method.ended()
     # Older states did not say: running the rules once more is what a resume does anyway.
     method.outcome_pending = bool(state.get("outcome_pending", True))
     # The trials the round added on top of --max-trials (older states: its runs alone).

@@ -71,6 +71,7 @@ class FakeMaster:
         self.progress: list[float] = []
         self.final_state: bindings.experimentv1State | None = None
         self.cancel_after_trials: int | None = None  # a user kills the trials' experiment
+        self.stopped_trial: int | None = None  # a user stops this trial (1 the first run)
         self.refuse_create: tuple[int, str] | None = None  # (HTTP status, the master's error)
         self.refuse_from = 0  # refuse_create applies once this many experiments were created
         self.trials_run = 0
@@ -209,6 +210,15 @@ class FakeMaster:
                         experimentState=self.final_state
                     )
                 )
+            return
+        if self.trials_run == self.stopped_trial:  # from the web UI: the master says why
+            reason = bindings.v1TrialExitedEarlyExitedReason.USER_REQUESTED_STOP
+            self._event(
+                trialExitedEarly=bindings.v1TrialExitedEarly(
+                    exitedReason=reason, requestId=request_id
+                )
+            )
+            self._event(trialClosed=bindings.v1TrialClosed(requestId=request_id))
             return
         try:
             metrics = self.outcome(self.trial_hparams[request_id])

@@ -338,3 +338,21 @@ def test_the_memory_estimates_name_only_the_stages_searched(
         start_profile(m)
     said = [r.getMessage().split(":")[0] for r in caplog.records if "approx. max" in r.message]
     assert said == ["ZeRO-1", "ZeRO-3"]
+
+
+@pytest.mark.parametrize("how", ["its rules", "a user's stop"])
+def test_a_finished_search_loads_as_finished(how: str) -> None:
+    """A Determined search runner restarted after it posted Shutdown loaded the search as
+    unfinished, and said the trials' experiment "was stopped from outside the search"."""
+    m = method("binary", max_trials=6)
+    if how == "its rules":
+        run(m, cliff_function(64))
+    else:
+        (profile,) = suggested(m)
+        m.abandon(profile.request_id, "trial exited early: USER_CANCELED")
+    assert m.finished
+    loaded = method("binary", max_trials=6)
+    loaded.load_state_json(json.loads(json.dumps(m.state_json())))
+    assert loaded.finished and loaded.suggest() is None
+    assert loaded.ending.stopped_from_outside is (how == "a user's stop")
+    assert loaded.shutdown_reason == m.shutdown_reason

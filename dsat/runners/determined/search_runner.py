@@ -213,25 +213,33 @@ def run(core_context: Any, workdir: Path, runner_experiment_id: int) -> DsatSear
             settings.config_path,
         )
         return method
-    # The trials' experiment ended without the search ending it (killed or canceled by a user):
-    # what ran is summed up, and nothing more is started on the cluster.
-    stopped_from_outside = not (runner.state.experiment_completed or method.finished)
+    # The trials' experiment ended without the search ending it (killed or canceled by a user),
+    # or a user stopped one of its trials: what ran is summed up, in the summary and in the last
+    # checkpoint (what a user downloads), and nothing more is started on the cluster.
+    stopped = (
+        f"the trials' experiment {runner.state.experiment_id} was stopped from outside the search"
+        if not (runner.state.experiment_completed or method.finished)
+        else f"a trial was stopped from outside the search ({method.shutdown_reason})"
+        if method.ending.stopped_from_outside
+        else None
+    )
     summary = runner.results_dir / SUMMARY_FILE
-    if stopped_from_outside:
+    if stopped is not None:
+        unconfirmed = "" if method.ending.handed_over(method) else ", unconfirmed"
         runner.writer.write_summary(
             method.tracker,
             method.ending.handover_reason,
-            method.summary_notes(),
+            [
+                f"search stopped: {stopped}; what ran is summed up{unconfirmed}",
+                *method.summary_notes(),
+            ],
             failed=method.search_failed,
         )
+        runner.save_state(runner.state.experiment_id, runner.last_operations)
     if summary.is_file():
         logger.info("dsat summary:\n%s", summary.read_text())
-    if stopped_from_outside:
-        logger.info(
-            "dsat: search stopped: the trials' experiment %s was stopped from outside the search; "
-            "no full experiment is created",
-            runner.state.experiment_id,
-        )
+    if stopped is not None:
+        logger.info("dsat: search stopped: %s; no full experiment is created", stopped)
         return method
     logger.info("dsat: search ended: %s", method.shutdown_reason)
     best = method.tracker.best()

@@ -283,6 +283,33 @@ def test_a_search_whose_trials_a_user_kills_starts_no_full_experiment(
     assert not method.finished
     summary = workdir / "dsat-results" / SUMMARY_FILE
     assert summary.is_file() and "| global" in summary.read_text()
+    # ... and the checkpoint, which is what a user downloads, has it too, saying why it ended.
+    said = (tmp_path / "ckpt" / cluster.checkpoints[-1] / SUMMARY_FILE).read_text()
+    assert said.startswith(summary.read_text().split("\n")[0])
+    experiment = cluster.experiments[1].id
+    assert f"search stopped: the trials' experiment {experiment} was stopped from outside" in said
+
+
+def test_a_trial_a_user_stops_ends_the_search_unconfirmed_with_no_full_experiment(
+    cluster: FakeMaster, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The search ended (as the reference's does), then went on to create the full experiment
+    with an unconfirmed best, and counted the stopped trial as its configuration's error."""
+    workdir, runner_id = submitted_context(
+        cluster, tmp_path, "--max-trials", "12", "--run-full-experiment"
+    )
+    cluster.stopped_trial = 5
+    method = run(core_context(monkeypatch, tmp_path / "ckpt", runner_id, None), workdir, runner_id)
+    assert [e.config["searcher"]["name"] for e in cluster.experiments[1:]] == ["custom"]
+    checkpoint = tmp_path / "ckpt" / cluster.checkpoints[-1]
+    rows = trial_lines(checkpoint)
+    (stopped,) = [line for line in rows if "USER_CANCELED" in (line["error"] or "")]
+    assert stopped["cause"] == "machine"  # not its configuration's
+    said = (checkpoint / SUMMARY_FILE).read_text()
+    assert (
+        "search stopped: a trial was stopped from outside the search (trial exited early: " in said
+    )
+    assert "unconfirmed" in said and method.tracker.confirmed_id is None
 
 
 def test_the_search_runner_imports_only_what_a_task_image_has() -> None:
