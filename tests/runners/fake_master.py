@@ -22,6 +22,7 @@ import tarfile
 import types
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import parse_qs, urlparse
 
 import responses
 from determined.common.api import bindings
@@ -75,11 +76,19 @@ class FakeMaster:
         self.refuse_create: tuple[int, str] | None = None  # (HTTP status, the master's error)
         self.refuse_from = 0  # refuse_create applies once this many experiments were created
         self.trials_run = 0
+        # The first checkpoint report once this many experiments exist answers 503 (storage
+        # down for a moment): the search runner fails and Determined restarts it.
+        self.checkpoint_fails_from: int | None = None
 
     # ------------------------------------------------------------------ wiring
 
     def install(self, mock: responses.RequestsMock) -> None:
         mock.add_callback(responses.GET, f"{MASTER}/api/v1/master", callback=self._get_master)
+        mock.add_callback(
+            responses.GET,
+            re.compile(rf"{MASTER}/api/v1/experiments(\?.*)?$"),
+            callback=self._list_experiments,
+        )
         mock.add_callback(
             responses.POST, f"{MASTER}/api/v1/experiments", callback=self._create_experiment
         )
@@ -130,11 +139,19 @@ class FakeMaster:
         self.experiments.append(created)
         if created.config.get("searcher", {}).get("name") == "custom":
             self._event(initialOperations=bindings.v1InitialOperations())
-        experiment = bindings.v1Experiment(
+        reply = bindings.v1CreateExperimentResponse(
+            config=created.config, experiment=self._binding(created)
+        )
+        return self._reply(reply.to_json())
+
+    @staticmethod
+    def _binding(created: CreatedExperiment) -> bindings.v1Experiment:
+        return bindings.v1Experiment(
             archived=False,
             config=created.config,
-            id=experiment_id,
+            id=created.id,
             jobId="job",
+            labels=list(created.config.get("labels") or []),
             name=str(created.config.get("name", "experiment")),
             numTrials=0,
             originalConfig=created.config_text,
@@ -145,7 +162,19 @@ class FakeMaster:
             state=bindings.experimentv1State.ACTIVE,
             username="determined",
         )
-        reply = bindings.v1CreateExperimentResponse(config=created.config, experiment=experiment)
+
+    def _list_experiments(self, request: Any) -> tuple[int, dict[str, str], str]:
+        """GetExperiments, filtered by label as the master filters it (any of them)."""
+        labels = set(parse_qs(urlparse(request.url).query).get("labels", []))
+        found = [
+            self._binding(e)
+            for e in self.experiments
+            if not labels or labels & set(e.config.get("labels") or [])
+        ]
+        reply = bindings.v1GetExperimentsResponse(
+            experiments=found,
+            pagination=bindings.v1Pagination(endIndex=len(found), total=len(found)),
+        )
         return self._reply(reply.to_json())
 
     def _get_events(self, request: Any) -> tuple[int, dict[str, str], str]:
@@ -166,6 +195,12 @@ class FakeMaster:
         return self._reply({})
 
     def _report_checkpoint(self, request: Any) -> tuple[int, dict[str, str], str]:
+        if self.checkpoint_fails_from is not None and len(self.experiments) >= (
+            self.checkpoint_fails_from
+        ):
+            self.checkpoint_fails_from = None
+            body = {"code": 14, "message": "storage unavailable", "details": []}
+            return 503, {"Content-Type": "application/json"}, json.dumps(body)
         body = json.loads(request.body)
         self.checkpoints.append(body["uuid"])
         return self._reply({})

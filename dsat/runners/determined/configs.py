@@ -102,12 +102,22 @@ def custom_experiment_config(
     return config
 
 
+def full_run_label(runner_experiment_id: int) -> str:
+    """The label the full experiment of the search run by ``runner_experiment_id`` carries: a
+    search runner restarted between creating it and its next checkpoint finds it by that,
+    rather than create a second one."""
+    return f"dsat-full-run-of-{runner_experiment_id}"
+
+
 def full_experiment_config(
-    user_config: Mapping[str, Any], best_hparams: Mapping[str, Any]
+    user_config: Mapping[str, Any], best_hparams: Mapping[str, Any], label: str = ""
 ) -> dict[str, Any]:
-    """The user's experiment, searcher and all, run with the best trial's overrides."""
+    """The user's experiment, searcher and all, run with the best trial's overrides (and
+    ``label`` beside the user's labels)."""
     config = copy.deepcopy(dict(user_config))
     config["hyperparameters"] = without_tuning(
         deep_merge(config.get("hyperparameters") or {}, best_hparams)
     )
+    if label:
+        config["labels"] = [*(config.get("labels") or []), label]
     return config

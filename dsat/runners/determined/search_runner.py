@@ -43,6 +43,7 @@ from dsat.runners.determined.configs import (
     SETTINGS_UPLOAD,
     custom_experiment_config,
     full_experiment_config,
+    full_run_label,
 )
 from dsat.runners.determined.searcher_adapter import DsatSearcher
 from dsat.runners.determined.searcher_operations import operations_from_text, operations_to_text
@@ -248,7 +249,18 @@ def run(core_context: Any, workdir: Path, runner_experiment_id: int) -> DsatSear
         return method
     logger.info("dsat: best trial %s, metrics %s", best.name, best.metrics)
     if settings.run_full_experiment and runner.full_experiment_id is None:
-        config = full_experiment_config(experiment.config, best.hparams)
+        label = full_run_label(runner_experiment_id)
+        earlier = client.list_experiments(labels=[label])
+        if earlier:  # created before a restart of this runner, which its checkpoint missed
+            runner.full_experiment_id = int(earlier[0].id)
+            runner.save_state(runner.state.experiment_id, runner.last_operations)
+            logger.info(
+                "dsat: the full experiment %s with the best config was created before the "
+                "search runner restarted",
+                earlier[0].id,
+            )
+            return method
+        config = full_experiment_config(experiment.config, best.hparams, label)
         try:
             created = client.create_experiment(config, str(experiment.model_dir), includes)
         except api_errors.BadRequestException as err:

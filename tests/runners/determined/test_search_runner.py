@@ -268,6 +268,26 @@ def test_run_full_experiment_submits_the_users_experiment_with_the_best_override
     assert len(cluster.experiments) == experiments
 
 
+def test_a_runner_restarted_right_after_creating_the_full_experiment_creates_no_second(
+    cluster: FakeMaster, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: Any
+) -> None:
+    """The checkpoint after the creation failed (storage down a moment): the only record of
+    the full experiment was lost, and the restarted runner created a second one, in silence."""
+    workdir, runner_id = submitted_context(
+        cluster, tmp_path, "--max-trials", "6", "--run-full-experiment"
+    )
+    cluster.checkpoint_fails_from = 3  # the search runner's, the trials', the full one
+    with pytest.raises(Exception, match="storage unavailable"):
+        run(core_context(monkeypatch, tmp_path / "ckpt", runner_id, None), workdir, runner_id)
+    (full,) = cluster.experiments[2:]
+    latest = cluster.checkpoints[-1]
+    with caplog.at_level(logging.INFO):
+        run(core_context(monkeypatch, tmp_path / "ckpt", runner_id, latest), workdir, runner_id)
+    assert cluster.experiments[2:] == [full]
+    assert f"the full experiment {full.id} with the best config was created before" in caplog.text
+    assert f"dsat-full-run-of-{runner_id}" in full.config["labels"]
+
+
 def test_a_search_whose_trials_a_user_kills_starts_no_full_experiment(
     cluster: FakeMaster, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
