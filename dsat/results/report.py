@@ -154,13 +154,18 @@ def load_results(results_dir: Path) -> SearchResults:
     if not rows:
         raise DsatError(f"{shown(path)}: no trial has finished yet; report it once one has")
     metric, unknown = DEFAULT_METRIC, None
+    saved = (state or {}).get("metric")
     try:
         metric = saved_settings(results_dir).metric
-    except DsatError:  # the default metric still makes a picture, said to be one
-        unknown = (
-            f"{shown(results_dir / SETTINGS_FILE)} is missing or damaged: the trials are ranked "
-            f"by {DEFAULT_METRIC.value}, the default metric, which may not be the search's"
-        )
+    except DsatError:
+        if saved in {m.value for m in Metric}:  # a Determined checkpoint's state says it
+            metric = Metric(saved)
+        else:  # the default metric still makes a picture, said to be one
+            unknown = (
+                f"{shown(results_dir / SETTINGS_FILE)} is missing or damaged: the trials are "
+                f"ranked by {DEFAULT_METRIC.value}, the default metric, which may not be the "
+                "search's"
+            )
     picked = picked_row(rows, results_dir / BEST_METRICS_FILE)
     # best_ds_metrics.json is written as a search goes: an interrupted one's report named its
     # best so far "picked". Without a state (a Determined checkpoint, one deleted), the summary

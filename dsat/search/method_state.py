@@ -24,6 +24,9 @@ def state_json(method: DsatSearchMethod) -> dict[str, Any]:
     return {
         "version": STATE_VERSION,
         "method": method.name,
+        # What the trials are ranked by: `dsat report` reads it where no settings.json is (a
+        # Determined search runner's checkpoint keeps none).
+        "metric": method.settings.metric.value,
         "tracker": method.tracker.to_json(),
         "rng": method.rng.bit_generator.state,
         "next_index": method.next_index,

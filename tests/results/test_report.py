@@ -15,6 +15,7 @@ import pytest
 
 from dsat.cli import main
 from dsat.constants import STATE_FILE
+from dsat.experiment.metric import Metric
 from dsat.experiment.settings import DEFAULT_METRIC
 from dsat.results.directory import SUMMARY_FILE, TRIALS_FILE
 from dsat.results.report import REPORT_HTML, REPORT_PNG, load_results, picked_row
@@ -236,17 +237,24 @@ def test_what_the_report_cannot_know_it_says(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Damaged settings ranked a latency search by throughput without a word; an empty
-    trials.jsonl drew an empty table and a cost of "0 trials ()"."""
+    trials.jsonl drew an empty table and a cost of "0 trials ()". The search's state names its
+    metric too (a Determined checkpoint has no settings.json): it ranked one by FLOPS."""
     code, results = simulated_search(tmp_path, "--metric", "latency")
     assert code == 0
     (results / "settings.json").write_text("{oops")
     capsys.readouterr()
+    assert main(["report", str(results)]) == 0
+    assert "settings.json is missing" not in capsys.readouterr().out
+    assert load_results(results).metric is Metric.LATENCY
+    state = (results / STATE_FILE).read_text()
+    (results / STATE_FILE).unlink()
     assert main(["report", str(results)]) == 0
     said = capsys.readouterr().out
     assert (
         f"settings.json is missing or damaged: the trials are ranked by {DEFAULT_METRIC.value}"
         in said
     )
+    (results / STATE_FILE).write_text(state)
     (results / TRIALS_FILE).write_text("")  # emptied, while the state names its trials
     assert_one_line_error(capsys, ["report", str(results)], "15 of the 15 trials", "no row")
 
