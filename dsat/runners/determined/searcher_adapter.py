@@ -100,7 +100,16 @@ class DsatSearcher(searcher.SearchMethod):  # type: ignore[misc]
             name = self.method.settings.metric.value
             metrics = metric if isinstance(metric, dict) else {name: metric}
             metrics = {k: v for k, v in metrics.items() if k != REPORTED_AT_KEY}
-            self._observe(request_id, TrialStatus.COMPLETED, metrics=metrics)
+            profile = self.method.tracker.get(str(request_id)).kind is TrialKind.MODEL_PROFILE
+            if name in metrics or profile:
+                self._observe(request_id, TrialStatus.COMPLETED, metrics=metrics)
+            else:  # a script's own report: "completed" with nothing to rank, every trial alike
+                said = ", ".join(sorted(metrics)) or "nothing"
+                error = (
+                    f"the trial reported no {name} (it reported {said}); report through "
+                    "dsat.dsat_reporting_context, whose metrics the search ranks trials by"
+                )
+                self._observe(request_id, TrialStatus.ERROR, error=error, cause=FailureCause.SCRIPT)
         return [searcher.Close(request_id)]
 
     def on_trial_exited_early(

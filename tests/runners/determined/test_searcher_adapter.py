@@ -4,6 +4,7 @@ very trials the plain loop does, and speaks Determined's events as the master ex
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 import pytest
 from determined import searcher
@@ -11,7 +12,8 @@ from determined import searcher
 from dsat.runners.determined.event_loop import DeterminedEventLoop
 from dsat.runners.determined.searcher_adapter import DsatSearcher
 from dsat.runners.simulated.runner import SimulatedRunner
-from dsat.trial import TrialStatus
+from dsat.trial import TrialKind, TrialStatus
+from dsat.trial_failure import FailureCause
 from tests.search.helpers import PROFILE, cliff_function, history, method, run
 
 METHODS = ["guided", "asha", "binary", "random"]
@@ -97,3 +99,28 @@ def test_an_oom_reported_as_a_metric_is_an_oom_and_a_canceled_trial_ends_the_sea
     assert m.shutdown_reason == "trial exited early: USER_CANCELED"
     after = adapter.on_trial_closed(state, uuid.UUID(str(started[1])))
     assert [type(op).__name__ for op in after] == ["Shutdown"]  # nothing more starts
+
+
+def test_trials_that_report_no_searched_metric_are_the_scripts_failure() -> None:
+    """A script reporting its own metrics (a loss) through Determined: every trial read as
+    completed with nothing to rank, and the search ran all of --max-trials."""
+    fits = cliff_function(10**6)  # no OOM
+
+    def loss_only(ds_config: dict[str, Any], slots: int) -> dict[str, Any]:
+        metrics = fits(ds_config, slots)
+        return metrics if "num_params" in metrics else {"loss": 1.0}
+
+    m = method("binary", max_trials=16)
+    runner = SimulatedRunner(loss_only, 1)
+    loop = DeterminedEventLoop(DsatSearcher(m), runner, m.spec.ds_config, oom_as_metric=True)
+    loop.run()
+    ran = [r for r in m.tracker.finished if r.kind is not TrialKind.MODEL_PROFILE]
+    assert not [r for r in ran if r.status is TrialStatus.COMPLETED]
+    failed = [r for r in ran if r.status is TrialStatus.ERROR]
+    assert failed and all(r.cause is FailureCause.SCRIPT for r in failed)
+    assert all(
+        (r.error or "").startswith("the trial reported no FLOPS_per_gpu (it reported loss)")
+        for r in failed
+    )
+    assert len(failed) < 10 and "failed alike" in (m.shutdown_reason or "")
+    assert loop.shutdown is not None and loop.shutdown.failure
