@@ -514,8 +514,12 @@ class DsatSearchMethod(SearchMethod):
         trials fed short batches."""
         failed = self.search_failed and not self.model_profile_failed()
         none_ran = no_search_trial_succeeded(self.tracker.finished) if failed else None
+        # Why, in the file a user reads later: a failed profile's summary said nothing of it.
+        why = none_ran or self.shutdown_reason or "no trial succeeded"
         return [
-            f"handed over: nothing: {none_ran}" if none_ran else "",
+            f"handed over: nothing: {why}"
+            if self.search_failed and (none_ran or self.finished)
+            else "",
             self.spec.batch_line(self.tracker.best()),
             self.fit_line(self.tracker.best()),
             baseline_line(self),

@@ -276,4 +276,6 @@ def test_a_search_that_hands_nothing_over_leaves_no_best_config(tmp_path: Path) 
     assert [row["status"] for row in lines(tmp_path)][1:4] == ["completed"] * 3
     assert not (tmp_path / BEST_CONFIG_FILE).exists()
     assert not (tmp_path / BEST_METRICS_FILE).exists()
-    assert "(handed over)" not in (tmp_path / SUMMARY_FILE).read_text()
+    summary = (tmp_path / SUMMARY_FILE).read_text()
+    assert "(handed over)" not in summary
+    assert f"handed over: nothing: {method.shutdown_reason}\n" in summary  # why, said there too

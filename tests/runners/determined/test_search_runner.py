@@ -393,6 +393,24 @@ def test_a_search_where_every_trial_fails_shuts_the_experiment_down_as_failed(
     assert {line["status"] for line in trial_lines(checkpoint)[1:]} == {"oom"}
 
 
+def test_a_failed_model_profile_on_the_cluster_says_why_in_the_summary(
+    cluster: FakeMaster, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The reason the search ended was in the search runner's log alone: the checkpoint's
+    summary had an empty table, "global batch: free" and the cost."""
+
+    def the_profile_fails(hparams: dict[str, Any]) -> dict[str, Any]:
+        raise KeyError("labels")
+
+    cluster.outcome = the_profile_fails
+    workdir, runner_id = submitted_context(cluster, tmp_path, "--max-trials", "8")
+    method = run(core_context(monkeypatch, tmp_path / "ckpt", runner_id, None), workdir, runner_id)
+    assert method.model_profile_failed()
+    summary = (tmp_path / "ckpt" / cluster.checkpoints[-1] / SUMMARY_FILE).read_text()
+    assert "handed over: nothing: the model-profile trial failed at micro-batch 1: " in summary
+    assert "KeyError: 'labels'" in summary
+
+
 @pytest.mark.parametrize("where", ["inside", "outside"])
 def test_a_script_error_in_every_trial_on_the_cluster_is_said_and_ends_the_search_early(
     cluster: FakeMaster, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, where: str
