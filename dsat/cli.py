@@ -284,8 +284,10 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-search-runner-restarts",
         type=non_negative_int,
-        default=defaults.DEFAULT_MAX_SEARCH_RUNNER_RESTARTS,
-        help="how often a crashed search runner is restarted (--runner determined)",
+        default=None,
+        help="how often a crashed search runner is restarted (--runner determined; default: "
+        f"{defaults.DEFAULT_MAX_SEARCH_RUNNER_RESTARTS}, or max_restarts in "
+        "--search-runner-config)",
     )
     runners = ["auto", *(kind.value for kind in RunnerKind)]
     parser.add_argument(

@@ -47,7 +47,7 @@ from dsat.experiment.config import (
     validate_with_deepspeed,
 )
 from dsat.experiment.config_keys import unknown_key_notes
-from dsat.experiment.settings import DEFAULT_MAX_SEARCH_RUNNER_RESTARTS, SearchSettings
+from dsat.experiment.settings import SearchSettings
 from dsat.paths import shown
 from dsat.process_limits import address_space_limit
 from dsat.results.cost import search_cost
@@ -263,7 +263,7 @@ def plan_search(
         ("--search-runner-config", settings.search_runner_config is not None, "determined"),
         (
             "--max-search-runner-restarts",
-            settings.max_search_runner_restarts != DEFAULT_MAX_SEARCH_RUNNER_RESTARTS,
+            settings.max_search_runner_restarts is not None,
             "determined",
         ),
     ]

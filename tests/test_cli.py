@@ -45,7 +45,7 @@ def test_defaults_match_the_reference(experiment_yaml: Path) -> None:
     assert asha.metric is Metric.FLOPS_PER_GPU
     assert asha.zero_stages == (1, 2, 3)
     assert (asha.start_profile_step, asha.end_profile_step, asha.random_seed) == (3, 5, 42)
-    assert asha.max_search_runner_restarts == 5
+    assert asha.search_runner_restarts == 5 and asha.max_search_runner_restarts is None
     assert (asha.max_rungs, asha.min_binary_search_trials, asha.asha_early_stopping) == (5, 3, 0)
     assert (asha.divisor, asha.search_range_factor) == (2, 1.0)
     assert asha.run_full_experiment is False
@@ -282,6 +282,8 @@ def test_ray_address_with_another_runner(
         (["--no-trial-host"], "--no-trial-host only applies to --runner local"),
         (["--search-runner-config", "r.yaml"], "--search-runner-config only applies to --runner"),
         (["--max-search-runner-restarts", "2"], "--max-search-runner-restarts only applies to"),
+        # The default's value, given: it was taken for not given, and ignored.
+        (["--max-search-runner-restarts", "5"], "--max-search-runner-restarts only applies to"),
     ],
 )
 def test_a_flag_of_another_runner_is_refused_not_ignored(

@@ -59,7 +59,9 @@ class SearchSettings:
     end_profile_step: int = DEFAULT_END_PROFILE_STEP
     random_seed: int = DEFAULT_RANDOM_SEED
     search_runner_config: str | None = None
-    max_search_runner_restarts: int = DEFAULT_MAX_SEARCH_RUNNER_RESTARTS
+    # None where not given: a --search-runner-config file's max_restarts then stands, and a
+    # value given for a runner without a search runner is refused, not dropped unsaid.
+    max_search_runner_restarts: int | None = None
     # random
     trials_per_random_config: int = DEFAULT_TRIALS_PER_RANDOM_CONFIG
     early_stopping: int | None = None
@@ -88,6 +90,13 @@ class SearchSettings:
     trial_host: bool | None = None
     simulator: str | None = None
     ray_address: str | None = None  # ray runner: the cluster (else RAY_ADDRESS)
+
+    @property
+    def search_runner_restarts(self) -> int:
+        """How often Determined restarts a crashed search runner: as given, else the default."""
+        if self.max_search_runner_restarts is None:
+            return DEFAULT_MAX_SEARCH_RUNNER_RESTARTS
+        return self.max_search_runner_restarts
 
     def __post_init__(self) -> None:
         if self.method not in SEARCH_METHODS:
@@ -147,7 +156,7 @@ class SearchSettings:
                 raise DsatError(f"{flag} must be positive, got {value}")
         for flag, value in {
             "--asha-early-stopping": self.asha_early_stopping,
-            "--max-search-runner-restarts": self.max_search_runner_restarts,
+            "--max-search-runner-restarts": self.search_runner_restarts,
         }.items():
             if value < 0:
                 raise DsatError(f"{flag} must be 0 or more, got {value}")
@@ -218,6 +227,10 @@ class SearchSettings:
             raise DsatError(f"search settings are a JSON {type(data).__name__}, not an object")
         if "backend" in data and "runner" not in data:  # saved before --backend became --runner
             data["runner"] = data.pop("backend")
+        if data.get("max_search_runner_restarts") == DEFAULT_MAX_SEARCH_RUNNER_RESTARTS:
+            # Saved as the default by a dsat that did not tell it from given: read as not
+            # given, which the local and Ray runners refuse to resume with.
+            data["max_search_runner_restarts"] = None
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:

@@ -54,7 +54,7 @@ def search_runner_config(
         user_config,
         {
             "resources": {"slots_per_trial": 0},
-            "max_restarts": settings.max_search_runner_restarts,
+            "max_restarts": settings.search_runner_restarts,
             "entrypoint": SEARCH_RUNNER_ENTRYPOINT,
         },
     )

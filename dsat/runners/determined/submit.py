@@ -28,7 +28,7 @@ from typing import Any
 from dsat.constants import ENV_DET_MASTER, RESULTS_ROOT
 from dsat.errors import DsatError
 from dsat.experiment.config import Experiment, entrypoint_script, load_yaml_mapping
-from dsat.experiment.settings import DEFAULT_MAX_SEARCH_RUNNER_RESTARTS, SearchSettings
+from dsat.experiment.settings import SearchSettings
 from dsat.runners.determined.configs import (
     DSAT_PACKAGE,
     SEARCH_RUNNER_ENTRYPOINT,
@@ -128,7 +128,7 @@ def runner_config(settings: SearchSettings, experiment: Experiment) -> dict[str,
         config = load_yaml_mapping(Path(path))
         config.setdefault("entrypoint", SEARCH_RUNNER_ENTRYPOINT)
         restarts = settings.max_search_runner_restarts
-        if restarts != DEFAULT_MAX_SEARCH_RUNNER_RESTARTS:  # given: taken, not dropped unsaid
+        if restarts is not None:  # given: taken, not dropped unsaid
             if config.setdefault("max_restarts", restarts) != restarts:
                 raise DsatError(
                     f"--max-search-runner-restarts {restarts} and max_restarts "

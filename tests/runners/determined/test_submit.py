@@ -179,6 +179,10 @@ def test_max_search_runner_restarts_given_with_a_runner_config_file_is_taken(
     assert main(given) == 2
     err = capsys.readouterr().err
     assert "--max-search-runner-restarts 1 and max_restarts 3 in" in err and "drop one" in err
+    # Given as the default's value, it was taken for not given, and the file's 0 ran.
+    runner_yaml.write_text("name: my-runner\nmax_restarts: 0\n")
+    assert main([*given[:-1], "5"]) == 2
+    assert "--max-search-runner-restarts 5 and max_restarts 0 in" in capsys.readouterr().err
 
 
 def test_a_master_without_custom_searchers_gets_a_one_line_error(
