@@ -986,7 +986,10 @@ def closing_lines(
     if speedup is not None and yours_handed_over(method):
         found += ": your own config; nothing faster that this search could hand over ran"
     elif speedup is not None:
-        found += f": {speedup:.2f}x your config's {method.tracker.metric.value}"
+        metric = method.tracker.metric
+        # A time metric's ratio as its value: "1.71x your config's latency" read as slower.
+        ratio = 1 / speedup if metric.smaller_is_better else speedup
+        found += f": {ratio:.2f}x your config's {metric.value}"
         said = against_yours_said(method)
         if said:
             found += f"; {said}"

@@ -330,8 +330,10 @@ def baseline_line(method: DsatSearchMethod) -> str:
             f"your config's run, {measured_as(method, mine)})"
         )
     said = against_yours_said(method)
+    # A speed-up of a time metric: "1.71x your config (latency 83.7)" read as 1.71x the time.
+    as_fast = "as fast as " if tracker.metric.smaller_is_better else ""
     return (
-        f"{speedup:.2f}x your config ({measured_as(method, mine)}): "
+        f"{speedup:.2f}x {as_fast}your config ({measured_as(method, mine)}): "
         f"{described_with_knobs(baseline)} -> {described_with_knobs(handed)}"
         + (f"; {said}" if said else "")
     )

@@ -21,6 +21,7 @@ from dsat.search.baseline import (
     speedup_over_yours,
     yours_clearly_faster,
     yours_handed_over,
+    yours_measured,
 )
 from dsat.search.method import DsatSearchMethod
 from dsat.search.trial_builder import SearchSpec
@@ -349,3 +350,22 @@ def test_no_baseline_when_it_cannot_fit_or_when_asked(tmp_path: Path) -> None:
     search(tmp_path / "off", USER, baseline=False)
     assert "baseline" not in {row["kind"] for row in rows(tmp_path / "off")}
     assert "your config" not in (tmp_path / "off" / SUMMARY_FILE).read_text()
+
+
+def test_a_time_metrics_ratio_reads_the_right_way_round(tmp_path: Path) -> None:
+    """ "found ...: 1.71x your config's latency" read as 1.71 times the step time, where the
+    latency fell from 83.7 to 49.1 ms."""
+    from dsat.search_launch import closing_lines
+
+    spec = SearchSpec({"deepspeed_config": "ds.json"}, USER, SLOTS)
+    settings = search_settings("guided", max_trials=10, baseline=True, metric="latency")
+    method = run_search(settings, spec, SimulatedRunner(MODEL, SLOTS), tmp_path)
+    handed, yours = method.tracker.best(), yours_measured(method)
+    assert handed is not None and yours is not None
+    theirs, mine = method.tracker.mean_of_runs(handed), yours[0]
+    assert theirs is not None and theirs < mine
+    summary = (tmp_path / SUMMARY_FILE).read_text()
+    line = next(x for x in summary.splitlines() if "your config" in x)
+    assert line.startswith(f"{mine / theirs:.2f}x as fast as your config (latency {mine:.4g}): ")
+    found = closing_lines(method, tmp_path, full_run=False)[0]
+    assert f": {theirs / mine:.2f}x your config's latency" in found
