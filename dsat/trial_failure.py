@@ -153,6 +153,14 @@ KNOWN_FAILURES: tuple[KnownFailure, ...] = (
         "the trial's (config=); drop --deepspeed_config from the entrypoint",
     ),
     _known(
+        # A Core API script as the reference's guide writes it, reading its hyperparameters
+        # from the cluster's info: there is none off a Determined cluster.
+        r"AttributeError: 'NoneType' object has no attribute 'trial'",
+        FailureCause.SCRIPT,
+        "det.get_cluster_info() is None off a Determined cluster: read the trial's "
+        "hyperparameters with dsat.get_hparams() (docs/porting-core-api.md)",
+    ),
+    _known(
         # argparse's refusal, which exits 2 before any training: the entrypoint's arguments.
         r"^(?:\[rank\d+\]:\s*)?\S+: error: (?:unrecognized arguments|the following arguments "
         r"are required|argument \S+: )",
@@ -317,6 +325,15 @@ def said_lines(log: str) -> list[str]:
             said.append(line)
         quoting = FRAME_LINE.match(line) is not None
     return said
+
+
+# A frame of the reference's own trial-side package (``from determined.pytorch import dsat``, as
+# its guide writes it): its reporting context reports only to a Determined cluster's searcher.
+REFERENCE_DSAT_FRAME = re.compile(r'File "[^"\n]*/determined/pytorch/dsat/')
+REFERENCE_DSAT_USED = (
+    "the trial ran Determined's own dsat (from determined.pytorch import dsat), which reports "
+    "only on its cluster: `import dsat` instead"
+)
 
 
 def known_failure(text: str) -> KnownFailure | None:
@@ -668,13 +685,16 @@ def diagnose_crash(log: str, code: int | None, oom_killed: bool | None) -> Diagn
         reason = f"{known.summary}, killed by the kernel's out-of-memory killer"
         return Diagnosis(FailureCause.CONFIG, reason, out_of_memory=True)
     crashed = root_cause_signal(log)
-    if crashed is not None and (known is None or known.cause is FailureCause.MACHINE):
+    machine = known is not None and known.cause is FailureCause.MACHINE
+    if crashed is not None and (known is None or machine):
         # torchrun names the rank that failed first: it died of a signal of its own (a
         # segfault), and its peers' connection errors followed from it.
         return Diagnosis(
             FailureCause.UNKNOWN,
             one_line(f"a process of the trial died of {crashed.name} (torchrun's root cause)"),
         )
+    if detail is not None and REFERENCE_DSAT_FRAME.search(log) and not machine:
+        return Diagnosis(FailureCause.SCRIPT, one_line(f"{REFERENCE_DSAT_USED}: {detail}"))
     if known is not None and known.libraries_only and detail is not None:
         where = raised_by_own_code(log, detail, known.own_line_only)
         if where is not None:

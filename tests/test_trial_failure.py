@@ -194,7 +194,31 @@ SAMPLES: dict[str, tuple[str, FailureCause]] = {
         "deepspeed arguments and deepspeed.initialize() function call\n",
         FailureCause.SCRIPT,
     ),
+    "the reference's hyperparameters": (  # its guide's det.get_cluster_info().trial.hparams
+        TRACEBACK + "AttributeError: 'NoneType' object has no attribute 'trial'\n",
+        FailureCause.SCRIPT,
+    ),
 }
+
+
+def test_a_trial_running_the_references_own_dsat_is_told_to_import_dsat() -> None:
+    """``from determined.pytorch import dsat``, as the reference's guide writes it: its
+    reporting context failed the trial with "Torch not compiled with CUDA enabled", said as a
+    crash of no known kind."""
+    log = (
+        "Traceback (most recent call last):\n"
+        '  File "/t/train.py", line 40, in <module>\n'
+        "    with dsat.dsat_reporting_context(core_context, op):\n"
+        '  File "/v/site-packages/determined/pytorch/dsat/_utils.py", line 312, in '
+        "report_json_results\n"
+        "    torch.cuda.synchronize()\n"
+        "AssertionError: Torch not compiled with CUDA enabled\n"
+    )
+    diagnosis = diagnose_crash(log, 1, oom_killed=False)
+    assert diagnosis.cause is FailureCause.SCRIPT
+    assert diagnosis.reason.startswith("the trial ran Determined's own dsat (from ")
+    assert "`import dsat` instead" in diagnosis.reason
+    assert diagnosis.reason.endswith(": AssertionError: Torch not compiled with CUDA enabled")
 
 
 def test_every_known_failure_has_a_sample_it_alone_explains() -> None:
