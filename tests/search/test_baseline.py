@@ -27,7 +27,7 @@ from dsat.search.method import DsatSearchMethod
 from dsat.search.trial_builder import SearchSpec
 from dsat.search_launch import closing_lines
 from dsat.search_run import run_search
-from dsat.trial import TrialKind
+from dsat.trial import TrialKind, TrialStatus
 from tests.search.helpers import cliff_function, search_settings
 
 MODEL = BUILTIN_MODELS["gpt_1b_knobs_16xethernet"]
@@ -369,3 +369,35 @@ def test_a_time_metrics_ratio_reads_the_right_way_round(tmp_path: Path) -> None:
     assert line.startswith(f"{mine / theirs:.2f}x as fast as your config (latency {mine:.4g}): ")
     found = closing_lines(method, tmp_path, full_run=False)[0]
     assert f": {theirs / mine:.2f}x your config's latency" in found
+
+
+def test_the_searchs_own_runs_of_the_users_config_count_in_the_comparison(
+    tmp_path: Path,
+) -> None:
+    """With two slots the baseline ran beside the other slot's start-up and measured 2.4x below
+    the search's own run of the same configuration: "11.28x your config" of a 5.5x."""
+    method = search(tmp_path, USER)
+    (baseline,) = [r for r in method.tracker.records if r.kind is TrialKind.BASELINE]
+    alone = yours_measured(method)
+    assert alone is not None and alone[2] == 1
+    again = method.register(
+        method.make_trial(TrialKind.SEARCH, dict(baseline.zero_section), baseline.mbs)
+    )
+    assert again is not None and again.zero_key == baseline.zero_key
+    method.tracker.mark_running(again.request_id)
+    faster = {
+        **baseline.metrics,
+        **{key: 3 * float(baseline.metrics[key]) for key in ("FLOPS_per_gpu", "throughput")},
+    }
+    method.tracker.mark_finished(again.request_id, TrialStatus.COMPLETED, faster)
+    pooled = yours_measured(method)
+    assert pooled is not None and pooled[2] == 2
+    assert pooled[0] == pytest.approx(2 * alone[0], rel=0.05)  # the mean of the two runs
+    speedup, before = speedup_over_yours(method), alone
+    handed = method.tracker.best()
+    assert speedup is not None and handed is not None
+    assert speedup == pytest.approx(method.tracker.mean_of_runs(handed) / pooled[0])
+    assert speedup < method.tracker.mean_of_runs(handed) / before[0]
+    assert f"(FLOPS_per_gpu {pooled[0]:.4g}, with the search's run of it ({again.name})): " in (
+        baseline_line(method)
+    )

@@ -356,7 +356,8 @@ def test_the_users_own_config_runs_once_and_the_hand_over_is_compared_with_it(
         assert found and f"{found.group(1)}x your config (" in run.stdout  # as the summary says
         line = next(x for x in run.stdout.splitlines() if "x your config (" in x)
         assert re.match(
-            r"^\d+\.\d\dx your config \(FLOPS_per_gpu [0-9.e+]+\): ZeRO-1 micro-batch 8 -> ",
+            r"^\d+\.\d\dx your config \(FLOPS_per_gpu [0-9.e+]+(?:, with the search's .+ of it "
+            r"\(z1_mb8[^)]*\))?\): ZeRO-1 micro-batch 8 -> ",
             line,
         )
     assert "1 baseline" in (results / "summary.txt").read_text()
