@@ -705,21 +705,32 @@ def diagnose_crash(log: str, code: int | None, oom_killed: bool | None) -> Diagn
     if known is not None:
         reason = known.summary if detail is None else f"{known.summary}: {detail}"
         return Diagnosis(known.cause, one_line(reason))
-    exit_code = f"exit code {code}"
+    # The status of the rank torchrun names as the root cause (torchrun's own is 1 whatever
+    # the script exited with), and that rank.
+    status = exit_status(log, code)
+    exit_code = f"exit code {status}"
     with contextlib.suppress(ValueError, TypeError):
-        if code is not None and code < 0:
-            exit_code += f" ({signal.Signals(-code).name})"  # a segfault, an abort
+        if status is not None and status < 0:
+            exit_code += f" ({signal.Signals(-status).name})"  # a segfault, an abort
+    if status != code and first_rank is not None:
+        exit_code += f" (rank {first_rank})"
     if detail is not None:  # a code of None: an exception the trial caught itself, no exit
         said = detail if code is None else f"{detail} ({exit_code})"
         return Diagnosis(FailureCause.UNKNOWN, one_line(said))
-    # The trial's own last words, not dsat's note of how it ended.
-    last = next(
-        (
-            line
-            for line in reversed(log.splitlines())
-            if line.strip().strip("=-") and not line.startswith("dsat: ")  # nor a rule
-        ),
-        "",
+    # The trial's own last words (not torchrun's report of the failure), not dsat's note of how
+    # it ended.
+    spoken = [line for line in words if not _unlabelled(line).startswith("dsat: ")]
+    last = (
+        spoken[-1]
+        if spoken
+        else next(
+            (
+                line
+                for line in reversed(log.splitlines())
+                if line.strip().strip("=-") and not line.startswith("dsat: ")  # nor a rule
+            ),
+            "",
+        )
     )
     reason = f"{exit_code}: {last}" if last else exit_code
     return Diagnosis(FailureCause.UNKNOWN, one_line(reason))

@@ -613,6 +613,7 @@ def test_logs_as_the_layers_print_them(tmp_path: Path, name: str) -> None:
     end = classify(tmp_path, tmp_path / "trial.log", case["code"], False, 60, case["oom_killed"])
     assert end.status.value == case["status"], end.error
     assert (end.cause and end.cause.value) == case["cause"], end.error
+    assert (end.error or "").startswith(case.get("reason", "")), end.error
 
 
 def test_a_reported_trial_lingers_only_past_the_linger_time() -> None:
