@@ -484,6 +484,22 @@ def _stream(line: str) -> str | None:
     return label.group(1) if label else None
 
 
+def with_what_follows(log: str, exception: str) -> str:
+    """An exception whose message ends in a colon with the line after it, which says what it
+    announces: HF's "... mismatch TrainingArguments values:" said nothing without its "- ds
+    train_batch_size=2 vs hf train_batch_size (calculated)=1"."""
+    said = said_lines(log)
+    for number in range(len(said) - 2, -1, -1):
+        if _unlabelled(said[number]).strip() != exception.strip():
+            continue
+        after = said[number + 1]
+        text = _unlabelled(after).strip()
+        if _stream(after) == _stream(said[number]) and text and not NOT_WORDS.match(after):
+            return f"{exception.rstrip()} {text}"
+        break
+    return exception
+
+
 def _unlabelled(line: str) -> str:
     """The line without torch's ``[rankN]:`` label (and the one space after it)."""
     label = RANK_PREFIX.match(line)
@@ -679,6 +695,8 @@ def diagnose_crash(log: str, code: int | None, oom_killed: bool | None) -> Diagn
     words = last_words(log)
     known = known_failure("\n".join(others or lines + words))
     detail = others[-1] if others else lines[-1] if lines else None
+    if detail is not None and detail.rstrip().endswith(":"):
+        detail = with_what_follows(log, detail)
     if known is not None and detail is None:  # said in the last words: the line that says it
         detail = next((one_line(w) for w in reversed(words) if known.pattern.search(w)), None)
     if known is not None and known.killed and oom_killed:
