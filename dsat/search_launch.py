@@ -53,6 +53,7 @@ from dsat.process_limits import address_space_limit
 from dsat.results.cost import search_cost
 from dsat.results.directory import (
     FULL_RUN_DIR,
+    HANDED_OVER_PREFIX,
     SUMMARY_FILE,
     TRIALS_FILE,
     best_ds_config,
@@ -940,7 +941,11 @@ def report_end(
     """Print the summary; a search with no successful trial is an error for the caller."""
     summary = results_dir / SUMMARY_FILE
     if summary.is_file():
-        print(summary.read_text(), end="")
+        text = summary.read_text()
+        if method.search_failed:  # why is the last line on screen (SearchFailed): said once
+            nothing = f"{HANDED_OVER_PREFIX} nothing: "
+            text = "".join(x for x in text.splitlines(True) if not x.startswith(nothing))
+        print(text, end="")
     # A failed search's reason is its last line, once (SearchFailed).
     ended = "" if method.search_failed else f"; search ended: {method.shutdown_reason}"
     if not method.search_failed and method.shutdown_reason is None:  # never meant to happen

@@ -405,7 +405,9 @@ class LocalRunner:
                     slot, cold, trial.log_path
                 ):
                     trial.host_lost_on.append(slot)
-        if not again:
+        if not again or end.cause is FailureCause.MACHINE:
+            # Killed from outside: the machine's, whatever ran before it in the host, as for
+            # its host's first trial (said on screen, run again, counted among the attempts).
             return False
         what = "out of memory" if end.status is TrialStatus.OOM else "failed"
         self._note(

@@ -413,12 +413,16 @@ def test_a_host_killed_from_outside_during_a_trial_leaves_the_slot_hosted(
 ) -> None:
     """A SIGKILL from outside says nothing of what hosting leaves: the slot's trials all started
     fresh from then on (ten times slower for the rest of the search), its note pointed at the
-    host's empty log, and the trial's log said the trial ended the process."""
+    host's empty log, and the trial's log said the trial ended the process. And it is the
+    machine's as in the host's first trial (on screen, run again by the search, counted among
+    its attempts): after other trials it was run again fresh inside the runner, unsaid."""
     trials = [{}, {"mode": "killed_once", "flag": str(tmp_path / "flag")}, {}, {}]
-    first, rerun, *later = run_all(job_runner(tmp_path), trials)
+    first, killed, *later = run_all(job_runner(tmp_path), trials)
     assert (tmp_path / "flag").exists()  # it was killed in the host
-    assert rerun.status is TrialStatus.COMPLETED
+    assert (killed.status, killed.cause) == (TrialStatus.ERROR, FailureCause.MACHINE)
+    assert (killed.error or "").startswith("killed by SIGKILL from outside dsat")
     log = log_of(tmp_path, 2)
+    assert "running it again in a fresh process" not in log
     assert "the trial host it ran in was stopped by SIGKILL (exit code -9)" in log
     assert "the trial ended the process" not in log
     assert hosted(tmp_path) == [True, True, True, True]
