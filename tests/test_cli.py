@@ -763,6 +763,8 @@ def test_bad_random_count_flags(
         (["--trial-timeout", "inf"], "a positive, finite number"),  # "positive" alone: inf is
         (["--zero-stages=1,2"], "separate the stages with spaces: --zero-stages 1 2"),
         (["--offload", "--zero-stages", "0"], "--offload needs a ZeRO stage of 1 or more"),
+        # NVMe is the ladder's ZeRO-3 rung: without stage 3 the path went unused, unsaid.
+        (["--offload-nvme", "/tmp", "-z", "1", "2"], "--offload-nvme needs ZeRO-3 in --zero-st"),
         # "$HEAD" unset: "--ray-address only applies to --runner ray", of the flag it was given
         (["--ray-address", ""], "--ray-address is empty (an unset shell variable?)"),
         (["--runner", "ray", "--ray-address", " "], "give the head node's address, HOST:6379"),

@@ -123,6 +123,11 @@ class SearchSettings:
                 "--offload needs a ZeRO stage of 1 or more in --zero-stages (DeepSpeed offloads "
                 "nothing at ZeRO-0); add one, or drop --offload"
             )
+        if self.offload_nvme is not None and 3 not in self.zero_stages:
+            raise DsatError(  # the ladder's NVMe rung is ZeRO-3's: the path went unused, unsaid
+                "--offload-nvme needs ZeRO-3 in --zero-stages (DeepSpeed offloads to NVMe at "
+                "ZeRO-3 only); add 3, or drop --offload-nvme"
+            )
         if self.end_profile_step <= self.start_profile_step:
             raise DsatError(
                 f"--end-profile-step ({self.end_profile_step}) must be greater than "

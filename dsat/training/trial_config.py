@@ -50,6 +50,11 @@ def get_ds_config_from_hparams(
 ) -> dict[str, Any]:
     """The trial's DeepSpeed config: the JSON named by the hyperparameters plus dsat's overrides."""
     relative = hparams.get(DS_CONFIG_KEY)
+    if relative is not None and not isinstance(relative, str):  # a dict, as a config inline
+        raise DsatError(
+            f"hyperparameters.{DS_CONFIG_KEY} is a {type(relative).__name__}, not a path; set "
+            "it to the path of your DeepSpeed JSON in the experiment YAML"
+        )
     if not isinstance(relative, str) or not relative:
         raise DsatError(
             f"hyperparameters.{DS_CONFIG_KEY} is missing; set it to the path of your DeepSpeed "

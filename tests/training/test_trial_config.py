@@ -34,6 +34,9 @@ def test_get_ds_config_from_hparams_without_overrides(tmp_path: Path) -> None:
 def test_get_ds_config_from_hparams_needs_the_key() -> None:
     with pytest.raises(DsatError, match="hyperparameters.deepspeed_config is missing"):
         dsat.get_ds_config_from_hparams({"lr": 1})
+    # The reference's DeepSpeedTrial page puts a config inline: "is missing" of a key that is there.
+    with pytest.raises(DsatError, match=r"deepspeed_config is a dict, not a path; set it to the"):
+        dsat.get_ds_config_from_hparams({"deepspeed_config": {"train_batch_size": 8}})
 
 
 def test_get_ds_config_from_hparams_missing_file(tmp_path: Path) -> None:
