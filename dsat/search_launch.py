@@ -283,6 +283,17 @@ def plan_search(
                 f"{flag} only applies to --runner {kind} (the runner is {runner.value}); drop it"
             )
     notes = unknown_key_notes(experiment.config, str(settings.config_path))
+    resources = experiment.config.get("resources")
+    if (
+        runner is not RunnerKind.DETERMINED
+        and isinstance(resources, dict)
+        and resources.get("max_slots") is not None
+    ):  # Determined's cap on the slots an experiment holds, which only its cluster applies
+        notes.append(
+            f"dsat: note: {settings.config_path}: resources.max_slots is applied only on a "
+            f"Determined cluster; the {runner.value} runner ignores it: cap the slots with "
+            "--max-slots"
+        )
     enabled = autotuning_enabled_note(experiment.ds_config, str(experiment.ds_config_path))
     if enabled is not None:
         notes.append(f"dsat: note: {enabled}")

@@ -486,3 +486,19 @@ def test_a_full_run_the_runner_cannot_place_keeps_the_search_and_says_how_to_tra
         f"{resume_command('binary', tmp_path / 'r')} --run-full-experiment"
     )
     assert (tmp_path / "r" / "best_ds_config.json").is_file()
+
+
+def test_resources_max_slots_off_a_cluster_is_said_to_be_ignored(tmp_path: Path) -> None:
+    """Determined's cap on an experiment's slots, from a YAML written for a cluster: the local
+    runner ran every slot the machine had without a word."""
+    from tests.conftest import write_experiment
+
+    path = write_experiment(
+        tmp_path / "m", config={"resources": {"slots_per_trial": 1, "max_slots": 4}}
+    )
+    model = "dsat.runners.simulated.performance_models:gpt2_large_16xv100"
+    simulated = ["--runner", "simulated", "--simulator", model]
+    plan = plan_search(parse_settings(["asha", str(path), str(path.parent), *simulated]), {})
+    (note,) = [n for n in plan.notes if "max_slots" in n]
+    assert "resources.max_slots is applied only on a Determined cluster" in note
+    assert note.endswith("--max-slots")
