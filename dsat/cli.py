@@ -152,7 +152,9 @@ def _add_common_flags(parser: argparse.ArgumentParser) -> None:
         "--max-trials",
         type=trial_count,
         default=defaults.DEFAULT_MAX_TRIALS,
-        help="maximum number of trials, including the model-profile trial (at least 2)",
+        help="maximum number of trials, including the model-profile trial (at least 2); the run "
+        "of your own config (--no-baseline) and the confirmation round (--confirm-top) come on "
+        "top",
     )
     parser.add_argument(
         "-ms",

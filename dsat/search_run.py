@@ -130,7 +130,11 @@ def run_search(
     writer = ResultsWriter(results_dir, runner.slot_kind, utilization, user_config=spec.ds_config)
     recorder = ResultsRecorder(method, writer)
     listeners: list[TrialListener] = [recorder]
-    progress = SearchProgress(method.tracker) if runner.takes_real_time else None
+    progress = (
+        SearchProgress(method.tracker, planned=method.planned_trials)
+        if runner.takes_real_time
+        else None
+    )
     if progress is not None:
         listeners.append(progress)
     driver = SearchDriver(method, runner, listeners, max_events)

@@ -38,8 +38,12 @@ class SearchProgress:
         tracker: TrialTracker,
         console: Console | None = None,
         clock: Callable[[], float] = time.monotonic,
+        planned: Callable[[], int] | None = None,
     ) -> None:
+        """``planned``: the most trials the search plans now (its baseline and confirmation
+        round included); the tracker's budget where not given."""
         self.tracker = tracker
+        self.planned = planned or (lambda: tracker.max_trials)
         self.console = console or Console(highlight=False, soft_wrap=True)
         self.clock = clock
         self.started_at = clock()
@@ -111,7 +115,8 @@ class SearchProgress:
         ]
         if counts[TrialStatus.TIMEOUT]:  # a hang is not a crash: its trial line says which
             parts.append(f"timeout {counts[TrialStatus.TIMEOUT]}")
-        parts[-1] += f" ({sum(counts.values())} of at most {self.tracker.max_trials} trials)"
+        planned = max(self.planned(), sum(counts.values()))
+        parts[-1] += f" ({sum(counts.values())} of at most {planned} trials)"
         best = self.tracker.best()
         value = self.tracker.metric_value(best) if best is not None else None
         if best is not None and value is not None:

@@ -184,6 +184,24 @@ class DsatSearchMethod(SearchMethod):
         elif record.kind is TrialKind.SEARCH:
             self._follow_up(lambda: self.after_success(record))
 
+    def planned_trials(self) -> int:
+        """The most trials the search plans as far as it knows now: --max-trials, the user's
+        baseline (on top, once the model profile queues it) and the confirmation round's runs
+        until it starts. "5 of at most 5 trials" went on to "6 of at most 8"."""
+        tracker = self.tracker
+        planned = tracker.max_trials
+        kinds = {r.kind for r in tracker.records}
+        profile = tracker.model_profile
+        if (
+            self.settings.baseline
+            and TrialKind.BASELINE not in kinds
+            and (profile is None or not profile.status.finished)
+        ):
+            planned += 1
+        if self.settings.confirm_top > 1 and TrialKind.CONFIRM not in kinds and not self.finished:
+            planned += self.settings.confirm_top
+        return planned
+
     def trial_length(self, record: TrialRecord) -> int:
         if record.kind is TrialKind.MODEL_PROFILE:
             return 1

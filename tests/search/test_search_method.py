@@ -356,3 +356,30 @@ def test_a_finished_search_loads_as_finished(how: str) -> None:
     assert loaded.finished and loaded.suggest() is None
     assert loaded.ending.stopped_from_outside is (how == "a user's stop")
     assert loaded.shutdown_reason == m.shutdown_reason
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_the_trials_planned_never_grow_with_a_baseline_and_a_confirmation_round(name: str) -> None:
+    """The progress line's "5 of at most 5 trials" went on to "6 of at most 8": the user's
+    baseline and the confirmation round were added as they came."""
+    m = make_search_method(
+        settings(name, max_trials=8, confirm_top=3, baseline=True),
+        spec(1, {**BASE_DS, "zero_optimization": {"stage": 1}}),
+    )
+    planned: list[int] = []
+
+    class Watch:
+        def trial_started(self, request_id: str) -> None:
+            planned.append(m.planned_trials())
+
+        def trial_finished(self, request_id: str, outcome: Any) -> None:
+            planned.append(m.planned_trials())
+
+        def trial_retried(self, request_id: str, outcome: Any, attempt: int) -> None:
+            pass
+
+    SearchDriver(m, SimulatedRunner(cliff_function(64), 1), listeners=[Watch()]).run()
+    kinds = [r.kind for r in m.tracker.finished]
+    assert TrialKind.BASELINE in kinds and TrialKind.CONFIRM in kinds
+    assert planned[0] == 8 + 1 + 3 and planned == sorted(planned, reverse=True)
+    assert planned[-1] >= len(m.tracker.finished)

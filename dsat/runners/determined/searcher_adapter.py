@@ -138,11 +138,8 @@ class DsatSearcher(searcher.SearchMethod):  # type: ignore[misc]
         # Of every trial the search may run: the user's baseline and the confirmation round
         # come on top of --max-trials (the round's runs once it starts, its most until then),
         # which read 100% with a fifth of the trials still to run.
-        tracker = self.method.tracker
-        planned = tracker.max_trials
-        if not any(r.kind is TrialKind.CONFIRM for r in tracker.records):
-            planned += self.method.settings.confirm_top
-        return min(len(tracker.finished) / max(planned, 1), 1.0)
+        planned = self.method.planned_trials()
+        return min(len(self.method.tracker.finished) / max(planned, 1), 1.0)
 
     def save_method_state(self, path: Path) -> None:
         save_state(self.method, Path(path))
