@@ -108,7 +108,7 @@ from dsat.search.trial_builder import SearchSpec
 from dsat.search_run import best_config_path, resumes_without_trials, run_search, stops_held
 from dsat.training.hf_args import HF_DS_FLAG, checkpointing_flags, switch_on
 from dsat.training.step_clock import measured_window
-from dsat.trial import TrialRecord
+from dsat.trial import TrialKind, TrialRecord, TrialStatus
 
 
 class SearchFailed(Exception):
@@ -975,9 +975,22 @@ def report_end(
         none_ran = no_search_trial_succeeded(method.tracker.finished)
         if none_ran is None or reason == repeated_failure(method.tracker.finished):
             raise SearchFailed(reason)
-        raise SearchFailed(f"{none_ran} ({reason})")
+        raise SearchFailed(f"{none_ran} ({reason}){all_out_of_memory_fix(method)}")
     for line in closing_lines(method, results_dir, full_run, trains):
         print(line)
+
+
+def all_out_of_memory_fix(method: DsatSearchMethod) -> str:
+    """What to do where every search trial ran out of memory: the reference's methods start
+    their binary searches at --search-range-factor times the memory model's estimate, and a
+    large factor spent the whole budget above what fits, with no word of the flag."""
+    searched = [r for r in method.tracker.finished if r.kind is TrialKind.SEARCH]
+    if not searched or any(r.status is not TrialStatus.OOM for r in searched):
+        return ""
+    factor = method.settings.search_range_factor
+    if method.name != "guided" and factor > 1:
+        return f"; lower --search-range-factor ({factor:g} here), or raise --max-trials"
+    return "; raise --max-trials, or give each trial more GPUs (resources.slots_per_trial)"
 
 
 def closing_lines(

@@ -1494,3 +1494,19 @@ def test_checkpointing_on_in_the_entrypoint_and_off_in_the_hyperparameter_is_a_n
     ]
     note = said["--gradient_checkpointing"]
     assert note is not None and "hyperparameters.gradient_checkpointing is false but the " in note
+
+
+def test_a_search_whose_every_trial_ran_out_of_memory_names_the_range_flag(
+    tmp_path: Path,
+) -> None:
+    """--search-range-factor 100 sent every binary search above what fits: "none of the 7
+    search trials succeeded; 7 ended with: MemoryError ..." and no word of the flag."""
+    model = "dsat.runners.simulated.performance_models:bert_base_16xv100"
+    result = run_simulated(
+        "binary", "bert_base.yaml", model, tmp_path / "r", "--max-trials", "8",
+        "--search-range-factor", "100",
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert "search trials succeeded" in line and "out of memory" in line, line
+    assert line.endswith("; lower --search-range-factor (100 here), or raise --max-trials"), line
