@@ -28,6 +28,7 @@ from dsat.constants import (
     TRAIN_BATCH_SIZE,
     TRIAL_OUTCOME_FILE,
 )
+from dsat.experiment.settings import DEFAULT_END_PROFILE_STEP, DEFAULT_START_PROFILE_STEP
 from dsat.training.oom import (
     allocator_says_out_of_memory,
     host_memory_ran_out,
@@ -35,6 +36,7 @@ from dsat.training.oom import (
     text_shows_out_of_memory,
 )
 from dsat.training.reporting import read_autotuning_result
+from dsat.training.step_clock import measured_window
 from dsat.trial import TrialStatus
 from dsat.trial_failure import (
     FailureCause,
@@ -71,6 +73,10 @@ RAN_ON_TO_TIMEOUT = (
     "dsat: the trial wrote its result and ran on to the trial timeout of {timeout:g} s (a process "
     "of it did not exit): stopped, its result kept"
 )
+
+# The steps a trial needs with the default profile window (--start-profile-step 3,
+# --end-profile-step 5): more than this is the user's flags' doing.
+DEFAULT_STEPS_NEEDED = measured_window(DEFAULT_START_PROFILE_STEP, DEFAULT_END_PROFILE_STEP)[1] + 1
 
 
 # A data iterator exhausted inside the training loop: ``next()`` on it raised, or a generator
@@ -334,6 +340,13 @@ def classify(
             f"searcher operation's length, op.length, is {needed}; an HF Trainer's --max_steps; "
             "a loop over one epoch of the data ends sooner at a larger micro-batch: cycle it)"
         )
+        if isinstance(needed, int) and needed > DEFAULT_STEPS_NEEDED:
+            # Set by the profile flags, which the fix above left out (and the screen cut off).
+            reason = (
+                f"{ended} after {outcome.get('steps')} optimizer steps{caught}; the profile "
+                f"window of --start-profile-step/--end-profile-step needs {needed}: lower them, "
+                f"or let the training loop run at least {needed} steps"
+            )
         return TrialEnd(TrialStatus.ERROR, {}, f"{reason}\n{tail}", FailureCause.SCRIPT)
     oom_line = out_of_memory_line(text, code)
     if outcome.get("status") == "oom" or oom_line is not None:

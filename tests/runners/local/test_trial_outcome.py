@@ -85,6 +85,16 @@ def test_failures_the_script_causes_whatever_the_config(tmp_path: Path) -> None:
     end = classify(tmp_path, log, 0, False, 60)
     assert end.status is TrialStatus.ERROR and end.cause is FailureCause.SCRIPT
     assert end.error is not None and end.error.startswith("training ended after 3 optimizer steps")
+    assert "--start-profile-step" not in end.error  # the default window's 15
+    # A window the profile flags set past the loop's end: the fix left out the flags.
+    log = trial(tmp_path, "trained\n", {"status": "incomplete", "steps": 20, "needed": 110})
+    end = classify(tmp_path, log, 0, False, 60)
+    assert end.cause is FailureCause.SCRIPT and end.error is not None
+    assert end.error.splitlines()[0] == (
+        "training ended after 20 optimizer steps; the profile window of "
+        "--start-profile-step/--end-profile-step needs 110: lower them, or let the training "
+        "loop run at least 110 steps"
+    )
     (tmp_path / TRIAL_OUTCOME_FILE).unlink()
     end = classify(tmp_path, log, 0, False, 60)  # it never called dsat's helpers
     assert end.cause is FailureCause.SCRIPT and end.error is not None
