@@ -299,7 +299,7 @@ class DeterminedSetup:
         if settings.resume or settings.results_dir:
             flag = "--resume" if settings.resume else "--results-dir"
             raise DsatError(
-                f"{flag} applies to the local and simulated runners; on Determined the results "
+                f"{flag} applies to the local, Ray and simulated runners; on Determined the results "
                 "live in the search runner's checkpoints and a restarted search runner resumes by "
                 "itself"
             )

@@ -248,7 +248,7 @@ def test_a_name_the_trials_context_takes_twice_is_refused(tmp_path: Path, inside
 @pytest.mark.parametrize(
     ("flags", "named"),
     [
-        (["--results-dir", "r"], "--results-dir applies to the local and simulated runners"),
+        (["--results-dir", "r"], "--results-dir applies to the local, Ray and simulated runners"),
         (["--trial-timeout", "60"], "--trial-timeout applies to the local and Ray runners"),
         (["--fresh-processes"], "--fresh-processes applies to the local runner"),
         (["--no-trial-host"], "--no-trial-host applies to the local runner"),
