@@ -489,14 +489,12 @@ def with_what_follows(log: str, exception: str) -> str:
     announces: HF's "... mismatch TrainingArguments values:" said nothing without its "- ds
     train_batch_size=2 vs hf train_batch_size (calculated)=1"."""
     said = said_lines(log)
-    for number in range(len(said) - 2, -1, -1):
-        if _unlabelled(said[number]).strip() != exception.strip():
-            continue
-        after = said[number + 1]
-        text = _unlabelled(after).strip()
-        if _stream(after) == _stream(said[number]) and text and not NOT_WORDS.match(after):
-            return f"{exception.rstrip()} {text}"
-        break
+    for number in range(len(said) - 1, -1, -1):
+        if _unlabelled(said[number]).strip() == exception.strip():
+            follows = message_after(said, number, 1)
+            return (
+                f"{exception.rstrip()} {_unlabelled(follows[0]).strip()}" if follows else exception
+            )
     return exception
 
 
