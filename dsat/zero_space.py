@@ -139,6 +139,26 @@ def knob_tags(section: dict[str, Any], stage: int) -> list[str]:
     return tags
 
 
+def auto_size_tags(
+    section: dict[str, Any], stage: int, filled: dict[str, Any] | None = None
+) -> list[str]:
+    """The size knobs ``section`` leaves to HF's "auto" fill (``rb auto``), or with ``filled``,
+    the value ``filled`` gives each of them instead (``rb5e8``, even at DeepSpeed's default,
+    which ``knob_tags`` leaves unsaid): what a comparison of the two must name."""
+    tags: list[str] = []
+    if stage == 0:
+        return tags  # no ZeRO knob acts
+    for knob, tag in _SIZE_TAGS.items():
+        if section.get(knob) != "auto" or (knob.startswith("stage3_") and stage != 3):
+            continue
+        value = section[knob] if filled is None else filled.get(knob)
+        if value == "auto":
+            tags.append(f"{tag} auto")
+        elif isinstance(value, (int, float)):
+            tags.append(f"{tag}{size_text(value)}")
+    return tags
+
+
 def setting_tags(section: dict[str, Any]) -> tuple[str, ...]:
     """The knob settings that shift a configuration's throughput by a factor (knob_tags without
     the offload, which gives a curve of its own): what the throughput model pools across

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from dsat.zero_space import (
+    auto_size_tags,
     explicit_zero_config,
     knob_steps,
     knob_tags,
@@ -99,3 +100,15 @@ def test_a_trial_name_shows_every_knob_set_apart_from_deepspeeds_defaults() -> N
     # What the throughput model pools: the knob settings, not the offload (a curve of its own).
     assert setting_tags({**section, "stage": 2}) == ("rb5e7", "overlap", "no-contiguous")
     assert setting_tags({"stage": 0, "reduce_bucket_size": 1}) == ()
+
+
+def test_a_bucket_left_to_hfs_auto_is_named_on_both_sides_of_a_comparison() -> None:
+    """ "ZeRO-2 micro-batch 4 -> ZeRO-1 micro-batch 8" said nothing of a reduce bucket that went
+    from HF's hidden-size fill to DeepSpeed's default 5e8 (which knob_tags leaves unsaid)."""
+    yours = {"stage": 2, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto"}
+    assert auto_size_tags(yours, 2) == ["rb auto"]  # the prefetch bucket acts at ZeRO-3 only
+    handed = {"stage": 1, "reduce_bucket_size": 5e8}
+    assert knob_tags(handed, 1) == []
+    assert auto_size_tags(yours, 1, handed) == ["rb5e8"]
+    assert auto_size_tags(yours, 3, {"reduce_bucket_size": "auto"}) == ["rb auto"]
+    assert auto_size_tags(yours, 0, handed) == []

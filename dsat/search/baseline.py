@@ -23,7 +23,7 @@ from dsat.experiment.metric import positive_number
 from dsat.search.confirmation import measurements, repeated_measurements
 from dsat.search.measurement_noise import relative_noise
 from dsat.trial import TrialKind, TrialRecord, TrialStatus
-from dsat.zero_space import knob_tags
+from dsat.zero_space import auto_size_tags, knob_tags
 
 if TYPE_CHECKING:
     from dsat.search.method import DsatSearchMethod
@@ -125,6 +125,18 @@ def described_with_knobs(record: TrialRecord) -> str:
     configurations at one micro-batch never read alike."""
     knobs = knob_tags(record.zero_section, record.zero_stage)
     return describe(record) + (f" ({', '.join(knobs)})" if knobs else "")
+
+
+def described_against(record: TrialRecord, yours: TrialRecord) -> str:
+    """``described_with_knobs``, and the size knobs the user's config leaves to HF's "auto"
+    fill: theirs as "auto", the hand-over's value even at DeepSpeed's default ("ZeRO-2
+    micro-batch 4 -> ZeRO-2 micro-batch 8" said nothing of a bucket that went from HF's
+    hidden-size fill to 5e8)."""
+    knobs = knob_tags(record.zero_section, record.zero_stage)
+    filled = None if record is yours else record.zero_section
+    extra = auto_size_tags(yours.zero_section, record.zero_stage, filled)
+    tags = knobs + [t for t in extra if t not in knobs]
+    return describe(record) + (f" ({', '.join(tags)})" if tags else "")
 
 
 def baseline_runs(method: DsatSearchMethod) -> list[TrialRecord]:
@@ -372,6 +384,6 @@ def baseline_line(method: DsatSearchMethod) -> str:
     as_fast = "as fast as " if tracker.metric.smaller_is_better else ""
     return (
         f"{speedup:.2f}x {as_fast}your config ({measured_as(method, mine)}): "
-        f"{described_with_knobs(baseline)} -> {described_with_knobs(handed)}"
+        f"{described_against(baseline, baseline)} -> {described_against(handed, baseline)}"
         + (f"; {said}" if said else "")
     )
