@@ -267,13 +267,23 @@ class LocalRunner:
         return directory
 
     def environment(
-        self, directory: Path, slots: list[str], ports: list[int], length: int | None = None
+        self,
+        directory: Path,
+        slots: list[str],
+        ports: list[int],
+        length: int | None = None,
+        alone: bool = False,
     ) -> dict[str, str]:
         """The trial's environment: where its hyperparameters are, its slots, its rank, and the
         length of its searcher operation (which off-cluster Determined would make 1).
 
-        ``ports``: three free ports, torch.distributed's first, then Determined's two."""
+        ``ports``: three free ports, torch.distributed's first, then Determined's two.
+        ``alone``: nothing runs beside it (the full run): on the CPU its processes share every
+        core, not a slot's share (with --max-slots 2 the full run trained on one of two)."""
         env = self.slot_environment(slots)
+        if alone and not self.pool.on_gpu:
+            cores = os.cpu_count() or 1
+            env["OMP_NUM_THREADS"] = str(max(1, cores // max(self.slots_per_trial, 1)))
         env[ENV_HPARAMS_FILE] = str(directory / HPARAMS_FILE)
         if length is not None:
             env[ENV_TRIAL_LENGTH] = str(length)
@@ -306,6 +316,7 @@ class LocalRunner:
         stdout: IO[bytes] | int,
         log: IO[bytes],
         length: int | None = None,
+        alone: bool = False,
     ) -> tuple[subprocess.Popen[bytes], list[str]]:
         """The entrypoint in ``directory`` on ``slots``, in a process group of its own that dies
         with dsat (``trial_guard``); returns the process and the command, which goes first into
@@ -317,7 +328,7 @@ class LocalRunner:
         process = subprocess.Popen(
             guarded(command),
             cwd=directory,
-            env=self.environment(directory, slots, ports, length),
+            env=self.environment(directory, slots, ports, length, alone),
             stdout=stdout,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -561,7 +572,7 @@ class LocalRunner:
         try:
             run_to_the_end(
                 full_run_log(self.results_dir),
-                lambda log: self.spawn(directory, slots, subprocess.PIPE, log, length),
+                lambda log: self.spawn(directory, slots, subprocess.PIPE, log, length, alone=True),
                 stop_left_running,
             )
         finally:

@@ -13,6 +13,7 @@ import pytest
 
 from dsat.cli import parse_settings
 from dsat.constants import RUN_ALONE
+from dsat.results.directory import FULL_RUN_DIR
 from dsat.runners.local import log_cap
 from dsat.runners.local.entrypoint import OPENMP_SPIN_TURNS
 from dsat.runners.local.runner import WARM_TRIAL_MARK, LocalRunner, free_ports
@@ -488,3 +489,16 @@ def test_a_trials_openmp_threads_wait_briefly_unless_the_user_says_how(
     [log] = (tmp_path / "results" / "logs").glob("001-*.log")
     spin = str(OPENMP_SPIN_TURNS) if wait is None else "None"
     assert f"threads {ex.cpu_threads} spin {spin}\n" in log.read_text()
+
+
+def test_on_the_cpu_the_full_run_has_every_core_not_a_slots_share(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With --max-slots 2 on two cores a trial gets one thread, and so did the full run, which
+    runs alone: the user's model trained on one core of two."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    ex = local_runner(tmp_path, ENV_DUMP, slots=2)
+    assert ex.environment(tmp_path, ["cpu0"], free_ports(3))["OMP_NUM_THREADS"] == "2"
+    ex.run_full_experiment({"lr": 0.5})
+    env = json.loads((tmp_path / "results" / FULL_RUN_DIR / "env.json").read_text())
+    assert env["OMP_NUM_THREADS"] == "4"
