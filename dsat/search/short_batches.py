@@ -27,5 +27,6 @@ def short_batches_line(records: Iterable[TrialRecord]) -> str:
         f"short batches: {len(short)} trial(s) ({names}) ran out of data inside their measured "
         f"steps, down to {least:.0%} of a full batch a step; their samples/s counts the samples "
         "they ran. Give a trial more samples than micro-batch x accumulation x its steps, or "
-        "drop the last batch (HF Trainer: --dataloader_drop_last true)"
+        "drop the last batch (a DataLoader's drop_last=True; HF Trainer: "
+        "--dataloader_drop_last true)"
     )

@@ -228,7 +228,7 @@ def test_a_trial_fed_short_batches_sets_no_flops_a_sample() -> None:
     assert t.metric_value(t.get("short")) == pytest.approx(360.0 * 0.68 * 189.4e6)
     line = short_batches_line(t.finished)
     assert "1 trial(s) (z1_mb1632)" in line and "83% of a full batch" in line
-    assert "--dataloader_drop_last true" in line
+    assert "--dataloader_drop_last true" in line and "drop_last=True" in line  # not HF's alone
     t.mark_finished("full", TrialStatus.COMPLETED, {"throughput": 300.0})
     assert short_batches_line([t.get("full")]) == ""
 
