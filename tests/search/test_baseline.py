@@ -392,7 +392,10 @@ def test_the_searchs_own_runs_of_the_users_config_count_in_the_comparison(
     method.tracker.mark_finished(again.request_id, TrialStatus.COMPLETED, faster)
     pooled = yours_measured(method)
     assert pooled is not None and pooled[2] == 2
-    assert pooled[0] == pytest.approx(2 * alone[0], rel=0.05)  # the mean of the two runs
+    # The mean of the two, as the hand-over's runs are counted, not weighted by each run's own
+    # steadiness (which let a steady, slow baseline outweigh the rest); the noise between
+    # runs, not their own, judges it.
+    assert (pooled[0], pooled[1]) == (pytest.approx(2 * alone[0], rel=0.05), 0.0)
     speedup, before = speedup_over_yours(method), alone
     handed = method.tracker.best()
     assert speedup is not None and handed is not None
