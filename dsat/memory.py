@@ -247,6 +247,15 @@ def log_estimates(
         profile.gpu_mem / gib,
     )
     for stage in sorted(set(stages) & set(memory)):
+        if memory[stage] > profile.gpu_mem:  # "approx. max micro-batch 1" read as "fits at 1"
+            logger.info(
+                "ZeRO-%d: %.3g GiB per GPU at micro-batch 1, more than the device's %.3g GiB: "
+                "does not fit by this estimate",
+                stage,
+                memory[stage] / gib,
+                profile.gpu_mem / gib,
+            )
+            continue
         logger.info(
             "ZeRO-%d: %.3g GiB per GPU at micro-batch 1, approx. max micro-batch %d",
             stage,

@@ -97,6 +97,8 @@ from dsat.runners.simulated.setup import SimulatedSetup
 from dsat.runners.trial_runner import EndedSearchRunner, RunnerSetup, RunnerStopped, TrialRunner
 from dsat.search.baseline import (
     against_yours_said,
+    baseline_run,
+    describe,
     described_with_knobs,
     speedup_over_yours,
     yours_clearly_faster,
@@ -984,13 +986,31 @@ def all_out_of_memory_fix(method: DsatSearchMethod) -> str:
     """What to do where every search trial ran out of memory: the reference's methods start
     their binary searches at --search-range-factor times the memory model's estimate, and a
     large factor spent the whole budget above what fits, with no word of the flag."""
-    searched = [r for r in method.tracker.finished if r.kind is TrialKind.SEARCH]
+    tracker = method.tracker
+    searched = [r for r in tracker.finished if r.kind is TrialKind.SEARCH]
     if not searched or any(r.status is not TrialStatus.OOM for r in searched):
         return ""
+    stages = method.settings.zero_stages
     factor = method.settings.search_range_factor
+    fixes = []
     if method.name != "guided" and factor > 1:
-        return f"; lower --search-range-factor ({factor:g} here), or raise --max-trials"
-    return "; raise --max-trials, or give each trial more GPUs (resources.slots_per_trial)"
+        fixes.append(f"lower --search-range-factor ({factor:g} here)")
+    yours = baseline_run(method)
+    if (
+        yours is not None
+        and yours.status is TrialStatus.COMPLETED
+        and yours.zero_stage not in stages
+    ):
+        listed = " ".join(str(s) for s in sorted({*stages, yours.zero_stage}))
+        fixes.append(
+            f"search the stage your config ran at ({describe(yours)}): --zero-stages {listed}"
+        )
+    elif max(stages) < 3:
+        fixes.append("add higher stages to --zero-stages")
+    if (method.shutdown_reason or "").startswith("--max-trials used up"):  # not the space
+        fixes.append("raise --max-trials")
+    fixes.append("give each trial more GPUs (resources.slots_per_trial)")
+    return "; " + ", or ".join(fixes)
 
 
 def closing_lines(

@@ -1509,4 +1509,21 @@ def test_a_search_whose_every_trial_ran_out_of_memory_names_the_range_flag(
     assert result.returncode == 1, result.stderr
     (line,) = result.stderr.strip().splitlines()
     assert "search trials succeeded" in line and "out of memory" in line, line
-    assert line.endswith("; lower --search-range-factor (100 here), or raise --max-trials"), line
+    assert "(--max-trials used up (8)); lower --search-range-factor (100 here), or " in line
+    assert ", or raise --max-trials, or " in line  # the budget ended it
+
+
+def test_a_search_whose_stages_cannot_fit_names_the_stage_the_users_config_ran_at(
+    tmp_path: Path,
+) -> None:
+    """--zero-stages 0 1 of a model that needs ZeRO-2: "raise --max-trials" with 10 of 12 left
+    and "no configuration left to try", while the user's own ZeRO-2 run had completed."""
+    model = "dsat.runners.simulated.performance_models:llama_14b_no_low_stages_8xa100"
+    result = run_simulated(
+        "guided", "llama_7b.yaml", model, tmp_path / "r", "--zero-stages", "0", "1",
+        "--max-trials", "12",
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert "(no configuration left to try); search the stage your config ran at (ZeRO-2 " in line
+    assert "--zero-stages 0 1 2" in line and "--max-trials" not in line.partition(")")[2], line

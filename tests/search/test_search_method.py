@@ -340,6 +340,20 @@ def test_the_memory_estimates_name_only_the_stages_searched(
     assert said == ["ZeRO-1", "ZeRO-3"]
 
 
+def test_a_stage_over_the_device_at_micro_batch_1_is_not_said_to_fit_at_1(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """ "ZeRO-0: 263 GiB per GPU at micro-batch 1, approx. max micro-batch 1" on an 80 GiB
+    device read as "fits at 1"."""
+    m = method("binary", zero_stages=(0, 1))
+    (profile,) = suggested(m)
+    small = {**PROFILE, "gpu_mem": int(PROFILE["num_params"]) * 4}  # less than ZeRO-0's state
+    with caplog.at_level("INFO", logger="dsat"):
+        m.observe(outcome(profile.request_id, TrialStatus.COMPLETED, metrics=small))
+    (zero_0,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ZeRO-0")]
+    assert "does not fit by this estimate" in zero_0 and "approx. max" not in zero_0
+
+
 @pytest.mark.parametrize("how", ["its rules", "a user's stop"])
 def test_a_finished_search_loads_as_finished(how: str) -> None:
     """A Determined search runner restarted after it posted Shutdown loaded the search as
