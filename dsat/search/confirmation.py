@@ -144,8 +144,7 @@ def rounds_note(tracker: TrialTracker, candidates: Sequence[TrialRecord]) -> str
     if allowed_rounds(candidates, searched) < 2:
         return (
             f"{said} (above {QUIET_SPREAD:.0%}, but a second round would take more than "
-            f"{SHARE_OF_SEARCH:.0%} of the search's {searched} trials: one round; "
-            "a larger --max-trials allows two)"
+            f"{SHARE_OF_SEARCH:.0%} of the search's {searched} trials: one round)"
         )
     return f"{said} (one round)"
 
