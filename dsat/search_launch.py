@@ -1036,9 +1036,13 @@ def closing_lines(
         found += ": your own config; nothing faster that this search could hand over ran"
     elif speedup is not None:
         metric = method.tracker.metric
-        # A time metric's ratio as its value: "1.71x your config's latency" read as slower.
-        ratio = 1 / speedup if metric.smaller_is_better else speedup
-        found += f": {ratio:.2f}x your config's {metric.value}"
+        # A time metric's speed-up as the summary says it: "1.71x your config's latency" of a
+        # latency that fell read as slower.
+        found += (
+            f": {speedup:.2f}x as fast as your config by {metric.value}"
+            if metric.smaller_is_better
+            else f": {speedup:.2f}x your config's {metric.value}"
+        )
         said = against_yours_said(method)
         if said:
             found += f"; {said}"
