@@ -1072,10 +1072,13 @@ def closing_lines(
             )
     if full_run:
         nxt = "the full training run with it starts now"
-    elif yours_clearly_faster(method):
-        # It recommended the file that measured slower, right after "keep it".
+    elif yours_clearly_faster(method) and (yours := baseline_run(method)) is not None:
+        # It recommended the file that measured slower, right after "keep it". Said as its run
+        # measured it: with --global-batch replacing the user's batch, that run was not the
+        # config they train with.
         nxt = (
-            "keep training with your own config, which measured faster; the file above holds "
+            f"keep training with your own config's settings as its run measured them "
+            f"({described_with_knobs(yours)}), which measured faster; the file above holds "
             "the best this search could hand over, should a longer search not beat yours either"
         )
     elif not trains:

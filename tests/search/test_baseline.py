@@ -125,6 +125,9 @@ def test_a_hand_over_slower_than_the_users_config_says_whether_that_is_the_noise
     assert "your config measured faster" in found
     # It then said "next: pass it as your DeepSpeed config", of the file that measured slower.
     assert nxt.startswith("dsat: next: keep training with your own config") and "pass it" not in nxt
+    # As its run measured it: with --global-batch replacing the user's batch, "your own config"
+    # named a batch that never ran.
+    assert "as its run measured them (ZeRO-1 micro-batch 2), which measured faster" in nxt
     measured_at(1.01)
     assert "pass it as your DeepSpeed config" in closing_lines(method, tmp_path, False)[2]
 
