@@ -144,6 +144,12 @@ def resumed_settings(
             before = before.value
         if now == before:
             continue
+        if key == "global_batch" and before is None:
+            # Not "differs from the saved search's (not set)" of the very batch it kept.
+            raise DsatError(
+                f"{flag} {_display(value)}: the saved search ran without it (a batch it kept is "
+                "your config's train_batch_size, and stays so); drop it"
+            )
         if key not in ADJUSTABLE_ON_RESUME and not _moved_includes(key, now, before):
             differs = (
                 f"{flag} differs from how the saved search ran"

@@ -132,7 +132,8 @@ def test_a_changed_flag_is_refused_and_a_safe_one_applied(
     unset = assert_one_line_error(
         capsys, ["asha", "--resume", str(results), "--global-batch", "64"], "--global-batch 64"
     )
-    assert "(not set)" in unset and "None" not in unset
+    assert "the saved search ran without it" in unset and "None" not in unset
+    assert "(a batch it kept is your config's train_batch_size" in unset
     assert_one_line_error(capsys, ["binary", "--resume", str(results)], "`asha`", "--resume")
     # Named as the user typed it, not by the flag's hidden earlier name (--backend).
     runner = assert_one_line_error(
