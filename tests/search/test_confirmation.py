@@ -483,3 +483,19 @@ def test_where_no_leader_runs_again_the_best_of_the_search_is_handed_over_and_sa
     assert m.ending.handover_reason == (
         f"{best.name}: no leader ran again safely; the best of the search that may be handed over"
     )
+
+
+def test_every_leader_that_measured_faster_than_the_hand_over_is_named() -> None:
+    """ "1.0% ahead of z1_mb114" of a rival whose runs measured faster, and only the fastest
+    (z1_mb77) named as measuring faster: the table showed both above the hand-over."""
+    m = method("binary", metric="throughput")
+    chosen = measured(m, 116, [100.0, 100.0], memory=0.5, searched=100.0)
+    second = measured(m, 114, [100.2, 100.2], memory=0.5, searched=100.2)
+    fastest = measured(m, 77, [101.0, 101.0], memory=0.5, searched=101.0)
+    estimate = {chosen.request_id: 120.0, second.request_id: 118.0, fastest.request_id: 110.0}
+    verdict = decide(m.tracker, [chosen, second, fastest], lambda r: estimate[r.request_id])
+    assert verdict.chosen is chosen and "ahead of z1_mb114" in verdict.reason
+    assert (
+        "; z1_mb77 measured 1.0% faster over its 3 runs, z1_mb114 measured 0.2% faster over "
+        in (verdict.reason)
+    )
