@@ -393,6 +393,9 @@ def page(results: SearchResults, results_dir: Path, png: bytes) -> str:
     except OSError:  # none yet (an interrupted search), or not a file
         text = stage_table(results) + "\n"
     if not any(line.startswith(COST_PREFIX) for line in text.splitlines()):  # none written yet
+        if not results.handed_over and results.picked is not None:
+            # An interrupted search's: the terminal and the picture name it, the page did not.
+            text += f"\n{results.picked_label}: {results.picked['name']}"
         text += "\n" + results.cost_line() + "\n"
     # Tokens/s and MFU where the search could work them out (results/utilization.py).
     shown_rates = [

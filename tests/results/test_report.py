@@ -98,6 +98,8 @@ def test_an_interrupted_searchs_best_so_far_is_not_called_picked(
     out = capsys.readouterr().out
     best = load_results(results).picked
     assert best is not None and f"\nbest so far: {best['name']}\n" in out and "picked" not in out
+    # ... and the page says so as the terminal and the picture do (it named no trial).
+    assert f"best so far: {best['name']}" in (results / REPORT_HTML).read_text()
     # Without its state (deleted, or a Determined checkpoint's files), the summary decides: an
     # interrupted search has none and was called "picked" again.
     (results / STATE_FILE).unlink()
