@@ -323,8 +323,26 @@ class GuidedSearch(DsatSearchMethod):
         ]
         if learned:
             return max(min(learned), largest, 1)
-        estimate = self.model_reach(state.stage, Offload.of(state.section))
+        offload = Offload.of(state.section)
+        estimate = max(self.model_reach(state.stage, offload), self.yours_ran(state.stage, offload))
         return max(estimate if largest < estimate else 2 * largest, 1)
+
+    def yours_ran(self, stage: int, offload: Offload) -> int:
+        """The micro-batch the user's own config completed at, at this stage or a lower one
+        (which keeps more on each GPU) with this offload (0: none): it fits, whatever the
+        scaled estimate says. At a fixed global batch whose only divisor under the estimate was
+        1, the search ran micro-batch 1 alone and handed over 0.01x the user's run at 4099."""
+        return max(
+            (
+                r.mbs
+                for r in self.tracker.finished
+                if r.kind is TrialKind.BASELINE
+                and r.status is TrialStatus.COMPLETED
+                and r.zero_stage <= stage
+                and Offload.of(r.zero_section) == offload
+            ),
+            default=0,
+        )
 
     def model_reach(self, stage: int, offload: Offload) -> int:
         """The memory model's largest micro-batch, scaled by --search-range-factor (below 1 on

@@ -102,3 +102,27 @@ def test_the_summary_says_what_became_of_the_batch_even_with_nothing_handed_over
     assert spec(2, {"train_batch_size": 48}).batch_line(None) == (
         "global batch: 48, kept in every trial"
     )
+
+
+def test_guided_reaches_the_micro_batch_the_users_own_run_completed_at() -> None:
+    """37 per GPU divides only by 1 and 37, and the estimate scaled by --search-range-factor
+    0.1 stayed under 37: guided ran micro-batch 1 alone (and accumulation 37) and handed over
+    0.15x the user's own run at 37, which had completed."""
+    model = BUILTIN_MODELS["bert_base_16xv100"]
+    slots = 16
+    ds_config = {
+        "train_micro_batch_size_per_gpu": 37,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": 37 * slots,
+        **model.base_ds_config,
+    }
+    search_spec = SearchSpec({"deepspeed_config": "ds.json"}, ds_config, slots)
+    settings = MethodSettings(method="guided", baseline=True, search_range_factor=0.1, max_trials=8)
+    search = make_search_method(settings, search_spec)
+    SearchDriver(search, SimulatedRunner(model, slots)).run()
+    (yours,) = [r for r in search.tracker.finished if r.kind is TrialKind.BASELINE]
+    assert yours.mbs == 37 and yours.status.value == "completed"
+    searched = {r.mbs for r in search.tracker.finished if r.kind is TrialKind.SEARCH}
+    assert 37 in searched
+    handed = search.tracker.best()
+    assert handed is not None and handed.mbs == 37
