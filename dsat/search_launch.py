@@ -943,6 +943,12 @@ def full_run_hparams(
     if not isinstance(on_disk, dict):
         raise DsatError(f"{shown(path)}: not a JSON object; fix it, or delete it")
     if on_disk != best_ds_config(best, method.spec.ds_config):
+        # DeepSpeed's own check first, as of the user's config at launch: an edit it rejects
+        # ended the full run in DeepSpeed's traceback.
+        try:
+            validate_with_deepspeed(on_disk, method.spec.slots_per_trial, str(shown(path)))
+        except DsatError as err:
+            raise DsatError(f"{err}; or delete it to train with the handed-over config") from None
         print(f"dsat: the full run trains with {shown(path)} as it is now (edited since written)")
         hparams[OVERWRITE_KEY] = on_disk
     return hparams

@@ -502,3 +502,26 @@ def test_resources_max_slots_off_a_cluster_is_said_to_be_ignored(tmp_path: Path)
     (note,) = [n for n in plan.notes if "max_slots" in n]
     assert "resources.max_slots is applied only on a Determined cluster" in note
     assert note.endswith("--max-slots")
+
+
+def test_an_edited_hand_over_deepspeed_rejects_is_one_line_before_the_full_run(
+    tmp_path: Path,
+) -> None:
+    """best_ds_config.json edited to micro-batch 8 x accumulation 2 beside train_batch_size 24:
+    the full run started and ended in DeepSpeed's traceback ("24 != 8 * 2 * 1")."""
+    from dsat.errors import DsatError
+    from dsat.search_launch import full_run_hparams
+    from tests.results.test_directory import search
+
+    method = search(tmp_path)
+    best = method.tracker.best()
+    assert best is not None
+    path = tmp_path / "best_ds_config.json"
+    edited = json.loads(path.read_text())
+    edited["gradient_accumulation_steps"] = 2 * int(edited.get("gradient_accumulation_steps", 1))
+    path.write_text(json.dumps(edited))
+    with pytest.raises(DsatError) as err:
+        full_run_hparams(method, best, tmp_path)
+    said = str(err.value)
+    assert "best_ds_config.json: train_batch_size " in said and " != " in said
+    assert said.endswith("; or delete it to train with the handed-over config")
