@@ -146,8 +146,8 @@ def consistent_batch_sizes(
             if train_batch % (gas * slots):
                 raise DsatError(
                     f"{source}: {TRAIN_BATCH_SIZE} {train_batch} is not divisible by "
-                    f"{GRAD_ACCUM_STEPS} {gas} x {slots} slots; set "
-                    f"{MICRO_BATCH_SIZE} instead"
+                    f"{GRAD_ACCUM_STEPS} {gas} x {slots} slots; make it a multiple of "
+                    f"{gas * slots}, or drop {GRAD_ACCUM_STEPS} and set {MICRO_BATCH_SIZE}"
                 )
             micro_batch = train_batch // (gas * slots)
         elif micro_batch is not None and train_batch is not None:

@@ -94,6 +94,13 @@ def test_tried_micro_batch_replaces_the_configs() -> None:
             1,
             "!=",
         ),
+        # "set train_micro_batch_size_per_gpu instead", followed, failed again (three values
+        # that disagree): the way out is named whole.
+        (
+            {"train_batch_size": 12, "gradient_accumulation_steps": 4},
+            2,
+            "a multiple of 8, or drop gradient_accumulation_steps and set train_micro_batch",
+        ),
         ({"gradient_accumulation_steps": 0}, 1, "positive integer"),
         ({"train_micro_batch_size_per_gpu": 2.5}, 1, "positive integer"),
         ({"train_micro_batch_size_per_gpu": True}, 1, "positive integer"),
