@@ -180,14 +180,10 @@ def yours_measured(method: DsatSearchMethod) -> tuple[float, float, int] | None:
         weights = [1 / stderr**2 for _, stderr in runs]
         pooled = sum(w * math.log(value) for w, (value, _) in zip(weights, runs, strict=True))
         mine = (math.exp(pooled / sum(weights)), 1 / math.sqrt(sum(weights)), len(runs))
-    others = [
-        (value, run_stderr(r))
-        for r in runs_of_yours(method)
-        if (value := tracker.measured_value(r)) is not None and value > 0
-    ]
-    if not others:
+    others = [tracker.measured_value(r) for r in runs_of_yours(method)]
+    values = [v for v, _ in runs] + [v for v in others if v is not None and v > 0]
+    if len(values) == len(runs):
         return mine
-    values = [v for v, _ in (*runs, *others)]
     return sum(values) / len(values), 0.0, len(values)
 
 

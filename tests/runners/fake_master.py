@@ -211,6 +211,15 @@ class FakeMaster:
         self.events.append(bindings.v1SearcherEvent(id=self.next_event_id, **kind))
         self.next_event_id += 1
 
+    def _exited_early(self, request_id: str, reason: str) -> None:
+        """The master's events of a trial that ended without its validation, then closed: the
+        master closes such a trial itself and says so, as for any other."""
+        exited = getattr(bindings.v1TrialExitedEarlyExitedReason, reason)
+        self._event(
+            trialExitedEarly=bindings.v1TrialExitedEarly(exitedReason=exited, requestId=request_id)
+        )
+        self._event(trialClosed=bindings.v1TrialClosed(requestId=request_id))
+
     def _apply(self, op: bindings.v1SearcherOperation) -> None:
         if op.createTrial is not None:
             request_id = op.createTrial.requestId
@@ -247,13 +256,7 @@ class FakeMaster:
                 )
             return
         if self.trials_run == self.stopped_trial:  # from the web UI: the master says why
-            reason = bindings.v1TrialExitedEarlyExitedReason.USER_REQUESTED_STOP
-            self._event(
-                trialExitedEarly=bindings.v1TrialExitedEarly(
-                    exitedReason=reason, requestId=request_id
-                )
-            )
-            self._event(trialClosed=bindings.v1TrialClosed(requestId=request_id))
+            self._exited_early(request_id, "USER_REQUESTED_STOP")
             return
         try:
             metrics = self.outcome(self.trial_hparams[request_id])
@@ -269,14 +272,7 @@ class FakeMaster:
                         metric=op.reported, requestId=request_id, validateAfterLength=length
                     )
                 )
-            reason = bindings.v1TrialExitedEarlyExitedReason.UNSPECIFIED
-            self._event(
-                trialExitedEarly=bindings.v1TrialExitedEarly(
-                    exitedReason=reason, requestId=request_id
-                )
-            )
-            # The master closes an errored trial itself and says so, as for any other trial.
-            self._event(trialClosed=bindings.v1TrialClosed(requestId=request_id))
+            self._exited_early(request_id, "UNSPECIFIED")
             return
         if isinstance(metrics, dict):  # as the trial's dsat_reporting_context reports it
             metrics = searcher_metric(metrics)
