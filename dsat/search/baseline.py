@@ -303,6 +303,8 @@ def against_yours_said(method: DsatSearchMethod) -> str | None:
 def yours_clearly_faster(method: DsatSearchMethod) -> bool:
     """Whether the user's own config measured faster than the hand-over, by more than the noise
     (``against_yours_said``): a full run with the hand-over then says so before it trains."""
+    if yours_handed_over(method):  # "keep yours, which measured faster" than itself
+        return False
     judged = _against_yours(method)
     return judged is not None and judged[0] < 1 and judged[1]
 
@@ -376,7 +378,7 @@ def baseline_line(method: DsatSearchMethod) -> str:
         return (
             f"your config is the one handed over ({described_with_knobs(handed)}): nothing "
             f"faster that this search could hand over ran ({speedup:.2f}x is its runs against "
-            f"your config's run, {measured_as(method, mine)})"
+            f"your config's {'runs' if (yours[2] > 1) else 'run'}, {measured_as(method, mine)})"
         )
     said = against_yours_said(method)
     # A speed-up of a time metric: "1.71x your config (latency 83.7)" read as 1.71x the time.

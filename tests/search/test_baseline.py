@@ -252,7 +252,7 @@ def test_a_hand_over_that_is_the_users_own_config_says_so(tmp_path: Path) -> Non
     assert yours_handed_over(own)
     assert baseline_line(own).startswith(
         "your config is the one handed over (ZeRO-1 micro-batch 8): nothing faster that this "
-        "search could hand over ran (1.00x is its runs against your config's run"
+        "search could hand over ran (1.00x is its runs against your config's runs"
     )
     found = closing_lines(own, tmp_path / "own", False)[0]
     assert (
@@ -260,6 +260,13 @@ def test_a_hand_over_that_is_the_users_own_config_says_so(tmp_path: Path) -> Non
         == "dsat: found ZeRO-1 micro-batch 8: your own config; nothing faster that this search "
         "could hand over ran"
     )
+    # Its own baseline run faster than its search runs: "next: keep training with your own
+    # config, which measured faster" of the very config handed over.
+    (yours,) = [r for r in own.tracker.records if r.kind is TrialKind.BASELINE]
+    faster = {k: 3 * float(yours.metrics[k]) for k in ("FLOPS_per_gpu", "throughput")}
+    own.tracker.mark_finished(yours.request_id, yours.status, {**yours.metrics, **faster})
+    assert not yours_clearly_faster(own)
+    assert "keep training" not in closing_lines(own, tmp_path / "own", False)[2]
     # Twenty: knob steps, all level here; the first found among equals, a knob away, is handed over.
     other = searched(20, tmp_path / "other")
     handed = other.tracker.best()
