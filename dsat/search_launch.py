@@ -308,6 +308,7 @@ def plan_search(
                 command, experiment.model_dir, experiment.includes, str(experiment.config_path)
             )
         check_hf_args_file(experiment, command)
+        check_hf_processes_on_cpu(experiment, runner, environ)
         check_entrypoint_steps(experiment, settings)
         for hf_note in (
             check_hf_global_batch(experiment, settings),
@@ -405,6 +406,30 @@ def room_needed(copied: list[Path], setup: RunnerSetup | DeterminedSetup) -> int
 
 # HF's TrainingArguments flag for the optimizer steps a run trains (-1: by epochs).
 MAX_STEPS_FLAGS = ("--max_steps", "--max-steps")
+
+
+def check_hf_processes_on_cpu(
+    experiment: Experiment, runner: RunnerKind, environ: Mapping[str, str]
+) -> None:
+    """One line where an HF Trainer script's trials would run several processes on CPUs: the
+    Trainer counts one process there whatever torchrun starts, and every trial, the model
+    profile first, failed its batch check against the config dsat wrote ("ds
+    train_batch_size=2 vs hf train_batch_size (calculated)=1")."""
+    if experiment.slots_per_trial < 2 or runner is RunnerKind.DETERMINED:  # a cluster's own
+        return
+    if entrypoint_flag(experiment.config.get("entrypoint"), (HF_DS_FLAG,)) is None:
+        return
+    on_cpu = environ.get("DS_ACCELERATOR") == "cpu"
+    if not on_cpu and runner is RunnerKind.LOCAL:
+        from dsat.runners.local.slots import visible_gpus
+
+        on_cpu = not visible_gpus(dict(environ))
+    if on_cpu:
+        raise DsatError(
+            f"{experiment.config_path}: resources.slots_per_trial {experiment.slots_per_trial} "
+            "for an HF Trainer script on CPUs: the Trainer counts one process there, whatever "
+            "torchrun starts, and refuses every trial's batch; set slots_per_trial: 1"
+        )
 
 
 def check_entrypoint_steps(experiment: Experiment, settings: SearchSettings) -> None:

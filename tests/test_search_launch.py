@@ -525,3 +525,28 @@ def test_an_edited_hand_over_deepspeed_rejects_is_one_line_before_the_full_run(
     said = str(err.value)
     assert "best_ds_config.json: train_batch_size " in said and " != " in said
     assert said.endswith("; or delete it to train with the handed-over config")
+
+
+def test_an_hf_script_of_several_processes_on_cpus_is_one_line_before_any_trial(
+    tmp_path: Path,
+) -> None:
+    """HF's Trainer counts one process on CPUs whatever torchrun starts: the model profile
+    failed its batch check ("ds train_batch_size=2 vs hf ... (calculated)=1"), on the local
+    runner and on Ray, and the search ended there, blaming the config dsat wrote."""
+    from dsat.errors import DsatError
+    from dsat.experiment.config import load_experiment
+    from dsat.runners import RunnerKind
+    from dsat.search_launch import check_hf_processes_on_cpu
+    from tests.conftest import write_experiment
+
+    hf = {"entrypoint": "python3 train.py --deepspeed ds_config.json"}
+    two = write_experiment(tmp_path / "two", config={**hf, "resources": {"slots_per_trial": 2}})
+    experiment = load_experiment(two, two.parent)
+    for runner in (RunnerKind.LOCAL, RunnerKind.RAY):
+        with pytest.raises(DsatError, match="for an HF Trainer script on CPUs: the Trainer "):
+            check_hf_processes_on_cpu(experiment, runner, {"DS_ACCELERATOR": "cpu"})
+    check_hf_processes_on_cpu(experiment, RunnerKind.DETERMINED, {"DS_ACCELERATOR": "cpu"})
+    one = write_experiment(tmp_path / "one", config=hf)  # one process: fine
+    check_hf_processes_on_cpu(
+        load_experiment(one, one.parent), RunnerKind.RAY, {"DS_ACCELERATOR": "cpu"}
+    )
