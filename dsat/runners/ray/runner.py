@@ -324,8 +324,9 @@ class RayRunner:
         where = f"{NODE_ROOT}/{self.search_name}/{trial.name}-node<rank>"
         return (
             f"it stays on its Ray nodes {', '.join(nodes)}, in {where} under each one's "
-            "temporary directory: copy it off before the next --run-full-experiment of this "
-            "search, which replaces it there"
+            "temporary directory ($TMPDIR of its Ray processes, else /tmp; not Ray's "
+            "--temp-dir): copy it off before the next --run-full-experiment of this search, "
+            "which replaces it there"
         )
 
     def _bring_back(self, trial: RayTrial) -> list[str]:
