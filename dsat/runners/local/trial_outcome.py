@@ -130,6 +130,22 @@ def log_tail(text: str, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(_cut(line) for line in text.splitlines()[-lines:])
 
 
+# torchrun's own lines once dsat stops it: it passes the signal on to its processes, then its
+# handler's traceback ends in a SignalException.
+LAUNCHER_STOPPING = re.compile(
+    r"Sending process \d+ closing signal SIG|death signal, shutting down workers"
+    r"|SignalException: Process \d+ got signal"
+)
+
+
+def before_the_stop(text: str) -> str:
+    """A stopped trial's log up to its launcher's reaction to the stop: the tail of a timed-out
+    two-process trial was torchrun's 20-line shutdown traceback, and the script's last words
+    (where it hung) were above it, left out."""
+    found = LAUNCHER_STOPPING.search(text)
+    return text if found is None else text[: text.rfind("\n", 0, found.start()) + 1]
+
+
 def _cut(line: str) -> str:
     return line if len(line) <= TAIL_LINE_CHARS else line[: TAIL_LINE_CHARS - 3] + "..."
 
@@ -323,7 +339,8 @@ def classify(
         if completed:  # it reported, then did not exit: dsat stopped it, the measurement stands
             return TrialEnd(TrialStatus.COMPLETED, dict(outcome.get("values", {})), None, None)
         reason = f"stopped after the trial timeout of {timeout:g} s"
-        return TrialEnd(TrialStatus.TIMEOUT, {}, f"{reason}\n{tail}", FailureCause.UNKNOWN)
+        before = log_tail(before_the_stop(text))  # where it was, not torchrun's shutdown
+        return TrialEnd(TrialStatus.TIMEOUT, {}, f"{reason}\n{before}", FailureCause.UNKNOWN)
     if completed and code == 0:
         return TrialEnd(TrialStatus.COMPLETED, dict(outcome.get("values", {})), None, None)
     if code == 0:

@@ -650,3 +650,18 @@ def test_a_reported_trial_lingers_only_past_the_linger_time() -> None:
     for now in (100.0, 100.5, 101.0, 200.0):  # the file is read once a second at most
         assert unwritten.lingered(now, not_yet) is None  # never written: never lingers
     assert len(looked) == 3
+
+
+def test_a_timed_out_trial_keeps_its_last_words_not_its_launchers_shutdown(
+    tmp_path: Path,
+) -> None:
+    """A two-process trial whose rank 1 hung, stopped at its timeout: its row kept torchrun's
+    20-line shutdown traceback (ending in SignalException), and the line that showed where it
+    hung ("RANK1 HANG") was left out above it. (A real log, from Ray.)"""
+    shutil.copy(TRIAL_LOGS / "timeout_rank1_hang_torchrun_stopped.log", tmp_path / "trial.log")
+    end = classify(tmp_path, tmp_path / "trial.log", -15, True, 30)
+    assert end.status is TrialStatus.TIMEOUT and end.error is not None
+    reason, *tail = end.error.splitlines()
+    assert reason == "stopped after the trial timeout of 30 s"
+    assert tail[-1] == "RANK1 HANG"
+    assert not [line for line in tail if "SignalException" in line or "closing signal" in line]
