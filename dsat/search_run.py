@@ -171,12 +171,7 @@ def run_search(
         # as trials end, and the resume command the last lines give needs these too.
         write_settings(settings, results_dir)
     if driver.shutdown is not None or not runner.running_count():
-        writer.write_summary(
-            method.tracker,
-            method.ending.handover_reason,
-            method.summary_notes(),
-            failed=method.search_failed,
-        )
+        writer.write_summary(method)
         save_state(method, results_dir)
     return method
 

@@ -14,7 +14,7 @@ import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dsat.atomic_file import write_json_atomic, write_text_atomic
 from dsat.constants import AUTOTUNING_KEY, DSAT_MODE_KEY, OVERWRITE_KEY, RUN_ALONE
@@ -27,6 +27,9 @@ from dsat.search.confirmation import rounds_note
 from dsat.search.tracker import TrialTracker
 from dsat.trial import TrialKind, TrialOutcome, TrialRecord, TrialStatus
 from dsat.trial_failure import first_line
+
+if TYPE_CHECKING:
+    from dsat.search.method import DsatSearchMethod
 
 TRIALS_FILE = "trials.jsonl"
 BEST_CONFIG_FILE = "best_ds_config.json"
@@ -338,20 +341,18 @@ class ResultsWriter:
             write_json_atomic(self.directory / BEST_METRICS_FILE, metrics)
             self._best_id = best.request_id
 
-    def write_summary(
-        self,
-        tracker: TrialTracker,
-        why: str = "",
-        notes: Sequence[str] = (),
-        failed: bool = False,
-    ) -> str:
-        """The summary at the end, with why the handed-over configuration won (``why``, the
-        search's own words), the search's ``notes`` (what became of the global batch, the
-        user's own configuration against the hand-over), its throughput and what the search
-        cost, and the best config as the search finally decided it (the confirmation round
-        decides after its last trial is recorded). A ``failed`` search hands nothing over: the
-        best config written as trials ended (one later found over the memory limit, or fed the
-        script's own batch) is removed, so no one trains with it."""
+    def write_summary(self, method: DsatSearchMethod, first: Sequence[str] = ()) -> str:
+        """The summary at the end, with why the handed-over configuration won (the search's
+        own words), the lines ``first`` (a stop from outside) and the search's notes (what
+        became of the global batch, the user's own configuration against the hand-over), its
+        throughput and what the search cost, and the best config as the search finally
+        decided it (the confirmation round decides after its last trial is recorded). A
+        failed search hands nothing over: the best config written as trials ended (one later
+        found over the memory limit, or fed the script's own batch) is removed, so no one
+        trains with it."""
+        tracker, why = method.tracker, method.ending.handover_reason
+        notes = [*first, *method.summary_notes()]
+        failed = method.search_failed
         if failed:
             for name in (BEST_CONFIG_FILE, BEST_METRICS_FILE):
                 (self.directory / name).unlink(missing_ok=True)

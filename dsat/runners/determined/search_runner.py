@@ -121,12 +121,7 @@ class CheckpointedSearchRunner(searcher.RemoteSearchRunner):  # type: ignore[mis
             if isinstance(op, searcher.Create):
                 self.started[str(op.request_id)] = now
             elif isinstance(op, searcher.Shutdown):
-                self.writer.write_summary(
-                    self.method.tracker,
-                    self.method.ending.handover_reason,
-                    self.method.summary_notes(),
-                    failed=self.method.search_failed,
-                )
+                self.writer.write_summary(self.method)
         self.last_operations = ops
         return ops
 
@@ -228,13 +223,7 @@ def run(core_context: Any, workdir: Path, runner_experiment_id: int) -> DsatSear
     if stopped is not None:
         unconfirmed = "" if method.ending.handed_over(method) else ", unconfirmed"
         runner.writer.write_summary(
-            method.tracker,
-            method.ending.handover_reason,
-            [
-                f"search stopped: {stopped}; what ran is summed up{unconfirmed}",
-                *method.summary_notes(),
-            ],
-            failed=method.search_failed,
+            method, [f"search stopped: {stopped}; what ran is summed up{unconfirmed}"]
         )
         runner.save_state(runner.state.experiment_id, runner.last_operations)
     if summary.is_file():
