@@ -104,7 +104,7 @@ from dsat.search.baseline import (
     yours_clearly_faster,
     yours_handed_over,
 )
-from dsat.search.ending import no_search_trial_succeeded, repeated_failure
+from dsat.search.ending import BUDGET_USED_UP, no_search_trial_succeeded, repeated_failure
 from dsat.search.method import DsatSearchMethod
 from dsat.search.trial_builder import SearchSpec
 from dsat.search_run import best_config_path, resumes_without_trials, run_search, stops_held
@@ -1038,7 +1038,7 @@ def all_out_of_memory_fix(method: DsatSearchMethod) -> str:
         )
     elif max(stages) < 3:
         fixes.append("add higher stages to --zero-stages")
-    if (method.shutdown_reason or "").startswith("--max-trials used up"):  # not the space
+    if (method.shutdown_reason or "").startswith(BUDGET_USED_UP):  # not the space
         fixes.append("raise --max-trials")
     fixes.append("give each trial more GPUs (resources.slots_per_trial)")
     return "; " + ", or ".join(fixes)

@@ -151,6 +151,11 @@ def repeated_unknown_failure(finished: list[TrialRecord]) -> str | None:
     )
 
 
+# How the stop reason of a search whose budget ended it begins (advice that more trials would
+# help is given only then).
+BUDGET_USED_UP = "--max-trials used up"
+
+
 def no_search_trial_succeeded(finished: list[TrialRecord]) -> str | None:
     """Where search trials ran and none completed: how many, and their most common reason
     with a log to read (None otherwise). "--max-trials used up" alone read as if trials had
@@ -214,7 +219,7 @@ class SearchEnding:
         if method.early_stopping_triggered():
             return "early stopping: no improvement in the last trials"
         if len(method.tracker.finished) >= method.tracker.max_trials:
-            return f"--max-trials used up ({method.settings.max_trials})"
+            return f"{BUDGET_USED_UP} ({method.settings.max_trials})"
         return None
 
     def should_shutdown(self, method: DsatSearchMethod) -> bool:

@@ -205,6 +205,12 @@ def writable_by_owner(directory: Path) -> None:
                 os.chmod(path, stat.S_IMODE(mode) | stat.S_IWUSR)
 
 
+def cores_each(processes: int) -> int:
+    """This machine's cores shared out among ``processes`` (at least one each): a CPU slot's
+    threads, or a full run's processes', which run alone."""
+    return max(1, (os.cpu_count() or 1) // max(processes, 1))
+
+
 class LocalRunner:
     """Trials as process groups on this machine's slots (see the module's docstring)."""
 
@@ -235,7 +241,7 @@ class LocalRunner:
         self.timeout = timeout
         self.linger_s = LINGER_S
         self.environ = trial_environment(os.environ if environ is None else environ)
-        self.cpu_threads = max(1, (os.cpu_count() or 1) // max(pool.size, 1))
+        self.cpu_threads = cores_each(pool.size)
         self.running: dict[str, RunningTrial] = {}
         self.started_at = time.monotonic()
         self._count = trials_numbered(results_dir)
@@ -282,8 +288,7 @@ class LocalRunner:
         core, not a slot's share (with --max-slots 2 the full run trained on one of two)."""
         env = self.slot_environment(slots)
         if alone and not self.pool.on_gpu:
-            cores = os.cpu_count() or 1
-            env["OMP_NUM_THREADS"] = str(max(1, cores // max(self.slots_per_trial, 1)))
+            env["OMP_NUM_THREADS"] = str(cores_each(self.slots_per_trial))
         env[ENV_HPARAMS_FILE] = str(directory / HPARAMS_FILE)
         if length is not None:
             env[ENV_TRIAL_LENGTH] = str(length)
