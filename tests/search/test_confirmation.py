@@ -350,34 +350,32 @@ def test_runs_that_disagree_with_the_estimate_are_measured_again_then_decide() -
     verdict = decide(m.tracker, [pooled, fast], score)
     assert verdict.chosen is fast
     assert "faster than z1_mb40" in verdict.reason and "noise" in verdict.reason
+
+    def level_pair(runs_40: list[float], runs_32: list[float]) -> Any:
+        """The verdict on z1_mb40 (ahead by the estimate) and z1_mb32, each run as given
+        (its search trial first); asserts the estimate's leader is chosen."""
+        pair = method("binary", metric="throughput")
+        pooled = measured(pair, 40, runs_40[1:], memory=0.5, searched=runs_40[0])
+        level = measured(pair, 32, runs_32[1:], memory=0.5, searched=runs_32[0])
+        estimate.update({pooled.request_id: 120.0, level.request_id: 105.0})
+        verdict = decide(pair.tracker, [pooled, level], score, measure_again=True)
+        assert verdict.chosen is pooled
+        return verdict
+
     # Runs within the noise of each other: the estimate decides, as before.
-    close = method("binary", metric="throughput")
-    pooled = measured(close, 40, [100.0, 104.0], memory=0.5, searched=102.0)
-    level = measured(close, 32, [101.0, 103.0], memory=0.5, searched=103.0)
-    estimate = {pooled.request_id: 120.0, level.request_id: 105.0}
-    verdict = decide(close.tracker, [pooled, level], score, measure_again=True)
-    assert verdict.chosen is pooled and "ahead of z1_mb32" in verdict.reason
+    verdict = level_pair([102.0, 100.0, 104.0], [103.0, 101.0, 103.0])
+    assert "ahead of z1_mb32" in verdict.reason
     # ... and says that the other measured faster in its runs, within the noise: the table
     # beside it shows that much.
     assert "; z1_mb32 measured 0.3% faster over its 3 runs, within the noise (" in verdict.reason
     assert "did not show" not in verdict.reason  # these runs do spread by about that much
     # Faster by less than the shown digit: "measured 0.0% faster" beside "ahead" read as a
     # contradiction.
-    even = method("binary", metric="throughput")
-    pooled = measured(even, 40, [100.0, 104.0], memory=0.5, searched=102.0)
-    level = measured(even, 32, [102.01, 102.01], memory=0.5, searched=102.01)
-    estimate = {pooled.request_id: 120.0, level.request_id: 105.0}
-    verdict = decide(even.tracker, [pooled, level], score, measure_again=True)
-    assert verdict.chosen is pooled
+    verdict = level_pair([102.0, 100.0, 104.0], [102.01, 102.01, 102.01])
     assert "; z1_mb32 measured as fast over its 3 runs, within the noise (" in verdict.reason
     # Runs that repeat exactly, apart by less than the noise dsat assumes: the reason says the
     # runs did not show that noise, and why the estimate decides all the same.
-    steady = method("binary", metric="throughput")
-    pooled = measured(steady, 40, [100.0, 100.0], memory=0.5, searched=100.0)
-    level = measured(steady, 32, [101.5, 101.5], memory=0.5, searched=101.5)
-    estimate = {pooled.request_id: 120.0, level.request_id: 105.0}
-    verdict = decide(steady.tracker, [pooled, level], score, measure_again=True)
-    assert verdict.chosen is pooled
+    verdict = level_pair([100.0, 100.0, 100.0], [101.5, 101.5, 101.5])
     assert verdict.reason.endswith(
         "which these runs did not show (0.0%): a few runs cannot rule out what the search's "
         "other trials say, and the estimate decides"
