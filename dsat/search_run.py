@@ -7,7 +7,7 @@ import dataclasses
 import json
 import signal
 import threading
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +20,15 @@ from dsat.results.progress import SearchProgress
 from dsat.results.resume import refuse_changed_experiment, write_settings
 from dsat.results.utilization import Utilization
 from dsat.runners.driver import SearchDriver, TrialListener
-from dsat.runners.trial_runner import TrialRunner
+from dsat.runners.trial_runner import RunnerStopped, StoppedRun, TrialRunner
 from dsat.search import MethodSettings, make_search_method
 from dsat.search.method import DsatSearchMethod
-from dsat.search.method_state import MACHINE_FAILED_STATE_KEY, load_state_json, save_state
+from dsat.search.method_state import (
+    INTERRUPTED_STATE_KEY,
+    MACHINE_FAILED_STATE_KEY,
+    load_state_json,
+    save_state,
+)
 from dsat.search.trial_builder import SearchSpec
 from dsat.trial import TrialOutcome, TrialStatus
 from dsat.trial_failure import FailureCause
@@ -58,35 +63,64 @@ def stops_held(replay: bool = True, signals: Collection[int] = STOP_SIGNALS) -> 
 
 class ResultsRecorder:
     """Writes each finished trial and the method's state, so nothing finished is ever lost; and
-    the runs the machine failed of the trials still running (``machine_failed``, by request id,
-    in seconds of search), so that a resume counts them."""
+    the runs of the trials still running that the machine failed (``machine_failed``) or a stop
+    of the search cut short (``interrupted``), by request id, in seconds of search, so that a
+    resume counts them."""
 
     def __init__(self, method: DsatSearchMethod, writer: ResultsWriter) -> None:
         self.method = method
         self.writer = writer
-        self.machine_failed: dict[str, list[dict[str, Any]]] = {}  # a resume loads its own
+        # A resume loads its own.
+        self.machine_failed: dict[str, list[dict[str, Any]]] = {}
+        self.interrupted: dict[str, list[dict[str, Any]]] = {}
+
+    def save(self) -> None:
+        save_state(self.method, self.writer.directory, self.machine_failed, self.interrupted)
 
     def trial_started(self, request_id: str) -> None:
         # From the first trial on, an interrupted search (a Ctrl-C in its first minute included)
         # can be resumed: the state names the trial as running, and a resume re-runs it.
-        save_state(self.method, self.writer.directory, self.machine_failed)
+        self.save()
 
     def trial_finished(self, request_id: str, outcome: TrialOutcome) -> None:
         record = self.method.tracker.get(request_id)
         self.machine_failed.pop(request_id, None)  # its row keeps them now
+        interrupted = self.interrupted.pop(request_id, [])
         # The row and the state that says the trial finished are written as one: a Ctrl-C
         # between them left a row whose state still said "running", and the resume ran the
         # trial again, losing its first measurement.
         with stops_held():
-            self.writer.trial_finished(record, TrialTiming.of(outcome), self.method.tracker)
-            save_state(self.method, self.writer.directory, self.machine_failed)
+            self.writer.trial_finished(
+                record, TrialTiming.of(outcome), self.method.tracker, interrupted
+            )
+            self.save()
 
     def trial_retried(self, request_id: str, outcome: TrialOutcome, attempt: int) -> None:
         """The trial still runs (the state says so); the run the machine failed is kept."""
         timing = TrialTiming.of(dataclasses.replace(outcome, machine_failed=(outcome,)))
         runs = timing.shifted(self.writer.clock_offset).machine_failed  # as its row keeps them
         self.machine_failed.setdefault(request_id, []).extend(runs)
-        save_state(self.method, self.writer.directory, self.machine_failed)
+        self.save()
+
+    def trials_stopped(self, runs: Sequence[StoppedRun]) -> None:
+        """The runs a stop of the search cut short (their trials run again on the resume): kept
+        in the state, so that the resume's rows count the time they held their slots."""
+        offset = self.writer.clock_offset
+        for run in runs:
+            kept = {"start": run.start + offset, "end": run.end + offset, "log": run.log}
+            self.interrupted.setdefault(run.request_id, []).append(kept)
+        if runs:
+            self.save()
+
+    def carried_on_from(self) -> float:
+        """When the last run without a row ended, in seconds of search."""
+        runs = [
+            run
+            for kept in (self.machine_failed, self.interrupted)
+            for earlier in kept.values()
+            for run in earlier
+        ]
+        return max((float(run["end"]) for run in runs), default=0.0)
 
     def carried_over(self) -> dict[str, list[TrialOutcome]]:
         """The runs the machine failed before a resume, as the driver keeps them: on this
@@ -147,8 +181,8 @@ def run_search(
             refuse_changed_experiment(results_dir, spec, state)
             load_state_json(method, state)
             recorder.machine_failed = dict(state.get(MACHINE_FAILED_STATE_KEY, {}))
-            runs = [run for kept in recorder.machine_failed.values() for run in kept]
-            writer.carry_on_after(max((float(run["end"]) for run in runs), default=0.0))
+            recorder.interrupted = dict(state.get(INTERRUPTED_STATE_KEY, {}))
+            writer.carry_on_after(recorder.carried_on_from())
             driver.carried_over = recorder.carried_over()
             if progress is not None:
                 progress.carry_on(writer.clock_offset)
@@ -165,7 +199,15 @@ def run_search(
     write_settings(settings, results_dir)
     writer.keep_best_config = method.ending.handed_over(method)
     with progress or contextlib.nullcontext():
-        driver.run(resume=resuming)
+        try:
+            driver.run(resume=resuming)
+        except KeyboardInterrupt:
+            # The trials it stopped run again on the resume, which counts what these ran.
+            recorder.trials_stopped(runner.stop_all())
+            raise
+        except RunnerStopped as err:
+            recorder.trials_stopped(err.stopped)
+            raise
     if not (results_dir / SETTINGS_FILE).is_file():
         # The results dir was removed while the search ran: its other files are written again
         # as trials end, and the resume command the last lines give needs these too.

@@ -23,7 +23,7 @@ from dsat.runners import RunnerKind
 from dsat.runners.local.full_run import FullExperimentFailed
 from dsat.runners.simulated.runner import SimulatedRunner
 from dsat.runners.simulated.setup import SimulatedSetup
-from dsat.runners.trial_runner import RunnerStopped
+from dsat.runners.trial_runner import RunnerStopped, StoppedRun
 from dsat.search.trial_builder import SearchSpec
 from dsat.search_launch import (
     FullRunInterrupted,
@@ -182,9 +182,10 @@ class InterruptedOften(SimulatedRunner):
             raise KeyboardInterrupt
         super().start(*args, **kwargs)
 
-    def stop_all(self) -> None:
+    def stop_all(self) -> list[StoppedRun]:
         os.kill(os.getpid(), signal.SIGINT)  # the second: it cuts the waiting short
         time.sleep(0.1)
+        return []
 
     def close(self) -> None:
         os.kill(os.getpid(), signal.SIGINT)

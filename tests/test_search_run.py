@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from dsat.constants import STATE_FILE
+from dsat.results.cost import INTERRUPTED_KEY, search_cost
+from dsat.results.directory import TRIALS_FILE
 from dsat.runners.simulated.runner import SimulatedRunner
+from dsat.search.method_state import INTERRUPTED_STATE_KEY
 from dsat.search_run import resumes_without_trials, run_search, stops_held
+from dsat.trial import TrialOutcome
 from tests.search.helpers import cliff_function, search_settings, spec
 
 
@@ -46,3 +52,44 @@ def test_only_a_search_that_has_ended_resumes_without_trials(tmp_path: Path) -> 
     assert resumes_without_trials(settings, spec(), tmp_path)
     (tmp_path / STATE_FILE).write_text("{")  # run_search says what is wrong with it
     assert not resumes_without_trials(settings, spec(), tmp_path)
+
+
+class CtrlCHalfwayThrough(SimulatedRunner):
+    """Ctrl-C halfway through the trial the search waits for at its ``at``-th wait."""
+
+    def __init__(self, at: int, *args: Any) -> None:
+        super().__init__(*args)
+        self.at, self.waits = at, 0
+
+    def wait(self) -> TrialOutcome:
+        self.waits += 1
+        if self.waits == self.at:
+            end, _, outcome = self._events[0]
+            self.now = (outcome.start + end) / 2
+            raise KeyboardInterrupt
+        return super().wait()
+
+
+def test_the_time_of_runs_a_ctrl_c_cut_short_counts_in_the_resumed_searchs_cost(
+    tmp_path: Path,
+) -> None:
+    """The trials a Ctrl-C stopped ran again on the resume, and the cost left out the time they
+    had held their slots before the stop."""
+    settings = search_settings("binary", max_trials=8, max_concurrent_trials=2)
+    with pytest.raises(KeyboardInterrupt):
+        run_search(settings, spec(), CtrlCHalfwayThrough(4, cliff_function(12), 1), tmp_path)
+    state = json.loads((tmp_path / STATE_FILE).read_text())
+    stopped = state[INTERRUPTED_STATE_KEY]
+    assert len(stopped) == 2  # both trials that ran, each once
+    run_search(settings, spec(), SimulatedRunner(cliff_function(12), 1), tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / TRIALS_FILE).read_text().splitlines()]
+    cut_short = {row["request_id"]: row[INTERRUPTED_KEY] for row in rows if INTERRUPTED_KEY in row}
+    assert cut_short == stopped  # in each trial's row, as its earlier run
+    runs = [run for kept in cut_short.values() for run in kept]
+    assert all(run["end"] > run["start"] for run in runs)
+    stop = max(run["end"] for run in runs)
+    assert all(row["start"] >= stop for row in rows if row["request_id"] in cut_short)
+    held = sum(row["end"] - row["start"] for row in rows)
+    held += sum(run["end"] - run["start"] for run in runs)
+    assert search_cost(rows).trial_seconds == pytest.approx(held)
+    assert INTERRUPTED_STATE_KEY not in json.loads((tmp_path / STATE_FILE).read_text())

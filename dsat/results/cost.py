@@ -1,7 +1,8 @@
 """What a search cost: the slot-hours its trials held (slots per trial x trial time, added up).
 
 Every recorded trial held its slots while it ran, so every one counts: the model profile, the
-search's trials, the confirmation round, and failed trials. Computed from the rows of
+search's trials, the confirmation round, and failed trials, with their earlier runs that the
+machine failed or a stop of the search cut short. Computed from the rows of
 trials.jsonl alone, so the summary, the report and the terminal's last line agree, and a
 resumed search (whose rows carry on the clock) is counted whole. On the simulated runner the
 clock is virtual: its hours are the simulated cluster's.
@@ -29,6 +30,10 @@ KIND_WORDS = {
 # A row's runs of the trial that the machine failed before the one it records (a taken port, a
 # signal from outside): each one's start, end, reason and log; their slots were held too.
 MACHINE_FAILED_KEY = "machine_failed"
+# A row's runs of the trial that a stop of the search cut short (Ctrl-C, a lost Ray node), before
+# the resume ran it again: each one's start, end and log.
+INTERRUPTED_KEY = "interrupted"
+EARLIER_RUN_KEYS = (MACHINE_FAILED_KEY, INTERRUPTED_KEY)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,9 +96,10 @@ def search_cost(
     for row in rows:
         kinds[str(row.get("kind"))] += 1
         failed += row.get("status") in ("oom", "error", "timeout")
-        seconds = sum(  # with the runs the machine failed before it: their slots were held
+        earlier = [run for key in EARLIER_RUN_KEYS for run in row.get(key) or []]
+        seconds = sum(  # with its runs that failed or were stopped before: their slots were held
             max(0.0, float(run.get("end", 0.0)) - float(run.get("start", 0.0)))
-            for run in [row, *(row.get(MACHINE_FAILED_KEY) or [])]
+            for run in [row, *earlier]
             if isinstance(run, Mapping)
         )
         trial_seconds += seconds

@@ -21,7 +21,7 @@ from dsat.constants import AUTOTUNING_KEY, DSAT_MODE_KEY, OVERWRITE_KEY, RUN_ALO
 from dsat.errors import DsatError
 from dsat.experiment.metric import positive_number
 from dsat.paths import logs_where_they_are, shown
-from dsat.results.cost import MACHINE_FAILED_KEY, search_cost
+from dsat.results.cost import INTERRUPTED_KEY, MACHINE_FAILED_KEY, search_cost
 from dsat.results.utilization import Utilization
 from dsat.search.confirmation import rounds_note
 from dsat.search.tracker import TrialTracker
@@ -90,6 +90,7 @@ LATER_ROW_KEYS: dict[str, tuple[type, ...]] = {
     VALUE_KEY: (*_NUMBER, type(None)),
     SAFE_KEY: (bool,),
     MACHINE_FAILED_KEY: (list,),
+    INTERRUPTED_KEY: (list,),
 }
 
 
@@ -269,7 +270,8 @@ class ResultsWriter:
 
     def carry_on_after(self, end: float) -> None:
         """Start this runner's clock no earlier than ``end`` seconds of search: a run before the
-        stop that has no row (the machine failed it; its trial runs again) ended then."""
+        stop that has no row (the machine failed it, or the stop cut it short; its trial runs
+        again) ended then."""
         if not self.continued_clock:
             self._clock_offset = max(self._clock_offset, end)
 
@@ -284,11 +286,16 @@ class ResultsWriter:
         return self._clock_offset
 
     def trial_finished(
-        self, record: TrialRecord, timing: TrialTiming, tracker: TrialTracker
+        self,
+        record: TrialRecord,
+        timing: TrialTiming,
+        tracker: TrialTracker,
+        interrupted: Sequence[Mapping[str, Any]] = (),
     ) -> None:
         """Its row into trials.jsonl, the whole file replaced: a full disk leaves the rows
         before. A trial that ran again on a resume (the search stopped after its row was
-        written, before the state was) replaces its row instead of adding a second one."""
+        written, before the state was) replaces its row instead of adding a second one.
+        ``interrupted``: its runs a stop of the search cut short, in seconds of search."""
         shifted = timing.shifted(self._clock_offset)
         lines = list(self._lines)
         earlier = [i for i, line in enumerate(lines) if line.get("request_id") == record.request_id]
@@ -301,6 +308,8 @@ class ResultsWriter:
             self.utilization,
             tracker.model_flops(record),
         )
+        if interrupted:
+            line[INTERRUPTED_KEY] = [dict(run) for run in interrupted]
         if earlier:
             lines[position] = line
         else:

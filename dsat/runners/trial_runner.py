@@ -13,10 +13,23 @@ master starts the trials (``runners/determined``).
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 from dsat.trial import TrialOutcome
+
+
+@dataclasses.dataclass(frozen=True)
+class StoppedRun:
+    """A run of a trial that ``stop_all`` ended before it finished, on the runner's clock: it held
+    its slots, so a resumed search counts its time in the cost."""
+
+    request_id: str
+    start: float
+    end: float
+    log: str | None = None
 
 
 class RunnerStopped(Exception):
@@ -24,10 +37,11 @@ class RunnerStopped(Exception):
     cluster lost the nodes a trial needs): it stopped every trial; the search is resumed once
     the cause is gone. Not a DsatError (exit status 2: the command was right)."""
 
-    def __init__(self, why: str, remedy: str) -> None:
+    def __init__(self, why: str, remedy: str, stopped: Sequence[StoppedRun] = ()) -> None:
         super().__init__(f"{why}; {remedy}")
         self.why = why
         self.remedy = remedy
+        self.stopped = list(stopped)  # the runs it stopped: their time counts on the resume
 
 
 class TrialRunner(Protocol):
@@ -55,8 +69,8 @@ class TrialRunner(Protocol):
     def running_count(self) -> int:
         """Trials started and not yet returned by ``wait``."""
 
-    def stop_all(self) -> None:
-        """Stop every running trial; their outcomes are never returned."""
+    def stop_all(self) -> list[StoppedRun]:
+        """Stop every running trial; their outcomes are never returned, only what they ran."""
 
     def close(self) -> None:
         """Let go of what the runner holds between trials (warm workers); a later ``start``
@@ -93,8 +107,9 @@ class EndedSearchRunner:
     def running_count(self) -> int:
         return 0
 
-    def stop_all(self) -> None:
+    def stop_all(self) -> list[StoppedRun]:
         """Nothing runs."""
+        return []
 
     def close(self) -> None:
         """Nothing is held."""

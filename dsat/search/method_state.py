@@ -127,17 +127,24 @@ def load_state_json(method: DsatSearchMethod, state: dict[str, Any]) -> None:
 # keep them: a trial runs again on a resume, and the runs before count (their attempts, their
 # cost) as they would have without the stop. Kept beside the method's own state.
 MACHINE_FAILED_STATE_KEY = "machine_failed"
+# Likewise the runs a stop (Ctrl-C, a lost Ray node) cut short: they held their slots.
+INTERRUPTED_STATE_KEY = "interrupted"
 
 
 def save_state(
     method: DsatSearchMethod,
     directory: Path,
     machine_failed: Mapping[str, list[dict[str, Any]]] | None = None,
+    interrupted: Mapping[str, list[dict[str, Any]]] | None = None,
 ) -> None:
     """The state into ``directory``'s state file, atomically (a crash leaves the last one)."""
     state = state_json(method)
-    if machine_failed:
-        state[MACHINE_FAILED_STATE_KEY] = {k: list(v) for k, v in machine_failed.items()}
+    for key, runs in (
+        (MACHINE_FAILED_STATE_KEY, machine_failed),
+        (INTERRUPTED_STATE_KEY, interrupted),
+    ):
+        if runs:
+            state[key] = {k: list(v) for k, v in runs.items()}
     write_json_atomic(Path(directory) / STATE_FILE, state)
 
 

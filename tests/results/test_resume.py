@@ -517,7 +517,7 @@ def test_a_second_ctrl_c_while_the_trials_stop_still_says_how_to_resume(
 ) -> None:
     from dsat.runners.simulated.runner import SimulatedRunner
 
-    def impatient(self: SimulatedRunner) -> None:
+    def impatient(self: SimulatedRunner) -> list[object]:
         raise KeyboardInterrupt  # the user presses Ctrl-C again while trials stop
 
     monkeypatch.setattr(SimulatedRunner, "stop_all", impatient)

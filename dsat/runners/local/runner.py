@@ -15,7 +15,7 @@ import stat
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -66,6 +66,7 @@ from dsat.runners.local.trial_processes import (
 )
 from dsat.runners.local.trial_timeout import TrialTimeout
 from dsat.runners.local.warm_trials import WarmProcess, WarmWorkers, warm_command
+from dsat.runners.trial_runner import StoppedRun
 from dsat.trial import TrialOutcome, TrialStatus
 from dsat.trial_failure import FailureCause
 
@@ -243,6 +244,7 @@ class LocalRunner:
         self.environ = trial_environment(os.environ if environ is None else environ)
         self.cpu_threads = cores_each(pool.size)
         self.running: dict[str, RunningTrial] = {}
+        self.starting: StoppedRun | None = None  # the trial ``start`` is starting
         self.started_at = time.monotonic()
         self._count = trials_numbered(results_dir)
         single = trial_command(entrypoint, 1, 0)  # one process: no port in the command
@@ -347,6 +349,8 @@ class LocalRunner:
         directory = self._prepare_directory(request_id, hparams)
         slots = self.pool.take(self.slots_per_trial)
         log_path = self.results_dir / "logs" / f"{directory.name}.log"
+        # Until it runs, a stop counts it from here (a warm worker may take a while to take it).
+        self.starting = StoppedRun(request_id, self.now(), self.now(), str(log_path))
         log_path.parent.mkdir(parents=True, exist_ok=True)
         log = log_path.open("wb")
         # A build lock left by a killed trial would make this one wait on it until its timeout.
@@ -370,6 +374,7 @@ class LocalRunner:
             result_watch=ResultWatch(self.linger_s),
             shared=bool(self.running),
         )
+        self.starting = None
 
     def _fork_warm(
         self, directory: Path, slots: list[str], log: IO[bytes], log_path: Path, length: int
@@ -541,10 +546,15 @@ class LocalRunner:
             trial.process.stopped_by_dsat = True
         kill_process_group(trial.process)
 
-    def stop_all(self) -> None:
+    def stop_all(self) -> list[StoppedRun]:
         stopped = [trial.directory / HPARAMS_FILE for trial in self.running.values()]
+        runs = []
+        if self.starting is not None:  # the stop landed while it started
+            runs.append(replace(self.starting, end=self.now()))
+            self.starting = None
         for trial in list(self.running.values()):
             self._kill(trial)
+            runs.append(StoppedRun(trial.request_id, trial.start, self.now(), str(trial.log_path)))
             trial.log.close()
             self.pool.give_back(trial.slots)
             # A stopped trial runs again under a new number: its copy stays, its data need not.
@@ -555,6 +565,7 @@ class LocalRunner:
         # trial's `sleep 1000` running under init, with the search's results dir in its env).
         stop_strays(stopped)
         self.close()
+        return runs
 
     def close(self) -> None:
         """Stop the warm workers (a later trial starts them again)."""

@@ -54,7 +54,7 @@ from dsat.runners.ray.node_host import (
     protocol,
 )
 from dsat.runners.ray.placement import TrialLayout, node_capacities
-from dsat.runners.trial_runner import RunnerStopped
+from dsat.runners.trial_runner import RunnerStopped, StoppedRun
 from dsat.trial import TrialOutcome, TrialStatus, trial_number
 from dsat.trial_failure import FailureCause, first_line, lost_a_peer
 
@@ -220,15 +220,20 @@ class RayRunner:
                     return outcome
             time.sleep(POLL_SECONDS)
 
-    def stop_all(self) -> None:
+    def stop_all(self) -> list[StoppedRun]:
         """Stop every trial; what each wrote so far stays in ``logs/`` (where the disk still takes
-        it: a full one must not keep the other trials running)."""
+        it: a full one must not keep the other trials running). A trial still being placed held
+        no slot yet."""
+        runs = []
         for trial in list(self.running.values()):
             self._stop(trial)
+            if trial.start is not None:
+                runs.append(StoppedRun(trial.request_id, trial.start, self.now()))
             with contextlib.suppress(OSError):
                 self._collect_logs(trial)
             self._release(trial)
         self.running.clear()
+        return runs
 
     def close(self) -> None:
         """Nothing is held between trials: each has its own placement group and actors."""
@@ -427,12 +432,13 @@ class RayRunner:
         trial.checked = now
         capacities = node_capacities(self.ray.nodes(), self.layout.resource)
         if not self.layout.fits(capacities):
-            self.stop_all()
+            stopped = self.stop_all()
             have = ", ".join(str(c) for c in capacities) or "none"
             raise RunnerStopped(
                 f"the Ray cluster can no longer place a trial: each takes {self.layout.describe()}"
                 f", and its live nodes have {have} {self.layout.resource}(s) (a node left)",
                 "add nodes",
+                stopped,
             )
         if not trial.waiting_said and now - trial.asked > PLACEMENT_NOTE_S:
             trial.waiting_said = True

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dsat.errors import DsatError
+from dsat.runners.trial_runner import StoppedRun
 from dsat.trial import TrialOutcome, TrialStatus
 from dsat.trial_failure import FailureCause
 
@@ -101,8 +102,13 @@ class SimulatedRunner:
     def running_count(self) -> int:
         return len(self._events)
 
-    def stop_all(self) -> None:
+    def stop_all(self) -> list[StoppedRun]:
+        stopped = [
+            StoppedRun(outcome.request_id, outcome.start, self.now)
+            for _, _, outcome in self._events
+        ]
         self._events.clear()
+        return stopped
 
     def close(self) -> None:
         """Nothing is held between trials."""

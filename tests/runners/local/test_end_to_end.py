@@ -534,6 +534,11 @@ def test_sigint_stops_every_trial_and_resume_finishes(tmp_path: Path) -> None:
     # The resumed run's trials come after the first run's on the search's clock.
     ends = [row["end"] for row in trials(results) + trials(results, confirmations=True)]
     assert ends == sorted(ends) and rows[1]["start"] >= rows[0]["end"]
+    # The runs the Ctrl-C cut short held their slots: the rows of the trials that ran again
+    # keep them, with their logs, and the cost counts them.
+    cut_short = [run for row in rows for run in row.get("interrupted", [])]
+    assert cut_short and max(run["end"] - run["start"] for run in cut_short) >= 2
+    assert all(Path(run["log"]).is_file() for run in cut_short)
     # Once it has ended, a plain resume writes the report again and opens no runner: it neither
     # claims this machine's slots (waiting for another search's) nor builds DeepSpeed's ops.
     again = dsat(*args, "--resume", str(results))
