@@ -590,6 +590,7 @@ def test_a_trial_the_cluster_can_no_longer_place_ends_the_search_in_one_line(
         ray_cluster.restore()
     assert "1 GPU(s) on each of 2 nodes" in info.value.why and info.value.remedy == "add nodes"
     assert runner.running_count() == 0
+    assert info.value.stopped == []  # never placed, it held no slot: nothing to count
 
 
 def ray_cluster_nodes() -> list[dict[str, object]]:
