@@ -171,7 +171,7 @@ def run_search(
     )
     if progress is not None:
         listeners.append(progress)
-    driver = SearchDriver(method, runner, listeners, max_events)
+    driver = SearchDriver(method, runner, listeners, max_events, held=stops_held)
     resuming = (results_dir / STATE_FILE).is_file()
     if resuming:
         try:

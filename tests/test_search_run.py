@@ -93,3 +93,31 @@ def test_the_time_of_runs_a_ctrl_c_cut_short_counts_in_the_resumed_searchs_cost(
     held += sum(run["end"] - run["start"] for run in runs)
     assert search_cost(rows).trial_seconds == pytest.approx(held)
     assert INTERRUPTED_STATE_KEY not in json.loads((tmp_path / STATE_FILE).read_text())
+
+
+def test_a_ctrl_c_as_the_search_decides_to_end_keeps_its_decision(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C while the method decided that the search ends (its confirmation round) and
+    before the state was saved with the round's first run left the state without the decision:
+    the resume then took more --max-trials, ran none of them, and gave a false reason."""
+    from dsat.search.ending import SearchEnding
+
+    decide = SearchEnding._start_confirmation
+
+    def decide_then_ctrl_c(self: SearchEnding, *args: Any) -> bool:
+        decided = decide(self, *args)
+        if decided:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # a Ctrl-C not held off would have raised by now
+        return decided
+
+    monkeypatch.setattr(SearchEnding, "_start_confirmation", decide_then_ctrl_c)
+    settings = search_settings("binary", max_trials=6, max_concurrent_trials=1, confirm_top=2)
+    with pytest.raises(KeyboardInterrupt):
+        run_search(settings, spec(), SimulatedRunner(cliff_function(12), 1), tmp_path)
+    state = json.loads((tmp_path / STATE_FILE).read_text())
+    assert state.get("confirmation_candidates"), "the decision was lost"
+    assert [r["kind"] for r in state["tracker"]["records"] if r["status"] == "running"] == [
+        "confirm"
+    ]

@@ -13,8 +13,10 @@ runs again alone: no trial starts beside it, nor while it waits for the running 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 from dsat.constants import RUN_ALONE
@@ -75,10 +77,14 @@ class SearchDriver:
         runner: TrialRunner,
         listeners: Sequence[TrialListener] = (),
         max_events: int | None = None,
+        held: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext,
     ) -> None:
+        """``held``: a block in which a stop of the search (Ctrl-C) waits for its end: what the
+        method decides as it suggests a trial, and the listeners' record of it, are one."""
         self.method = method
         self.runner = runner
         self.listeners = list(listeners)
+        self.held = held
         self.max_events = max_events  # stop early, as an interruption would (for tests)
         self.started: dict[str, StartedTrial] = {}
         # The runs the machine failed of trials a resumed search runs again (search_run).
@@ -94,17 +100,24 @@ class SearchDriver:
     def start_suggested(self) -> None:
         """Start every trial the method suggests now; note the end of the search. Nothing new
         starts while a trial runs alone or waits to."""
-        while not self.holding_for_alone() and (record := self.method.suggest()) is not None:
-            before = self.carried_over.pop(record.request_id, [])
-            self.started[record.request_id] = StartedTrial(
-                record.hparams,
-                record.ds_config,
-                self.method.trial_length(record),
-                attempts=1 + len(before),
-                machine_failed=before,
-            )
-            for listener in self.listeners:  # first, so the state on disk includes the trial
-                listener.trial_started(record.request_id)
+        while not self.holding_for_alone():
+            # A Ctrl-C between the method's decision (the search ends: its confirmation round)
+            # and the state saved with the trial left the state without it; the resume then took
+            # more --max-trials, and ran none of them.
+            with self.held():
+                record = self.method.suggest()
+                if record is None:
+                    break
+                before = self.carried_over.pop(record.request_id, [])
+                self.started[record.request_id] = StartedTrial(
+                    record.hparams,
+                    record.ds_config,
+                    self.method.trial_length(record),
+                    attempts=1 + len(before),
+                    machine_failed=before,
+                )
+                for listener in self.listeners:  # first, so the state on disk includes the trial
+                    listener.trial_started(record.request_id)
             self._start(record.request_id)
         if self.method.finished and self.shutdown is None:
             self.shutdown = SearchEnd(self.method.search_failed)
