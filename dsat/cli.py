@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from dsat.closed_stdout import stdout_without_reader
 from dsat.errors import USAGE_EXIT_CODE, DsatError
 from dsat.experiment import settings as defaults
 from dsat.experiment.metric import Metric
@@ -562,6 +563,13 @@ def report_main(argv: Sequence[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    printable_output()
+    with stdout_without_reader():
+        return command_run(list(sys.argv[1:] if argv is None else argv))
+
+
+def command_run(argv: list[str]) -> int:
+    """The report, or the search and how it ended, as an exit status."""
     from dsat.runners.local.full_run import FullExperimentFailed
     from dsat.search_launch import (
         FullRunInterrupted,
@@ -572,8 +580,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     from dsat.search_run import STOP_SIGNALS
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    printable_output()
     if argv[:1] == ["report"]:
         return report_main(argv[1:])
     show_progress_logs()
