@@ -20,7 +20,7 @@ import pytest
 
 from dsat.constants import OVERWRITE_KEY
 from dsat.errors import DsatError
-from dsat.runners.local.runner import HPARAMS_FILE, WARM_TRIAL_MARK, LocalRunner
+from dsat.runners.local.runner import HOST_TRIAL_MARK, HPARAMS_FILE, WARM_TRIAL_MARK, LocalRunner
 from dsat.runners.local.slots import SlotPool
 from dsat.runners.local.trial_timeout import TrialTimeout
 from dsat.runners.ray.runner import RayRunner
@@ -32,14 +32,15 @@ from dsat.trial import TrialStatus
 COMPLETES, RUNS_OUT_OF_MEMORY, CRASHES, RUNS_UNTIL_STOPPED = 1, 2, 3, 4
 LEAVES_CHILDREN, LINGERS = 5, 6  # both complete
 LEAVES_CHILDREN_UNTIL_STOPPED = 7
+BLOCKS_AFTER_IT_REPORTED = 8  # completes
 
 BEHAVIOUR_SCRIPT = """
-import json, os, subprocess, sys, threading, time
+import json, os, signal, subprocess, sys, threading, time
 hparams = json.load(open(os.environ["DSAT_HPARAMS_FILE"]))
 mbs = hparams["overwrite_deepspeed_args"]["train_micro_batch_size_per_gpu"]
 open("ran", "w").write(str(mbs))
 print(f"ran at micro-batch {mbs}", flush=True)
-if mbs in (1, 5, 6):
+if mbs in (1, 5, 6, 8):
     json.dump({"status": "completed", "values": {"throughput": 10.0}},
               open("dsat_trial_outcome.json", "w"))
 if mbs in (5, 7):  # one child in the trial's process group, one in a session of its own
@@ -50,6 +51,9 @@ if mbs in (5, 7):  # one child in the trial's process group, one in a session of
         time.sleep(120)
 elif mbs == 6:  # a thread that is no daemon keeps the process from exiting
     threading.Thread(target=time.sleep, args=(300,)).start()
+elif mbs == 8:  # its main thread blocks (an upload that hangs), deaf to SIGTERM
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(300)
 elif mbs == 2:
     json.dump({"status": "oom"}, open("dsat_trial_outcome.json", "w"))
     sys.exit(1)
@@ -70,7 +74,7 @@ def simulated_performance(ds_config: dict[str, Any], slots: int) -> dict[str, An
     return {"throughput": 10.0, "seconds": seconds}
 
 
-def make_local(tmp_path: Path, warm: bool = True) -> LocalRunner:
+def make_local(tmp_path: Path, warm: bool = True, trial_host: bool = False) -> LocalRunner:
     model = tmp_path / "model"
     model.mkdir()
     (model / "job.py").write_text(BEHAVIOUR_SCRIPT)
@@ -86,6 +90,7 @@ def make_local(tmp_path: Path, warm: bool = True) -> LocalRunner:
         TrialTimeout(60),
         environ,
         warm=warm,
+        trial_host=trial_host,
     )
 
 
@@ -285,6 +290,27 @@ def test_what_a_trial_leaves_running_is_stopped_and_its_result_kept(runner: Tria
     lingered = Path(outcomes["2"].log or "").read_text()
     # A trial forked from a warm worker ends with os._exit, which no thread holds up.
     assert WARM_TRIAL_MARK in lingered.splitlines()[0] or "has not exited since" in lingered
+
+
+def test_a_hosted_trial_whose_main_thread_blocks_after_it_reported_is_stopped(
+    tmp_path: Path,
+) -> None:
+    """A trial host says itself what a trial left running once the trial returns: one that
+    never returned (its upload hung) held its slot until the trial timeout, 20 minutes for the
+    model profile."""
+    runner = make_local(tmp_path, trial_host=True)
+    runner.linger_s = 2.0
+    try:
+        start(runner, 1, BLOCKS_AFTER_IT_REPORTED)
+        outcome = runner.wait()
+    finally:
+        runner.stop_all()
+    assert outcome.status is TrialStatus.COMPLETED and outcome.end - outcome.start < 30
+    log = Path(outcome.log or "").read_text()
+    assert HOST_TRIAL_MARK in log.splitlines()[0] and "has not exited since" in log
+    # The later trials' timeout follows the trial until its result, not the time it lingered.
+    profile = runner.timeout.profile_seconds
+    assert profile is not None and profile < outcome.end - outcome.start - runner.linger_s
 
 
 def test_a_fresh_local_trial_kept_alive_after_it_reported_is_stopped(tmp_path: Path) -> None:

@@ -504,9 +504,8 @@ class LocalRunner:
 
     def _lingered(self, trial: RunningTrial) -> float | None:
         """Seconds since the trial wrote its result, where it has run on past ``linger_s``. A
-        trial host is left out: it says itself what a trial left running, and leaves."""
-        if getattr(trial.process, "hosted", False):
-            return None
+        trial host says itself what a trial left running once the trial returns, but one whose
+        main thread blocks (an upload that hangs) never returns: the host is stopped then."""
         return trial.result_watch.lingered(self.now(), lambda: reported(trial.directory))
 
     def _finish(self, trial: RunningTrial, classified: TrialEnd) -> TrialOutcome:
@@ -529,7 +528,10 @@ class LocalRunner:
         status, metrics, error, cause = classified
         end = self.now()
         if status is TrialStatus.COMPLETED:  # the first to complete is the model-profile trial
-            self.timeout.profile_finished(end - trial.run_start)
+            # Until its result was written: a minute it lingered after made every later trial's
+            # timeout ten minutes longer.
+            reported = trial.result_watch.reported_at
+            self.timeout.profile_finished(min(end, reported or end) - trial.run_start)
         return TrialOutcome(
             trial.request_id, status, metrics, error, trial.start, end, cause, str(trial.log_path)
         )

@@ -66,8 +66,9 @@ CGROUP_EVENTS = Path("/sys/fs/cgroup/memory.events")
 # teardown) before what keeps it alive is stopped.
 LINGER_S = 60.0
 LINGERED = (
-    "dsat: the trial wrote its result {seconds:.0f} s ago and has not exited since (a thread or "
-    "a process it started keeps it alive): stopped, its result kept"
+    "dsat: the trial wrote its result {seconds:.0f} s ago and has not exited since (its code "
+    "after training blocks, or a thread or a process it started keeps it alive): stopped, its "
+    "result kept"
 )
 RAN_ON_TO_TIMEOUT = (
     "dsat: the trial wrote its result and ran on to the trial timeout of {timeout:g} s (a process "
