@@ -36,6 +36,7 @@ from dsat.constants import (
     REPORTED_AT_KEY,
     TRIAL_OUTCOME_FILE,
 )
+from dsat.training.batch_taken import BATCH_CHANGED, batch_sizes_changed_reason
 from dsat.training.hf_args import passes_deepspeed
 from dsat.training.oom import is_out_of_memory
 from dsat.training.step_clock import (
@@ -48,7 +49,7 @@ from dsat.training.step_clock import (
     untuned_engine_stepped,
 )
 from dsat.training.trial_directory import trial_directory
-from dsat.trial_failure import could_not_connect, diagnose_crash, lost_a_peer
+from dsat.trial_failure import FailureCause, could_not_connect, diagnose_crash, lost_a_peer
 
 logger = logging.getLogger(__name__)
 
@@ -173,6 +174,19 @@ def report_result(
     if core_context.distributed.get_rank() != 0:
         return
     clock = current_clock()
+    changed = clock.batch_changed() if clock is not None and result.kind == METRICS else []
+    if changed:  # a measurement of another configuration than the trial's: the script's fault
+        reason = batch_sizes_changed_reason(changed, rejected=False, hf=hf_script())
+        write_json_atomic(
+            directory / TRIAL_OUTCOME_FILE, {"status": BATCH_CHANGED, "error": reason}
+        )
+        if op is not None:
+            op.report_completed(
+                searcher_metric(
+                    {ERROR_METRIC_KEY: reason, ERROR_CAUSE_METRIC_KEY: FailureCause.SCRIPT.value}
+                )
+            )
+        return
     if result.kind == METRICS and clock is not None:
         measured = {**clock.metrics(result.values), **peak_memory(), **device_peak(clock.precision)}
         result = AutotuningResult(METRICS, measured)

@@ -32,12 +32,16 @@ from dsat.atomic_file import write_json_atomic
 from dsat.constants import (
     AUTOTUNING_KEY,
     FULL_BATCH_SHARE,
+    GRAD_ACCUM_STEPS,
     INPUT_SHAPE,
+    MICRO_BATCH_SIZE,
     ROWS_OVER_BATCH,
+    TRAIN_BATCH_SIZE,
     TRIAL_OUTCOME_FILE,
 )
 from dsat.device_peaks import peak_flops
 from dsat.memory import Precision
+from dsat.training.batch_taken import BATCH_KEYS, changed_batch_sizes
 from dsat.training.trial_directory import trial_directory
 
 # Optimizer steps before the window opens at the latest: the first steps of a run allocate,
@@ -95,6 +99,9 @@ class StepClock:
     # one differed): a search tells from it a script that feeds its own batch size.
     input_shape: tuple[int, ...] | None = None
     shapes_differ: bool = False
+    # The batch sizes the trial set, and those its engine ran (at its last step).
+    asked_batch: dict[str, Any] = dataclasses.field(default_factory=dict)
+    engine_batch: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def mark(self, global_steps: int, train_batch_size: int) -> bool:
         """Note the end of an optimizer step; True once the window is complete with the next
@@ -120,6 +127,10 @@ class StepClock:
         self.rows[steps_done] = self.rows.get(steps_done, 0) + rows
         self.rows_per_step = micro_batch * accumulation
         self.batch_first = self.batch_first or rows == micro_batch
+
+    def batch_changed(self) -> list[str]:
+        """The batch sizes the engine ran that differ from the trial's, in words."""
+        return changed_batch_sizes(self.asked_batch, self.engine_batch)
 
     def full_batch_share(self) -> float | None:
         """The rows the window's steps were fed, as a share of full batches: below 1 when the
@@ -337,6 +348,7 @@ def start_clock(
         # It opens after the step DeepSpeed's FLOPs profiler slows (the one from ``start``).
         settle = start <= WARMUP_STEPS and last - first + 1 <= MEASURED_STEPS
         _clock = StepClock(first, last, settle=settle, earliest_step=start + 1)
+        _clock.asked_batch = {k: v for k, v in (overwrites or {}).items() if k in BATCH_KEYS}
         atexit.register(_explain_missing_results, trial_directory())
     if precision is not None:
         _clock.precision = precision
@@ -390,6 +402,11 @@ def _time_engine_steps() -> None:
             return False
         accelerator.synchronize()
         complete = _clock.mark(int(engine.global_steps), int(engine.train_batch_size()))
+        _clock.engine_batch = {
+            TRAIN_BATCH_SIZE: int(engine.train_batch_size()),
+            MICRO_BATCH_SIZE: int(engine.train_micro_batch_size_per_gpu()),
+            GRAD_ACCUM_STEPS: int(engine.gradient_accumulation_steps()),
+        }
         if not decide or not _clock.settle:
             return False
         if engine.global_steps < MIN_WARMUP_STEPS + MIN_MEASURED_STEPS:

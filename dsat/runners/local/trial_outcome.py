@@ -17,18 +17,21 @@ from typing import Any, NamedTuple
 
 from dsat.constants import (
     CONFIG_NOT_TAKEN,
-    GRAD_ACCUM_STEPS,
     HPARAMS_FILE,
     MEMORY_RAN_OUT,
-    MICRO_BATCH_SIZE,
     OOM_MARKER,
     OVERWRITE_KEY,
     ROWS_OVER_BATCH,
     RUN_ALONE,
-    TRAIN_BATCH_SIZE,
     TRIAL_OUTCOME_FILE,
 )
 from dsat.experiment.settings import DEFAULT_END_PROFILE_STEP, DEFAULT_START_PROFILE_STEP
+from dsat.training.batch_taken import (
+    BATCH_CHANGED,
+    BATCH_KEYS,
+    batch_sizes_changed_reason,
+    changed_batch_sizes,
+)
 from dsat.training.oom import (
     allocator_says_out_of_memory,
     host_memory_ran_out,
@@ -332,6 +335,8 @@ def classify(
     outcome = read_outcome(directory)
     text = log_end(log_path, log_start)
     tail = log_tail(text)
+    if outcome.get("status") == BATCH_CHANGED and isinstance(outcome.get("error"), str):
+        return TrialEnd(TrialStatus.ERROR, {}, f"{outcome['error']}\n{tail}", FailureCause.SCRIPT)
     completed = outcome.get("status") == "completed"
     fed_more = script_batch_note(outcome) if completed else None
     if fed_more is not None:
@@ -454,19 +459,9 @@ def batch_sizes_changed(text: str, directory: Path) -> str | None:
     asked = hparams.get(OVERWRITE_KEY) if isinstance(hparams, dict) else None
     if not isinstance(asked, dict):
         return None
-    got = zip((TRAIN_BATCH_SIZE, MICRO_BATCH_SIZE, GRAD_ACCUM_STEPS), found.groups(), strict=True)
-    changed = [
-        f"{key} {value}, not {asked[key]}"
-        for key, value in got
-        if isinstance(asked.get(key), int) and asked[key] != int(value)
-    ]
-    if not changed:
-        return None
-    return (
-        f"the training script changed the batch sizes dsat gave the trial ({'; '.join(changed)})"
-        ", and DeepSpeed rejected them: build the engine from "
-        "dsat.get_ds_config_from_hparams(hparams) as it is, not with a batch size of its own"
-    )
+    ran = {key: int(value) for key, value in zip(BATCH_KEYS, found.groups(), strict=True)}
+    changed = changed_batch_sizes(asked, ran)
+    return batch_sizes_changed_reason(changed, rejected=True) if changed else None
 
 
 def _out_of_memory(

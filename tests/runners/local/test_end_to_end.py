@@ -391,6 +391,19 @@ def test_a_script_that_sets_its_own_micro_batch_is_blamed_not_the_config(tmp_pat
     assert "no configuration can pass until the training script is fixed" in run.stderr
 
 
+def test_a_script_whose_own_batch_sizes_deepspeed_takes_is_blamed_not_handed_over(
+    tmp_path: Path,
+) -> None:
+    """Every trial ran the script's micro-batch, and the search handed over one no trial ran."""
+    run, results = binary_search(tmp_path, 3, DSAT_TEST_BEHAVIOUR="own_batch:3")
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-2000:]
+    searched = [row for row in trials(results) if row["kind"] == "search"]
+    assert searched and all(row["cause"] == "script" for row in searched), searched
+    assert "train_micro_batch_size_per_gpu 3, not " in searched[0]["error"]
+    assert "so it measured another configuration than the trial's" in searched[0]["error"]
+    assert not (results / "best_ds_config.json").exists()
+
+
 def test_crashing_trial_is_an_error_not_a_crash_of_the_search(tmp_path: Path) -> None:
     # In fresh processes, so that path runs real DeepSpeed too.
     run, results = binary_search(tmp_path, 3, "--fresh-processes", DSAT_TEST_BEHAVIOUR="crash")
