@@ -426,9 +426,10 @@ class LocalRunner:
                     slot, cold, trial.log_path
                 ):
                     trial.host_lost_on.append(slot)
-        if not again or end.cause is FailureCause.MACHINE:
+        if not again or end.cause in (FailureCause.MACHINE, FailureCause.SCRIPT):
             # Killed from outside: the machine's, whatever ran before it in the host, as for
             # its host's first trial (said on screen, run again, counted among the attempts).
+            # The script's: no configuration is blamed, and the next trial starts a new host.
             return False
         what = "out of memory" if end.status is TrialStatus.OOM else "failed"
         self._note(

@@ -39,6 +39,8 @@ if mode == "thread":
     threading.Thread(target=time.sleep, args=(600,), name="left-running", daemon=True).start()
 if mode == "raise" or (mode == "raise_once" and first_run):
     raise ValueError("the script failed")
+if mode == "missing_module":
+    import a_module_the_script_lacks  # noqa: F401
 if mode == "oom" or (mode == "oom_once" and first_run):
     raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
 if mode == "slow_fail_once":
@@ -227,6 +229,16 @@ def test_a_failure_in_the_host_that_a_process_of_its_own_does_not_repeat_is_no_f
     assert (tmp_path / "flag").exists()  # it did fail in the host
     assert confirmed.status is TrialStatus.COMPLETED
     assert pid(confirmed) != pid(first)  # in a fresh process
+
+
+def test_a_failure_that_is_the_scripts_is_not_run_again_fresh(tmp_path: Path) -> None:
+    """No configuration is blamed for it, so a second run tells nothing: it doubled the cost
+    of every such trial (a new process, a new import of torch and DeepSpeed)."""
+    first, failed, last = run_all(job_runner(tmp_path), [{}, {"mode": "missing_module"}, {}])
+    assert failed.status is TrialStatus.ERROR and failed.cause is FailureCause.SCRIPT
+    assert RERUN not in log_of(tmp_path, 2)
+    assert pid(first) != pid(last)  # the host it failed in is replaced all the same
+    assert HOST_TRIAL_MARK in log_of(tmp_path, 3).splitlines()[0]
 
 
 @pytest.mark.parametrize("mode", ["raise", "oom"])
