@@ -127,24 +127,32 @@ def repeated_unknown_failure(finished: list[TrialRecord]) -> str | None:
     """A stop reason when nothing but the model profile has succeeded and the last trials all
     crashed with one reason of no known kind over several stages and micro-batches: a script's
     bug after the profile's steps (the same RuntimeError in every trial) ran the whole
-    --max-trials budget, each trial a GPU's start-up for nothing."""
-    last = finished[-UNKNOWN_FAILURES_TO_STOP:]
+    --max-trials budget, each trial a GPU's start-up for nothing. With one stage searched
+    (--zero-stages 1), where the micro-batch alone may be why, twice as many crashes over as
+    many micro-batches, from one to eight times the least."""
     configured = [r for r in finished if r.kind is not TrialKind.MODEL_PROFILE]
-    if len(last) < UNKNOWN_FAILURES_TO_STOP or any(
-        r.status is TrialStatus.COMPLETED for r in configured
-    ):
+    if any(r.status is TrialStatus.COMPLETED for r in configured):
         return None
-    if any(r.cause is not FailureCause.UNKNOWN or r.status is TrialStatus.TIMEOUT for r in last):
-        return None
-    reasons = {failure_key(r) for r in last}
-    stages = sorted({r.zero_stage for r in last})
-    batches = sorted({r.mbs for r in last})
-    if len(reasons) != 1 or len(stages) < 2 or len({r.name for r in last}) < 3:
+    for count in (UNKNOWN_FAILURES_TO_STOP, 2 * UNKNOWN_FAILURES_TO_STOP):
+        last = finished[-count:]
+        if len(last) < count or any(
+            r.cause is not FailureCause.UNKNOWN or r.status is TrialStatus.TIMEOUT for r in last
+        ):
+            return None
+        if len({failure_key(r) for r in last}) != 1 or len({r.name for r in last}) < 3:
+            return None
+        stages = sorted({r.zero_stage for r in last})
+        batches = sorted({r.mbs for r in last})
+        one_stage = count > UNKNOWN_FAILURES_TO_STOP
+        wide = len(batches) >= UNKNOWN_FAILURES_TO_STOP and batches[-1] >= 8 * batches[0]
+        if len(stages) >= 2 or (one_stage and wide):
+            break
+    else:
         return None
     sizes = f" {batches[0]}" if len(batches) == 1 else f"es {batches[0]} to {batches[-1]}"
+    over = f"stage {stages[0]}" if len(stages) == 1 else f"stages {', '.join(map(str, stages))}"
     return (
-        f"the last {len(last)} trials failed alike over ZeRO stages "
-        f"{', '.join(map(str, stages))} at micro-batch{sizes}, and "
+        f"the last {len(last)} trials failed alike over ZeRO {over} at micro-batch{sizes}, and "
         f"none has succeeded: {first_line(last[-1].error)}{log_note(last[-1].log)}; no "
         "configuration seems to be the cause: fix the training script (or the machine) and "
         "start again"

@@ -271,11 +271,24 @@ def test_crashes_alike_stop_a_search_only_over_several_stages_and_configurations
         [*ALIKE[:4], ended(4, 2, 2, TrialStatus.TIMEOUT)],  # one hung: slow, not the same bug
         [*ALIKE[:4], ended(4, 2, 2, error="ValueError: another")],  # two reasons
         [ended(i, 1, 2 * (i + 1)) for i in range(5)],  # one stage: its micro-batches may be why
+        [ended(i, 1, 8 + i) for i in range(10)],  # ten, but over 8 to 17 only
         [ended(i, 1 + i % 2, 2 + 2 * (i % 2)) for i in range(5)],  # two configurations
         [ended(9, 1, 16, TrialStatus.COMPLETED, None, None), *ALIKE],  # one succeeded
         ALIKE[:4],  # too few yet
     ):
         assert repeated_unknown_failure([PROFILED, *spoiled]) is None
+
+
+def test_with_one_stage_searched_twice_as_many_crashes_over_a_wide_range_stop_a_search() -> None:
+    """--zero-stages 1: nine of nine trials crashed alike, micro-batch 410 down to 1, and the
+    search ran its whole budget."""
+    walk = [ended(i, 1, mbs) for i, mbs in enumerate((410, 192, 64, 32, 16, 8, 4, 2, 1, 3))]
+    assert repeated_unknown_failure([PROFILED, *walk[:9]]) is None  # five are not enough
+    reason = repeated_unknown_failure([PROFILED, *walk])
+    assert reason is not None
+    assert reason.startswith(
+        "the last 10 trials failed alike over ZeRO stage 1 at micro-batches 1 to 410"
+    )
 
 
 def test_where_no_search_trial_succeeded_the_most_common_reason_is_said() -> None:
