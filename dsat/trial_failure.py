@@ -113,7 +113,8 @@ KNOWN_FAILURES: tuple[KnownFailure, ...] = (
         # library an op links: the script's own ctypes.CDLL("libx.so") is not an op.
         r"Error building extension '\w+'|has no attribute 'ds_opt_adam'"
         r"|(?:torch_extensions|deepspeed/ops)/\S+\.so: cannot open shared object file"
-        r"|ImportError: lib(?:cu\w+|aio|nccl)\.so[.\d]*: cannot open shared object file",
+        r"|ImportError: lib(?:cu\w+|aio|nccl)\.so[.\d]*: cannot open shared object file"
+        r"|Unable to JIT load the \w+ op",
         FailureCause.CONFIG,
         OP_NOT_BUILT,
     ),

@@ -1294,9 +1294,9 @@ def test_search_with_no_working_config_exits_1(tmp_path: Path) -> None:
     assert result.stderr.strip().splitlines() == [
         "dsat: search failed: the model does not fit at micro-batch 1 in any way dsat tried (as "
         "submitted; ZeRO-3; ZeRO-3, optimizer states on the CPU; ZeRO-3, optimizer states and "
-        "parameters on the CPU): the last ran out of memory (MemoryError: nothing fits); give "
-        "each trial more GPUs (resources.slots_per_trial), --offload-nvme PATH where NVMe "
-        "offload was not tried, or a smaller model"
+        "parameters on the CPU): the last ran out of memory (MemoryError: nothing fits); "
+        "--offload-nvme PATH (NVMe offload was not tried), give each trial more GPUs "
+        "(resources.slots_per_trial), or a smaller model"
     ]
 
 

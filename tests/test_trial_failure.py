@@ -135,6 +135,12 @@ SAMPLES: dict[str, tuple[str, FailureCause]] = {
         + "AttributeError: 'DeepSpeedCPUAdam' object has no attribute 'ds_opt_adam'\n",
         FailureCause.CONFIG,
     ),
+    # NVMe offload's op on a machine without libaio: the config is valid, the machine lacks it.
+    "async_io not loaded": (
+        TRACEBACK + "RuntimeError: Unable to JIT load the async_io op due to it not being "
+        "compatible due to hardware/software issue. None\n",
+        FailureCause.CONFIG,
+    ),
     "gpu": (
         TRACEBACK + "RuntimeError: CUDA error: uncorrectable ECC error encountered\n",
         FailureCause.MACHINE,

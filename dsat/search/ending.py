@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 from dsat.memory import ModelProfile, ModelProfileError
@@ -40,10 +41,24 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def profile_failure(profile: TrialRecord, tried: list[str] | None = None) -> str:
+NVME_UNTRIED = "--offload-nvme PATH (NVMe offload was not tried), "
+
+
+def rungs_left_out(zero_stages: Collection[int], nvme_path: str | None) -> str:
+    """The fit ladder's rungs the flags left out, as the first advice where no rung fit: the
+    advice to add --offload-nvme was refused without stage 3, and adding stage 3 was unsaid."""
+    if 3 not in zero_stages:
+        return "add 3 to --zero-stages (ZeRO-3 and its parameter offload were not tried), "
+    return "" if nvme_path else NVME_UNTRIED
+
+
+def profile_failure(
+    profile: TrialRecord, tried: list[str] | None = None, untried: str = NVME_UNTRIED
+) -> str:
     """Why the search cannot start, quoting the model-profile trial's own reason; "fix the
     config" only where the config is the cause. ``tried``: the fit ladder's rungs whose
-    profiles ran out of memory, when there was more than the user's own config to try."""
+    profiles ran out of memory, when there was more than the user's own config to try;
+    ``untried``: the rungs the flags left out, as advice (``rungs_left_out``)."""
     reason, log = first_line(profile.error), log_note(profile.log)
     if profile.status is TrialStatus.COMPLETED:  # it ran, and its report lacked what dsat needs
         try:
@@ -56,14 +71,27 @@ def profile_failure(profile: TrialRecord, tried: list[str] | None = None) -> str
     if profile.status is TrialStatus.OOM and tried and len(tried) > 1:
         return (
             f"the model does not fit at micro-batch 1 in any way dsat tried ({'; '.join(tried)}): "
-            f"the last ran out of memory ({reason}){log}; give each trial more GPUs (resources.slots_per_trial), "
-            "--offload-nvme PATH where NVMe offload was not tried, or a smaller model"
+            f"the last ran out of memory ({reason}){log}; {untried}give each trial more GPUs "
+            "(resources.slots_per_trial), or a smaller model"
         )
     if profile.status is TrialStatus.OOM:
         return (
             f"the model-profile trial ran out of memory at micro-batch 1 ({reason}){log}: the "
             "model must fit at micro-batch 1 with the submitted DeepSpeed config; fix the config "
             "(a higher ZeRO stage, offload) and try again"
+        )
+    if profile.cause is FailureCause.CONFIG and "async_io" in reason:
+        before = (
+            f"the model ran out of memory in every other way dsat tried ({'; '.join(tried[:-1])})"
+            ", and "
+            if tried and len(tried) > 1
+            else ""
+        )
+        return (
+            f"{before}the model-profile trial with NVMe offload failed: {reason}{log}; NVMe "
+            "offload needs DeepSpeed's async_io op, which this machine cannot load (`ds_report` "
+            "says what it lacks: libaio, most often): install what it needs, or drop "
+            "--offload-nvme"
         )
     if profile.cause is FailureCause.CONFIG and reason.startswith(OP_NOT_BUILT):
         return (
@@ -220,7 +248,8 @@ class SearchEnding:
             profile = method.tracker.model_profile
             assert profile is not None  # it failed
             climbed = len(method.tracker.model_profiles)
-            return profile_failure(profile, [r.name for r in method.fit_rungs[:climbed]])
+            untried = rungs_left_out(method.zero_stages, method.settings.offload_nvme)
+            return profile_failure(profile, [r.name for r in method.fit_rungs[:climbed]], untried)
         repeated = repeated_failure(method.tracker.finished)
         if repeated is not None:
             return repeated

@@ -13,6 +13,7 @@ from dsat.search.ending import (
     profile_failure,
     repeated_script_failure,
     repeated_unknown_failure,
+    rungs_left_out,
 )
 from dsat.trial import TrialKind, TrialOutcome, TrialRecord, TrialStatus
 from dsat.trial_failure import (
@@ -320,6 +321,30 @@ def test_a_profile_out_of_memory_names_the_rungs_only_where_the_ladder_climbed()
     assert "in any way dsat tried" not in profile_failure(oom, ["z1"])
     crashed = dataclasses.replace(oom, status=TrialStatus.ERROR, cause=FailureCause.SCRIPT)
     assert "in any way dsat tried" not in profile_failure(crashed, ["z1", "z3"])
+
+
+def test_where_no_rung_fits_the_advice_names_the_rungs_the_flags_left_out() -> None:
+    """Without stage 3 it advised --offload-nvme, which dsat refuses without stage 3, and never
+    adding 3, which would have fit the model."""
+    assert rungs_left_out((1, 2), None).startswith("add 3 to --zero-stages")
+    assert rungs_left_out((1, 2), "/nvme").startswith("add 3 to --zero-stages")
+    assert rungs_left_out((1, 2, 3), None).startswith("--offload-nvme PATH")
+    assert rungs_left_out((1, 2, 3), "/nvme") == ""
+    oom = ended(0, 2, 1, TrialStatus.OOM, FailureCause.CONFIG, "OOM", TrialKind.MODEL_PROFILE)
+    reason = profile_failure(oom, ["as submitted", "ZeRO-2"], rungs_left_out((1, 2), None))
+    assert "; add 3 to --zero-stages (" in reason and "--offload-nvme" not in reason
+
+
+def test_an_nvme_rung_this_machine_cannot_load_says_so_after_the_rungs_below_it() -> None:
+    """It read "the model-profile trial failed at micro-batch 1" with the cause unknown."""
+    error = f"{OP_NOT_BUILT}: RuntimeError: Unable to JIT load the async_io op due to ..."
+    failed = ended(0, 3, 1, TrialStatus.ERROR, FailureCause.CONFIG, error, TrialKind.MODEL_PROFILE)
+    reason = profile_failure(failed, ["as submitted", "ZeRO-3", "ZeRO-3, both on NVMe (/n)"])
+    assert reason.startswith(
+        "the model ran out of memory in every other way dsat tried (as submitted; ZeRO-3), and "
+        "the model-profile trial with NVMe offload failed: "
+    )
+    assert reason.endswith("install what it needs, or drop --offload-nvme")
 
 
 @pytest.mark.parametrize("name", ["guided", "binary"])
