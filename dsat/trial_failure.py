@@ -169,7 +169,10 @@ KNOWN_FAILURES: tuple[KnownFailure, ...] = (
         "the training script rejected its command line (the entrypoint's arguments)",
     ),
     _known(
-        r"can't open file|^cannot run \S+: ",
+        # Python's, dsat's own, and a shell's (an entrypoint `bash run.sh`: exit 127 or 126).
+        r"can't open file|^cannot run \S+: "
+        r"|^(?:\S*/)?(?:ba|da|z)?sh: (?:line \d+: )?\S+: (?:No such file or directory|command not "
+        r"found|Permission denied)$",
         FailureCause.SCRIPT,
         "the entrypoint's command cannot start (is its file in the model dir?)",
     ),

@@ -135,6 +135,11 @@ SAMPLES: dict[str, tuple[str, FailureCause]] = {
         + "AttributeError: 'DeepSpeedCPUAdam' object has no attribute 'ds_opt_adam'\n",
         FailureCause.CONFIG,
     ),
+    # An entrypoint `bash run_train.sh` without its file: the shell's words, exit 127.
+    "shell entrypoint missing": (
+        "bash: run_train.sh: No such file or directory\n",
+        FailureCause.SCRIPT,
+    ),
     # NVMe offload's op on a machine without libaio: the config is valid, the machine lacks it.
     "async_io not loaded": (
         TRACEBACK + "RuntimeError: Unable to JIT load the async_io op due to it not being "

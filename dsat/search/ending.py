@@ -110,7 +110,10 @@ def profile_failure(
         return f"the model-profile trial failed: {reason}{log}; the configuration is not to blame"
     if profile.status is TrialStatus.TIMEOUT:
         return f"the model-profile trial failed: {reason}{log} (--trial-timeout)"
-    return f"the model-profile trial failed at micro-batch 1: {reason}{log}"
+    return (
+        f"the model-profile trial failed (micro-batch 1): {reason}{log}; its log says whether "
+        "the training script or the config is the cause"
+    )
 
 
 # A trial's directory as the local and Ray runners name it: NNN-<request id's first 8>.

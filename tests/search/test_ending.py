@@ -203,7 +203,7 @@ def test_failures_alike_but_for_the_trial_directory_they_name_stop_it() -> None:
         (TrialStatus.ERROR, FailureCause.CONFIG, "DeepSpeed rejected", True),
         (TrialStatus.ERROR, FailureCause.SCRIPT, "until the training script is fixed", False),
         (TrialStatus.ERROR, FailureCause.MACHINE, "the configuration is not to blame", False),
-        (TrialStatus.ERROR, FailureCause.UNKNOWN, "failed at micro-batch 1", False),
+        (TrialStatus.ERROR, FailureCause.UNKNOWN, "failed (micro-batch 1): ", False),
     ],
 )
 def test_a_failed_profile_quotes_its_reason_and_blames_the_config_only_when_it_is(

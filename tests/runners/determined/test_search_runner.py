@@ -407,7 +407,7 @@ def test_a_failed_model_profile_on_the_cluster_says_why_in_the_summary(
     method = run(core_context(monkeypatch, tmp_path / "ckpt", runner_id, None), workdir, runner_id)
     assert method.model_profile_failed()
     summary = (tmp_path / "ckpt" / cluster.checkpoints[-1] / SUMMARY_FILE).read_text()
-    assert "handed over: nothing: the model-profile trial failed at micro-batch 1: " in summary
+    assert "handed over: nothing: the model-profile trial failed (micro-batch 1): " in summary
     assert "KeyError: 'labels'" in summary
 
 
