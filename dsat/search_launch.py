@@ -104,7 +104,7 @@ from dsat.search.baseline import (
     yours_clearly_faster,
     yours_handed_over,
 )
-from dsat.search.ending import BUDGET_USED_UP, no_search_trial_succeeded, repeated_failure
+from dsat.search.ending import BUDGET_USED_UP
 from dsat.search.method import DsatSearchMethod
 from dsat.search.trial_builder import SearchSpec
 from dsat.search_run import best_config_path, resumes_without_trials, run_search, stops_held
@@ -1004,11 +1004,7 @@ def report_end(
     except OSError as err:  # as is the report, when the disk is full by now
         print(f"dsat: no report drawn: cannot write it ({err.strerror or err})")
     if method.search_failed:
-        reason = method.shutdown_reason or "no trial succeeded"
-        none_ran = no_search_trial_succeeded(method.tracker.finished)
-        if none_ran is None or reason == repeated_failure(method.tracker.finished):
-            raise SearchFailed(reason)
-        raise SearchFailed(f"{none_ran} ({reason}){all_out_of_memory_fix(method)}")
+        raise SearchFailed(f"{method.failure_reason()}{all_out_of_memory_fix(method)}")
     for line in closing_lines(method, results_dir, full_run, trains):
         print(line)
 

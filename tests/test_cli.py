@@ -1284,6 +1284,10 @@ def test_trials_crashing_alike_whatever_their_configuration_end_the_search(
     ), line
     rows = (tmp_path / "r" / "trials.jsonl").read_text().splitlines()
     assert len(rows) == 6  # the model profile and the five
+    # The summary says why as the last line does: "none of the 5 search trials succeeded" read
+    # as a budget spent.
+    summary = (tmp_path / "r" / "summary.txt").read_text()
+    assert f"handed over: nothing: {line.removeprefix('dsat: search failed: ')}\n" in summary
 
 
 def test_search_with_no_working_config_exits_1(tmp_path: Path) -> None:

@@ -34,7 +34,7 @@ from dsat.memory import (
 from dsat.search.baseline import baseline_line, baseline_trial
 from dsat.search.confirmation import Score, leaders
 from dsat.search.denoised_ranking import denoised_score
-from dsat.search.ending import SearchEnding, no_search_trial_succeeded
+from dsat.search.ending import SearchEnding, no_search_trial_succeeded, repeated_failure
 from dsat.search.fit_ladder import (
     FitRung,
     ladder,
@@ -533,9 +533,8 @@ class DsatSearchMethod(SearchMethod):
         failed = self.search_failed and not self.model_profile_failed()
         none_ran = no_search_trial_succeeded(self.tracker.finished) if failed else None
         # Why, in the file a user reads later: a failed profile's summary said nothing of it.
-        why = none_ran or self.shutdown_reason or "no trial succeeded"
         return [
-            f"handed over: nothing: {why}"
+            f"handed over: nothing: {self.failure_reason()}"
             if self.search_failed and (none_ran or self.finished)
             else "",
             self.spec.batch_line(self.tracker.best()),
@@ -544,6 +543,17 @@ class DsatSearchMethod(SearchMethod):
             short_batches_line(self.tracker.finished),
             same_inputs_line(self.tracker.finished),
         ]
+
+    def failure_reason(self) -> str:
+        """Why a failed search hands over nothing, as its summary and its last line say it: its
+        stop reason where the trials' failing alike ended it early (the summary said only that
+        none succeeded, which read as a budget spent), with how the search trials failed
+        otherwise."""
+        reason = self.shutdown_reason or "no trial succeeded"
+        none_ran = no_search_trial_succeeded(self.tracker.finished)
+        if none_ran is None or reason == repeated_failure(self.tracker.finished):
+            return reason
+        return f"{none_ran} ({reason})"
 
     def fit_line(self, handed_over: TrialRecord | None) -> str:
         """The summary's line on what it took to fit, when the model did not as submitted."""
