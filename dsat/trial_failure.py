@@ -19,6 +19,9 @@ import signal
 from dsat.paths import shown
 
 REASON_CHARS = 200  # the one-line reason a terminal line shows
+# The reason a search ends with (its last line, its summary): dsat's own advice runs longer, and
+# was cut off in mid-fix; a dump of a tensor in an exception's message is still cut.
+STOP_REASON_CHARS = 1000
 # A signal dsat did not send: dsat cannot tell another process's from the script's own.
 FROM_OUTSIDE = "from outside dsat"
 WHO_ELSE = "another process, or the training script itself"
@@ -266,11 +269,11 @@ class Diagnosis:
 CONTROL_CHARACTER = re.compile(r"[\x00-\x1f\x7f]")
 
 
-def one_line(text: str) -> str:
+def one_line(text: str, limit: int = REASON_CHARS) -> str:
     """``text`` in one line that shows as it reads: whitespace runs made one space, control
-    characters written as escapes (``\\x1b``)."""
+    characters written as escapes (``\\x1b``); at most ``limit`` characters."""
     line = CONTROL_CHARACTER.sub(lambda m: f"\\x{ord(m.group()):02x}", " ".join(text.split()))
-    return line if len(line) <= REASON_CHARS else line[: REASON_CHARS - 3] + "..."
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def exception_lines(log: str, rank: int | None = None) -> list[str]:
@@ -791,9 +794,9 @@ def raised_by_own_code(log: str, exception: str, own_line_only: bool = False) ->
     return None
 
 
-def first_line(error: str | None) -> str:
+def first_line(error: str | None, limit: int = REASON_CHARS) -> str:
     """The one-line reason an outcome's error starts with."""
-    return one_line(error.splitlines()[0]) if error else ""
+    return one_line(error.splitlines()[0], limit) if error else ""
 
 
 def log_note(log: str | None) -> str:

@@ -28,6 +28,7 @@ from dsat.trial_failure import (
     MACHINE_FAILURES_TO_STOP,
     OP_NOT_BUILT,
     SCRIPT_FAILURES_TO_STOP,
+    STOP_REASON_CHARS,
     UNKNOWN_FAILURES_TO_STOP,
     WHO_ELSE,
     FailureCause,
@@ -59,7 +60,7 @@ def profile_failure(
     config" only where the config is the cause. ``tried``: the fit ladder's rungs whose
     profiles ran out of memory, when there was more than the user's own config to try;
     ``untried``: the rungs the flags left out, as advice (``rungs_left_out``)."""
-    reason, log = first_line(profile.error), log_note(profile.log)
+    reason, log = first_line(profile.error, STOP_REASON_CHARS), log_note(profile.log)
     if profile.status is TrialStatus.COMPLETED:  # it ran, and its report lacked what dsat needs
         try:
             ModelProfile.from_metrics(profile.metrics)
@@ -137,10 +138,10 @@ def repeated_script_failure(finished: list[TrialRecord]) -> str | None:
     reasons = {failure_key(r) for r in last if r.cause is FailureCause.SCRIPT}
     if len(reasons) != 1 or any(r.cause is not FailureCause.SCRIPT for r in last):
         return None
+    reason = first_line(last[-1].error, STOP_REASON_CHARS)
     return (
         f"the last {len(last)} trials failed alike, whatever their configuration: "
-        f"{first_line(last[-1].error)}{log_note(last[-1].log)}; fix the training script and "
-        "start again"
+        f"{reason}{log_note(last[-1].log)}; fix the training script and start again"
     )
 
 
@@ -182,9 +183,10 @@ def repeated_unknown_failure(finished: list[TrialRecord]) -> str | None:
         return None
     sizes = f" {batches[0]}" if len(batches) == 1 else f"es {batches[0]} to {batches[-1]}"
     over = f"stage {stages[0]}" if len(stages) == 1 else f"stages {', '.join(map(str, stages))}"
+    reason = first_line(last[-1].error, STOP_REASON_CHARS)
     return (
         f"the last {len(last)} trials failed alike over ZeRO {over} at micro-batch{sizes}, and "
-        f"none has succeeded: {first_line(last[-1].error)}{log_note(last[-1].log)}; no "
+        f"none has succeeded: {reason}{log_note(last[-1].log)}; no "
         "configuration seems to be the cause: fix the training script (or the machine) and "
         "start again"
     )
@@ -206,7 +208,7 @@ def no_search_trial_succeeded(finished: list[TrialRecord]) -> str | None:
     for record in searched:  # alike where only a port, a step count or a directory differs
         reasons.setdefault(failure_key(record) or record.status.value, []).append(record)
     alike = max(reasons.values(), key=len)
-    reason = first_line(alike[-1].error) or alike[-1].status.value
+    reason = first_line(alike[-1].error, STOP_REASON_CHARS) or alike[-1].status.value
     which = (
         "the one search trial did not succeed; it ended with"
         if len(searched) == 1
@@ -223,7 +225,8 @@ def repeated_machine_failure(finished: list[TrialRecord]) -> str | None:
         r.cause is not FailureCause.MACHINE for r in last
     ):
         return None
-    why = first_line(last[-1].error).rpartition("not its configuration: ")[2]  # the driver's
+    error = first_line(last[-1].error, STOP_REASON_CHARS)
+    why = error.rpartition("not its configuration: ")[2]  # the driver's
     remedy = "fix the machine"
     if FROM_OUTSIDE in why:
         remedy = f"find what stops them ({WHO_ELSE})"

@@ -196,6 +196,18 @@ def test_failures_alike_but_for_the_trial_directory_they_name_stop_it() -> None:
     assert reason is not None and "cannot import name 'collate'" in reason
 
 
+def test_a_stop_reason_keeps_the_fix_a_short_reason_would_cut_off() -> None:
+    """The last line and the summary ended in "an HF Trainer's ...": the fix was cut at 200."""
+    advice = "training ended after 4 optimizer steps; " + "let it run longer, " * 20 + "cycle it"
+    record = TrialRecord("a", 1, "search", {}, {}, 1, 1, 1, "a", status=TrialStatus.ERROR)  # type: ignore[arg-type]
+    alike = [
+        record.replace(request_id=str(i), error=f"{advice}\ntail", cause=FailureCause.SCRIPT)
+        for i in range(SCRIPT_FAILURES_TO_STOP)
+    ]
+    reason = repeated_script_failure(alike)
+    assert len(advice) > 200 and reason is not None and advice in reason
+
+
 @pytest.mark.parametrize(
     ("status", "cause", "says", "fix_the_config"),
     [
