@@ -127,6 +127,14 @@ def log_end(path: Path, start: int = 0) -> str:
         return ""
 
 
+def own_output(text: str) -> list[str]:
+    """The lines of a trial's log its processes printed: not dsat's own (its command line, its
+    notes), nor blank."""
+    return [
+        line for line in text.splitlines() if line.strip() and not line.startswith(("$ ", "dsat: "))
+    ]
+
+
 def log_tail(text: str, lines: int = LOG_TAIL_LINES) -> str:
     """The last lines of a log, each cut to ``TAIL_LINE_CHARS``: a reason keeps them in
     trials.jsonl and the search's state, both written again after every trial (one enormous
@@ -381,10 +389,17 @@ def classify(
         reason = config_not_taken(bool(outcome.get("taken")), bool(outcome.get("hf")))
         return TrialEnd(TrialStatus.ERROR, {}, f"{reason}\n{tail}", FailureCause.SCRIPT)
     if code == 0:
+        said = own_output(text)
+        last = f"; its last line: {one_line(said[-1])}" if said and not caught else ""
         reason = (
-            f"the script exited without reporting metrics{caught}: train inside "
+            f"the script exited without reporting metrics{caught}{last}: train inside "
             "dsat.dsat_reporting_context (or with DeepSpeed's autotuning enabled)"
         )
+        if not said:  # no main() called: it imported what it needs, and ended
+            reason = (
+                "the script exited (exit code 0) without a word: does the entrypoint start its "
+                'training (its main() called under `if __name__ == "__main__":`)?'
+            )
         if not outcome and (directory / TRIAL_OUTCOME_FILE).is_file():
             reason = (
                 f"the script exited, and its {TRIAL_OUTCOME_FILE} is not what "

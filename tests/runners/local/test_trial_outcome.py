@@ -99,6 +99,14 @@ def test_failures_the_script_causes_whatever_the_config(tmp_path: Path) -> None:
     end = classify(tmp_path, log, 0, False, 60)  # it never called dsat's helpers
     assert end.cause is FailureCause.SCRIPT and end.error is not None
     assert end.error.splitlines()[0].startswith("the script exited without reporting metrics")
+    assert "; its last line: trained:" in end.error.splitlines()[0]
+    # A script that printed nothing at all: its training never started (no main() called).
+    log = trial(tmp_path, "", None)
+    end = classify(tmp_path, log, 0, False, 60)
+    assert end.cause is FailureCause.SCRIPT and end.error is not None
+    assert end.error.splitlines()[0].startswith(
+        "the script exited (exit code 0) without a word: does the entrypoint start its training"
+    )
     # Its engine never got the trial's config (its own JSON): that is what it is told.
     log = trial(tmp_path, "trained\n", {"status": CONFIG_NOT_TAKEN})
     end = classify(tmp_path, log, 0, False, 60)
