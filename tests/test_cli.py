@@ -363,6 +363,18 @@ def test_cli_entrypoint_script_not_there(tmp_path: Path) -> None:
     assert not (tmp_path / "dsat-results").exists()
 
 
+def test_cli_entrypoint_script_that_does_not_parse(tmp_path: Path) -> None:
+    """It ran the model-profile trial (after DeepSpeed's ops were built) to fail on it, and its
+    one line named neither the file nor the line."""
+    path = write_experiment(tmp_path / "m")
+    script = path.parent / "train.py"
+    script.write_text(script.read_text() + "\ndef broken() -> None\n    pass\n")
+    line = len(script.read_text().splitlines()) - 1
+    result = run_cli("asha", str(path), str(path.parent), cwd=tmp_path)
+    _assert_subprocess_error(result, f"train.py, line {line}: SyntaxError: ", "does not parse")
+    assert not (tmp_path / "dsat-results").exists()
+
+
 def test_cli_unimportable_simulator(experiment_yaml: Path) -> None:
     result = run_cli(
         "asha",

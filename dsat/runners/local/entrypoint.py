@@ -18,7 +18,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from dsat.errors import DsatError
-from dsat.experiment.config import resolve_context_path
+from dsat.experiment.config import entrypoint_script, resolve_context_path
+from dsat.paths import shown
 
 DETERMINED_LAUNCHERS = (
     "determined.launch.deepspeed",
@@ -111,6 +112,8 @@ def check_program(
     """``DsatError`` where the program the entrypoint runs (not a Python the trial replaces with
     this one, nor a Trial class) is neither on this machine's PATH nor a file of MODEL_DIR: every
     trial failed on it, the model profile first, after the launch had promised a checked input."""
+    if command and command[0] in PYTHON_NAMES:
+        check_script_parses(command, model_dir, includes)
     if not command or trial_class(command) is not None or command[0] in PYTHON_NAMES:
         return
     program = command[0]
@@ -126,6 +129,25 @@ def check_program(
             f"{source}: the entrypoint runs {program}, which is not {where}; fix the command "
             "(for a Python script: python3 train.py ...)"
         )
+
+
+def check_script_parses(command: Sequence[str], model_dir: Path, includes: Sequence[Path]) -> None:
+    """``DsatError`` where the Python script the entrypoint runs (by this interpreter, as every
+    local trial's is) does not parse: the model-profile trial failed on it, after DeepSpeed's ops
+    were built and the slots claimed, with neither the file nor the line in its one line."""
+    script = entrypoint_script(list(command))
+    path = None if script is None else resolve_context_path(script, model_dir, includes)
+    if path is None:
+        return
+    try:
+        compile(path.read_bytes(), str(path), "exec", dont_inherit=True)
+    except SyntaxError as err:
+        raise DsatError(
+            f"{shown(path)}, line {err.lineno}: {type(err).__name__}: {err.msg}; the training "
+            "script does not parse: fix it"
+        ) from None
+    except (OSError, ValueError):  # unreadable, or null bytes: the trial says what it is
+        return
 
 
 def trial_command(
