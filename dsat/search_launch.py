@@ -440,7 +440,8 @@ def check_entrypoint_steps(experiment: Experiment, settings: SearchSettings) -> 
     if given is not None and given.isdigit() and 0 < int(given) < needed:
         raise DsatError(
             f"{experiment.config_path}: the entrypoint passes --max_steps {given}, but a trial "
-            f"measures up to optimizer step {needed} (--end-profile-step and dsat's window); "
+            f"measures up to optimizer step {needed} (dsat's window, which --start-profile-step "
+            "and --end-profile-step move); "
             f"give --max_steps {needed} or more"
         )
 

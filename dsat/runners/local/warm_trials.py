@@ -237,6 +237,10 @@ class WarmWorker:
         # it); once close returns, none of them polls as running.
         self._reader.join(timeout=READER_JOIN_S)
         self._log.close()
+        # Kept where it says something (why the worker went cold); an empty one is noise.
+        with contextlib.suppress(OSError):
+            if self.log_path.stat().st_size == 0:
+                self.log_path.unlink()
 
 
 class WarmWorkers:

@@ -114,7 +114,8 @@ def test_small_search_writes_a_best_config_deepspeed_accepts(tmp_path: Path) -> 
     trial_logs = sorted((results / "logs").glob("[0-9]*.log"))
     assert len(trial_logs) == 7 + len(confirmations)
     assert all(HOST_TRIAL_MARK in log.read_text().splitlines()[0] for log in trial_logs)
-    assert len(list((results / "logs").glob("warm-worker-cpu*.log"))) == 2
+    # A worker's log is kept only where it says something (why it went cold, or a host left).
+    assert all(log.read_text().strip() for log in (results / "logs").glob("warm-worker-*.log"))
     full_log = (results / "logs" / "full-experiment.log").read_text()
     assert WARM_MARK not in full_log and HOST_TRIAL_MARK not in full_log
     assert json.loads((results / "settings.json").read_text())["trial_host"] is None
@@ -203,7 +204,8 @@ def test_a_search_runs_its_trials_in_a_trial_host(tmp_path: Path) -> None:
     # No host was replaced for an engine left alive or DeepSpeed imported after its baseline. One
     # may leave for its measured pace: after ZeRO-3 on the CPU, gloo's threads keep OpenMP pools
     # that slow small products, most where another process loads the cores (CI's other worker).
-    worker_log = (results / "logs" / "warm-worker-cpu0.log").read_text()
+    worker_path = results / "logs" / "warm-worker-cpu0.log"  # none where it said nothing
+    worker_log = worker_path.read_text() if worker_path.exists() else ""
     reasons = [
         reason
         for line in worker_log.splitlines()

@@ -154,6 +154,8 @@ def test_trials_run_one_after_another_in_one_host_each_as_if_fresh(tmp_path: Pat
     assert [int(o.metrics["count"]) for o in outcomes] == [1, 1, 1]
     assert [int(o.metrics["left_over"]) for o in outcomes] == [0, 0, 0]
     assert [int(o.metrics["stdin_empty"]) for o in outcomes] == [1, 1, 1]
+    # Its log said nothing (it never went cold, no host left): none is left behind.
+    assert list((tmp_path / "results" / "logs").glob("warm-worker-*")) == []
 
 
 def test_each_trial_of_a_host_draws_its_own_random_numbers(tmp_path: Path) -> None:
