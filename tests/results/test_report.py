@@ -282,6 +282,30 @@ def test_the_picks_label_stays_inside_its_panel(tmp_path: Path) -> None:
         assert box.y1 <= 1.0 and box.y0 >= 0.0 and box.x0 >= 0.0 and box.x1 <= 1.0, (name, box)
 
 
+def test_peaks_measured_without_the_devices_total_are_drawn_not_said_to_be_missing(
+    tmp_path: Path,
+) -> None:
+    """A simulator of the user's gave each trial's peak and not the device's total: the panel
+    drew the peaks, then wrote "no search trial measured its peak memory" over them."""
+    from dsat.results.report import draw_memory, import_pyplot
+
+    code, results_dir = simulated_search(tmp_path)
+    assert code == 0
+    results = load_results(results_dir)
+    for gib, row in enumerate(results.search_rows, start=1):
+        metrics = {k: v for k, v in (row.get("metrics") or {}).items() if "memory" not in k}
+        row["metrics"] = {**metrics, "memory_peak_bytes": gib * 2**30}
+    _, ax = import_pyplot().subplots()
+    draw_memory(ax, results)
+    assert ax.collections and not ax.texts  # the peaks, and no word that there are none
+    assert not ax.lines  # no device line: its total is not known
+    for row in results.search_rows:  # and where none measured one, it says so
+        row["metrics"].pop("memory_peak_bytes")
+    _, ax = import_pyplot().subplots()
+    draw_memory(ax, results)
+    assert [text.get_text() for text in ax.texts] == ["no search trial measured its peak memory"]
+
+
 def test_a_path_the_terminal_cannot_encode_is_escaped_not_a_traceback(tmp_path: Path) -> None:
     """Under ``PYTHONIOENCODING=ascii`` the report of a non-ASCII directory raised
     UnicodeEncodeError at its last print, after the files were written."""
