@@ -180,6 +180,9 @@ def run_search(
             )
             refuse_changed_experiment(results_dir, spec, state)
             load_state_json(method, state)
+            writer.runs_again(
+                {r.request_id for r in method.tracker.records if not r.status.finished}
+            )
             recorder.machine_failed = dict(state.get(MACHINE_FAILED_STATE_KEY, {}))
             recorder.interrupted = dict(state.get(INTERRUPTED_STATE_KEY, {}))
             writer.carry_on_after(recorder.carried_on_from())

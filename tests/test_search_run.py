@@ -121,3 +121,25 @@ def test_a_ctrl_c_as_the_search_decides_to_end_keeps_its_decision(
     assert [r["kind"] for r in state["tracker"]["records"] if r["status"] == "running"] == [
         "confirm"
     ]
+
+
+def test_a_row_a_kill_9_left_ahead_of_its_state_leaves_no_hole_in_the_clock(
+    tmp_path: Path,
+) -> None:
+    """A kill -9 after a trial's row, before the state that said it finished: the resume runs
+    the trial again and replaces its row, but carried its clock on after the row it replaced,
+    shifting every later trial by that trial's time."""
+    settings = search_settings("binary", max_trials=6, max_concurrent_trials=1)
+    runner = SimulatedRunner(cliff_function(12), 1)
+    run_search(settings, spec(), runner, tmp_path, max_events=3)  # the 4th trial runs
+    state = json.loads((tmp_path / STATE_FILE).read_text())
+    (running,) = [r["request_id"] for r in state["tracker"]["records"] if r["status"] == "running"]
+    rows = [json.loads(line) for line in (tmp_path / TRIALS_FILE).read_text().splitlines()]
+    stopped_at = max(row["end"] for row in rows)
+    ahead = {**rows[-1], "request_id": running, "start": stopped_at, "end": stopped_at + 60.0}
+    with (tmp_path / TRIALS_FILE).open("a") as handle:
+        handle.write(json.dumps(ahead) + "\n")
+    run_search(settings, spec(), SimulatedRunner(cliff_function(12), 1), tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / TRIALS_FILE).read_text().splitlines()]
+    (again,) = [row for row in rows if row["request_id"] == running]
+    assert again["start"] == pytest.approx(stopped_at)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -267,6 +267,18 @@ class ResultsWriter:
         ends = [float(line.get("end", 0.0)) for line in self._lines]
         self.continued_clock = continued_clock
         self._clock_offset = 0.0 if continued_clock else max(ends, default=0.0)
+
+    def runs_again(self, request_ids: Collection[str]) -> None:
+        """Carry on from the last end of the rows a resume keeps: a kill -9 between a trial's
+        row and the state that said it finished left a row the trial's new run replaces, and
+        the clock carried on after it, a hole of that trial's time in the search's seconds."""
+        if not self.continued_clock:
+            ends = [
+                float(line.get("end", 0.0))
+                for line in self._lines
+                if line.get("request_id") not in request_ids
+            ]
+            self._clock_offset = max(ends, default=0.0)
 
     def carry_on_after(self, end: float) -> None:
         """Start this runner's clock no earlier than ``end`` seconds of search: a run before the
