@@ -94,6 +94,11 @@ LATER_ROW_KEYS: dict[str, tuple[type, ...]] = {
 }
 
 
+ROW_STATUSES = {status.value for status in TrialStatus if status.finished}
+ROW_KINDS = {kind.value for kind in TrialKind}
+MOST_SECONDS = 1e12  # seconds of search, or since 1970 (the Determined runner's)
+
+
 def read_trial_rows(path: Path) -> list[dict[str, Any]]:
     """The rows of a trials.jsonl. A damaged file raises a ValueError that names the line and
     what is wrong with it (the decoder's own for bytes that are not UTF-8), which each reader
@@ -125,6 +130,16 @@ def _wrong_key(row: Any) -> str | None:
         value = row[key]
         if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
             return f"{key!r} is {json.dumps(value)}"
+    # Values of the right type that no search writes: an unknown status passed for no failure,
+    # an unknown kind counted as one in the cost, a time of 1e300 changed the GPU-hours.
+    for key, known in (("status", ROW_STATUSES), ("kind", ROW_KINDS)):
+        if row[key] not in known:
+            return f"{key!r} is {json.dumps(row[key])}, not one of {', '.join(sorted(known))}"
+    if row["zero_stage"] not in (0, 1, 2, 3) or row["mbs"] < 1:
+        key = "zero_stage" if row["zero_stage"] not in (0, 1, 2, 3) else "mbs"
+        return f"{key!r} is {json.dumps(row[key])}"
+    if not 0 <= row["start"] <= row["end"] < MOST_SECONDS:
+        return f"'start' {json.dumps(row['start'])} and 'end' {json.dumps(row['end'])}"
     return None
 
 

@@ -135,6 +135,12 @@ def test_a_missing_or_damaged_results_dir_is_one_line(
         (re.sub(r'"slots": \d+', '"slots": "sixteen"', good, count=1), "'slots' is \"sixteen\""),
         (good.replace('"zero_stage": ', '"stage": ', 1), "no 'zero_stage'"),
         (good.replace('"metrics": {', '"metrics": [1], "m": {', 1), "'metrics' is [1]"),
+        # Values of the right type that no search writes: each was taken, and kept by a resume.
+        (re.sub(r'"status": "\w+"', '"status": "bogus"', good, count=1), "'status' is \"bogus\""),
+        (re.sub(r'"kind": "\w+"', '"kind": "foo"', good, count=1), "'kind' is \"foo\", not one"),
+        (re.sub(r'"zero_stage": \d', '"zero_stage": 7', good, count=1), "'zero_stage' is 7"),
+        (re.sub(r'"mbs": \d+', '"mbs": -3', good, count=1), "'mbs' is -3"),
+        (re.sub(r'"end": [\d.e+]+', '"end": 1e300', good, count=1), "'end' 1e+300"),
     ):
         (results / TRIALS_FILE).write_text(damaged)
         assert_one_line_error(capsys, ["report", str(results)], TRIALS_FILE, said)
