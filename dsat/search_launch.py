@@ -27,6 +27,7 @@ from dsat.constants import (
     RESULTS_ROOT,
     SETTINGS_FILE,
     STATE_FILE,
+    TRAIN_BATCH_SIZE,
 )
 from dsat.errors import DsatError
 from dsat.experiment.batch_size import batch_value, fixed_global_batch
@@ -41,6 +42,7 @@ from dsat.experiment.config import (
     entrypoint_batch_flags,
     entrypoint_flag,
     entrypoint_words,
+    full_run_length_note,
     load_experiment,
     load_yaml_mapping,
     searcher_length,
@@ -296,6 +298,9 @@ def plan_search(
             f"Determined cluster; the {runner.value} runner ignores it: cap the slots with "
             "--max-slots"
         )
+    if settings.run_full_experiment and runner is not RunnerKind.DETERMINED:
+        length = full_run_length_note(experiment.config, str(settings.config_path))
+        notes.extend([length] if length is not None else [])
     enabled = autotuning_enabled_note(experiment.ds_config, str(experiment.ds_config_path))
     if enabled is not None:
         notes.append(f"dsat: note: {enabled}")
@@ -905,10 +910,11 @@ def search_here(plan: LaunchPlan, runner: TrialRunner) -> None:
                 "dsat: note: your own config measured faster than the hand-over, by more than "
                 "the noise; the full run trains with the hand-over, as asked"
             )
+        hparams = full_run_hparams(method, best, plan.results_dir)
         try:
             runner.run_full_experiment(
-                full_run_hparams(method, best, plan.results_dir),
-                searcher_length(plan.experiment.config),
+                hparams,
+                searcher_length(plan.experiment.config, full_run_batch(hparams, best, method)),
             )
         except KeyboardInterrupt:
             raise FullRunInterrupted(settings.method, plan.results_dir) from None
@@ -948,6 +954,15 @@ def batch_in_file(path: Path, best: TrialRecord) -> tuple[int, int]:
                 if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                     found[i] = value
     return found[0], found[1]
+
+
+def full_run_batch(hparams: Mapping[str, Any], best: TrialRecord, method: DsatSearchMethod) -> int:
+    """The global batch the full run trains with: best_ds_config.json's, as it is now."""
+    overwrites = hparams.get(OVERWRITE_KEY)
+    given = overwrites.get(TRAIN_BATCH_SIZE) if isinstance(overwrites, Mapping) else None
+    if isinstance(given, int) and given > 0:
+        return given
+    return best.mbs * best.gas * method.spec.slots_per_trial
 
 
 def full_run_hparams(

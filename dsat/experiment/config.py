@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import os
 import shlex
 from collections.abc import Mapping, Sequence
@@ -364,17 +365,49 @@ def with_script_accumulation(
     return {**ds_config, GRAD_ACCUM_STEPS: given}
 
 
-def searcher_length(config: Mapping[str, Any]) -> int | None:
-    """The length of the experiment's own searcher operation, in batches (``searcher.max_length:
-    20`` or ``{batches: 20}``), which the full run's ``op.length`` is off a cluster; None where
-    it gives none, or gives it in records or epochs (no batch count without the data)."""
+def searcher_length(config: Mapping[str, Any], global_batch: int | None = None) -> int | None:
+    """The length of the experiment's own searcher operation in batches, which the full run's
+    ``op.length`` is off a cluster: ``searcher.max_length: 20`` or ``{batches: 20}``; in records
+    (or in epochs, with ``records_per_epoch``), batches of ``global_batch``, as Determined's
+    master counts them. None where it gives none, or none dsat can count."""
     searcher = config.get("searcher")
     length = searcher.get("max_length") if isinstance(searcher, Mapping) else None
-    if isinstance(length, Mapping) and set(length) == {"batches"}:
-        length = length["batches"]
-    if isinstance(length, int) and not isinstance(length, bool) and length > 0:
-        return length
-    return None
+    if isinstance(length, Mapping) and len(length) == 1:
+        ((unit, value),) = length.items()
+        if not _positive_int(value):
+            return None
+        if unit == "batches":
+            return int(value)
+        per_epoch = config.get("records_per_epoch")
+        records = (
+            value
+            if unit == "records"
+            else value * per_epoch
+            if unit == "epochs" and _positive_int(per_epoch)
+            else None
+        )
+        if records is None or global_batch is None or global_batch < 1:
+            return None
+        return max(1, math.ceil(int(records) / global_batch))
+    return int(length) if isinstance(length, int) and _positive_int(length) else None
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def full_run_length_note(config: Mapping[str, Any], source: str) -> str | None:
+    """Said at launch with --run-full-experiment where the full run's ``op.length`` would be 1
+    off a cluster (no searcher length dsat can count in batches): a loop over it trained one
+    step, and the full run said it had finished."""
+    if searcher_length(config, 1) is not None:
+        return None
+    return (
+        f"dsat: note: {source} gives no searcher.max_length dsat can count in batches (batches, "
+        "records, or epochs with records_per_epoch): off a cluster the full run's op.length is "
+        "then 1, and a training loop over op.length trains one step; give searcher.max_length: "
+        "{batches: N} where your script loops over it"
+    )
 
 
 def same_relative_file(a: str, b: str) -> bool:

@@ -20,7 +20,9 @@ from dsat.experiment.config import (
     deep_merge,
     entrypoint_ds_config,
     entrypoint_script,
+    full_run_length_note,
     load_experiment,
+    searcher_length,
     trial_ready_config,
     validate_with_deepspeed,
 )
@@ -695,3 +697,29 @@ def test_a_global_batch_replacing_the_batch_an_hf_entrypoint_passes_says_so(
         "micro-batch 16 x accumulation 2 x 1 slot(s) = 32, as ds_config.json and your "
         "entrypoint's flags set it"
     )
+
+
+@pytest.mark.parametrize(
+    ("searcher", "extra", "batches"),
+    [
+        ({"max_length": 20}, {}, 20),
+        ({"max_length": {"batches": 20}}, {}, 20),
+        ({"max_length": {"records": 1000}}, {}, 16),  # ceil(1000 / 64)
+        ({"max_length": {"epochs": 2}}, {"records_per_epoch": 640}, 20),
+        ({"max_length": {"epochs": 2}}, {}, None),  # no records_per_epoch: not countable
+        ({"max_length": {"records": 0}}, {}, None),
+        ({"max_length": True}, {}, None),
+        (None, {}, None),
+    ],
+)
+def test_the_searchers_length_in_batches_of_the_full_runs_global_batch(
+    searcher: dict[str, Any] | None, extra: dict[str, Any], batches: int | None
+) -> None:
+    config = {**({"searcher": searcher} if searcher else {}), **extra}
+    assert searcher_length(config, 64) == batches
+    # At launch, a length no batch makes countable is said: the full run would train one step.
+    note = full_run_length_note(config, "deepspeed.yaml")
+    assert (note is None) is (searcher_length(config, 1) is not None)
+    assert (note is None) is (batches is not None)  # in records too: countable by any batch
+    if note is not None:
+        assert note.startswith("dsat: note: deepspeed.yaml gives no searcher.max_length")

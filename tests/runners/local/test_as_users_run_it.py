@@ -260,13 +260,19 @@ def test_a_script_that_feeds_its_own_batch_size_fails_the_search_and_says_so(
     assert not (tmp_path / "results" / "best_ds_config.json").exists()  # none measured its own
 
 
-def test_the_full_run_of_an_op_length_loop_trains_the_searchers_length(tmp_path: Path) -> None:
+@pytest.mark.parametrize("length", [20, {"records": 3000}])
+def test_the_full_run_of_an_op_length_loop_trains_the_searchers_length(
+    tmp_path: Path, length: int | dict[str, int]
+) -> None:
     """Off a cluster Determined's operation has length 1: the Core API idiom trained one step
     in the full run and said "full experiment finished"; it has the experiment's
-    searcher.max_length, as on a cluster."""
+    searcher.max_length, as on a cluster (in records: batches of the hand-over's global batch,
+    as Determined's master counts them; they trained one step)."""
     example = example_without_steps(tmp_path, None)
     experiment = yaml.safe_load((example / "deepspeed.yaml").read_text())
     assert experiment["searcher"]["max_length"] == 20
+    experiment["searcher"]["max_length"] = length
+    (example / "deepspeed.yaml").write_text(yaml.safe_dump(experiment))
     command = [sys.executable, "-m", "dsat", "binary", "deepspeed.yaml", ".", "-z", "1"]
     command += ["--max-trials", "2", "--search-range-factor", "0.005", "--no-baseline"]
     command += ["--results-dir", str(tmp_path / "results"), "--run-full-experiment"]
@@ -274,4 +280,8 @@ def test_the_full_run_of_an_op_length_loop_trains_the_searchers_length(tmp_path:
         command, cwd=example, env=env(), capture_output=True, text=True, timeout=540
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "trained 20 steps, loss" in run.stdout, run.stdout[-3000:]
+    batch = json.loads((tmp_path / "results" / "best_ds_config.json").read_text())
+    steps = (
+        length if isinstance(length, int) else -(-length["records"] // batch["train_batch_size"])
+    )
+    assert f"trained {steps} steps, loss" in run.stdout, run.stdout[-3000:]
