@@ -373,7 +373,10 @@ class ResultsWriter:
             if not (self.keep_best_config and config_path.is_file()):
                 write_json_atomic(config_path, best_ds_config(best, self.user_config))
             derived = self.utilization.derived(best.metrics, tracker.model_flops(best))
-            metrics = {**best.metrics, **derived}
+            # With the value the search ranked it by, as its row has it: at ZeRO-3 DeepSpeed's
+            # profiler counts a sample's FLOPs twice, and FLOPS_per_gpu alone read as double.
+            value = {VALUE_KEY: tracker.measured_value(best)}
+            metrics = {**best.metrics, **derived, **value}
             write_json_atomic(self.directory / BEST_METRICS_FILE, metrics)
             self._best_id = best.request_id
 

@@ -98,7 +98,12 @@ def test_results_files(tmp_path: Path) -> None:
     # The hand-over's metrics, with MFU worked out (the simulated GPU reports its peak).
     derived = Utilization().derived(best.metrics)
     assert set(derived) == {"mfu", "mfu_peak_flops"}
-    assert json.loads((tmp_path / BEST_METRICS_FILE).read_text()) == {**best.metrics, **derived}
+    value = {VALUE_KEY: method.tracker.measured_value(best)}  # type: ignore[attr-defined]
+    assert json.loads((tmp_path / BEST_METRICS_FILE).read_text()) == {
+        **best.metrics,
+        **derived,
+        **value,
+    }
     assert (tmp_path / STATE_FILE).is_file() and (tmp_path / SETTINGS_FILE).is_file()
     summary = (tmp_path / SUMMARY_FILE).read_text()
     table = summary_table(method.tracker)  # type: ignore[attr-defined]
@@ -251,6 +256,24 @@ def test_each_row_has_the_value_the_search_ranked_it_by_and_the_report_draws_tha
     assert [results.value(row) for row in results.rows] == [300e6, 340e6]
     # A results directory written before rows had the value: drawn by the trials' own figures.
     assert results.value({"status": "completed", "metrics": {"FLOPS_per_gpu": 5.0}}) == 5.0
+
+
+def test_best_ds_metrics_json_has_the_value_the_hand_over_was_ranked_by(tmp_path: Path) -> None:
+    """A ZeRO-3 hand-over's file said twice the FLOPS the terminal, the summary and its row
+    gave (DeepSpeed's count), with no figure as the search counted it."""
+    t = tracker(Metric.FLOPS_PER_GPU)
+    writer = ResultsWriter(tmp_path, "CPU", Utilization(peak_flops=1e9))
+    for n, (rid, stage, throughput, per_sample) in enumerate(
+        [("z1", 1, 300.0, 1e6), ("z3", 3, 400.0, 2e6)]
+    ):
+        t.add(record(rid, 48, stage=stage))
+        t.mark_running(t.dequeue(rid).request_id)
+        metrics = {"throughput": throughput, "FLOPS_per_gpu": throughput * per_sample}
+        t.mark_finished(rid, TrialStatus.COMPLETED, metrics)
+        writer.trial_finished(t.get(rid), TrialTiming(n, n + 1.0), t)
+    best = json.loads((tmp_path / BEST_METRICS_FILE).read_text())
+    assert best["FLOPS_per_gpu"] == 800e6 and best[VALUE_KEY] == 400e6
+    assert best[VALUE_KEY] == {row["request_id"]: row for row in lines(tmp_path)}["z3"][VALUE_KEY]
 
 
 def test_a_search_that_hands_nothing_over_leaves_no_best_config(tmp_path: Path) -> None:
