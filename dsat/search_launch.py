@@ -103,6 +103,7 @@ from dsat.search.baseline import (
     describe,
     described_with_knobs,
     speedup_over_yours,
+    times,
     yours_clearly_faster,
     yours_handed_over,
 )
@@ -1082,9 +1083,9 @@ def closing_lines(
         # A time metric's speed-up as the summary says it: "1.71x your config's latency" of a
         # latency that fell read as slower.
         found += (
-            f": {speedup:.2f}x as fast as your config by {metric.value}"
+            f": {times(speedup)} as fast as your config by {metric.value}"
             if metric.smaller_is_better
-            else f": {speedup:.2f}x your config's {metric.value}"
+            else f": {times(speedup)} your config's {metric.value}"
         )
         said = against_yours_said(method)
         if said:

@@ -29,6 +29,12 @@ if TYPE_CHECKING:
     from dsat.search.method import DsatSearchMethod
 
 
+def times(ratio: float) -> str:
+    """A speed-up as a multiple: two decimals, or two figures below 0.1 (a time metric's
+    0.0047 read "0.00x")."""
+    return f"{ratio:.2f}x" if ratio >= 0.1 else f"{ratio:.2g}x"
+
+
 def script_batch(method: DsatSearchMethod) -> dict[str, int]:
     """The micro-batch and accumulation the entrypoint passes an HF script
     (``--per_device_train_batch_size``, ``--gradient_accumulation_steps``): what a config of
@@ -377,14 +383,14 @@ def baseline_line(method: DsatSearchMethod) -> str:
     if yours_handed_over(method):
         return (
             f"your config is the one handed over ({described_with_knobs(handed)}): nothing "
-            f"faster that this search could hand over ran ({speedup:.2f}x is its runs against "
+            f"faster that this search could hand over ran ({times(speedup)} is its runs against "
             f"your config's {'runs' if (yours[2] > 1) else 'run'}, {measured_as(method, mine)})"
         )
     said = against_yours_said(method)
     # A speed-up of a time metric: "1.71x your config (latency 83.7)" read as 1.71x the time.
     as_fast = "as fast as " if tracker.metric.smaller_is_better else ""
     return (
-        f"{speedup:.2f}x {as_fast}your config ({measured_as(method, mine)}): "
+        f"{times(speedup)} {as_fast}your config ({measured_as(method, mine)}): "
         f"{described_against(baseline, baseline)} -> {described_against(handed, baseline)}"
         + (f"; {said}" if said else "")
     )

@@ -260,7 +260,8 @@ class SearchEnding:
         if repeated is not None:
             return repeated
         if method.early_stopping_triggered():
-            return "early stopping: no improvement in the last trials"
+            patience = method.settings.early_stopping
+            return f"early stopping (--early-stopping {patience}): no improvement in the last {patience} trials"
         if len(method.tracker.finished) >= method.tracker.max_trials:
             return f"{BUDGET_USED_UP} ({method.settings.max_trials})"
         return None

@@ -19,6 +19,7 @@ from dsat.search.baseline import (
     baseline_line,
     described_with_knobs,
     speedup_over_yours,
+    times,
     yours_clearly_faster,
     yours_handed_over,
     yours_measured,
@@ -414,3 +415,8 @@ def test_the_searchs_own_runs_of_the_users_config_count_in_the_comparison(
     assert f"(FLOPS_per_gpu {pooled[0]:.4g}, with the search's run of it ({again.name})): " in (
         baseline_line(method)
     )
+
+
+def test_a_speed_up_below_a_tenth_keeps_its_figures() -> None:
+    """A time metric's 0.0047 read "0.00x your config"."""
+    assert [times(r) for r in (2.4, 1.0, 0.25, 0.0047)] == ["2.40x", "1.00x", "0.25x", "0.0047x"]

@@ -163,7 +163,9 @@ def test_stage_three_is_not_drawn_once_stages_one_and_two_ran_above_all_it_could
 def test_early_stopping() -> None:
     m = method("random", zero_stages=(1,), early_stopping=4, max_trials=64)
     run(m, cliff_function(8))
-    assert m.shutdown_reason is not None and m.shutdown_reason.startswith("early stopping")
+    assert m.shutdown_reason == (
+        "early stopping (--early-stopping 4): no improvement in the last 4 trials"
+    )
     assert len(m.tracker.finished) < 64
     assert m.tracker.trials_since_best >= 4
 
