@@ -108,6 +108,7 @@ from dsat.search.baseline import (
     yours_handed_over,
 )
 from dsat.search.ending import BUDGET_USED_UP
+from dsat.search.fit_ladder import OFFLOADED, offload_level
 from dsat.search.method import DsatSearchMethod
 from dsat.search.trial_builder import SearchSpec
 from dsat.search_run import best_config_path, resumes_without_trials, run_search, stops_held
@@ -298,6 +299,13 @@ def plan_search(
             f"dsat: note: {settings.config_path}: resources.max_slots is applied only on a "
             f"Determined cluster; the {runner.value} runner ignores it: cap the slots with "
             "--max-slots"
+        )
+    kept = offload_level(experiment.ds_config.get("zero_optimization"))
+    if settings.offload and kept:
+        notes.append(
+            f"dsat: note: {experiment.ds_config_path} keeps the {OFFLOADED[kept]}: every trial keeps "
+            "as much of it as its ZeRO stage can (--offload adds offload to what the search tries, "
+            "it never removes yours); to compare with less, remove it from your config"
         )
     if settings.run_full_experiment and runner is not RunnerKind.DETERMINED:
         length = full_run_length_note(experiment.config, str(settings.config_path))

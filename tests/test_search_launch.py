@@ -505,6 +505,27 @@ def test_resources_max_slots_off_a_cluster_is_said_to_be_ignored(tmp_path: Path)
     assert note.endswith("--max-slots")
 
 
+@pytest.mark.parametrize("offload", [True, False])
+def test_offload_asked_of_a_config_that_offloads_says_its_offload_stays(
+    tmp_path: Path, offload: bool
+) -> None:
+    """--offload of a config that offloads the optimizer never tried without: the search's
+    "offload nothing" was merged into the user's section, and nothing said so."""
+    from tests.conftest import write_experiment
+
+    zero = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+    path = write_experiment(
+        tmp_path / "m", ds_config={"train_micro_batch_size_per_gpu": 2, "zero_optimization": zero}
+    )
+    model = "dsat.runners.simulated.performance_models:gpt2_large_16xv100"
+    argv = ["asha", str(path), str(path.parent), "--runner", "simulated", "--simulator", model]
+    plan = plan_search(parse_settings([*argv, *(["--offload"] if offload else [])]), {})
+    said = [n for n in plan.notes if "keeps the optimizer states on the CPU" in n]
+    assert len(said) == offload
+    if offload:
+        assert said[0].endswith("to compare with less, remove it from your config")
+
+
 def test_an_edited_hand_over_deepspeed_rejects_is_one_line_before_the_full_run(
     tmp_path: Path,
 ) -> None:
