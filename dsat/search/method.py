@@ -36,6 +36,7 @@ from dsat.search.confirmation import Score, leaders
 from dsat.search.denoised_ranking import denoised_score
 from dsat.search.ending import SearchEnding, no_search_trial_succeeded, repeated_failure
 from dsat.search.fit_ladder import (
+    CHECKPOINTING_HPARAM,
     FitRung,
     ladder,
     offload_choices,
@@ -616,11 +617,15 @@ class DsatSearchMethod(SearchMethod):
             else {}
         )
         level = offload_level(rung.zero)
+        # A profile without the rung's activation checkpointing says nothing of a stage with it
+        # (ZeRO-3 alone ran out, and ZeRO-1 with checkpointing, twice as fast, was never tried).
+        checkpointing = rung.hparams.get(CHECKPOINTING_HPARAM) is True
         failed = [
             r.zero_stage
             for r in self.tracker.model_profiles
             if r.status is TrialStatus.OOM
             and offload_level(r.ds_config.get("zero_optimization")) >= level
+            and (not checkpointing or r.hparams.get(CHECKPOINTING_HPARAM) is True)
         ]
         return tuple(
             s

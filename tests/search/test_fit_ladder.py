@@ -173,7 +173,9 @@ def test_the_ladders_switch_reaches_the_scripts_hyperparameters() -> None:
     assert m.fit_rung.name == "ZeRO-3, activation checkpointing"
     searched = [r for r in m.tracker.records if r.kind is TrialKind.SEARCH]
     assert searched and all(r.hparams[CHECKPOINTING_HPARAM] is True for r in searched)
-    assert all(r.zero_stage == 3 for r in searched)
+    # ZeRO-3 without checkpointing ran out: that says nothing of a lower stage with it (on one
+    # GPU it holds as much, and trains faster), which was left out.
+    assert {r.zero_stage for r in searched} > {3}
     # The user's own config ran out of memory in the profile: no baseline, and the summary
     # says why.
     assert not any(r.kind is TrialKind.BASELINE for r in m.tracker.records)
