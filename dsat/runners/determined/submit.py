@@ -14,6 +14,7 @@ error naming the versions that work, not an AttributeError deep in a traceback.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import dataclasses
 import json
@@ -27,14 +28,22 @@ from typing import Any
 
 from dsat.constants import ENV_DET_MASTER, RESULTS_ROOT
 from dsat.errors import DsatError
-from dsat.experiment.config import Experiment, entrypoint_script, load_yaml_mapping
+from dsat.experiment.config import (
+    Experiment,
+    entrypoint_script,
+    entrypoint_words,
+    load_yaml_mapping,
+    resolve_context_path,
+)
 from dsat.experiment.settings import SearchSettings
+from dsat.paths import shown
 from dsat.runners.determined.configs import (
     DSAT_PACKAGE,
     SEARCH_RUNNER_ENTRYPOINT,
     SETTINGS_UPLOAD,
     search_runner_config,
 )
+from dsat.runners.local.entrypoint import trial_class
 from dsat.trial_failure import first_line
 
 # determined 0.38 removed `determined.searcher` and the master's custom searcher.
@@ -284,6 +293,56 @@ def submit(settings: SearchSettings, experiment: Experiment, environ: Mapping[st
     return int(created.id)
 
 
+def check_trial_class(experiment: Experiment) -> None:
+    """``DsatError`` where the entrypoint's Trial class (``model_def:MyTrial``) is not in the
+    module of MODEL_DIR it names: every trial failed on the cluster with an ImportError. A module
+    MODEL_DIR does not hold may be the image's, and is left to the cluster."""
+    name = trial_class(entrypoint_words(experiment.config.get("entrypoint")))
+    if name is None or ":" not in name:
+        return
+    module, _, class_name = name.partition(":")
+    relative = Path(*module.split("."))
+    found = [
+        path
+        for candidate in (relative.with_suffix(".py"), relative / "__init__.py")
+        if (path := resolve_context_path(str(candidate), experiment.model_dir, experiment.includes))
+    ]
+    if not found:
+        return
+    try:
+        tree = ast.parse(found[0].read_bytes(), str(found[0]))
+    except (SyntaxError, ValueError) as err:
+        raise DsatError(
+            f"{shown(found[0])}: the Trial class's module does not parse ({err})"
+        ) from None
+    bound = module_names(tree)
+    if bound is not None and class_name not in bound:
+        raise DsatError(
+            f"{experiment.config_path}: the entrypoint names the Trial class {name}, and "
+            f"{shown(found[0])} defines no {class_name}; fix the name"
+        )
+
+
+def module_names(tree: ast.Module) -> set[str] | None:
+    """The names a module binds at its top level (classes, functions, imports, assignments);
+    None where a star import may bind any."""
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                if alias.name == "*":
+                    return None
+                names.add(alias.asname or alias.name.partition(".")[0])
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+        elif isinstance(node, (ast.If, ast.Try)):
+            return None  # bound conditionally: not worth guessing
+    return names
+
+
 @dataclasses.dataclass(frozen=True)
 class DeterminedSetup:
     """The whole search runs on the cluster, so there is no trial runner here: only the submit."""
@@ -321,6 +380,7 @@ class DeterminedSetup:
                     f"{flag} applies to the local runner; on Determined each trial is its own "
                     "task: drop it"
                 )
+        check_trial_class(experiment)
         return cls(settings, experiment, environ)
 
     def submit(self) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from dsat.runners.determined.submit import (
     require_client_custom_searcher,
     upload_names,
 )
-from tests.conftest import copy_example
+from tests.conftest import REPO_ROOT, copy_example
 from tests.runners.fake_master import MASTER, FakeMaster, logged_in_environment
 
 
@@ -338,3 +339,32 @@ def test_an_upload_too_large_for_determined_is_a_one_line_error(
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and master.experiments == []
     assert "more than Determined uploads" in err[-1] and ".detignore" in err[-1]
+
+
+@pytest.mark.parametrize(
+    ("trial", "refused"),
+    [
+        ("model_def:NoSuchTrial", True),  # its module is MODEL_DIR's: the class is not there
+        ("model_def:RegressorTrial", False),
+        ("a_module_of_the_image:SomeTrial", False),  # not MODEL_DIR's: the cluster's to find
+    ],
+)
+def test_a_trial_class_its_module_lacks_is_one_line_before_the_search_is_submitted(
+    master: FakeMaster,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    trial: str,
+    refused: bool,
+) -> None:
+    """Every trial would have failed on the cluster with an ImportError."""
+    example = tmp_path / "deepspeed_trial"
+    shutil.copytree(REPO_ROOT / "examples" / "deepspeed_trial", example)
+    yaml_path = example / "deepspeed.yaml"
+    text = yaml_path.read_text().replace("model_def:RegressorTrial", trial)
+    yaml_path.write_text(text)
+    code = main(["asha", str(yaml_path), str(example), "--runner", "determined"])
+    err = capsys.readouterr().err
+    assert (code == 2) is refused, err
+    if refused:
+        assert "defines no NoSuchTrial; fix the name" in err and len(err.splitlines()) == 1
+        assert master.experiments == []
