@@ -300,6 +300,12 @@ def plan_search(
             f"Determined cluster; the {runner.value} runner ignores it: cap the slots with "
             "--max-slots"
         )
+    if settings.metric.smaller_is_better and settings.method != "guided":
+        notes.append(
+            f"dsat: note: --metric {settings.metric.value} is least at small micro-batches, and "
+            f"{settings.method}'s binary searches climb the micro-batch after every trial that "
+            "runs, as the reference's do: `guided` starts each stage at micro-batch 1"
+        )
     kept = offload_level(experiment.ds_config.get("zero_optimization"))
     if settings.offload and kept:
         notes.append(

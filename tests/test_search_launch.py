@@ -526,6 +526,24 @@ def test_offload_asked_of_a_config_that_offloads_says_its_offload_stays(
         assert said[0].endswith("to compare with less, remove it from your config")
 
 
+@pytest.mark.parametrize(
+    ("method", "metric", "said"),
+    [("binary", "latency", True), ("guided", "latency", False), ("asha", "throughput", False)],
+)
+def test_a_time_metric_with_a_method_that_climbs_the_micro_batch_is_said_at_launch(
+    method: str, metric: str, said: bool
+) -> None:
+    """binary and asha with --metric latency climbed to large micro-batches and handed over a
+    config slower than the user's own, with no word of why."""
+    model = "dsat.runners.simulated.performance_models:gpt2_large_16xv100"
+    argv = [method, str(SIMULATED / "gpt2_large.yaml"), str(SIMULATED), "--metric", metric]
+    plan = plan_search(parse_settings([*argv, "--runner", "simulated", "--simulator", model]), {})
+    notes = [n for n in plan.notes if "is least at small micro-batches" in n]
+    assert len(notes) == said
+    if said:
+        assert notes[0].endswith("`guided` starts each stage at micro-batch 1")
+
+
 def test_an_edited_hand_over_deepspeed_rejects_is_one_line_before_the_full_run(
     tmp_path: Path,
 ) -> None:
