@@ -222,7 +222,9 @@ def _within(overwrites: Any, config: Any) -> bool:
 def _measured(metrics: Any) -> Any:
     if not isinstance(metrics, dict):
         return metrics
-    return {key: value for key, value in metrics.items() if key not in DERIVED_KEYS}
+    # best_ds_metrics.json's ranked value is its row's beside the metrics, not among them.
+    ignored = {*DERIVED_KEYS, VALUE_KEY}
+    return {key: value for key, value in metrics.items() if key not in ignored}
 
 
 def stage_table(results: SearchResults) -> str:

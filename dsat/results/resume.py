@@ -25,7 +25,7 @@ from dsat.paths import absolute, shown
 from dsat.results.directory import TRIALS_FILE, full_run_log, read_trial_rows
 from dsat.search.method_state import STATE_VERSION, experiment_changes
 from dsat.search.trial_builder import SearchSpec
-from dsat.trial import TrialStatus
+from dsat.trial import TrialRecord, TrialStatus
 
 # Settings a resumed search may change: how many trials, how many at once, how long each may run,
 # how trial processes start, where the Ray cluster is, and whether a full run follows. Everything
@@ -281,6 +281,15 @@ def refuse_more_trials_when_finished(
         )
 
 
+def trial_named(record: dict[str, Any]) -> str:
+    """A saved trial as the terminal and trials.jsonl name it: ``trial 7 z2_mb16``."""
+    try:
+        trial = TrialRecord.from_json(record)
+    except (KeyError, TypeError, ValueError):
+        return str(record.get("request_id"))
+    return f"trial {trial.number} {trial.name}"
+
+
 def refuse_lost_rows(
     results_dir: Path, state: Mapping[str, Any], then: str = "to resume, or start a new search"
 ) -> None:
@@ -308,10 +317,16 @@ def refuse_lost_rows(
         ) from None
     missing = finished - {row["request_id"] for row in rows}
     if missing:
+        names = [
+            trial_named(record)
+            for record in state["tracker"]["records"]
+            if isinstance(record, dict) and record.get("request_id") in missing
+        ]
+        which = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
         raise DsatError(
             f"{shown(path)}: {len(missing)} of the {len(finished)} trials the saved search "
-            "finished have no row there (the file was removed, emptied or cut); put it back as "
-            f"dsat wrote it {then}"
+            f"finished have no row there ({which}: the file was removed, emptied, cut or "
+            f"edited); put it back as dsat wrote it {then}"
         )
 
 

@@ -144,6 +144,16 @@ def test_a_missing_or_damaged_results_dir_is_one_line(
     ):
         (results / TRIALS_FILE).write_text(damaged)
         assert_one_line_error(capsys, ["report", str(results)], TRIALS_FILE, said)
+    # A row deleted from the middle: the trial it was, by name (the line said only "removed,
+    # emptied or cut", and left the user to find which).
+    kept = good.splitlines()
+    lost = json.loads(kept.pop(3))
+    (results / TRIALS_FILE).write_text("\n".join(kept) + "\n")
+    assert_one_line_error(
+        capsys,
+        ["report", str(results)],
+        f"have no row there (trial {lost['trial']} {lost['name']}: the file",
+    )
     # trials.jsonl gone while the state names the trials it finished: not "no trial has
     # finished yet", which it said.
     (results / TRIALS_FILE).unlink()
