@@ -6,10 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import REPO_ROOT
 from tests.dsat_process import env
-
-SIMULATED = REPO_ROOT / "examples" / "simulated"
+from tests.test_search_launch import SIMULATED_ARGV
 
 
 def test_a_search_whose_reader_left_draws_its_report_and_ends_as_it_would(
@@ -18,22 +16,8 @@ def test_a_search_whose_reader_left_draws_its_report_and_ends_as_it_would(
     """Its first print after the reader left raised BrokenPipeError: a traceback, exit status 1
     and no report, after "Logging error" blocks for every log line before."""
     results = tmp_path / "r"
-    command = [
-        sys.executable,
-        "-m",
-        "dsat",
-        "random",
-        str(SIMULATED / "gpt2_large.yaml"),
-        str(SIMULATED),
-        "--runner",
-        "simulated",
-        "--simulator",
-        "dsat.runners.simulated.performance_models:gpt2_large_16xv100",
-        "--max-trials",
-        "12",
-        "--results-dir",
-        str(results),
-    ]
+    searched = ["random", *SIMULATED_ARGV[1:-1], "12", "--results-dir", str(results)]
+    command = [sys.executable, "-m", "dsat", *searched]
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env()
     )

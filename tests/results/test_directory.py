@@ -230,6 +230,19 @@ def test_full_experiment_hparams_keep_the_overrides_but_not_the_tuning(tmp_path:
     assert on_cluster.hparams["_use_dsat_mode"] is True
 
 
+def flops_trials(tmp_path: Path, trials: list[tuple[str, int, float, float]]) -> None:
+    """Trials (id, stage, samples/s, FLOPs a sample as DeepSpeed counted them) written in turn
+    into tmp_path, ranked by FLOPS_per_gpu on a device of 1 GFLOP/s."""
+    t = tracker(Metric.FLOPS_PER_GPU)
+    writer = ResultsWriter(tmp_path, "CPU", Utilization(peak_flops=1e9))
+    for n, (rid, stage, throughput, per_sample) in enumerate(trials):
+        t.add(record(rid, 48, stage=stage))
+        t.mark_running(t.dequeue(rid).request_id)
+        metrics = {"throughput": throughput, "FLOPS_per_gpu": throughput * per_sample}
+        t.mark_finished(rid, TrialStatus.COMPLETED, metrics)
+        writer.trial_finished(t.get(rid), TrialTiming(n, n + 1.0), t)
+
+
 def test_each_row_has_the_value_the_search_ranked_it_by_and_the_report_draws_that(
     tmp_path: Path,
 ) -> None:
@@ -237,16 +250,7 @@ def test_each_row_has_the_value_the_search_ranked_it_by_and_the_report_draws_tha
     the least FLOPs a sample any trial gave, and the report drew the trials' own figures: ZeRO-3
     far above the configuration handed over (make demo). A later trial that lowers the least
     changes an earlier row's value too."""
-    t = tracker(Metric.FLOPS_PER_GPU)
-    writer = ResultsWriter(tmp_path, "CPU", Utilization(peak_flops=1e9))
-    for n, (rid, stage, throughput, per_sample) in enumerate(
-        [("z3", 3, 300.0, 2e6), ("z1", 1, 340.0, 1e6)]
-    ):
-        t.add(record(rid, 48, stage=stage))
-        t.mark_running(t.dequeue(rid).request_id)
-        metrics = {"throughput": throughput, "FLOPS_per_gpu": throughput * per_sample}
-        t.mark_finished(rid, TrialStatus.COMPLETED, metrics)
-        writer.trial_finished(t.get(rid), TrialTiming(n, n + 1.0), t)
+    flops_trials(tmp_path, [("z3", 3, 300.0, 2e6), ("z1", 1, 340.0, 1e6)])
     rows = {row["request_id"]: row for row in lines(tmp_path)}
     assert rows["z3"]["metrics"]["FLOPS_per_gpu"] == 600e6  # the trial's own figure, kept
     assert rows["z3"][VALUE_KEY] == 300e6 and rows["z1"][VALUE_KEY] == 340e6
@@ -261,16 +265,7 @@ def test_each_row_has_the_value_the_search_ranked_it_by_and_the_report_draws_tha
 def test_best_ds_metrics_json_has_the_value_the_hand_over_was_ranked_by(tmp_path: Path) -> None:
     """A ZeRO-3 hand-over's file said twice the FLOPS the terminal, the summary and its row
     gave (DeepSpeed's count), with no figure as the search counted it."""
-    t = tracker(Metric.FLOPS_PER_GPU)
-    writer = ResultsWriter(tmp_path, "CPU", Utilization(peak_flops=1e9))
-    for n, (rid, stage, throughput, per_sample) in enumerate(
-        [("z1", 1, 300.0, 1e6), ("z3", 3, 400.0, 2e6)]
-    ):
-        t.add(record(rid, 48, stage=stage))
-        t.mark_running(t.dequeue(rid).request_id)
-        metrics = {"throughput": throughput, "FLOPS_per_gpu": throughput * per_sample}
-        t.mark_finished(rid, TrialStatus.COMPLETED, metrics)
-        writer.trial_finished(t.get(rid), TrialTiming(n, n + 1.0), t)
+    flops_trials(tmp_path, [("z1", 1, 300.0, 1e6), ("z3", 3, 400.0, 2e6)])
     best = json.loads((tmp_path / BEST_METRICS_FILE).read_text())
     assert best["FLOPS_per_gpu"] == 800e6 and best[VALUE_KEY] == 400e6
     assert best[VALUE_KEY] == {row["request_id"]: row for row in lines(tmp_path)}["z3"][VALUE_KEY]
