@@ -51,8 +51,12 @@ class ReaderlessStdout:
 def stdout_without_reader() -> Iterator[None]:
     """sys.stdout as a ``ReaderlessStdout`` for the block."""
     before = sys.stdout
-    sys.stdout = ReaderlessStdout(before)  # type: ignore[assignment]
+    guarded = ReaderlessStdout(before)
+    sys.stdout = guarded  # type: ignore[assignment]
     try:
         yield
     finally:
+        # What it still buffers, now: flushed at the interpreter's exit into a pipe whose reader
+        # left, it failed there ("Exception ignored ... BrokenPipeError", exit status 120).
+        guarded.flush()
         sys.stdout = before

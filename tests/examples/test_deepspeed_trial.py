@@ -86,8 +86,6 @@ config = dsat.get_ds_config_from_hparams(dsat.get_hparams())
 # either way: the batch must be cast as on a GPU), DeepSpeed's Adam through torch (no JIT build).
 assert config.pop("fp16") == {"enabled": True}
 config.update(
-    train_micro_batch_size_per_gpu=4,
-    train_batch_size=4,
     bf16={"enabled": True},
     optimizer={"type": "Adam", "params": {"lr": 0.001, "torch_adam": True}},
 )
@@ -108,6 +106,11 @@ raise AssertionError("DeepSpeed's autotuning did not end the trial")
 @pytest.mark.slow
 def test_the_model_code_trains_under_deepspeed_with_a_trials_overrides(tmp_path: Path) -> None:
     _, search = cluster_trial_hparams(2)
+    # One process on the CPU, at a micro-batch it runs in seconds: the trial's own batch sizes,
+    # which the engine must run as they are (the trial is the script's error otherwise).
+    search["overwrite_deepspeed_args"].update(
+        train_micro_batch_size_per_gpu=4, train_batch_size=4, gradient_accumulation_steps=1
+    )
     shutil.copy(EXAMPLE / "ds_config.json", tmp_path / "ds_config.json")
     (tmp_path / "hparams.json").write_text(json.dumps(search))
     env = {
