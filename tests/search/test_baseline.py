@@ -420,3 +420,16 @@ def test_the_searchs_own_runs_of_the_users_config_count_in_the_comparison(
 def test_a_speed_up_below_a_tenth_keeps_its_figures() -> None:
     """A time metric's 0.0047 read "0.00x your config"."""
     assert [times(r) for r in (2.4, 1.0, 0.25, 0.0047)] == ["2.40x", "1.00x", "0.25x", "0.0047x"]
+
+
+def test_a_run_of_your_config_the_searchs_end_stopped_is_not_said_to_be_running(
+    tmp_path: Path,
+) -> None:
+    """The trials failing alike ended the search while the user's config ran: the summary,
+    written after dsat exited, said "your config: running"."""
+    m = search(tmp_path, USER, max_events=1)  # the profile done, the user's config running
+    baseline = next(r for r in m.tracker.records if r.kind is TrialKind.BASELINE)
+    assert baseline.status is TrialStatus.RUNNING
+    assert baseline_line(m).endswith(": running")  # as it is while the search runs
+    m._finished = True  # as a stop rule ends it
+    assert baseline_line(m).endswith(": not run to its end (the search ended first)")
