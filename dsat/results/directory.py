@@ -104,6 +104,7 @@ def read_trial_rows(path: Path) -> list[dict[str, Any]]:
     what is wrong with it (the decoder's own for bytes that are not UTF-8), which each reader
     words for its user: one edited row made the report, or a resume, end in a traceback."""
     rows = []
+    seen: dict[str, int] = {}
     for number, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
@@ -114,6 +115,13 @@ def read_trial_rows(path: Path) -> list[dict[str, Any]]:
         wrong = _wrong_key(row)
         if wrong is not None:
             raise ValueError(f"line {number} is not a trial's row ({wrong})")
+        # dsat writes one row a trial (a trial run again replaces its row): a second one, pasted
+        # in, was counted twice in the cost and kept by a resume.
+        if row["request_id"] in seen:
+            raise ValueError(
+                f"line {number} repeats trial {row['trial']}'s row (line {seen[row['request_id']]})"
+            )
+        seen[row["request_id"]] = number
         rows.append(row)
     return rows
 

@@ -141,6 +141,7 @@ def test_a_missing_or_damaged_results_dir_is_one_line(
         (re.sub(r'"zero_stage": \d', '"zero_stage": 7', good, count=1), "'zero_stage' is 7"),
         (re.sub(r'"mbs": \d+', '"mbs": -3', good, count=1), "'mbs' is -3"),
         (re.sub(r'"end": [\d.e+]+', '"end": 1e300', good, count=1), "'end' 1e+300"),
+        (good + good.splitlines()[2] + "\n", "repeats trial "),  # pasted twice: counted twice
     ):
         (results / TRIALS_FILE).write_text(damaged)
         assert_one_line_error(capsys, ["report", str(results)], TRIALS_FILE, said)
