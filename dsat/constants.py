@@ -64,6 +64,9 @@ CHECKPOINTING_HPARAM = "gradient_checkpointing"
 FULL_BATCH_SHARE = "full_batch_share"
 # ... and above 1: the script fed its forwards batches of its own, larger than the trial's.
 ROWS_OVER_BATCH = "rows_over_batch"
+# Seconds a completed trial ran on after its result before dsat stopped it (its code after
+# training blocked, or something it started kept it alive): said on its line on the terminal.
+LINGERED_KEY = "lingered_s"
 # The shape of every measured training forward's first input, where all had one: two trials of
 # different micro-batches fed the same shape, holding neither, ran the script's own batch size.
 INPUT_SHAPE = "input_shape"

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.text import Text
 
-from dsat.constants import RUN_ALONE
+from dsat.constants import LINGERED_KEY, RUN_ALONE
 from dsat.search.tracker import TrialTracker
 from dsat.trial import TrialKind, TrialOutcome, TrialRecord, TrialStatus, trial_number
 from dsat.trial_failure import MACHINE_ATTEMPTS, first_line, log_note
@@ -103,6 +103,12 @@ class SearchProgress:
         if record.status.failed:
             reason = first_line(record.error)
             text += (f": {reason}" if reason else "") + log_note(record.log)
+        lingered = record.metrics.get(LINGERED_KEY)
+        if isinstance(lingered, (int, float)):  # each such trial costs that much more
+            text += (
+                f" (stopped {lingered:g} s after its result: its code after training blocked, or "
+                f"something it started kept it alive{log_note(record.log)})"
+            )
         return text
 
     def status_line(self) -> str:

@@ -7,7 +7,7 @@ import io
 
 from rich.console import Console
 
-from dsat.constants import RUN_ALONE
+from dsat.constants import LINGERED_KEY, RUN_ALONE
 from dsat.experiment.metric import Metric
 from dsat.results.progress import SearchProgress, format_elapsed
 from dsat.trial import TrialKind, TrialOutcome, TrialStatus
@@ -102,6 +102,24 @@ def test_a_failed_trial_says_why_and_where_its_log_is_and_a_retry_says_so() -> N
     assert failed.startswith(
         "dsat: trial 2 z1_mb8: error: ValueError: bad shape (exit code 1) "
         "(log: /r/logs/002-a.log) | "
+    )
+
+
+def test_a_trial_stopped_after_its_result_says_how_long_it_ran_on() -> None:
+    """A script whose code after training blocked made each trial a minute longer, and only the
+    end of each trial's log said why."""
+    out = io.StringIO()
+    t = tracker(Metric.THROUGHPUT)
+    t.add(record("a", 8))
+    progress = SearchProgress(t, Console(file=out, width=400), FakeClock())
+    start(progress, "a")
+    metrics = {"throughput": 10.0, LINGERED_KEY: 60}
+    t.mark_finished("a", TrialStatus.COMPLETED, metrics, log="/r/logs/001-a.log")
+    progress.trial_finished("a", outcome("a", TrialStatus.COMPLETED))
+    (line,) = out.getvalue().splitlines()
+    assert line.startswith(
+        "dsat: trial 1 z1_mb8: completed, 10 samples/s (stopped 60 s after its result: its code "
+        "after training blocked, or something it started kept it alive (log: /r/logs/001-a.log))"
     )
 
 

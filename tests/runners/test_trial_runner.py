@@ -18,7 +18,7 @@ from typing import Any
 import psutil
 import pytest
 
-from dsat.constants import OVERWRITE_KEY
+from dsat.constants import LINGERED_KEY, OVERWRITE_KEY
 from dsat.errors import DsatError
 from dsat.runners.local.runner import HOST_TRIAL_MARK, HPARAMS_FILE, WARM_TRIAL_MARK, LocalRunner
 from dsat.runners.local.slots import SlotPool
@@ -308,6 +308,7 @@ def test_a_hosted_trial_whose_main_thread_blocks_after_it_reported_is_stopped(
     assert outcome.status is TrialStatus.COMPLETED and outcome.end - outcome.start < 30
     log = Path(outcome.log or "").read_text()
     assert HOST_TRIAL_MARK in log.splitlines()[0] and "has not exited since" in log
+    assert outcome.metrics[LINGERED_KEY] >= runner.linger_s  # its terminal line says so
     # The later trials' timeout follows the trial until its result, not the time it lingered.
     profile = runner.timeout.profile_seconds
     assert profile is not None and profile < outcome.end - outcome.start - runner.linger_s

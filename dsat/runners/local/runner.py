@@ -25,6 +25,7 @@ from dsat.constants import (
     ENV_RESULTS_DIR,
     ENV_TRIAL_LENGTH,
     HPARAMS_FILE,
+    LINGERED_KEY,
     METRICS_FILE,
     MODEL_INFO_FILE,
     RESULTS_ROOT,
@@ -492,6 +493,8 @@ class LocalRunner:
                     trial, stopped_note(trial.directory, timed_out, self.timeout.seconds, lingered)
                 )
                 end = self._classified(trial, timed_out)
+                if lingered is not None and end.status is TrialStatus.COMPLETED:
+                    end = end._replace(metrics={**end.metrics, LINGERED_KEY: round(lingered)})
                 if self._confirm_in_fresh_process(trial, end, code):
                     continue
                 if (

@@ -31,6 +31,7 @@ from dsat.constants import (
     ENV_RESULTS_DIR,
     ENV_TRIAL_LENGTH,
     HPARAMS_FILE,
+    LINGERED_KEY,
     MEMORY_RAN_OUT,
     METRICS_FILE,
     MODEL_INFO_FILE,
@@ -711,12 +712,15 @@ class RayRunner:
             head, _, tail = error.partition("\n")
             error = f"{head} (the other nodes' logs: {others})\n{tail}"
         end = self.now()
+        metrics = dict(first["metrics"])
         if status is TrialStatus.COMPLETED:  # the first to complete is the model-profile trial
             self.timeout.profile_finished(end - trial.start)
+            if lingered is not None:
+                metrics[LINGERED_KEY] = round(lingered)
         return TrialOutcome(
             trial.request_id,
             status,
-            dict(first["metrics"]),
+            metrics,
             error,
             trial.start,
             end,
