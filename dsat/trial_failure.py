@@ -18,6 +18,13 @@ import signal
 
 from dsat.paths import shown
 
+DOES_NOT_PARSE = "the training script does not parse"
+# Where a SyntaxError's traceback says the file that does not parse is: its last frame line,
+# the source line and caret between it and the error.
+SYNTAX_ERROR_AT = re.compile(
+    r'File "([^"]+)", line (\d+)\n(?:.*\n){0,4}?\s*(?:\[rank\d+\]:\s*)?'
+    r"(?:SyntaxError|IndentationError|TabError)\b"
+)
 REASON_CHARS = 200  # the one-line reason a terminal line shows
 # The reason a search ends with (its last line, its summary): dsat's own advice runs longer, and
 # was cut off in mid-fix; a dump of a tensor in an exception's message is still cut.
@@ -137,7 +144,7 @@ KNOWN_FAILURES: tuple[KnownFailure, ...] = (
     _known(
         r"^\s*(?:\[rank\d+\]:\s*)?(?:SyntaxError|IndentationError|TabError)\b",
         FailureCause.SCRIPT,
-        "the training script does not parse",
+        DOES_NOT_PARSE,
     ),
     _known(
         # A process started with spawn or forkserver (a DataLoader's workers with that context,
@@ -726,7 +733,11 @@ def diagnose_crash(log: str, code: int | None, oom_killed: bool | None) -> Diagn
                 one_line(f"the training script's own code ({where}) failed: {detail}"),
             )
     if known is not None:
-        reason = known.summary if detail is None else f"{known.summary}: {detail}"
+        summary = known.summary
+        if summary == DOES_NOT_PARSE:  # which file, and where: a module it imports, say
+            found = SYNTAX_ERROR_AT.findall(log)
+            summary += f" ({os.path.basename(found[-1][0])}, line {found[-1][1]})" if found else ""
+        reason = summary if detail is None else f"{summary}: {detail}"
         return Diagnosis(known.cause, one_line(reason))
     # The status of the rank torchrun names as the root cause (torchrun's own is 1 whatever
     # the script exited with), and that rank.

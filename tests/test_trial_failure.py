@@ -265,6 +265,22 @@ def test_the_reason_quotes_the_exception_in_one_line() -> None:
     assert len(long.reason) == REASON_CHARS and "\n" not in long.reason
 
 
+def test_a_module_that_does_not_parse_is_named_with_its_line() -> None:
+    """Not the entrypoint (checked before launch) but a module it imports: the reason said
+    "SyntaxError: invalid syntax", and the user had to open the log to find where."""
+    log = (
+        TRACEBACK
+        + '  File "/r/trials/002-ab/train.py", line 3, in <module>\n    from model import Net\n'
+        + '  File "/r/trials/002-ab/model.py", line 30\n    def broken() -> None\n'
+        + "                        ^\nSyntaxError: expected ':'\n"
+    )
+    diagnosis = diagnose_crash(log, 1, None)
+    assert diagnosis.cause is FailureCause.SCRIPT
+    assert diagnosis.reason == (
+        "the training script does not parse (model.py, line 30): SyntaxError: expected ':'"
+    )
+
+
 def test_a_network_error_of_the_scripts_own_code_is_the_scripts() -> None:
     """Its own metrics push or a port it binds itself fails whatever dsat does: not the machine's
     torch.distributed, three runs and "fix the machine"."""
