@@ -35,7 +35,8 @@ class StoppedRun:
 class RunnerStopped(Exception):
     """The runner cannot go on, for a cause outside the search and the user's command (the Ray
     cluster lost the nodes a trial needs): it stopped every trial; the search is resumed once
-    the cause is gone. Not a DsatError (exit status 2: the command was right)."""
+    the cause is gone. Not a DsatError, whose exit status 2 says the command was wrong: the
+    command was right, and the search ends with exit status 1."""
 
     def __init__(self, why: str, remedy: str, stopped: Sequence[StoppedRun] = ()) -> None:
         super().__init__(f"{why}; {remedy}")

@@ -165,11 +165,17 @@ def test_every_outcome_comes_back_once_with_its_kind(runner: TrialRunner) -> Non
 
 
 def test_stop_all_stops_every_trial_and_the_runner_goes_on(runner: TrialRunner) -> None:
-    start(runner, 1, RUNS_UNTIL_STOPPED)
-    start(runner, 2, RUNS_UNTIL_STOPPED)
+    started = {start(runner, 1, RUNS_UNTIL_STOPPED), start(runner, 2, RUNS_UNTIL_STOPPED)}
     assert runner.running_count() == 2
-    runner.stop_all()
+    stopped = runner.stop_all()
     assert runner.running_count() == 0
+    # What it stopped, for a resume's cost: each run's time, and its log (Ray's may still have
+    # been waiting for room, which held no slot).
+    assert {run.request_id for run in stopped} <= started
+    assert len(stopped) == 2 or isinstance(runner, RayRunner)
+    assert all(run.end >= run.start for run in stopped)
+    if isinstance(runner, (LocalRunner, RayRunner)):
+        assert all(run.log is not None and Path(run.log).is_file() for run in stopped)
     request_id = start(runner, 3, COMPLETES)  # the stopped trials gave their slots back
     outcome = runner.wait()
     assert (outcome.request_id, outcome.status) == (request_id, TrialStatus.COMPLETED)

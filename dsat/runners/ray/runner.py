@@ -229,7 +229,8 @@ class RayRunner:
         for trial in list(self.running.values()):
             self._stop(trial)
             if trial.start is not None:
-                runs.append(StoppedRun(trial.request_id, trial.start, self.now()))
+                log = str(self._log_path(trial, 0))
+                runs.append(StoppedRun(trial.request_id, trial.start, self.now(), log))
             with contextlib.suppress(OSError):
                 self._collect_logs(trial)
             self._release(trial)
