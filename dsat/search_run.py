@@ -187,8 +187,6 @@ def run_search(
             recorder.interrupted = dict(state.get(INTERRUPTED_STATE_KEY, {}))
             writer.carry_on_after(recorder.carried_on_from())
             driver.carried_over = recorder.carried_over()
-            if progress is not None:
-                progress.carry_on(writer.clock_offset)
         except (KeyError, TypeError, ValueError) as err:
             raise DsatError(
                 f"{shown(results_dir / STATE_FILE)}: damaged search state ({err}); this search "
@@ -198,6 +196,11 @@ def run_search(
         # themselves are whole, the old or the new.
         for leftover in results_dir.glob(".*.tmp"):
             leftover.unlink(missing_ok=True)
+    if progress is not None:
+        # Its lines' elapsed time as the rows count it: from the runner's start (its slots
+        # claimed, its ops built), not the display's, which read 2 s behind the rows.
+        now = getattr(runner, "now", None)
+        progress.carry_on(writer.clock_offset + (float(now()) if callable(now) else 0.0))
     # Once the resume is known to go ahead: a refused one leaves the settings it would resume.
     write_settings(settings, results_dir)
     writer.keep_best_config = method.ending.handed_over(method)

@@ -143,3 +143,33 @@ def test_a_row_a_kill_9_left_ahead_of_its_state_leaves_no_hole_in_the_clock(
     rows = [json.loads(line) for line in (tmp_path / TRIALS_FILE).read_text().splitlines()]
     (again,) = [row for row in rows if row["request_id"] == running]
     assert again["start"] == pytest.approx(stopped_at)
+
+
+class ReadySevenSecondsAgo:
+    """A runner whose clock started 7 s before the search (its slots claimed, its ops built),
+    as the local and Ray runners' do; its trials are a simulator's."""
+
+    takes_real_time = True
+    slot_limit = None
+    slot_kind = "GPU"
+
+    def __init__(self) -> None:
+        self.inner = SimulatedRunner(cliff_function(12), 1)
+        self.started_at = time.monotonic() - 7.0
+
+    def now(self) -> float:
+        return time.monotonic() - self.started_at
+
+    def __getattr__(self, name: str) -> Any:  # start, wait, running_count, stop_all, ...
+        return getattr(self.inner, name)
+
+
+def test_the_progress_lines_count_time_as_the_rows_do(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The display's clock started with the search, the rows' with the runner: its lines read
+    2 s behind the rows on a Ray search."""
+    settings = search_settings("binary", max_trials=4, max_concurrent_trials=1)
+    run_search(settings, spec(), ReadySevenSecondsAgo(), tmp_path, max_events=1)  # type: ignore[arg-type]
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if "trial 1 " in line]
+    assert line.endswith(", 00:07"), line
