@@ -309,9 +309,9 @@ def plan_search(
     kept = offload_level(experiment.ds_config.get("zero_optimization"))
     if settings.offload and kept:
         notes.append(
-            f"dsat: note: {experiment.ds_config_path} keeps the {OFFLOADED[kept]}: every trial keeps "
-            "as much of it as its ZeRO stage can (--offload adds offload to what the search tries, "
-            "it never removes yours); to compare with less, remove it from your config"
+            f"dsat: note: {experiment.ds_config_path} keeps the {OFFLOADED[kept]}: every trial "
+            "keeps as much of it as its ZeRO stage can (--offload adds offload to what the search "
+            "tries, it never removes yours); to compare with less, remove it from your config"
         )
     if settings.run_full_experiment and runner is not RunnerKind.DETERMINED:
         length = full_run_length_note(experiment.config, str(settings.config_path))

@@ -261,7 +261,10 @@ class SearchEnding:
             return repeated
         if method.early_stopping_triggered():
             patience = method.settings.early_stopping
-            return f"early stopping (--early-stopping {patience}): no improvement in the last {patience} trials"
+            return (
+                f"early stopping (--early-stopping {patience}): no improvement in the last "
+                f"{patience} trials"
+            )
         if len(method.tracker.finished) >= method.tracker.max_trials:
             return f"{BUDGET_USED_UP} ({method.settings.max_trials})"
         return None

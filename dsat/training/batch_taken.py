@@ -44,4 +44,7 @@ def batch_sizes_changed_reason(changed: Sequence[str], rejected: bool, hf: bool 
         else "build the engine from dsat.get_ds_config_from_hparams(hparams) as it is, not with "
         "a batch size of its own"
     )
-    return f"the training script changed the batch sizes dsat gave the trial ({'; '.join(changed)}), {what}: {fix}"
+    return (
+        f"the training script changed the batch sizes dsat gave the trial ({'; '.join(changed)})"
+        f", {what}: {fix}"
+    )
