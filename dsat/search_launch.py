@@ -315,7 +315,8 @@ def plan_search(
         )
     if settings.run_full_experiment and runner is not RunnerKind.DETERMINED:
         length = full_run_length_note(experiment.config, str(settings.config_path))
-        notes.extend([length] if length is not None else [])
+        if length is not None:
+            notes.append(length)
     enabled = autotuning_enabled_note(experiment.ds_config, str(experiment.ds_config_path))
     if enabled is not None:
         notes.append(f"dsat: note: {enabled}")

@@ -287,9 +287,9 @@ class ResultsWriter:
         self.keep_best_config = False
         # A resumed search's runner counts time from its own start: carry on from the last end,
         # so start/end stay seconds of search (the time it was stopped left out).
-        ends = [float(line.get("end", 0.0)) for line in self._lines]
         self.continued_clock = continued_clock
-        self._clock_offset = 0.0 if continued_clock else max(ends, default=0.0)
+        self._clock_offset = 0.0
+        self.runs_again(())
 
     def runs_again(self, request_ids: Collection[str]) -> None:
         """Carry on from the last end of the rows a resume keeps: a kill -9 between a trial's

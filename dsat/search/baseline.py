@@ -374,17 +374,12 @@ def baseline_line(method: DsatSearchMethod) -> str:
         return f"your config: not run ({why})" if why else ""
     yours = yours_measured(method)
     if yours is None:
-        ended = (
-            "ran out of memory"
-            if baseline.status is TrialStatus.OOM
-            else baseline.status.value
-            if baseline.status.finished
-            # It ran when the search ended (the trials failing alike stopped it): "running" in
-            # a summary written after dsat exited.
-            else "not run to its end (the search ended first)"
-            if method.finished
-            else baseline.status.value
-        )
+        if baseline.status is TrialStatus.OOM:
+            ended = "ran out of memory"
+        elif baseline.status.finished or not method.finished:
+            ended = baseline.status.value
+        else:  # it ran when the search ended: "running" in a summary written after dsat exited
+            ended = "not run to its end (the search ended first)"
         return f"your config ({describe(baseline)}): {ended}"
     mine = yours[0]
     speedup = speedup_over_yours(method)

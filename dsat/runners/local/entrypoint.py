@@ -112,9 +112,10 @@ def check_program(
     """``DsatError`` where the program the entrypoint runs (not a Python the trial replaces with
     this one, nor a Trial class) is neither on this machine's PATH nor a file of MODEL_DIR: every
     trial failed on it, the model profile first, after the launch had promised a checked input."""
-    if command and command[0] in PYTHON_NAMES:
+    if command and command[0] in PYTHON_NAMES:  # run by this interpreter: it must parse
         check_script_parses(command, model_dir, includes)
-    if not command or trial_class(command) is not None or command[0] in PYTHON_NAMES:
+        return
+    if not command or trial_class(command) is not None:
         return
     program = command[0]
     if os.path.isabs(program):
