@@ -143,9 +143,12 @@ def _wrong_key(row: Any) -> str | None:
     for key, known in (("status", ROW_STATUSES), ("kind", ROW_KINDS)):
         if row[key] not in known:
             return f"{key!r} is {json.dumps(row[key])}, not one of {', '.join(sorted(known))}"
-    if row["zero_stage"] not in (0, 1, 2, 3) or row["mbs"] < 1:
-        key = "zero_stage" if row["zero_stage"] not in (0, 1, 2, 3) else "mbs"
-        return f"{key!r} is {json.dumps(row[key])}"
+    for key, possible in (
+        ("zero_stage", row["zero_stage"] in (0, 1, 2, 3)),
+        ("mbs", row["mbs"] >= 1),
+    ):
+        if not possible:
+            return f"{key!r} is {json.dumps(row[key])}"
     if not 0 <= row["start"] <= row["end"] < MOST_SECONDS:
         return f"'start' {json.dumps(row['start'])} and 'end' {json.dumps(row['end'])}"
     return None
